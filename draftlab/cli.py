@@ -1,0 +1,112 @@
+"""The `draftlab` command. Each subcommand parses its flags and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _print_json(obj: dict) -> None:
+    print(json.dumps(obj))
+
+
+def cmd_validate(a) -> int:
+    from .config import dump_recipe, load_recipe
+
+    print(dump_recipe(load_recipe(a.recipe, a.overrides)), end="")
+    return 0
+
+
+def cmd_train(a) -> int:
+    from .config import load_recipe
+    from .train import train
+
+    summary = train(load_recipe(a.recipe, a.overrides), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
+    if a.json:
+        _print_json(summary)
+    elif summary.get("export"):
+        print(f"export written to {summary['export']}")
+    return 0
+
+
+def cmd_import(a) -> int:
+    from .base import import_llama2c
+
+    out = import_llama2c(a.model, a.tokenizer, a.out)
+    print(f"wrote a Hugging Face Llama directory to {out}")
+    return 0
+
+
+def cmd_quickstart(a) -> int:
+    from .quickstart import quickstart
+
+    summary = quickstart(a.out, minutes=a.minutes, seed=a.seed)
+    if a.json:
+        _print_json(summary)
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from .decode.cli import generate_command
+
+    return generate_command(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftlab", description="Train draft heads for speculative decoding and run them.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("validate", help="check a recipe (with overrides) and print it resolved")
+    s.add_argument("recipe")
+    s.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=3e-4")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("train", help="train draft heads from a recipe (resumes a killed run)",
+                       description="Train draft heads. Run under `accelerate launch` for several processes.")
+    s.add_argument("recipe")
+    s.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=3e-4 head.num_heads=5")
+    s.add_argument("--overwrite", action="store_true", help="discard a run already in output_dir")
+    s.add_argument("--stop-after-steps", type=int, default=None, help="stop (after a checkpoint) this many steps in")
+    s.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("import-llama2c", help="convert a llama2.c checkpoint to a Hugging Face Llama directory")
+    s.add_argument("model", help="llama2.c .bin checkpoint (legacy version-0 format)")
+    s.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(func=cmd_import)
+
+    s = sub.add_parser("quickstart", help="build a small base, train Medusa heads, export and decode (CPU, offline)")
+    s.add_argument("--out", default="runs/quickstart")
+    s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_quickstart)
+
+    from .decode.cli import add_generate_args
+
+    s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")
+    add_generate_args(s)
+    s.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .base import BaseModelError
+    from .config import ConfigError
+    from .data import DataError
+    from .export import ExportError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, ExportError, BaseModelError, ValueError, FileNotFoundError) as e:
+        if getattr(args, "json", False):
+            _print_json({"error": str(e)})
+        print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Recipe schema: YAML + dotted `key=value` overrides -> one frozen, validated `Recipe`."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """Every problem of a recipe at once; each line names the dotted key, the value and the fix."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        n = len(problems)
+        head = f"{source}: {n} problem{'s' if n > 1 else ''}"
+        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BaseSection(_Section):
+    name_or_path: str = Field(
+        description="Hugging Face hub id or local directory of a causal LM",
+        examples=["lmsys/vicuna-7b-v1.3", "runs/stories260k-base"],
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype the frozen base is loaded in"
+    )
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
+
+
+class HeadSection(_Section):
+    type: Literal["medusa", "hydra"] = "medusa"
+    num_heads: int = Field(4, ge=1, le=16, description="draft heads; head k predicts k+1 tokens past the base")
+    num_layers: int = Field(
+        1, ge=0, le=8, description="residual blocks per Medusa head / hidden layers per Hydra MLP"
+    )
+    prefix_attention: bool = Field(False, description="Hydra++: one extra decoder layer feeding the heads")
+
+    @model_validator(mode="after")
+    def _hydra_only(self) -> "HeadSection":
+        if self.prefix_attention and self.type != "hydra":
+            raise ValueError("head.prefix_attention=true needs head.type=hydra (it is a Hydra++ option)")
+        return self
+
+
+class LossSection(_Section):
+    head_decay: float = Field(0.8, gt=0, le=1, description="lambda: head k's loss is weighted lambda^k")
+    distill_weight: float = Field(
+        0.0, ge=0, le=1, description="0 = CE on data tokens, 1 = match the base's distribution, between = mix"
+    )
+    chunk_size: int = Field(512, ge=1, description="positions per logits chunk (bounds loss memory)")
+    topk: int = Field(5, ge=1, le=100, description="k of the top-k accuracy reported per head")
+
+
+class DataSection(_Section):
+    path: str = Field(description="local .json/.jsonl/.txt file, a folder of them, or a hub dataset id")
+    format: Literal["auto", "sharegpt", "alpaca", "text"] = "auto"
+    split: str = Field("train", description="split to read from a hub dataset")
+    max_len: int = Field(2048, ge=8, description="tokens per example after the chat template")
+    eval_size: float = Field(
+        0.05, ge=0, description="held-out examples: a fraction if < 1, else a count"
+    )
+    eval_pick: Literal["random", "tail"] = Field(
+        "random", description="held-out records: a seeded random subset, or the last ones in file order"
+    )
+    max_records: int | None = Field(None, ge=1, description="read at most this many records")
+    on_malformed: Literal["error", "skip"] = Field(
+        "error", description="'skip' drops malformed records and counts them instead of stopping"
+    )
+    num_proc: int = Field(1, ge=1, description="processes used to tokenize")
+
+
+class TrainSection(_Section):
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(40, ge=0, description="linear warmup, in optimizer steps")
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs when set")
+    batch_size: int = Field(4, ge=1, description="examples per process per micro-batch")
+    grad_accum_steps: int = Field(1, ge=1)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    seed: int = 0
+    save_every_steps: int = Field(500, ge=1)
+    eval_every_steps: int = Field(500, ge=1)
+    log_every_steps: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+
+
+class LogSection(_Section):
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    project: str = "draftlab"
+    run_name: str | None = None
+
+
+class Recipe(_Section):
+    base: BaseSection
+    head: HeadSection = HeadSection()
+    loss: LossSection = LossSection()
+    data: DataSection
+    train: TrainSection = TrainSection()
+    log: LogSection = LogSection()
+    output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
+
+
+# Keys whose change does not make a different run: a resumed run may extend or re-log.
+RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
+                  "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
+                  "data.num_proc"}
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """Names valid at the location of an unknown key (for 'did you mean')."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _field_info(loc: tuple):
+    model: Any = Recipe
+    info = None
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        model = info.annotation
+    return info
+
+
+def _describe(err: dict) -> str:
+    loc = tuple(p for p in err["loc"] if isinstance(p, str))
+    key = ".".join(loc) or "<recipe>"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        options = _section_fields(loc)
+        close = difflib.get_close_matches(loc[-1], options, n=1, cutoff=0.6)
+        hint = f"did you mean `{'.'.join(loc[:-1] + (close[0],))}`?" if close else (
+            f"valid keys here: {', '.join(options)}" if options else "remove it")
+        return f"`{key}`: unknown key; {hint}"
+    info = _field_info(loc)
+    what = f" ({info.description})" if info is not None and info.description else ""
+    if kind == "missing":
+        ex = f", e.g. {key}={info.examples[0]}" if info is not None and info.examples else ""
+        return f"`{key}`: missing; add it{what}{ex}"
+    value = err.get("input")
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "literal_error":
+        return f"`{key}` = {value!r}: {msg.replace('Input should be', 'use')}"
+    return f"`{key}` = {value!r}: {msg}{what}"
+
+
+def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
+    """`a.b=c` strings -> nested dict (values parsed as YAML scalars) and a list of problems."""
+    tree: dict = {}
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            problems.append(f"override `{item}`: expected dotted.key=value, e.g. train.lr=3e-4")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                problems.append(f"override `{item}`: `{p}` is not a section")
+                break
+        else:
+            node[parts[-1]] = value
+    return tree, problems
+
+
+def _merge(dst: dict, src: dict) -> dict:
+    out = dict(dst)
+    for k, v in src.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_recipe(raw: dict, overrides: list[str] = (), source: str = "<recipe>") -> Recipe:
+    """Validate a raw mapping plus overrides; raise ConfigError listing every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(source, [f"the recipe must be a mapping of sections, got {type(raw).__name__}"])
+    tree, problems = parse_overrides(list(overrides))
+    merged = _merge(raw, tree)
+    try:
+        recipe = Recipe.model_validate(merged)
+    except ValidationError as e:
+        problems += [_describe(err) for err in e.errors()]
+        recipe = None
+    if problems:
+        raise ConfigError(source, problems)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe file and apply dotted overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), [f"no such recipe file; the shipped ones are in recipes/ (e.g. recipes/tiny-cpu.yaml)"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(str(path), [f"not valid YAML{where}: {getattr(e, 'problem', e)}"]) from None
+    return build_recipe(raw, overrides, source=str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (what is written to output_dir/config.yaml)."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def diff_recipes(a: Recipe, b: Recipe, ignore: set[str] = frozenset()) -> list[str]:
+    """Dotted keys whose values differ, as 'key: a -> b'."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
+        return out
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
+            if k not in ignore and fa.get(k) != fb.get(k)]

@@ -1,0 +1,282 @@
+"""Datasets -> token ids + assistant-only loss masks (ShareGPT, Alpaca, plain text)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TEXT_SEPARATOR = "<|endoftext|>"
+USER_ROLES = {"human": "user", "user": "user"}
+ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                   "bing": "assistant", "model": "assistant"}
+SYSTEM_ROLES = {"system": "system"}
+
+
+class DataError(ValueError):
+    """A data file or record the loader cannot use; says which and how to fix it."""
+
+
+@dataclass
+class DataStats:
+    records: int = 0
+    skipped: dict = field(default_factory=dict)  # reason -> count
+    train_examples: int = 0
+    eval_examples: int = 0
+    train_tokens: int = 0
+    loss_tokens: int = 0
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in {".json", ".jsonl", ".txt"})
+        if not files:
+            raise DataError(f"data.path={str(path)!r}: folder holds no .json, .jsonl or .txt files")
+        return files
+    return [path]
+
+
+def _read_file(path: Path) -> list:
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        docs = text.split(TEXT_SEPARATOR) if TEXT_SEPARATOR in text else [text]
+        return [{"text": d.strip()} for d in docs if d.strip()]
+    if path.suffix == ".jsonl":
+        out = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {i + 1}: not valid JSON ({e.msg}); each line must be one record") from None
+        return out
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from None
+    if isinstance(data, dict):
+        for key in ("data", "train", "conversations", "records"):
+            if isinstance(data.get(key), list):
+                return data[key]
+        raise DataError(f"{path}: a JSON object; expected a list of records (or an object with a 'data' list)")
+    return data
+
+
+def read_records(path: str, split: str = "train", max_records: int | None = None) -> list[tuple[str, int, object]]:
+    """(source, index, raw record) for a local file/folder or a hub dataset id."""
+    p = Path(path)
+    out: list[tuple[str, int, object]] = []
+    if p.exists():
+        for f in _files(p):
+            out += [(str(f), i, r) for i, r in enumerate(_read_file(f))]
+            if max_records and len(out) >= max_records:
+                break
+    else:
+        if path.endswith((".json", ".jsonl", ".txt")) or path.startswith((".", "/")):
+            raise DataError(f"data.path={path!r}: no such file or folder")
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(path, split=split)
+        except Exception as e:  # the hub client raises many types; all mean "cannot get it"
+            raise DataError(f"data.path={path!r}: not a local file and not loadable as a hub dataset "
+                            f"(split={split!r}): {e}") from None
+        n = len(ds) if max_records is None else min(len(ds), max_records)
+        out = [(path, i, ds[i]) for i in range(n)]
+    return out[:max_records] if max_records else out
+
+
+def detect_format(record) -> str:
+    if isinstance(record, dict):
+        if "conversations" in record or "messages" in record:
+            return "sharegpt"
+        if "instruction" in record:
+            return "alpaca"
+        if "text" in record:
+            return "text"
+    return "unknown"
+
+
+def to_messages(record, fmt: str) -> list[dict]:
+    """One raw record -> [{'role', 'content'}]; raises DataError(reason) when malformed."""
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object, got {type(record).__name__}")
+    if fmt == "sharegpt":
+        turns = record.get("conversations", record.get("messages"))
+        if not isinstance(turns, list) or not turns:
+            raise DataError("'conversations' (or 'messages') must be a non-empty list of turns")
+        msgs = []
+        for j, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise DataError(f"turn {j} is not an object")
+            role = t.get("from", t.get("role"))
+            content = t.get("value", t.get("content"))
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise DataError(f"turn {j} needs string 'from'/'value' (or 'role'/'content')")
+            mapped = USER_ROLES.get(role.lower()) or ASSISTANT_ROLES.get(role.lower()) or SYSTEM_ROLES.get(role.lower())
+            if mapped is None:
+                raise DataError(f"turn {j} has unknown role {role!r} (use human/gpt or user/assistant/system)")
+            msgs.append({"role": mapped, "content": content})
+        # Conversations that open with the assistant are trimmed to the first user turn (as FastChat does).
+        first_user = next((j for j, m in enumerate(msgs) if m["role"] == "user"), None)
+        if first_user is None:
+            raise DataError("no user turn")
+        system = [m for m in msgs[:first_user] if m["role"] == "system"]
+        msgs = system + msgs[first_user:]
+    elif fmt == "alpaca":
+        inst, inp, out = record.get("instruction"), record.get("input", ""), record.get("output")
+        if not isinstance(inst, str) or not isinstance(out, str):
+            raise DataError("Alpaca records need string 'instruction' and 'output'")
+        msgs = []
+        for pair in record.get("history") or []:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise DataError("'history' must be a list of [user, assistant] string pairs")
+            msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        prompt = inst if not inp else f"{inst}\n\n{inp}"
+        msgs += [{"role": "user", "content": prompt}, {"role": "assistant", "content": out}]
+    else:
+        raise DataError(f"format {fmt!r} has no messages")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        raise DataError("no non-empty assistant turn")
+    return msgs
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenising
+
+def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids of the conversation via the chat template, and a 0/1 mask on assistant tokens."""
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], True)) if i else 0
+        end = len(render(messages[: i + 1], False))
+        if not full.startswith(render(messages[: i + 1], False)):
+            raise DataError("the tokenizer's chat template renders a conversation differently from its own "
+                            "prefixes, so assistant spans cannot be located; set a prefix-stable chat_template")
+        spans.append((start, end))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
+    ids = enc["input_ids"]
+    mask = [0] * len(ids)
+    k = 0
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        if k < len(spans) and spans[k][0] <= a < spans[k][1] and b > a:
+            mask[t] = 1
+    return ids, mask
+
+
+def pack_text(texts: list[str], tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Documents -> BOS doc EOS stream -> blocks of max_len tokens, loss on every token."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        stream += bos + ids + eos
+    blocks = [stream[i:i + max_len] for i in range(0, len(stream), max_len)]
+    return [(b, [1] * len(b)) for b in blocks if len(b) >= 2]
+
+
+def _split(items: list, eval_size: float, pick: str, seed: int) -> tuple[list, list]:
+    n_eval = int(round(eval_size * len(items))) if eval_size < 1 else int(eval_size)
+    n_eval = min(n_eval, max(len(items) - 1, 0))
+    if pick == "random":
+        items = items[:]
+        random.Random(seed).shuffle(items)
+    return (items[: len(items) - n_eval], items[len(items) - n_eval:]) if n_eval else (items, [])
+
+
+def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataStats]:
+    """Records of the recipe's data section -> (train, eval) lists of {'input_ids', 'loss_mask'}."""
+    stats = DataStats()
+    rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records)
+    stats.records = len(rows)
+    if not rows:
+        raise DataError(f"data.path={data_cfg.path!r}: no records")
+    texts, convs = [], []
+    for source, idx, rec in rows:
+        fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(rec)
+        try:
+            if fmt == "text":
+                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                    raise DataError("text records need a string 'text' field")
+                texts.append(rec["text"])
+            elif fmt == "unknown":
+                raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
+            else:
+                convs.append(to_messages(rec, fmt))
+        except DataError as e:
+            if data_cfg.on_malformed == "skip":
+                stats.skip(str(e))
+                continue
+            raise DataError(f"{source} record {idx}: {e}. Fix the record, or set data.on_malformed=skip "
+                            "to drop such records and count them") from None
+    train_t, eval_t = _split(texts, data_cfg.eval_size, data_cfg.eval_pick, seed)
+    train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed)
+
+    def encode(conversations, docs):
+        out = [{"input_ids": i, "loss_mask": m} for i, m in pack_text(docs, tokenizer, data_cfg.max_len)] if docs else []
+        for msgs in conversations:
+            ids, mask = tokenize_chat(msgs, tokenizer, data_cfg.max_len)
+            if sum(mask) == 0:
+                stats.skip("no assistant tokens left after truncation to data.max_len")
+                continue
+            out.append({"input_ids": ids, "loss_mask": mask})
+        return out
+
+    train, held = encode(train_c, train_t), encode(eval_c, eval_t)
+    if not train:
+        raise DataError(f"data.path={data_cfg.path!r}: no usable training examples (skipped: {stats.skipped})")
+    stats.train_examples, stats.eval_examples = len(train), len(held)
+    stats.train_tokens = sum(len(e["input_ids"]) for e in train)
+    stats.loss_tokens = sum(sum(e["loss_mask"]) for e in train)
+    return train, held, stats
+
+
+def heldout_prompts(data_cfg, n: int, seed: int = 0) -> list[list[dict] | str]:
+    """Prompts from the held-out split: the conversation up to its first assistant turn, or a text prefix."""
+    rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records)
+    items = []
+    for _, _, rec in rows:
+        fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(rec)
+        try:
+            items.append(rec["text"] if fmt == "text" else to_messages(rec, fmt))
+        except (DataError, KeyError, TypeError):
+            continue
+    _, held = _split(items, data_cfg.eval_size, data_cfg.eval_pick, seed)
+    out = []
+    for it in held[:n]:
+        if isinstance(it, str):
+            out.append(it[: max(16, len(it) // 4)])
+        else:
+            first = next(j for j, m in enumerate(it) if m["role"] == "assistant")
+            out.append(it[:first])
+    return out
+
+
+def collate(batch: list[dict], pad_id: int) -> dict:
+    """Right-pad a list of examples -> input_ids, attention_mask, loss_mask [B, S]."""
+    S = max(len(e["input_ids"]) for e in batch)
+    ids = torch.full((len(batch), S), pad_id, dtype=torch.long)
+    att = torch.zeros((len(batch), S), dtype=torch.long)
+    lm = torch.zeros((len(batch), S), dtype=torch.long)
+    for b, e in enumerate(batch):
+        n = len(e["input_ids"])
+        ids[b, :n] = torch.tensor(e["input_ids"])
+        att[b, :n] = 1
+        lm[b, :n] = torch.tensor(e["loss_mask"])
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": lm}

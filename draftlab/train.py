@@ -1,0 +1,281 @@
+"""The one training loop: frozen base -> hidden states -> draft module -> per-head losses (Accelerate)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .base import base_hidden, load_base, set_seed
+from .config import RESUMABLE_KEYS, Recipe, dump_recipe, diff_recipes, build_recipe
+from .data import collate, load_examples
+from .export import save_export
+from .heads import build_draft
+from .losses import draft_losses
+
+import yaml
+
+
+class RunDirError(ValueError):
+    """output_dir holds a different run; says what differs and how to proceed."""
+
+
+class DraftObjective(nn.Module):
+    """The draft module plus its loss, so that DDP/FSDP wrap one forward that returns the loss."""
+
+    def __init__(self, draft: nn.Module, loss_cfg):
+        super().__init__()
+        self.draft = draft
+        self.loss_cfg = loss_cfg
+
+    def forward(self, hidden, input_ids, loss_mask, base_weight=None):
+        feats = self.draft.train_hidden(hidden, input_ids)
+        c = self.loss_cfg
+        return draft_losses(feats, [lm.weight for lm in self.draft.lm_heads], input_ids, loss_mask,
+                            base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
+                            distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk)
+
+
+def micro_batch_indices(n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's micro-batches of one epoch: a seeded permutation, cut evenly across ranks."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    per_rank = n // (batch_size * world)
+    return [perm[(j * world + rank) * batch_size:(j * world + rank + 1) * batch_size] for j in range(per_rank)]
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup then cosine decay to 0, as a multiplier of the peak lr."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """Newest complete checkpoint (one whose trainer_state.json was written last, after the weights)."""
+    ckpts = [p for p in (output_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file()]
+    return max(ckpts, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
+    """Create output_dir, or check that the run there is this recipe's (resuming), or wipe it (overwrite)."""
+    out = Path(recipe.output_dir)
+    saved = out / "config.yaml"
+    if saved.is_file() and not overwrite:
+        previous = build_recipe(yaml.safe_load(saved.read_text()), source=str(saved))
+        diffs = diff_recipes(previous, recipe, ignore=RESUMABLE_KEYS)
+        if diffs:
+            raise RunDirError(f"{out} holds a run made with a different recipe ({'; '.join(diffs)}). Use another "
+                              "output_dir, or pass --overwrite to discard that run.")
+    elif overwrite and out.exists():
+        for sub in ("checkpoints", "export", "logs"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for f in ("metrics.jsonl", "config.yaml"):
+            (out / f).unlink(missing_ok=True)
+    return out
+
+
+@torch.no_grad()
+def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_weight) -> dict:
+    """Per-head top-1 / top-k accuracy and loss on the held-out examples (sharded across ranks)."""
+    objective.eval()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = examples[rank::world]
+    sums = None
+    for s in range(0, len(mine), batch_size):
+        b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
+        h = base_hidden(base, b["input_ids"], b["attention_mask"])
+        with accelerator.autocast():
+            out = objective(h, b["input_ids"], b["loss_mask"], base_weight)
+        part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"]])  # [4, K]
+        sums = part if sums is None else sums + part
+    objective.train()
+    if sums is None:
+        sums = torch.zeros(4, objective_num_heads(objective), device=accelerator.device)
+    sums = accelerator.reduce(sums, reduction="sum")
+    n = sums[1].clamp(min=1)
+    return {"eval_loss": (sums[0] / n).tolist(), "top1": (sums[2] / n).tolist(), "topk": (sums[3] / n).tolist(),
+            "eval_positions": sums[1].tolist()}
+
+
+def objective_num_heads(objective) -> int:
+    return getattr(objective, "module", objective).draft.num_heads
+
+
+def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None) -> dict:
+    """Run (or resume) the recipe; returns a summary with the export path and final eval figures.
+
+    stop_after_steps ends this invocation early (after saving a checkpoint) to simulate preemption.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    t = recipe.train
+    out_dir = prepare_run_dir(recipe, overwrite)
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision, log_with=recipe.log.trackers or None, project_dir=str(out_dir / "logs"),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+    )
+    is_main = accelerator.is_main_process
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(dump_recipe(recipe))
+    set_seed(t.seed)
+
+    b = recipe.base
+    base, tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
+                          b.attn_implementation)
+    with accelerator.main_process_first():
+        train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
+    pad_id = tok.pad_token_id
+    H, V = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
+    draft = build_draft(recipe.head.model_dump(), H, V, base=base).float()
+    objective = DraftObjective(draft, recipe.loss)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    micro_per_epoch = len(train_ex) // (t.batch_size * world)
+    if micro_per_epoch == 0:
+        raise ValueError(f"data gives {len(train_ex)} training examples, fewer than one global batch "
+                         f"(train.batch_size={t.batch_size} x {world} processes); lower train.batch_size")
+    total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, total_steps))
+    objective, optimizer = accelerator.prepare(objective, optimizer)
+    # The scheduler is stepped by hand once per optimizer step; registering (not preparing) it
+    # checkpoints it without Accelerate's per-process stepping.
+    accelerator.register_for_checkpointing(scheduler)
+    base_weight = base.get_output_embeddings().weight if recipe.loss.distill_weight > 0 else None
+
+    step = 0
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+        if is_main:
+            print(f"resuming from {ckpt} (step {step} of {total_steps})")
+
+    if recipe.log.trackers:
+        flat = {k: v for k, v in yaml.safe_load(dump_recipe(recipe)).items() if not isinstance(v, dict)}
+        flat.update({f"{s}.{k}": v for s, sec in recipe.model_dump(mode="json").items() if isinstance(sec, dict)
+                     for k, v in sec.items() if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers(recipe.log.project, config=flat,
+                                  init_kwargs={"wandb": {"name": recipe.log.run_name or out_dir.name}})
+    metrics_f = open(out_dir / "metrics.jsonl", "a") if is_main else None
+
+    def log(record: dict) -> None:
+        if is_main:
+            metrics_f.write(json.dumps(record) + "\n")
+            metrics_f.flush()
+        scalars = {}
+        for k, v in record.items():
+            if isinstance(v, list):
+                scalars.update({f"{k}/head{i}": x for i, x in enumerate(v)})
+            elif isinstance(v, (int, float)) and k != "step":
+                scalars[k] = v
+        if recipe.log.trackers:
+            accelerator.log(scalars, step=record["step"])
+
+    if is_main and step == 0:
+        log({"step": 0, "event": "start", "train_examples": stats.train_examples,
+             "eval_examples": stats.eval_examples, "train_tokens": stats.train_tokens,
+             "loss_tokens": stats.loss_tokens, "skipped": stats.skipped, "total_steps": total_steps,
+             "processes": world})
+
+    def save_checkpoint(step: int) -> None:
+        final = out_dir / "checkpoints" / f"step_{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if is_main:
+            # trainer_state.json is written last: a directory without it is never taken as a checkpoint.
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "total_steps": total_steps}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted((p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp")),
+                          key=lambda p: int(p.name.split("_")[1]))
+            for old in done[:-t.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+
+    ga = t.grad_accum_steps
+    objective.train()
+    bar = tqdm(total=total_steps, initial=step, disable=not is_main, desc="train", unit="step")
+    window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
+    last_eval = None
+    end_step = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
+    micro = step * ga
+    batches_cache: dict[int, list] = {}
+    while step < end_step:
+        epoch, j = divmod(micro, micro_per_epoch)
+        if epoch not in batches_cache:
+            batches_cache = {epoch: micro_batch_indices(len(train_ex), t.batch_size, epoch, t.seed, rank, world)}
+        batch = collate([train_ex[i] for i in batches_cache[epoch][j]], pad_id)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        sync = (micro + 1) % ga == 0
+        with torch.no_grad():
+            hidden = base_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, S, H]
+        with nullcontext() if sync else accelerator.no_sync(objective):
+            with accelerator.autocast():
+                out = objective(hidden, batch["input_ids"], batch["loss_mask"], base_weight)
+            accelerator.backward(out["loss"] / ga)
+        window["loss"] += out["loss"].item() / ga
+        window["tokens"] += int(batch["attention_mask"].sum()) * world
+        micro += 1
+        if not sync:
+            continue
+        grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm > 0 else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window["n"] += 1
+        bar.update(1)
+        if step % t.log_every_steps == 0 or step == end_step:
+            dt = time.perf_counter() - window["t0"]
+            n = out["count"].clamp(min=1)
+            rec = {"step": step, "loss": window["loss"] / window["n"], "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": window["tokens"] / dt, "train_top1": (out["top1"] / n).tolist()}
+            if grad_norm is not None:
+                rec["grad_norm"] = float(grad_norm)
+            log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
+        if eval_ex and (step % t.eval_every_steps == 0 or step == total_steps):
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)
+            log({"step": step, "event": "eval", **last_eval})
+        if step % t.save_every_steps == 0 or step == end_step:
+            save_checkpoint(step)
+    bar.close()
+
+    summary = {"step": step, "total_steps": total_steps, "output_dir": str(out_dir), "finished": step >= total_steps}
+    if step >= total_steps:
+        if last_eval is None and eval_ex:
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)
+        if is_main:
+            export = save_export(accelerator.unwrap_model(objective).draft, base, out_dir / "export", b.name_or_path,
+                                 extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
+                                                     "eval": last_eval}})
+            summary["export"] = str(export)
+        summary["eval"] = last_eval
+        if is_main and last_eval:
+            log({"step": step, "event": "end", **last_eval})
+    if metrics_f:
+        metrics_f.close()
+    accelerator.wait_for_everyone()
+    if recipe.log.trackers:
+        accelerator.end_training()
+    return summary
