@@ -185,7 +185,7 @@ def pack_text(texts: list[str], tokenizer, max_len: int) -> list[tuple[list[int]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         stream += bos + ids + eos
     blocks = [stream[i:i + max_len] for i in range(0, len(stream), max_len)]
     return [(b, [1] * len(b)) for b in blocks if len(b) >= 2]

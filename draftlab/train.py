@@ -123,6 +123,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     t = recipe.train
     out_dir = prepare_run_dir(recipe, overwrite)
     accelerator = Accelerator(
+        # Without CUDA, cpu=True is what makes Accelerate run several processes over gloo.
+        cpu=not torch.cuda.is_available(),
         mixed_precision=t.mixed_precision, log_with=recipe.log.trackers or None, project_dir=str(out_dir / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
     )

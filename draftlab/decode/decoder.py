@@ -65,8 +65,10 @@ def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
         for name in ("keys", "values"):
             t = getattr(layer, name)  # [B, kv_heads, L, d]
             idx = (start + keep)[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
-            moved = t.gather(2, idx)
-            setattr(layer, name, torch.cat([t[:, :, :start], moved], dim=2))
+            # Gather first (the source and destination slots overlap), write in place, crop as a view:
+            # no copy of the committed prefix.
+            t[:, :, start:start + m] = t.gather(2, idx)
+            setattr(layer, name, t[:, :, :start + m])
 
 
 class SpeculativeDecoder:

@@ -1,0 +1,74 @@
+"""Helpers shared by the benchmark scripts: paths, the stories260K base, machine description, results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+STORIES = SHARED / "models" / "stories260K"
+TINYSTORIES = SHARED / "tinystories" / "tinystories_sample.txt"
+EXPORTS = ROOT / "benchmarks" / "exports"
+RESULTS = ROOT / "benchmarks" / "results"
+STORIES_BASE = ROOT / "runs" / "stories260k-base"
+
+sys.path.insert(0, str(ROOT))
+os.chdir(ROOT)  # recipes name paths relative to the repository root
+
+
+def require_shared() -> None:
+    if not STORIES.is_dir():
+        sys.exit(f"this benchmark needs {STORIES} (../shared/data beside the repository)")
+
+
+def stories_base() -> Path:
+    """stories260K imported to runs/stories260k-base (once)."""
+    from draftlab.base import import_llama2c
+
+    require_shared()
+    if not (STORIES_BASE / "config.json").is_file():
+        import_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", STORIES_BASE)
+    return STORIES_BASE
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def heldout_story_prompts(n: int, chars: int = 64) -> list[str]:
+    """Openings of the first n stories of the held-out last 10% of the TinyStories sample."""
+    from draftlab.config import DataSection
+    from draftlab.data import read_records, _split
+
+    docs = [r["text"] for _, _, r in read_records(str(TINYSTORIES))]
+    _, held = _split(docs, 0.1, "tail", 0)
+    return [d[:chars].rsplit(" ", 1)[0] for d in held[:n]]
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    data = {"date": datetime.date.today().isoformat(), "machine": machine(), **data}
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+    return out

@@ -1,0 +1,182 @@
+"""`draftlab quickstart`: the whole pipeline on CPU, offline, with a base it builds itself.
+
+1. Corpus: Python standard-library sources (present on every machine with Python).
+2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
+3. Draft: Medusa heads trained by the regular recipe trainer, exported.
+4. Decode: held-out prompts through the speculative decoder vs plain decoding of the same base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .base import SIMPLE_CHAT_TEMPLATE, set_seed
+
+CORPUS_BYTES = 3_000_000
+VOCAB = 512
+SEQ = 256
+
+
+def stdlib_corpus(max_bytes: int = CORPUS_BYTES) -> list[str]:
+    """Source files of the running Python's standard library, in a fixed order, up to max_bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in f.parts[-2:][0] or "site-packages" in f.parts:
+            continue
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        docs.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not docs:
+        raise RuntimeError(f"no Python sources found under {root}")
+    return docs
+
+
+def build_tokenizer(docs: list[str], out: Path):
+    """Byte-level BPE with BOS/EOS/PAD, saved as a transformers tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(docs, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    tok.chat_template = SIMPLE_CHAT_TEMPLATE
+    tok.model_max_length = 1024
+    tok.save_pretrained(out)
+    return tok
+
+
+def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: int) -> dict:
+    """Pretrain a small Llama on the corpus for a wall-clock budget; save it to out."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    set_seed(seed)
+    stream = []
+    for ids in tok(train_docs, add_special_tokens=False).input_ids:
+        stream += [tok.bos_token_id] + ids + [tok.eos_token_id]
+    data = torch.tensor(stream)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    budget = minutes * 60
+    t0, step, loss_ema = time.perf_counter(), 0, None
+    bar = tqdm(total=int(budget), desc="pretrain base", unit="s")
+    while (elapsed := time.perf_counter() - t0) < budget:
+        starts = torch.randint(0, len(data) - SEQ - 1, (16,), generator=g)
+        x = torch.stack([data[s:s + SEQ] for s in starts])
+        frac = elapsed / budget
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        step += 1
+        bar.n = int(elapsed)
+        bar.set_postfix(loss=f"{loss_ema:.3f}", steps=step)
+        bar.refresh()
+    bar.close()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return {"pretrain_steps": step, "pretrain_loss": round(loss_ema, 4), "params": sum(p.numel() for p in model.parameters()),
+            "tokens": int(len(data))}
+
+
+def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
+               num_prompts: int = 16, max_new_tokens: int = 96) -> dict:
+    """Build a base, train + export Medusa heads, decode; print tables and return the figures."""
+    from .config import build_recipe
+    from .decode.cli import load_decoder, run_generate
+    from .train import train
+
+    out_dir = Path(out)
+    base_dir, data_dir = out_dir / "base", out_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    docs = stdlib_corpus()
+    split = int(len(docs) * 0.9)
+    summary: dict = {"corpus_files": len(docs)}
+    if not (base_dir / "config.json").is_file():
+        print(f"[1/4] building a small base on {len(docs)} standard-library files ({minutes:g} min of pretraining)")
+        tok = build_tokenizer(docs[:split], base_dir)
+        summary.update(pretrain_base(tok, docs[:split], base_dir, minutes, seed))
+    else:
+        print(f"[1/4] reusing the base in {base_dir}")
+    (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+    print("[2/4] training Medusa heads with the recipe trainer")
+    recipe = build_recipe({
+        "base": {"name_or_path": str(base_dir), "dtype": "float32"},
+        "head": {"type": "medusa", "num_heads": 4, "num_layers": 1},
+        "data": {"path": str(data_dir / "heads.jsonl"), "format": "text", "max_len": SEQ, "eval_size": 0.1,
+                 "eval_pick": "tail"},
+        "train": {"lr": 1e-2, "warmup_steps": 20, "max_steps": head_steps, "batch_size": 8,
+                  "eval_every_steps": head_steps, "save_every_steps": head_steps, "log_every_steps": 25,
+                  "seed": seed},
+        "output_dir": str(out_dir / "medusa"),
+    }, source="quickstart")
+    (out_dir / "medusa.yaml").write_text("# draftlab train " + str(out_dir / "medusa.yaml") + "\n"
+                                         + __import__("draftlab.config", fromlist=["dump_recipe"]).dump_recipe(recipe))
+    result = train(recipe, overwrite=True)
+    ev = result["eval"]
+    print("\nheld-out accuracy per head (head k predicts the token k+1 past the base's):")
+    print("| head | top-1 | top-5 |\n|---|---|---|")
+    for k, (a1, a5) in enumerate(zip(ev["top1"], ev["topk"]), start=1):
+        print(f"| {k} | {a1:.3f} | {a5:.3f} |")
+    summary["head_top1"] = [round(x, 4) for x in ev["top1"]]
+    summary["head_top5"] = [round(x, 4) for x in ev["topk"]]
+    summary["export"] = result["export"]
+
+    print(f"\n[3/4] decoding {num_prompts} held-out prompts ({max_new_tokens} new tokens, greedy)")
+    decoder, tok, _ = load_decoder(result["export"])
+    held = docs[split:]
+    prompts = [d[: 200] for d in held[:num_prompts]]
+    rep = run_generate(decoder, tok, prompts[:1], max_new_tokens, compare=True)  # warm both paths
+    rows = []
+    totals = {"new": 0, "steps": 0, "t": 0.0, "bt": 0.0, "identical": True}
+    for p in tqdm(prompts, desc="decode"):
+        rep = run_generate(decoder, tok, [p], max_new_tokens, compare=True)
+        totals["new"] += rep["new_tokens"]
+        totals["steps"] += rep["steps"] + 1  # + prefill, which commits the first token
+        totals["t"] += rep["new_tokens"] / rep["tokens_per_s"]
+        totals["bt"] += rep["new_tokens"] / rep["baseline_tokens_per_s"]
+        totals["identical"] &= rep["identical_to_baseline"]
+        rows.append(rep)
+    accept = sum(r["accept_length"] * r["steps"] for r in rows) / max(1, sum(r["steps"] for r in rows))
+    tps, btps = totals["new"] / totals["t"], totals["new"] / totals["bt"]
+    summary.update({"accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+                    "baseline_tokens_per_s": round(btps, 1), "speedup": round(tps / btps, 3),
+                    "identical_to_baseline": totals["identical"], "tree_size": decoder.tree.size,
+                    "wall_s": round(time.perf_counter() - t_start, 1)})
+    print("\n[4/4] speculative decoding vs plain decoding of the same base")
+    print("| accept length | draftlab tokens/s | plain tokens/s | speedup | identical to plain greedy |")
+    print("|---|---|---|---|---|")
+    print(f"| {accept:.2f} | {tps:.1f} | {btps:.1f} | {tps / btps:.2f}x | {totals['identical']} |")
+    print(f"\nexport: {result['export']}   (try: draftlab generate {result['export']} --prompt 'def ' --compare)")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny seeded Llama bases built in memory (and saved with a tokenizer for path loading)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+STORIES = SHARED / "models" / "stories260K"
+
+needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data (stories260K) is not beside this clone")
+
+STORY_TEXT = (
+    "Once upon a time there was a little cat. The cat liked to play in the sun. "
+    "One day the cat saw a big dog. The dog was friendly and they played all day. "
+    "They were happy friends. The end. "
+) * 8
+
+
+def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # compare fixed-length greedy runs
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama + BPE tokenizer (with chat template), loadable by path like a hub model."""
+    from draftlab.quickstart import build_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_base")
+    tok = build_tokenizer([STORY_TEXT, "User: Assistant: Hello hi what is a cat? It is an animal."], d)
+    model = tiny_llama(vocab=len(tok), dtype=torch.float32)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
+        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def stories_dir(tmp_path_factory) -> Path:
+    """stories260K imported to a HF directory (skips without ../shared)."""
+    if not STORIES.is_dir():
+        pytest.skip("../shared/data/models/stories260K is not available")
+    from draftlab.base import import_llama2c
+
+    d = tmp_path_factory.mktemp("stories260k")
+    return import_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", d)
+
+
+@pytest.fixture
+def rng():
+    return random.Random(0)
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path

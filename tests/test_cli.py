@@ -1,0 +1,54 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from draftlab.cli import build_parser, main
+
+COMMANDS = ["validate", "train", "import-llama2c", "quickstart", "generate"]
+
+
+def test_every_command_has_help(capsys):
+    for cmd in [None] + COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main(([cmd] if cmd else []) + ["--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "usage: draftlab" in out
+
+
+def test_console_entry_point_runs():
+    p = subprocess.run([sys.executable, "-m", "draftlab.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0 and all(c in p.stdout for c in COMMANDS)
+
+
+def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
+    r = tmp_path / "r.yaml"
+    r.write_text("base: {name_or_path: m}\ndata: {path: d.jsonl}\noutput_dir: o\n")
+    assert main(["validate", str(r), "train.lr=0.5"]) == 0
+    assert "lr: 0.5" in capsys.readouterr().out
+    assert main(["validate", str(r), "train.lrr=0.5"]) == 2
+    assert "did you mean `train.lr`?" in capsys.readouterr().err
+
+
+def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
+    import torch
+    from draftlab.base import load_base
+    from draftlab.export import save_export
+    from draftlab.heads import build_draft
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    draft = build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, 32, base.config.vocab_size, base=base)
+    save_export(draft, base, tmp_path / "exp", str(tiny_base_dir))
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "12",
+                 "--compare", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("text", "new_tokens", "steps", "accept_length", "tokens_per_s", "baseline_tokens_per_s", "speedup"):
+        assert key in rep
+    assert rep["identical_to_baseline"] is True and rep["new_tokens"] == 12 and rep["accept_length"] >= 1
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "x", "--tree", "chain", "--temperature", "0.7",
+                 "--top-p", "0.9", "--json"]) == 0
+    assert main(["generate", str(tmp_path), "--prompt", "x", "--json"]) == 2
+    assert "not a draftlab export" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]

@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.config import ConfigError, build_recipe, diff_recipes, load_recipe, parse_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+MIN = {"base": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
+
+
+def test_overrides_apply_and_parse_scalars():
+    r = build_recipe(MIN, ["train.lr=3e-4", "head.num_heads=5", "log.trackers=[tensorboard]", "train.betas=[0.9, 0.95]"])
+    assert r.train.lr == 3e-4 and r.head.num_heads == 5
+    assert r.log.trackers == ["tensorboard"] and r.train.betas == (0.9, 0.95)
+
+
+def test_recipe_is_frozen():
+    r = build_recipe(MIN)
+    with pytest.raises(Exception):
+        r.train.lr = 1.0
+
+
+def test_every_problem_reported_at_once_golden():
+    raw = {"base": {"name_or_pat": "x", "dtype": "fp32"}, "head": {"num_heads": 0}, "data": {"path": "a"},
+           "output_dir": "o"}
+    with pytest.raises(ConfigError) as e:
+        build_recipe(raw, ["train.lr=-1", "trian.lr=1", "oops"], source="r.yaml")
+    assert str(e.value) == (
+        "r.yaml: 7 problems\n"
+        "  - override `oops`: expected dotted.key=value, e.g. train.lr=3e-4\n"
+        "  - `base.name_or_path`: missing; add it (Hugging Face hub id or local directory of a causal LM), "
+        "e.g. base.name_or_path=lmsys/vicuna-7b-v1.3\n"
+        "  - `base.dtype` = 'fp32': use 'float32', 'bfloat16' or 'float16'\n"
+        "  - `base.name_or_pat`: unknown key; did you mean `base.name_or_path`?\n"
+        "  - `head.num_heads` = 0: Input should be greater than or equal to 1 "
+        "(draft heads; head k predicts k+1 tokens past the base)\n"
+        "  - `train.lr` = -1: Input should be greater than 0 (peak learning rate)\n"
+        "  - `trian`: unknown key; did you mean `train`?"
+    )
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        build_recipe(MIN, ["loss.zzz=1"])
+    assert "`loss.zzz`: unknown key; valid keys here: head_decay, distill_weight, chunk_size, topk" in str(e.value)
+
+
+def test_cross_field_rule_names_the_fix():
+    with pytest.raises(ConfigError) as e:
+        build_recipe(MIN, ["head.prefix_attention=true"])
+    assert "head.prefix_attention=true needs head.type=hydra" in str(e.value)
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("base:\n  name_or_path: [x\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(p)
+    assert "not valid YAML at line" in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such recipe file"):
+        load_recipe("nope.yaml")
+
+
+def test_parse_overrides_nested():
+    tree, problems = parse_overrides(["a.b.c=1", "a.d=x"])
+    assert tree == {"a": {"b": {"c": 1}, "d": "x"}} and problems == []
+
+
+def test_diff_recipes():
+    a, b = build_recipe(MIN), build_recipe(MIN, ["train.lr=0.5", "train.max_steps=9"])
+    assert diff_recipes(a, b, ignore={"train.max_steps"}) == ["train.lr: 0.001 -> 0.5"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate_and_start_with_their_command(path):
+    load_recipe(path)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and ("draftlab" in first or "accelerate launch" in first)

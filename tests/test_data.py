@@ -1,0 +1,112 @@
+import json
+
+import pytest
+
+from conftest import write_jsonl
+from draftlab.base import load_tokenizer
+from draftlab.config import DataSection
+from draftlab.data import DataError, collate, load_examples, to_messages, tokenize_chat
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_base_dir):
+    return load_tokenizer(str(tiny_base_dir))
+
+
+def decoded_masked(tok, ids, mask):
+    return tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_sharegpt_from_value_and_role_content_are_the_same():
+    a = to_messages({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, "sharegpt")
+    b = to_messages({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "sharegpt")
+    assert a == b == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def test_alpaca_with_input_and_history():
+    m = to_messages({"instruction": "Add", "input": "1+1", "output": "2", "history": [["q", "a"]]}, "alpaca")
+    assert [x["role"] for x in m] == ["user", "assistant", "user", "assistant"]
+    assert m[2]["content"] == "Add\n\n1+1"
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok):
+    msgs = [{"role": "user", "content": "what is a cat?"}, {"role": "assistant", "content": "It is an animal."},
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = tokenize_chat(msgs, tok, 512)
+    assert len(ids) == len(mask)
+    text = decoded_masked(tok, ids, mask)
+    assert "It is an animal." in text and "Hello" in text
+    assert "what is a cat" not in text and "User" not in text
+    # The mask includes each turn's EOS so the heads learn where answers stop.
+    assert sum(1 for i, m in zip(ids, mask) if m and i == tok.eos_token_id) == 2
+
+
+def test_truncation_and_examples_without_assistant_tokens_are_counted(tmp_path, tok):
+    long_q = "cat " * 300
+    f = write_jsonl(tmp_path / "c.jsonl", [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello"}]},
+        {"conversations": [{"from": "human", "value": long_q}, {"from": "gpt", "value": "Hello"}]},
+    ] * 5)
+    train, held, stats = load_examples(DataSection(path=str(f), max_len=32, eval_size=0), tok)
+    assert all(len(e["input_ids"]) <= 32 for e in train)
+    assert stats.skipped == {"no assistant tokens left after truncation to data.max_len": 5}
+    assert len(train) == 5
+
+
+def test_malformed_record_names_file_and_record(tmp_path, tok):
+    f = write_jsonl(tmp_path / "bad.jsonl", [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "ok"}]},
+    ])
+    with pytest.raises(DataError) as e:
+        load_examples(DataSection(path=str(f)), tok)
+    msg = str(e.value)
+    assert f"{f} record 1: turn 1 has unknown role 'robot'" in msg and "data.on_malformed=skip" in msg
+
+
+def test_malformed_records_skipped_and_counted_when_asked(tmp_path, tok):
+    good = {"instruction": "say hi", "output": "hi"}
+    f = tmp_path / "a.json"
+    f.write_text(json.dumps([good, {"instruction": 3}, good, "junk", good]))
+    train, held, stats = load_examples(DataSection(path=str(f), on_malformed="skip", eval_size=0), tok)
+    assert len(train) == 3 and sum(stats.skipped.values()) == 2
+
+
+def test_bad_json_line_is_named(tmp_path, tok):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(DataError, match=r"x.jsonl line 2: not valid JSON"):
+        load_examples(DataSection(path=str(f)), tok)
+
+
+def test_plain_text_is_packed_with_loss_everywhere(tmp_path, tok):
+    f = tmp_path / "t.txt"
+    f.write_text("Once upon a time there was a cat.<|endoftext|>The dog ran.<|endoftext|>" * 20)
+    train, held, stats = load_examples(DataSection(path=str(f), max_len=16, eval_size=0.25, eval_pick="tail"), tok)
+    assert all(len(e["input_ids"]) <= 16 and all(e["loss_mask"]) for e in train)
+    assert held and stats.eval_examples == len(held)
+
+
+def test_held_out_split_is_disjoint_and_seeded(tmp_path, tok):
+    recs = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(40)]
+    f = write_jsonl(tmp_path / "a.jsonl", recs)
+    t1, h1, _ = load_examples(DataSection(path=str(f), eval_size=0.25), tok, seed=1)
+    t2, h2, _ = load_examples(DataSection(path=str(f), eval_size=0.25), tok, seed=1)
+    assert len(h1) == 10 and len(t1) == 30 and h1 == h2
+    as_key = lambda e: tuple(e["input_ids"])
+    assert not set(map(as_key, t1)) & set(map(as_key, h1))
+
+
+def test_missing_path_and_folder(tmp_path, tok):
+    with pytest.raises(DataError, match="no such file"):
+        load_examples(DataSection(path=str(tmp_path / "none.jsonl")), tok)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no .json"):
+        load_examples(DataSection(path=str(tmp_path / "empty")), tok)
+
+
+def test_collate_pads_right_and_masks_padding():
+    b = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5], "loss_mask": [1]}], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]

@@ -1,0 +1,79 @@
+import math
+
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_llama
+from draftlab.heads import MedusaHeads, build_draft
+from draftlab.losses import draft_losses, head_loss
+
+
+def test_medusa_shapes_and_identity_init():
+    base = tiny_llama()
+    heads = build_draft({"type": "medusa", "num_heads": 3, "num_layers": 2}, 32, 64, base=base).double()
+    h = torch.randn(2, 5, 32, dtype=torch.float64)
+    feats = heads.train_hidden(h, None)
+    assert len(feats) == 3 and all(f.shape == (2, 5, 32) for f in feats)
+    logits = heads.logits(h)
+    assert logits.shape == (2, 5, 3, 64)
+    # Zero-initialised residual blocks + the base's lm_head: every fresh head equals the base's logits.
+    base_logits = base.lm_head(h)
+    for k in range(3):
+        torch.testing.assert_close(logits[..., k, :], base_logits)
+
+
+def test_head_loss_matches_direct_cross_entropy_and_is_chunk_invariant():
+    torch.manual_seed(0)
+    h, w = torch.randn(37, 8), torch.randn(11, 8)
+    t = torch.randint(0, 11, (37,))
+    direct = F.cross_entropy(h @ w.t(), t, reduction="sum")
+    for chunk in (1, 5, 37, 100):
+        loss, top1, topk = head_loss(h, w, t, chunk_size=chunk, topk=3)
+        torch.testing.assert_close(loss, direct)
+    logits = h @ w.t()
+    assert top1.item() == (logits.argmax(-1) == t).sum().item()
+    assert topk.item() == (logits.topk(3).indices == t[:, None]).any(-1).sum().item()
+
+
+def test_chunked_loss_gradients_equal_unchunked():
+    torch.manual_seed(0)
+    h = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    t = torch.randint(0, 11, (20,))
+    head_loss(h, w, t, chunk_size=3)[0].backward()
+    g1 = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    F.cross_entropy(h @ w.t(), t, reduction="sum").backward()
+    torch.testing.assert_close(g1[0], h.grad)
+    torch.testing.assert_close(g1[1], w.grad)
+
+
+def test_distillation_is_soft_cross_entropy_to_the_teacher():
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 4), torch.randn(5, 4)
+    th, tw = torch.randn(6, 4), torch.randn(5, 4)
+    t = torch.randint(0, 5, (6,))
+    p = torch.softmax(th @ tw.t(), -1)
+    logq = torch.log_softmax(h @ w.t(), -1)
+    soft = -(p * logq).sum()
+    hard = F.nll_loss(logq, t, reduction="sum")
+    torch.testing.assert_close(head_loss(h, w, t, th, tw, distill_weight=1.0, chunk_size=4)[0], soft)
+    torch.testing.assert_close(head_loss(h, w, t, th, tw, distill_weight=0.25, chunk_size=4)[0], 0.75 * hard + 0.25 * soft)
+
+
+def test_draft_losses_alignment_and_decay_on_hand_made_tensors():
+    # Two heads, vocab 3, identity lm_heads: head k's feature at position t are the logits for token t+k+2.
+    ids = torch.tensor([[0, 1, 2, 0, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    big = 20.0
+    f0 = torch.zeros(1, 5, 3)
+    f1 = torch.zeros(1, 5, 3)
+    for t in range(3):  # head 0 predicts ids[t+2] perfectly
+        f0[0, t, ids[0, t + 2]] = big
+    eye = torch.eye(3)
+    out = draft_losses([f0, f1], [eye, eye], ids, mask, head_decay=0.5, topk=1)
+    # head 0: 3 positions (targets at 2,3,4), ~zero loss; head 1: 2 positions, uniform logits -> log 3 each.
+    assert out["count"].tolist() == [3.0, 2.0]
+    assert out["top1"][0].item() == 3.0
+    expected = 0.5 * math.log(3)
+    assert abs(out["loss"].item() - expected) < 1e-6

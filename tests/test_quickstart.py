@@ -1,0 +1,29 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def test_stdlib_corpus_is_found():
+    from draftlab.quickstart import stdlib_corpus
+
+    docs = stdlib_corpus(200_000)
+    assert docs and sum(map(len, docs)) >= 200_000
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end_offline(tmp_path):
+    """The whole pipeline as a new user runs it, with a short pretraining budget, in a fresh process."""
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "draftlab.cli", "quickstart", "--out", str(tmp_path / "qs"),
+                        "--minutes", "1", "--json"], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["identical_to_baseline"] is True
+    assert summary["accept_length"] > 1.2
+    assert len(summary["head_top1"]) == 4 and summary["head_top1"][0] > 0.05
+    assert "| accept length |" in p.stdout

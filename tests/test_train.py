@@ -1,0 +1,130 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, STORY_TEXT, tiny_llama
+from draftlab.config import build_recipe, dump_recipe
+from draftlab.export import ExportError, load_export, read_meta
+from draftlab.train import RunDirError, train
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    recs = [{"conversations": [{"from": "human", "value": f"Tell me about the cat number {i}."},
+                               {"from": "gpt", "value": STORY_TEXT[i * 7: i * 7 + 120]}]} for i in range(24)]
+    p = d / "chat.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return p
+
+
+def recipe(base_dir, data, out, **train):
+    t = {"lr": 1e-2, "warmup_steps": 1, "batch_size": 2, "max_steps": 4, "save_every_steps": 2,
+         "eval_every_steps": 2, "log_every_steps": 1, **train}
+    return build_recipe({"base": {"name_or_path": str(base_dir), "dtype": "float32"},
+                         "head": {"num_heads": 3, "num_layers": 1},
+                         "data": {"path": str(data), "max_len": 64, "eval_size": 4},
+                         "train": t, "output_dir": str(out)})
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "export" / "draft.safetensors")
+
+
+def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path):
+    straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a"))
+    assert straight["finished"] and straight["step"] == 4
+    first = train(recipe(tiny_base_dir, data_file, tmp_path / "b"), stop_after_steps=2)
+    assert not first["finished"] and (tmp_path / "b" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+    assert not (tmp_path / "b" / "export").exists()
+    resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b"))
+    assert resumed["finished"]
+    wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    # The heads actually moved away from their initialisation.
+    assert any(v.abs().sum() > 0 for k, v in wa.items() if "blocks" in k and "weight" in k)
+
+
+def test_metrics_config_and_eval_are_written(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    summary = train(recipe(tiny_base_dir, data_file, out))
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["event"] == "start" and lines[0]["train_examples"] == 20
+    train_lines = [l for l in lines if "loss" in l]
+    assert [l["step"] for l in train_lines] == [1, 2, 3, 4]
+    evals = [l for l in lines if l.get("event") == "eval"]
+    assert len(evals) == 2 and len(evals[0]["top1"]) == 3 and all(0 <= a <= 1 for a in evals[-1]["topk"])
+    assert (out / "config.yaml").read_text() == dump_recipe(recipe(tiny_base_dir, data_file, out))
+    assert summary["eval"]["top1"] == evals[-1]["top1"]
+    # keep_checkpoints=2 by default: steps 2 and 4 remain
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_run_dir_refuses_a_different_recipe(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    train(recipe(tiny_base_dir, data_file, out, max_steps=2))
+    with pytest.raises(RunDirError, match=r"train.lr: 0.01 -> 0.5.*--overwrite"):
+        train(recipe(tiny_base_dir, data_file, out, max_steps=2, lr=0.5))
+    # Extending max_steps is a resume, not a different run.
+    assert train(recipe(tiny_base_dir, data_file, out, max_steps=3))["step"] == 3
+    assert train(recipe(tiny_base_dir, data_file, out, lr=0.5, max_steps=2), overwrite=True)["step"] == 2
+
+
+def test_export_round_trip_and_base_mismatch(tiny_base_dir, data_file, tmp_path):
+    from draftlab.base import load_base
+
+    out = tmp_path / "run"
+    train(recipe(tiny_base_dir, data_file, out, max_steps=1))
+    meta = read_meta(out / "export")
+    assert meta["format_version"] == 1 and meta["head"]["num_heads"] == 3
+    assert meta["base"]["hidden_size"] == 32 and meta["base"]["dtype"] == "float32"
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    draft, _ = load_export(out / "export", base=base)
+    sd = weights(out)
+    for k, v in draft.state_dict().items():
+        torch.testing.assert_close(v, sd[k])
+    other = tiny_llama(vocab=base.config.vocab_size, hidden=48, dtype=torch.float32)
+    with pytest.raises(ExportError, match=r"hidden_size: export has 32, base has 48"):
+        load_export(out / "export", base=other)
+    with pytest.raises(ExportError, match="not a draftlab export"):
+        read_meta(tmp_path)
+
+
+def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_path):
+    trackers = ["tensorboard"]
+    try:
+        import wandb  # noqa: F401
+        trackers.append("wandb")
+    except ImportError:
+        pass
+    out = tmp_path / "run"
+    r = build_recipe({**recipe(tiny_base_dir, data_file, out, max_steps=2).model_dump(mode="json"),
+                      "log": {"trackers": trackers}})
+    os.environ["WANDB_DIR"] = str(tmp_path)
+    train(r)
+    assert list((out / "logs").rglob("events.out.tfevents*"))
+    if "wandb" in trackers:
+        assert list(tmp_path.rglob("offline-run-*"))
+
+
+def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "ddp"
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, out, max_steps=2)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli",
+           "train", str(cfg), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["processes"] == 2
+    assert (out / "export" / "draft.safetensors").is_file()
