@@ -47,6 +47,18 @@ def cmd_quickstart(a) -> int:
     return 0
 
 
+def cmd_distill(a) -> int:
+    from .distill import distill_data
+
+    summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
+                           a.max_records, a.dtype, a.device, a.seed)
+    if a.json:
+        _print_json(summary)
+    else:
+        print(f"wrote {summary['written']} conversations to {summary['out']} ({summary['skipped_existing']} already there)")
+    return 0
+
+
 def cmd_generate(a) -> int:
     from .decode.cli import generate_command
 
@@ -83,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_quickstart)
+
+    s = sub.add_parser("distill-data", help="have the base answer a dataset's prompts (self-distilled training data)")
+    s.add_argument("base", help="a recipe YAML (its base) or a base model path / hub id")
+    s.add_argument("--prompts", required=True, help="ShareGPT / Alpaca / text file whose prompts the base answers")
+    s.add_argument("--out", required=True, help="JSONL of ShareGPT conversations; appended to and resumed")
+    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--max-records", type=int, default=None)
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_distill)
+
+    from .decode.search_cli import add_search_args, search_command
+
+    s = sub.add_parser("search-tree", help="find the fastest static tree for an export on this machine")
+    add_search_args(s)
+    s.set_defaults(func=lambda a: search_command(a))
 
     from .decode.cli import add_generate_args
 

@@ -96,6 +96,9 @@ class TrainSection(_Section):
     eval_every_steps: int = Field(500, ge=1)
     log_every_steps: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
+    cache_hidden: bool = Field(False, description="store the base's hidden states on disk in epoch 1 and reuse them")
+    hidden_cache_dir: str | None = Field(None, description="where the cache goes (default OUTPUT_DIR/hidden_cache); "
+                                                           "needs H x dtype bytes per training token")
 
 
 class LogSection(_Section):
@@ -117,7 +120,7 @@ class Recipe(_Section):
 # Keys whose change does not make a different run: a resumed run may extend or re-log.
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
-                  "data.num_proc"}
+                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir"}
 
 
 def _section_fields(loc: tuple) -> list[str]:

@@ -36,8 +36,8 @@ class DraftObjective(nn.Module):
         self.draft = draft
         self.loss_cfg = loss_cfg
 
-    def forward(self, hidden, input_ids, loss_mask, base_weight=None):
-        feats = self.draft.train_hidden(hidden, input_ids)
+    def forward(self, hidden, input_ids, loss_mask, attention_mask=None, base_weight=None):
+        feats = self.draft.train_hidden(hidden, input_ids, attention_mask)
         c = self.loss_cfg
         return draft_losses(feats, [lm.weight for lm in self.draft.lm_heads], input_ids, loss_mask,
                             base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
@@ -96,7 +96,7 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
         b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
         h = base_hidden(base, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
-            out = objective(h, b["input_ids"], b["loss_mask"], base_weight)
+            out = objective(h, b["input_ids"], b["loss_mask"], b["attention_mask"], base_weight)
         part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"]])  # [4, K]
         sums = part if sums is None else sums + part
     objective.train()
@@ -158,6 +158,14 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     # checkpoints it without Accelerate's per-process stepping.
     accelerator.register_for_checkpointing(scheduler)
     base_weight = base.get_output_embeddings().weight if recipe.loss.distill_weight > 0 else None
+    cache = None
+    if t.cache_hidden:
+        from .hidden_cache import HiddenCache
+
+        cache_dir = t.hidden_cache_dir or str(out_dir / "hidden_cache")
+        dtype = next(base.parameters()).dtype
+        with accelerator.main_process_first():  # the main process creates or validates the files first
+            cache = HiddenCache(cache_dir, train_ex, H, dtype, b.name_or_path, create=is_main)
 
     step = 0
     ckpt = latest_checkpoint(out_dir)
@@ -225,14 +233,19 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         epoch, j = divmod(micro, micro_per_epoch)
         if epoch not in batches_cache:
             batches_cache = {epoch: micro_batch_indices(len(train_ex), t.batch_size, epoch, t.seed, rank, world)}
-        batch = collate([train_ex[i] for i in batches_cache[epoch][j]], pad_id)
+        idx = batches_cache[epoch][j]
+        batch = collate([train_ex[i] for i in idx], pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         sync = (micro + 1) % ga == 0
-        with torch.no_grad():
-            hidden = base_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, S, H]
+        hidden = cache.get(idx, batch["input_ids"].shape[1], accelerator.device) if cache else None
+        if hidden is None:
+            with torch.no_grad():
+                hidden = base_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, S, H]
+            if cache:
+                cache.put(idx, hidden)
         with nullcontext() if sync else accelerator.no_sync(objective):
             with accelerator.autocast():
-                out = objective(hidden, batch["input_ids"], batch["loss_mask"], base_weight)
+                out = objective(hidden, batch["input_ids"], batch["loss_mask"], batch["attention_mask"], base_weight)
             accelerator.backward(out["loss"] / ga)
         window["loss"] += out["loss"].item() / ga
         window["tokens"] += int(batch["attention_mask"].sum()) * world

@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO
 from draftlab.cli import build_parser, main
 
-COMMANDS = ["validate", "train", "import-llama2c", "quickstart", "generate"]
+COMMANDS = ["validate", "train", "import-llama2c", "quickstart", "generate", "distill-data", "search-tree"]
 
 
 def test_every_command_has_help(capsys):

@@ -128,3 +128,30 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
     start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert start["processes"] == 2
     assert (out / "export" / "draft.safetensors").is_file()
+
+
+def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    import draftlab.train as train_mod
+
+    calls = {"n": 0}
+    real = train_mod.base_hidden
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(train_mod, "base_hidden", counting)
+    # 24 training examples (no held-out split), batch 2 -> 12 micro-batches per epoch; 3 epochs.
+    r = recipe(tiny_base_dir, data_file, tmp_path / "c", max_steps=None, epochs=3, eval_every_steps=1000,
+               save_every_steps=1000, cache_hidden=True)
+    r = build_recipe({**r.model_dump(mode="json"), "data": {**r.data.model_dump(), "eval_size": 0}})
+    cached = train(r)
+    assert calls["n"] == 12  # only the first epoch ran the base
+    calls["n"] = 0
+    plain = train(build_recipe({**r.model_dump(mode="json"), "output_dir": str(tmp_path / "p"),
+                                "train": {**r.train.model_dump(), "cache_hidden": False}}))
+    assert calls["n"] == 36
+    wa, wb = weights(tmp_path / "c"), weights(tmp_path / "p")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    meta = json.loads((tmp_path / "c" / "hidden_cache" / "meta.json").read_text())
+    assert (tmp_path / "c" / "hidden_cache" / "hidden.bin").stat().st_size == meta["tokens"] * 32 * 4  # fp32, H=32

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
+from .draft import DraftState
 from .tree import Tree, TreeBuffers
 
 
@@ -139,7 +140,8 @@ class SpeculativeDecoder:
                         use_cache=True, output_hidden_states=True)
         next_pos = valid.sum(-1)  # [B]
         root = self._pick_root(out.logits[:, -1], sampling, generator)  # [B]
-        hidden = out.hidden_states[-1][:, -1]  # [B, H]
+        state = DraftState(self.draft)
+        hidden = state.start(out.hidden_states[-1], valid, pos)  # [B, H]
         _sync(dev)
         res.time_s["prefill"] += time.perf_counter() - t0
 
@@ -169,9 +171,11 @@ class SpeculativeDecoder:
                 keep[b, : len(p)] = torch.tensor(p, device=dev)
                 keep_valid[b, : len(p)] = bool(live[b])
             compact_cache(cache, start, keep)
+            last = torch.tensor([len(p) - 1 for p in paths], device=dev)  # [B] index into keep
+            kept_hidden = tree_hidden.gather(1, keep[:, :, None].expand(B, M, tree_hidden.shape[-1]))  # [B, M, H]
+            kept_pos = next_pos[:, None] + torch.arange(M, device=dev)[None]
+            hidden = state.advance(kept_hidden, valid, keep_valid, kept_pos, last)
             valid = torch.cat([valid, keep_valid], dim=1)
-            last = keep.gather(1, torch.tensor([len(p) - 1 for p in paths], device=dev)[:, None])[:, 0]  # [B]
-            hidden = tree_hidden[torch.arange(B, device=dev), last]
             next_pos = next_pos + keep_valid.sum(-1)
             root = bonus
             res.steps += 1

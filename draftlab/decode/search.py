@@ -1,38 +1,79 @@
-"""Tree-topology search from acceptance statistics (pure functions: statistics -> trees)."""
+"""Tree-topology search (Hydra section 4): statistics -> proposal trees -> the fastest on this machine.
+
+Statistics are rank vectors: for each decoding state t of the base's own greedy text, R[t][d] is
+the rank of the true next token among the depth-(d+1) draft's candidates (for Hydra, conditioned
+on the true path above it, which is the path an accepting tree would have taken), or `miss`.
+A node with rank path (r1..rd) is accepted at state t exactly when R[t][:d] == (r1..rd), so
+
+    expected accept length(T) = 1 + sum over nodes n in T of P(R[:len(n)] == n)
+
+with no independence assumption. Since P(child) <= P(parent), the N most probable paths form a
+prefix-closed tree, and greedy growth that adds the best frontier node each time finds them: it is
+optimal for the node budget. The positional-independence model (Sequoia-style),
+P(n) = prod_d p_d(r_d), is kept for comparison.
+"""
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
+
+import torch
 
 from .tree import Tree
 
 
+class RankStats:
+    """Empirical path probabilities from rank vectors [T, D] (ranks >= max_rank count as misses)."""
+
+    def __init__(self, ranks: torch.Tensor, max_rank: int):
+        self.ranks = ranks.clamp(max=max_rank)  # [T, D]; max_rank means "not among the candidates"
+        self.max_rank = max_rank
+        self.depth = ranks.shape[1]
+        self.n = ranks.shape[0]
+        self.counts: Counter = Counter()
+        for row in self.ranks.tolist():
+            for d in range(self.depth):
+                if row[d] >= max_rank:
+                    break
+                self.counts[tuple(row[: d + 1])] += 1
+
+    def prob(self, path: tuple[int, ...]) -> float:
+        return self.counts.get(tuple(path), 0) / max(self.n, 1)
+
+    def marginals(self) -> list[list[float]]:
+        """p_d(r): P(rank at depth d == r | the path above accepted), for the independence model."""
+        out = []
+        for d in range(self.depth):
+            above = self.ranks[:, :d]
+            ok = (above < self.max_rank).all(dim=1) if d else torch.ones(self.n, dtype=torch.bool)
+            col = self.ranks[ok, d]
+            n = max(int(ok.sum()), 1)
+            out.append([float((col == r).sum()) / n for r in range(self.max_rank)])
+        return out
+
+
 def node_probability(path: tuple[int, ...], probs: list[list[float]]) -> float:
-    """P(every token on the path is accepted), under positional independence: prod_d probs[d][r_d]."""
+    """Positional independence: P(path accepted) = prod_d probs[d][r_d]."""
     p = 1.0
     for d, r in enumerate(path):
         p *= probs[d][r] if d < len(probs) and r < len(probs[d]) else 0.0
     return p
 
 
-def expected_accept_length(paths, probs: list[list[float]]) -> float:
-    """Expected tokens committed per step (bonus included): 1 + sum of node acceptance probabilities.
-
-    probs[d][r] is the probability that the depth-d draft's rank-r candidate is the base's next
-    token, given the path above it was accepted. Each accepted node adds one token, and at most
-    one child of a node can match, so the sum counts the accepted path exactly once.
-    """
-    return 1.0 + sum(node_probability(tuple(p), probs) for p in paths)
+def expected_accept_length(paths, prob) -> float:
+    """1 + sum of node acceptance probabilities; prob is a RankStats or per-depth rank probabilities."""
+    f = prob.prob if isinstance(prob, RankStats) else (lambda p: node_probability(p, prob))
+    return 1.0 + sum(f(tuple(p)) for p in paths)
 
 
-def grow_tree(probs: list[list[float]], max_nodes: int, name: str = "greedy") -> Tree:
-    """Greedy growth (Hydra section 4): repeatedly add the frontier node that raises expected accept length most.
-
-    Under positional independence a child is never more likely than its parent, so this picks the
-    max_nodes most probable paths and is optimal for the node budget.
-    """
-    depth = len(probs)
-    frontier = [(-node_probability((r,), probs), (r,)) for r in range(len(probs[0]))] if depth else []
+def grow_tree(prob, max_nodes: int, name: str = "greedy") -> Tree:
+    """Greedy growth: repeatedly add the frontier node with the largest acceptance probability."""
+    if isinstance(prob, RankStats):
+        f, depth, width = prob.prob, prob.depth, prob.max_rank
+    else:
+        f, depth, width = (lambda p: node_probability(p, prob)), len(prob), max((len(r) for r in prob), default=0)
+    frontier = [(-f((r,)), (r,)) for r in range(width)] if depth else []
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     while frontier and len(chosen) < max_nodes:
@@ -41,10 +82,44 @@ def grow_tree(probs: list[list[float]], max_nodes: int, name: str = "greedy") ->
             break
         chosen.append(path)
         if len(path) < depth:
-            for r in range(len(probs[len(path)])):
+            for r in range(width):
                 child = path + (r,)
-                heapq.heappush(frontier, (-node_probability(child, probs), child))
-    tree = Tree.from_paths([list(p) for p in chosen],
-                           {"name": name, "method": "greedy growth",
-                            "expected_accept_length": round(expected_accept_length(chosen, probs), 4)})
-    return tree
+                heapq.heappush(frontier, (-f(child), child))
+    return Tree.from_paths([list(p) for p in chosen], {
+        "name": name, "method": "greedy growth",
+        "expected_accept_length": round(expected_accept_length(chosen, prob), 4)})
+
+
+def proposal_trees(prob, max_nodes: int) -> list[Tree]:
+    """T1..TN: the greedy tree of every size (each a prefix of the next in growth order)."""
+    full = grow_tree(prob, max_nodes)
+    order = sorted(full.paths, key=lambda p: (-(prob.prob(p) if isinstance(prob, RankStats)
+                                                else node_probability(p, prob)), len(p), p))
+    trees = []
+    for n in range(1, len(order) + 1):
+        chosen = order[:n]
+        trees.append(Tree.from_paths([list(p) for p in chosen], {
+            "name": f"greedy-{n}", "expected_accept_length": round(expected_accept_length(chosen, prob), 4)}))
+    return trees
+
+
+def simulate_accept_length(tree: Tree, ranks: torch.Tensor) -> float:
+    """Monte-Carlo check: walk the tree along each rank vector as greedy verification would."""
+    have = set(tree.paths)
+    total = 0
+    for row in ranks.tolist():
+        d, path = 0, ()
+        while d < len(row) and path + (row[d],) in have:
+            path = path + (row[d],)
+            d += 1
+        total += 1 + d
+    return total / max(len(ranks), 1)
+
+
+def geometric_sizes(max_nodes: int) -> list[int]:
+    """1, 2, 4, ... up to max_nodes (included)."""
+    sizes, s = [], 1
+    while s < max_nodes:
+        sizes.append(s)
+        s *= 2
+    return sizes + [max_nodes]

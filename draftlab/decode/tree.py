@@ -101,6 +101,7 @@ class TreeBuffers:
     mask: torch.Tensor  # [N, N] bool, node i may attend to node j (j is i or an ancestor)
     leaf_paths: torch.Tensor  # [P, D+1] node indices root->leaf, padded with -1
     children: list[list[int]]  # per node, children ordered by rank
+    levels: list[dict]  # per depth d: parents at depth d, their root paths, and the children they fill
 
     @staticmethod
     def build(tree: Tree, device=None) -> "TreeBuffers":
@@ -131,7 +132,22 @@ class TreeBuffers:
                 j = parent[j]
             lp[r, : len(chain)] = torch.tensor(chain[::-1])
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-        return TreeBuffers(t(depth), t(rank), t(parent), mask.to(device), lp.to(device), children)
+
+        def root_path(n):
+            chain = []
+            while n >= 0:
+                chain.append(n)
+                n = parent[n]
+            return chain[::-1]
+        levels = []
+        for d in range(D):
+            parents = [n for n in range(N) if depth[n] == d and children[n]]
+            pos = {n: i for i, n in enumerate(parents)}
+            kids = [c for n in parents for c in children[n]]
+            levels.append({"parents": t(parents), "paths": t([root_path(n) for n in parents]).reshape(len(parents), d + 1),
+                           "children": t(kids), "child_parent": t([pos[parent[c]] for c in kids]),
+                           "child_rank": t([rank[c] for c in kids])})
+        return TreeBuffers(t(depth), t(rank), t(parent), mask.to(device), lp.to(device), children, levels)
 
 
 DEFAULT_TREE_NODES = 24

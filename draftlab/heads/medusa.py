@@ -43,7 +43,7 @@ class MedusaHeads(nn.Module):
         for head in self.lm_heads:
             head.weight.copy_(w.to(head.weight.dtype))
 
-    def train_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def train_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask=None) -> list[torch.Tensor]:
         """Per-head features [B, S, H]; position t of head k is trained on token t+k+2."""
         return [blocks(hidden) for blocks in self.blocks]
 

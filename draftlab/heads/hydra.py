@@ -1,0 +1,146 @@
+"""Hydra heads (sequentially dependent drafts) with the Hydra++ options: deeper MLPs and prefix attention.
+
+Head k (0-based) predicts x_{t+k+2} from [h_t ; E(x_{t+1}) ; ... ; E(x_{t+k+1})]: the base's state
+after x_t, the embedding of the base's own next token x_{t+1} (the tree root when decoding), and of
+the k tokens drafted after it (teacher-forced from the sequence in training). E is the base's
+frozen input embedding. With prefix attention, h_t is replaced by the output of one extra decoder
+layer (the base's block type) run over the base's hidden states.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .medusa import ResBlock
+
+
+class HydraError(ValueError):
+    """The base cannot host Hydra heads as configured."""
+
+
+class HydraHead(nn.Module):
+    """in_proj([h ; k+1 embeddings]) -> num_layers residual blocks -> lm_head."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_inputs: int, num_layers: int):
+        super().__init__()
+        self.in_proj = nn.Linear(num_inputs * hidden_size, hidden_size)
+        self.blocks = nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        # Start as "h only": the head initially predicts what the base's lm_head would from h.
+        with torch.no_grad():
+            self.in_proj.weight.zero_()
+            self.in_proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+            self.in_proj.bias.zero_()
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.in_proj(x))
+
+
+class HydraHeads(nn.Module):
+    kind = "hydra"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
+                 prefix_attention: bool = False, base=None):
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers, self.prefix_attention = num_heads, num_layers, prefix_attention
+        self.heads = nn.ModuleList(HydraHead(hidden_size, vocab_size, k + 2, num_layers) for k in range(num_heads))
+        self.prefix_layer = None
+        self._base = None  # a plain list entry, not a submodule: the frozen base is neither trained nor exported
+        if base is not None:
+            self.attach_base(base)
+
+    @property
+    def lm_heads(self):
+        return [h.lm_head for h in self.heads]
+
+    def config(self) -> dict:
+        return {"type": "hydra", "num_heads": self.num_heads, "num_layers": self.num_layers,
+                "prefix_attention": self.prefix_attention, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size}
+
+    # --- the base this module reads from --------------------------------------------------------
+    def attach_base(self, base) -> None:
+        """Keep a reference to the frozen base (embeddings, rotary) and build the prefix layer's shape."""
+        self._base = [base]
+        if self.prefix_attention and self.prefix_layer is None:
+            backbone = base.base_model
+            layers = getattr(backbone, "layers", None)
+            if layers is None or not hasattr(backbone, "rotary_emb"):
+                raise HydraError(f"{type(base).__name__}: prefix attention needs a Llama-style backbone "
+                                 "(`.layers` and `.rotary_emb`); set head.prefix_attention=false for this base")
+            layer = copy.deepcopy(layers[-1])
+            layer.self_attn.layer_idx = 0  # its own one-layer KV cache
+            layer.requires_grad_(True)
+            self.prefix_layer = layer.float()
+
+    @property
+    def base(self):
+        if self._base is None:
+            raise HydraError("Hydra heads need the base model attached (load_export(..., base=model))")
+        return self._base[0]
+
+    @torch.no_grad()
+    def init_from_base(self, base) -> None:
+        """lm_heads from the base's; the prefix layer from its last layer, with output projections zeroed
+        so the layer starts as the identity on the residual stream."""
+        self.attach_base(base)
+        w = base.get_output_embeddings().weight
+        for head in self.heads:
+            head.lm_head.weight.copy_(w.to(head.lm_head.weight.dtype))
+        if self.prefix_layer is not None:
+            for name, p in self.prefix_layer.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.zero_()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.base.get_input_embeddings()(ids)
+
+    # --- prefix attention -------------------------------------------------------------------------
+    def prefix(self, hidden: torch.Tensor, allowed: torch.Tensor, position_ids: torch.Tensor, cache=None):
+        """The extra decoder layer over base states [B, T, H]; allowed [B, T, L_past+T] is its attention pattern."""
+        dtype = self.prefix_layer.self_attn.q_proj.weight.dtype
+        x = hidden.to(dtype)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        rot = self.base.base_model.rotary_emb(x, position_ids)
+        out = self.prefix_layer(x, attention_mask=mask[:, None], position_ids=position_ids, past_key_values=cache,
+                                use_cache=cache is not None, position_embeddings=rot)
+        return out[0] if isinstance(out, tuple) else out
+
+    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: the heads' h for every position of a right-padded batch, [B, S, H]."""
+        if self.prefix_layer is None:
+            return hidden
+        B, S, _ = hidden.shape
+        valid = torch.ones(B, S, dtype=torch.bool, device=hidden.device) if attention_mask is None else attention_mask.bool()
+        causal = torch.ones(S, S, dtype=torch.bool, device=hidden.device).tril()
+        allowed = causal[None] & valid[:, None, :]
+        allowed |= torch.eye(S, dtype=torch.bool, device=hidden.device)[None]  # padding rows attend to themselves
+        pos = torch.arange(S, device=hidden.device)[None].expand(B, S)
+        return self.prefix(hidden, allowed, pos)
+
+    # --- heads --------------------------------------------------------------------------------------
+    def head_features(self, k: int, h: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
+        """h [..., H] and the embeddings of the k+1 path tokens [..., k+1, H] -> head k's features [..., H]."""
+        x = torch.cat([h, path_emb.flatten(-2)], dim=-1)
+        return self.heads[k].features(x.to(self.heads[k].in_proj.weight.dtype))
+
+    def head_logits(self, k: int, h: torch.Tensor, path_tokens: torch.Tensor) -> torch.Tensor:
+        """Decoding: logits [..., V] of head k for paths [..., k+1] (root first) below state h [..., H]."""
+        return self.heads[k].lm_head(self.head_features(k, h, self.embed(path_tokens)))
+
+    def train_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask=None) -> list[torch.Tensor]:
+        """Per-head features [B, S, H], teacher-forced: position t of head k sees x_{t+1..t+k+1}."""
+        h = self.context(hidden, attention_mask)
+        emb = self.embed(input_ids)  # [B, S, H]
+        B, S, H = emb.shape
+        # shifted[j][:, t] = E(x_{t+1+j}), zero past the end (those positions are never supervised).
+        pad = emb.new_zeros(B, self.num_heads + 1, H)
+        ext = torch.cat([emb, pad], dim=1)
+        shifted = [ext[:, 1 + j: 1 + j + S] for j in range(self.num_heads)]
+        return [self.head_features(k, h, torch.stack(shifted[: k + 1], dim=2)) for k in range(self.num_heads)]

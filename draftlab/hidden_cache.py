@@ -1,0 +1,72 @@
+"""On-disk cache of the frozen base's final hidden states, so epochs after the first skip the base forward.
+
+One file-backed tensor [total_tokens, H] in the base's dtype plus a per-example "done" byte, both
+memory-mapped and shared by the processes of a node. The teacher distribution for distillation is
+the base's lm_head applied to these same states, so no logits are stored: the cache costs
+H values per token instead of V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+
+def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype) -> str:
+    """Identifies the examples (token ids) and base the cached states belong to."""
+    h = hashlib.sha256(f"{base_name}|{dtype}|{len(examples)}".encode())
+    for e in examples:
+        h.update(len(e["input_ids"]).to_bytes(4, "little"))
+        h.update(bytes(str(e["input_ids"][:8] + e["input_ids"][-8:]), "ascii"))
+    return h.hexdigest()[:16]
+
+
+class HiddenCache:
+    """Base hidden states per training example, written on first use and read afterwards."""
+
+    def __init__(self, directory: str | Path, examples: list[dict], hidden_size: int, dtype: torch.dtype,
+                 base_name: str, create: bool):
+        d = Path(directory)
+        self.lengths = [len(e["input_ids"]) for e in examples]
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        self.hidden_size, self.dtype = hidden_size, dtype
+        fp = fingerprint(examples, base_name, dtype)
+        meta = {"fingerprint": fp, "examples": len(examples), "tokens": self.offsets[-1], "hidden_size": hidden_size,
+                "dtype": str(dtype)}
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+            old = d / "meta.json"
+            if not old.is_file() or json.loads(old.read_text()) != meta:
+                for f in ("hidden.bin", "done.bin"):
+                    (d / f).unlink(missing_ok=True)
+                old.write_text(json.dumps(meta))
+        elif json.loads((d / "meta.json").read_text()) != meta:
+            raise RuntimeError(f"{d}: hidden-state cache was made for other data or another base")
+        total = max(1, self.offsets[-1] * hidden_size)
+        self.data = torch.from_file(str(d / "hidden.bin"), shared=True, size=total, dtype=dtype)
+        self.done = torch.from_file(str(d / "done.bin"), shared=True, size=max(1, len(examples)), dtype=torch.uint8)
+
+    def get(self, indices: list[int], seq_len: int, device) -> torch.Tensor | None:
+        """[B, seq_len, H] right-padded with zeros, or None if any example is not cached yet."""
+        if not all(self.done[i] for i in indices):
+            return None
+        out = torch.zeros(len(indices), seq_len, self.hidden_size, dtype=self.dtype)
+        for b, i in enumerate(indices):
+            n = self.lengths[i]
+            out[b, :n] = self.data[self.offsets[i] * self.hidden_size:self.offsets[i + 1] * self.hidden_size].view(n, -1)
+        return out.to(device, non_blocking=True)
+
+    def put(self, indices: list[int], hidden: torch.Tensor) -> None:
+        """Store the real (unpadded) positions of each example; the done byte is set after the data."""
+        hidden = hidden.detach().to("cpu", self.dtype)
+        for b, i in enumerate(indices):
+            if self.done[i]:
+                continue
+            n = self.lengths[i]
+            self.data[self.offsets[i] * self.hidden_size:self.offsets[i + 1] * self.hidden_size] = hidden[b, :n].reshape(-1)
+            self.done[i] = 1

@@ -1,0 +1,120 @@
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_decoder import plain_greedy, random_tree
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.draft import DraftState
+from draftlab.decode.tree import Tree, default_tree
+from draftlab.heads import build_draft
+
+
+def hydra(base, prefix: bool, heads=3, layers=2, noise=0.05, seed=0):
+    torch.manual_seed(seed)
+    d = build_draft({"type": "hydra", "num_heads": heads, "num_layers": layers, "prefix_attention": prefix},
+                    base.config.hidden_size, base.config.vocab_size, base=base).to(torch.float64)
+    for p in d.parameters():
+        p.data += noise * torch.randn_like(p)
+    return d.eval()
+
+
+def test_fresh_hydra_head_predicts_like_the_base():
+    base = tiny_llama()
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, 32, 64, base=base).double()
+    h = torch.randn(3, 32, dtype=torch.float64)
+    path = torch.randint(0, 64, (3, 2))
+    torch.testing.assert_close(d.head_logits(1, h, path), base.lm_head(h))
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_training_features_equal_decoding_features(prefix):
+    """Teacher-forced training features at position t == what the decoder computes for the same tokens."""
+    base = tiny_llama(seed=2)
+    d = hydra(base, prefix)
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        hidden = base(ids, output_hidden_states=True).hidden_states[-1]  # [1, S, H]
+        feats = d.train_hidden(hidden, ids, torch.ones_like(ids))
+        t = 6  # the decoder state after committing x_0..x_t
+        state = DraftState(d)
+        valid = torch.ones(1, t + 1, dtype=torch.bool)
+        h = state.start(hidden[:, : t + 1], valid, torch.arange(t + 1)[None])
+        for k in range(3):
+            path = ids[:, t + 1: t + k + 2]  # root x_{t+1} and k drafted tokens
+            dec = d.head_logits(k, h, path)
+            train = d.heads[k].lm_head(feats[k][:, t])
+            torch.testing.assert_close(dec, train)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_prefix_state_advance_equals_full_prefix_pass(prefix):
+    base = tiny_llama(seed=3)
+    d = hydra(base, prefix)
+    hidden = torch.randn(2, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = d.context(hidden)
+        state = DraftState(d)
+        state.start(hidden[:, :5], torch.ones(2, 5, dtype=torch.bool), torch.arange(5)[None].expand(2, 5))
+        got = state.advance(hidden[:, 5:], torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 4, dtype=torch.bool),
+                            torch.arange(5, 9)[None].expand(2, 4), torch.tensor([3, 3]))
+    torch.testing.assert_close(got, full[:, 8])
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_hydra_greedy_equals_plain_greedy(prefix, seed):
+    rng = random.Random(seed)
+    base = tiny_llama(seed=seed)
+    d = hydra(base, prefix, seed=seed)
+    for tree in [default_tree(3, 12), Tree.chain(3), random_tree(rng, 3), Tree.from_paths([])]:
+        dec = SpeculativeDecoder(base, d, tree)
+        for B in (1, 3):
+            prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 9))] for _ in range(B)]
+            res = dec.generate(prompts, max_new_tokens=20)
+            for p, got in zip(prompts, res.tokens):
+                assert got == plain_greedy(base, p, 20), (prefix, tree.paths, p)
+
+
+def test_hydra_export_round_trip_needs_the_base(tiny_base_dir, tmp_path):
+    from draftlab.base import load_base
+    from draftlab.export import load_export, save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 4, "prefix_attention": True},
+                    32, base.config.vocab_size, base=base)
+    for p in d.parameters():
+        p.data += 0.01
+    save_export(d, base, tmp_path / "e", str(tiny_base_dir))
+    again, meta = load_export(tmp_path / "e", base=base)
+    assert meta["head"]["prefix_attention"] is True
+    sd = d.state_dict()
+    assert any(k.startswith("prefix_layer.") for k in sd)
+    assert not any("embed" in k for k in sd)  # the frozen base's embedding is not exported
+    for k, v in again.state_dict().items():
+        torch.testing.assert_close(v, sd[k])
+
+
+def test_distill_data_is_batched_resumable_and_trainable(tiny_base_dir, tmp_path):
+    import json
+
+    from draftlab.config import DataSection
+    from draftlab.base import load_tokenizer
+    from draftlab.data import load_examples
+    from draftlab.distill import distill_data
+
+    src = tmp_path / "prompts.json"
+    src.write_text(json.dumps([{"instruction": f"Tell me about cat {i}", "output": "ignored"} for i in range(5)]))
+    out = tmp_path / "distilled.jsonl"
+    first = distill_data(str(tiny_base_dir), str(src), str(out), max_new_tokens=6, batch_size=2, max_records=3)
+    assert first["written"] == 3
+    again = distill_data(str(tiny_base_dir), str(src), str(out), max_new_tokens=6, batch_size=2)
+    assert again == {**again, "written": 2, "skipped_existing": 3}
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    assert sorted(r["source_index"] for r in recs) == [0, 1, 2, 3, 4]
+    assert recs[0]["conversations"][0]["from"] == "human" and recs[0]["conversations"][-1]["from"] == "gpt"
+    # Greedy answers are the base's own continuation of the chat prompt.
+    tok = load_tokenizer(str(tiny_base_dir))
+    train, _, _ = load_examples(DataSection(path=str(out), eval_size=0), tok)
+    assert len(train) == 5 and all(sum(e["loss_mask"]) > 0 for e in train)

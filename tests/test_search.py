@@ -1,0 +1,110 @@
+import itertools
+import json
+
+import pytest
+import torch
+
+from draftlab.decode.search import (RankStats, expected_accept_length, geometric_sizes, grow_tree, node_probability,
+                                    proposal_trees, simulate_accept_length)
+from draftlab.decode.tree import Tree
+
+
+def sample_ranks(probs, n, seed=0):
+    """Rank vectors drawn independently per depth from probs[d] (the last index = miss)."""
+    g = torch.Generator().manual_seed(seed)
+    cols = [torch.multinomial(torch.tensor(p + [max(0.0, 1 - sum(p))]), n, replacement=True, generator=g)
+            for p in probs]
+    return torch.stack(cols, 1)
+
+
+def brute_force_best(prob_fn, depth, width, budget):
+    """Best prefix-closed tree of `budget` nodes by exhaustive search over all candidate node sets."""
+    nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+    best = 0.0
+    for combo in itertools.combinations(nodes, budget):
+        s = set(combo)
+        if all(len(p) == 1 or p[:-1] in s for p in combo):
+            best = max(best, sum(prob_fn(p) for p in combo))
+    return 1 + best
+
+
+def test_top1_dominant_heads_give_a_chain():
+    probs = [[0.9, 0.02, 0.01]] * 4
+    t = grow_tree(probs, 4)
+    assert t.paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+def test_flat_first_head_gives_a_wide_first_level():
+    probs = [[0.3, 0.3, 0.3], [0.05, 0.01, 0.01]]
+    t = grow_tree(probs, 3)
+    assert t.paths == ((0,), (1,), (2,))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_growth_is_optimal_for_the_budget_on_empirical_stats(seed):
+    g = torch.Generator().manual_seed(seed)
+    probs = [torch.softmax(torch.randn(3, generator=g) * 2, 0).mul(0.8).tolist() for _ in range(3)]
+    stats = RankStats(sample_ranks(probs, 400, seed), max_rank=3)
+    for budget in (1, 3, 5):
+        t = grow_tree(stats, budget)
+        assert len(t.paths) == budget
+        got = expected_accept_length(t.paths, stats)
+        assert got == pytest.approx(brute_force_best(stats.prob, 3, 3, budget))
+
+
+def test_expected_accept_length_equals_monte_carlo_verification():
+    probs = [[0.5, 0.2, 0.1], [0.4, 0.2], [0.3, 0.1]]
+    ranks = sample_ranks(probs, 20000, seed=1)
+    stats = RankStats(ranks, max_rank=3)
+    for tree in [grow_tree(stats, 6), Tree.chain(3), Tree.from_paths([[0], [1], [2], [0, 1], [1, 0]])]:
+        exact = expected_accept_length(tree.paths, stats)
+        assert simulate_accept_length(tree, stats.ranks) == pytest.approx(exact, abs=1e-9)
+    # The independence model agrees with simulation when the data really is independent.
+    t = grow_tree(probs, 8)
+    assert expected_accept_length(t.paths, probs) == pytest.approx(simulate_accept_length(t, ranks), abs=0.02)
+
+
+def test_empirical_stats_capture_dependence_the_independence_model_misses():
+    # Depth-2 rank is 0 exactly when depth-1 rank is 0, and 1 when it is 1: strongly dependent.
+    ranks = torch.tensor([[0, 0]] * 50 + [[1, 1]] * 50)
+    stats = RankStats(ranks, max_rank=2)
+    assert stats.prob((0, 1)) == 0 and stats.prob((1, 1)) == 0.5
+    indep = stats.marginals()
+    # Independence multiplies marginals (0.5 x 0.5) and wrongly expects (0, 1) to be accepted a quarter of the time.
+    assert node_probability((0, 1), indep) == pytest.approx(0.25)
+    t = grow_tree(stats, 4)
+    assert set(t.paths) == {(0,), (1,), (0, 0), (1, 1)}
+    assert expected_accept_length(t.paths, stats) == pytest.approx(3.0)  # two drafted tokens + the bonus, always
+
+
+def test_proposal_trees_are_nested_and_prefix_closed():
+    stats = RankStats(sample_ranks([[0.5, 0.3], [0.5, 0.2], [0.4]], 500), max_rank=2)
+    trees = proposal_trees(stats, 6)
+    for small, big in zip(trees, trees[1:]):
+        assert set(small.paths) < set(big.paths)
+        assert small.metadata["expected_accept_length"] <= big.metadata["expected_accept_length"]
+    assert geometric_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_path, capsys):
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.export import save_export
+    from draftlab.heads import build_draft
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    draft = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, 32, base.config.vocab_size, base=base)
+    save_export(draft, base, tmp_path / "exp", str(tiny_base_dir))
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
+    out = tmp_path / "tree.json"
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "6",
+                 "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "12", "--plot",
+                 "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tree = Tree.load(out)
+    for key in ("expected_accept_length", "measured_accept_length", "tokens_per_s", "tree_size", "batch_size",
+                "hardware", "date", "method"):
+        assert key in tree.metadata
+    assert tree.size == rep["tree_size"] and out.with_suffix(".sizes.png").is_file()
+    assert out.with_suffix(".tree.png").is_file()
