@@ -14,7 +14,11 @@ def _print_json(obj: dict) -> None:
 def cmd_validate(a) -> int:
     from .config import dump_recipe, load_recipe
 
-    print(dump_recipe(load_recipe(a.recipe, a.overrides)), end="")
+    recipe = load_recipe(a.recipe, a.overrides)
+    if a.json:
+        _print_json(recipe.model_dump(mode="json"))
+    else:
+        print(dump_recipe(recipe), end="")
     return 0
 
 
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="check a recipe (with overrides) and print it resolved")
     s.add_argument("recipe")
     s.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=3e-4")
+    s.add_argument("--json", action="store_true", help="print the resolved recipe as one JSON object")
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("train", help="train draft heads from a recipe (resumes a killed run)",
@@ -89,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=cmd_import)
 
-    s = sub.add_parser("quickstart", help="build a small base, train Medusa heads, export and decode (CPU, offline)")
+    s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads, export and decode (CPU, offline)")
     s.add_argument("--out", default="runs/quickstart")
     s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
     s.add_argument("--seed", type=int, default=0)
@@ -116,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search-tree", help="find the fastest static tree for an export on this machine")
     add_search_args(s)
     s.set_defaults(func=lambda a: search_command(a))
+
+    from .evaluation import add_eval_args, eval_command
+
+    s = sub.add_parser("eval", help="MT-Bench speed / losslessness evaluation, and comparison of eval runs")
+    add_eval_args(s.add_subparsers(dest="eval_cmd", required=True, metavar="{mt-bench,compare}"))
+    s.set_defaults(func=eval_command)
 
     from .decode.cli import add_generate_args
 

@@ -2,8 +2,8 @@
 
 1. Corpus: Python standard-library sources (present on every machine with Python).
 2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
-3. Draft: Medusa heads trained by the regular recipe trainer, exported.
-4. Decode: held-out prompts through the speculative decoder vs plain decoding of the same base.
+3. Draft: Medusa, Hydra and Hydra++ heads trained by the regular recipe trainer, exported.
+4. Decode: held-out prompts through the speculative decoder with each, vs plain decoding of the same base.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from .base import SIMPLE_CHAT_TEMPLATE, set_seed
 CORPUS_BYTES = 3_000_000
 VOCAB = 512
 SEQ = 256
+# The three head types of the paper, as recipe `head` and `loss` sections (4 heads each).
+HEADS = {
+    "medusa": ({"type": "medusa", "num_heads": 4, "num_layers": 1}, {}),
+    "hydra": ({"type": "hydra", "num_heads": 4, "num_layers": 1}, {}),
+    "hydra++": ({"type": "hydra", "num_heads": 4, "num_layers": 4, "prefix_attention": True}, {"distill_weight": 1.0}),
+}
 
 
 def stdlib_corpus(max_bytes: int = CORPUS_BYTES) -> list[str]:
@@ -109,9 +115,10 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
 
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
                num_prompts: int = 16, max_new_tokens: int = 96) -> dict:
-    """Build a base, train + export Medusa heads, decode; print tables and return the figures."""
+    """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode; print tables and return the figures."""
     from .config import build_recipe
-    from .decode.cli import load_decoder, run_generate
+    from .decode.acceptance import Sampling
+    from .decode.cli import encode_prompt, load_decoder, plain_generate
     from .train import train
 
     out_dir = Path(out)
@@ -129,54 +136,72 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"[1/4] reusing the base in {base_dir}")
     (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
-    print("[2/4] training Medusa heads with the recipe trainer")
-    recipe = build_recipe({
-        "base": {"name_or_path": str(base_dir), "dtype": "float32"},
-        "head": {"type": "medusa", "num_heads": 4, "num_layers": 1},
-        "data": {"path": str(data_dir / "heads.jsonl"), "format": "text", "max_len": SEQ, "eval_size": 0.1,
-                 "eval_pick": "tail"},
-        "train": {"lr": 1e-2, "warmup_steps": 20, "max_steps": head_steps, "batch_size": 8,
-                  "eval_every_steps": head_steps, "save_every_steps": head_steps, "log_every_steps": 25,
-                  "seed": seed},
-        "output_dir": str(out_dir / "medusa"),
-    }, source="quickstart")
-    (out_dir / "medusa.yaml").write_text("# draftlab train " + str(out_dir / "medusa.yaml") + "\n"
-                                         + __import__("draftlab.config", fromlist=["dump_recipe"]).dump_recipe(recipe))
-    result = train(recipe, overwrite=True)
-    ev = result["eval"]
-    print("\nheld-out accuracy per head (head k predicts the token k+1 past the base's):")
-    print("| head | top-1 | top-5 |\n|---|---|---|")
-    for k, (a1, a5) in enumerate(zip(ev["top1"], ev["topk"]), start=1):
-        print(f"| {k} | {a1:.3f} | {a5:.3f} |")
-    summary["head_top1"] = [round(x, 4) for x in ev["top1"]]
-    summary["head_top5"] = [round(x, 4) for x in ev["topk"]]
-    summary["export"] = result["export"]
+    from .config import dump_recipe
 
-    print(f"\n[3/4] decoding {num_prompts} held-out prompts ({max_new_tokens} new tokens, greedy)")
-    decoder, tok, _ = load_decoder(result["export"])
-    held = docs[split:]
-    prompts = [d[: 200] for d in held[:num_prompts]]
-    rep = run_generate(decoder, tok, prompts[:1], max_new_tokens, compare=True)  # warm both paths
-    rows = []
-    totals = {"new": 0, "steps": 0, "t": 0.0, "bt": 0.0, "identical": True}
+    print(f"[2/4] training {', '.join(HEADS)} heads with the recipe trainer ({head_steps} steps each)")
+    results = {}
+    for kind, (head, loss) in HEADS.items():
+        recipe = build_recipe({
+            "base": {"name_or_path": str(base_dir), "dtype": "float32"},
+            "head": head, "loss": loss,
+            "data": {"path": str(data_dir / "heads.jsonl"), "format": "text", "max_len": SEQ, "eval_size": 0.1,
+                     "eval_pick": "tail"},
+            "train": {"lr": 1e-2, "warmup_steps": 20, "max_steps": head_steps, "batch_size": 8,
+                      "eval_every_steps": head_steps, "save_every_steps": head_steps, "log_every_steps": 25,
+                      "seed": seed},
+            "output_dir": str(out_dir / kind),
+        }, source="quickstart")
+        path = out_dir / f"{kind}.yaml"
+        path.write_text(f"# draftlab train {path}\n" + dump_recipe(recipe))
+        print(f"  {kind}: {path}")
+        results[kind] = train(recipe, overwrite=True)
+    print("\nheld-out top-1 accuracy per head (head k predicts the token k+1 past the base's):")
+    print("| head | " + " | ".join(HEADS) + " |")
+    print("|---" * (len(HEADS) + 1) + "|")
+    for k in range(4):
+        print(f"| {k + 1} | " + " | ".join(f"{results[h]['eval']['top1'][k]:.3f}" for h in HEADS) + " |")
+
+    print(f"\n[3/4] decoding {num_prompts} held-out prompts ({max_new_tokens} new tokens, greedy), "
+          "each head type and plain decoding in turn")
+    decoders = {}
+    for kind in HEADS:
+        decoders[kind], tok, _ = load_decoder(results[kind]["export"])
+    base = decoders["medusa"].base
+    for d in decoders.values():  # one base object, so every method runs the same weights
+        d.base = base
+    eos = tok.eos_token_id
+    prompts = [encode_prompt(tok, d[:200], chat=False) for d in docs[split:][:num_prompts]]
+    for d in decoders.values():  # warm-up outside the timed region
+        d.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
+    plain_generate(base, prompts[:1], 8, Sampling(), eos)
+    tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True} for k in HEADS}
+    plain_t = plain_new = 0
     for p in tqdm(prompts, desc="decode"):
-        rep = run_generate(decoder, tok, [p], max_new_tokens, compare=True)
-        totals["new"] += rep["new_tokens"]
-        totals["steps"] += rep["steps"] + 1  # + prefill, which commits the first token
-        totals["t"] += rep["new_tokens"] / rep["tokens_per_s"]
-        totals["bt"] += rep["new_tokens"] / rep["baseline_tokens_per_s"]
-        totals["identical"] &= rep["identical_to_baseline"]
-        rows.append(rep)
-    accept = sum(r["accept_length"] * r["steps"] for r in rows) / max(1, sum(r["steps"] for r in rows))
-    tps, btps = totals["new"] / totals["t"], totals["new"] / totals["bt"]
-    summary.update({"accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
-                    "baseline_tokens_per_s": round(btps, 1), "speedup": round(tps / btps, 3),
-                    "identical_to_baseline": totals["identical"], "tree_size": decoder.tree.size,
-                    "wall_s": round(time.perf_counter() - t_start, 1)})
+        ref, t = plain_generate(base, [p], max_new_tokens, Sampling(), eos)
+        plain_t, plain_new = plain_t + t, plain_new + len(ref[0])
+        for kind, dec in decoders.items():
+            t0 = time.perf_counter()
+            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
+            row = tot[kind]
+            row["t"] += time.perf_counter() - t0
+            row["new"] += res.new_tokens
+            row["committed"] += sum(res.committed)
+            row["steps"] += res.steps
+            row["identical"] &= res.tokens[0] == ref[0]
+    btps = plain_new / plain_t
     print("\n[4/4] speculative decoding vs plain decoding of the same base")
-    print("| accept length | draftlab tokens/s | plain tokens/s | speedup | identical to plain greedy |")
-    print("|---|---|---|---|---|")
-    print(f"| {accept:.2f} | {tps:.1f} | {btps:.1f} | {tps / btps:.2f}x | {totals['identical']} |")
-    print(f"\nexport: {result['export']}   (try: draftlab generate {result['export']} --prompt 'def ' --compare)")
+    print(f"plain decoding: {btps:.1f} tokens/s; tree of {decoders['medusa'].tree.size} tokens\n")
+    print("| heads | accept length | tokens/s | speedup | identical to plain greedy |\n|---|---|---|---|---|")
+    summary.update({"tree_size": decoders["medusa"].tree.size, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    for kind, row in tot.items():
+        accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
+        summary["heads"][kind] = {"accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+                                  "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"],
+                                  "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
+                                  "export": results[kind]["export"]}
+        print(f"| {kind} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
+    summary["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(f"\nexports: {', '.join(r['export'] for r in results.values())}\n"
+          f"(try: draftlab generate {results['hydra']['export']} --prompt 'def ' --compare)")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

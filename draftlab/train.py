@@ -28,6 +28,43 @@ class RunDirError(ValueError):
     """output_dir holds a different run; says what differs and how to proceed."""
 
 
+class StopRequest:
+    """A polite stop: SIGTERM / SIGUSR1 to this process, or a file `STOP` in the run directory.
+
+    Slurm sends a signal before a time limit or preemption; launchers do not always forward it to
+    every worker, so the sbatch scripts also touch OUTPUT_DIR/STOP. All ranks agree on the flag
+    (one all-reduce per optimizer step) and stop together after a checkpoint.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self, out_dir: Path, accelerator):
+        import signal
+        import threading
+
+        self.file, self.accelerator, self.flag, self.old = out_dir / "STOP", accelerator, False, {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self.old[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.flag = True
+
+    def requested(self) -> bool:
+        local = self.flag or self.file.exists()
+        if self.accelerator.num_processes == 1:
+            return local
+        t = torch.tensor([float(local)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+
+    def close(self) -> None:
+        import signal
+
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+
 class DraftObjective(nn.Module):
     """The draft module plus its loss, so that DDP/FSDP wrap one forward that returns the loss."""
 
@@ -61,9 +98,17 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn line from a killed process: dropped
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """Newest complete checkpoint (one whose trainer_state.json was written last, after the weights)."""
-    ckpts = [p for p in (output_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file()]
+    ckpts = [p for p in (output_dir / "checkpoints").glob("step_*")
+             if p.name[5:].isdigit() and (p / "trainer_state.json").is_file()]  # never a half-renamed step_N.tmp
     return max(ckpts, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
@@ -132,6 +177,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_recipe(recipe))
+        (out_dir / "STOP").unlink(missing_ok=True)  # a stop request belongs to the run it stopped
+    accelerator.wait_for_everyone()
     set_seed(t.seed)
 
     b = recipe.base
@@ -174,6 +221,11 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
         if is_main:
             print(f"resuming from {ckpt} (step {step} of {total_steps})")
+            # Records logged after that checkpoint (by a run killed later) are about to be redone.
+            mf = out_dir / "metrics.jsonl"
+            if mf.is_file():
+                keep = [l for l in mf.read_text().splitlines() if l.strip() and _logged_step(l) <= step]
+                mf.write_text("".join(l + "\n" for l in keep))
 
     if recipe.log.trackers:
         flat = {k: v for k, v in yaml.safe_load(dump_recipe(recipe)).items() if not isinstance(v, dict)}
@@ -227,6 +279,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
     last_eval = None
     end_step = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)
+    stopper = StopRequest(out_dir, accelerator)
+    stopped = False
     micro = step * ga
     batches_cache: dict[int, list] = {}
     while step < end_step:
@@ -262,7 +316,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         if step % t.log_every_steps == 0 or step == end_step:
             dt = time.perf_counter() - window["t0"]
             n = out["count"].clamp(min=1)
-            rec = {"step": step, "loss": window["loss"] / window["n"], "lr": scheduler.get_last_lr()[0],
+            rec = {"step": step, "epoch": round(micro / micro_per_epoch, 3), "loss": window["loss"] / window["n"],
+                   "lr": scheduler.get_last_lr()[0],
                    "tokens_per_s": window["tokens"] / dt, "train_top1": (out["top1"] / n).tolist()}
             if grad_norm is not None:
                 rec["grad_norm"] = float(grad_norm)
@@ -272,11 +327,19 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         if eval_ex and (step % t.eval_every_steps == 0 or step == total_steps):
             last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)
             log({"step": step, "event": "eval", **last_eval})
-        if step % t.save_every_steps == 0 or step == end_step:
+        stopped = step < end_step and stopper.requested()
+        if step % t.save_every_steps == 0 or step == end_step or stopped:
             save_checkpoint(step)
+        if stopped:
+            log({"step": step, "event": "stopped", "reason": "stop requested (signal or STOP file)"})
+            if is_main:
+                print(f"\nstop requested: checkpoint saved at step {step}; run the same command to resume")
+            break
     bar.close()
+    stopper.close()
 
-    summary = {"step": step, "total_steps": total_steps, "output_dir": str(out_dir), "finished": step >= total_steps}
+    summary = {"step": step, "total_steps": total_steps, "output_dir": str(out_dir), "finished": step >= total_steps,
+               "stopped": stopped}
     if step >= total_steps:
         if last_eval is None and eval_ex:
             last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)

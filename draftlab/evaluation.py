@@ -1,0 +1,415 @@
+"""`draftlab eval mt-bench` and `draftlab eval compare`: speed and losslessness on MT-Bench-style questions.
+
+For every question, the draftlab decoder and plain decoding of the same base answer each turn in
+turn (draftlab turn 1, plain turn 1, draftlab turn 2, ...), so both see the same machine state;
+the second turn sees that method's own first answer through the chat template. Answers are written
+in FastChat's model-answer JSONL format (one file per method) with per-turn statistics beside the
+turns, so FastChat's judge can score them and a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .decode.acceptance import Sampling
+from .decode.cli import load_decoder, plain_generate
+from .decode.search_cli import hardware
+
+RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
+            "seed", "baseline")
+
+
+class EvalError(ValueError):
+    """A user-fixable problem with the questions or the output directory."""
+
+
+def load_questions(src: str, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
+    """FastChat / Spec-Bench questions ({question_id, category, turns}) from a JSONL file or a hub dataset id."""
+    if Path(src).exists():
+        rows = []
+        with open(src, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"{src}:{n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise EvalError(f"{src}:{n}: not valid JSON ({e.msg})") from None
+    else:
+        if "/" not in src:
+            raise EvalError(f"--questions {src!r}: no such file, and not a hub dataset id (owner/name)")
+        from datasets import load_dataset
+
+        ds = load_dataset(src, split="train")
+        rows = [(f"{src}[{i}]", dict(r)) for i, r in enumerate(ds)]
+    out = []
+    for where, r in rows:
+        missing = [k for k in ("question_id", "category", "turns") if k not in r]
+        if missing:
+            raise EvalError(f"{where}: question record lacks {', '.join(missing)} "
+                            "(expected FastChat's {question_id, category, turns})")
+        if not isinstance(r["turns"], list) or not r["turns"] or not all(isinstance(t, str) for t in r["turns"]):
+            raise EvalError(f"{where}: `turns` must be a non-empty list of strings")
+        out.append({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"]})
+    if categories:
+        known = sorted({q["category"] for q in out})
+        bad = [c for c in categories if c not in known]
+        if bad:
+            raise EvalError(f"--category {', '.join(bad)}: not in {src} (categories: {', '.join(known)})")
+        out = [q for q in out if q["category"] in categories]
+    return out[:limit] if limit else out
+
+
+def read_answers(path: Path) -> dict:
+    """question_id -> answer record of an answer file (a torn last line from a crash is ignored)."""
+    done = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[r["question_id"]] = r
+    return done
+
+
+def _prompt_ids(tok, messages: list[dict], budget: int) -> tuple[list[int], bool]:
+    """Chat-template ids of a conversation ending in a user turn; keeps the last `budget` tokens."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    if len(ids) > budget:
+        return ids[-budget:], True
+    return ids, False
+
+
+def _context_budget(base, max_new_tokens: int, tree_size: int) -> int:
+    ctx = getattr(base.config, "max_position_embeddings", None) or 1 << 30
+    budget = ctx - max_new_tokens - tree_size - 1
+    if budget < 16:
+        raise EvalError(f"--max-new-tokens {max_new_tokens} leaves {budget} prompt tokens in the base's "
+                        f"{ctx}-token context; lower it")
+    return budget
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: int, seed: int, budget: int,
+                    baseline: bool) -> tuple[dict, dict | None]:
+    """Both methods answer every turn of one question, interleaved; returns (draftlab turns, plain turns)."""
+    eos = tok.eos_token_id
+    dev = decoder.device
+    conv = {"draftlab": [], "plain": []}
+    turns = {"draftlab": [], "plain": []}
+    for t, question in enumerate(q["turns"]):
+        turn_seed = seed + 1000 * (zlib.crc32(str(q["question_id"]).encode()) % 1000003) + t  # same on resume
+        for method in ("draftlab", "plain") if baseline else ("draftlab",):
+            conv[method].append({"role": "user", "content": question})
+            ids, cut = _prompt_ids(tok, conv[method], budget)
+            if method == "draftlab":
+                gen = torch.Generator(device=dev).manual_seed(turn_seed)
+                t0 = time.perf_counter()
+                res = decoder.generate([ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
+                                       generator=gen)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                tokens = res.tokens[0]
+                stats = {"new_tokens": len(tokens), "steps": res.steps, "accept_length": round(res.accept_length, 4),
+                         "wall_time": round(wall, 5), "step_hist": dict(Counter(res.committed))}
+            else:
+                out, wall = plain_generate(decoder.base, [ids], max_new_tokens, sampling, eos, turn_seed)
+                tokens = out[0]
+                stats = {"new_tokens": len(tokens), "steps": len(tokens), "wall_time": round(wall, 5)}
+            text = tok.decode(tokens, skip_special_tokens=True).strip()
+            conv[method].append({"role": "assistant", "content": text})
+            turns[method].append({"text": text, "tokens": tokens, "prompt_truncated": cut, **stats})
+    return turns["draftlab"], (turns["plain"] if baseline else None)
+
+
+def answer_record(q: dict, model_id: str, turns: list[dict], extra: dict | None = None) -> dict:
+    """FastChat model-answer record; per-turn statistics sit beside `turns` in the choice (as EAGLE's do)."""
+    choice = {"index": 0, "turns": [t["text"] for t in turns]}
+    for k in ("new_tokens", "steps", "wall_time", "accept_length", "step_hist", "prompt_truncated"):
+        if k in turns[0]:
+            choice[k] = [t[k] for t in turns]
+    rec = {"question_id": q["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": model_id,
+           "choices": [choice], "tstamp": time.time()}
+    rec.update(extra or {})
+    return rec
+
+
+def _agg(d_recs: list[dict], b_recs: list[dict]) -> dict:
+    """Accept length (token-weighted over steps), tokens/s and speedup over a set of answers."""
+    ch = [r["choices"][0] for r in d_recs]
+    new = sum(sum(c["new_tokens"]) for c in ch)
+    wall = sum(sum(c["wall_time"]) for c in ch)
+    steps = sum(sum(c["steps"]) for c in ch)
+    committed = sum(sum(a * s for a, s in zip(c["accept_length"], c["steps"])) for c in ch)
+    row = {"answers": len(d_recs), "turns": sum(len(c["turns"]) for c in ch), "new_tokens": new,
+           "accept_length": round(committed / steps, 3) if steps else 0.0,
+           "tokens_per_s": round(new / wall, 2) if wall else 0.0}
+    if b_recs:
+        bch = [r["choices"][0] for r in b_recs]
+        bnew, bwall = sum(sum(c["new_tokens"]) for c in bch), sum(sum(c["wall_time"]) for c in bch)
+        row["baseline_tokens_per_s"] = round(bnew / bwall, 2) if bwall else 0.0
+        row["speedup"] = round(row["tokens_per_s"] / row["baseline_tokens_per_s"], 3) if bwall and bnew else 0.0
+    if d_recs and "identical" in d_recs[0]:
+        row["identical_share"] = round(sum(r["identical"] for r in d_recs) / len(d_recs), 4)
+    return row
+
+
+def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict) -> dict:
+    qs = [q for q in questions if q["question_id"] in d_ans]
+    cats = sorted({q["category"] for q in qs})
+    by = lambda ans, c: [ans[q["question_id"]] for q in qs if c in (None, q["category"]) and q["question_id"] in ans]
+    hist = Counter()
+    for q in qs:
+        for h in d_ans[q["question_id"]]["choices"][0]["step_hist"]:
+            hist.update({int(k): v for k, v in h.items()})
+    diffs = [{"question_id": q["question_id"], "category": q["category"], **d}
+             for q in qs for d in d_ans[q["question_id"]].get("differences", [])]
+    return {**settings, "hardware": hardware(), "overall": _agg(by(d_ans, None), by(b_ans, None)),
+            "categories": {c: _agg(by(d_ans, c), by(b_ans, c)) for c in cats},
+            "accept_histogram": {str(k): hist[k] for k in sorted(hist)}, "differences": diffs}
+
+
+def write_report(out: Path, s: dict) -> Path:
+    """report.md: settings, overall and per-category table, differences from plain decoding."""
+    cols = ["accept length", "tokens/s", "plain tokens/s", "speedup"] + (["identical"] if s["greedy"] else [])
+    lines = [f"# MT-Bench speed: {s['model_id']}", "",
+             f"export `{s['export']}`, base `{s['base']}`, tree of {s['tree_size']} tokens, "
+             f"temperature {s['temperature']}, max {s['max_new_tokens']} new tokens, questions `{s['questions']}`, "
+             f"{s['hardware']}", "",
+             "| category | answers | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+
+    def row(name, r):
+        cells = [f"{r['accept_length']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r.get('baseline_tokens_per_s', 0):.1f}",
+                 f"{r.get('speedup', 0):.2f}x"]
+        if s["greedy"]:
+            cells.append(f"{100 * r.get('identical_share', 0):.0f}%")
+        return f"| {name} | {r['answers']} | " + " | ".join(cells) + " |"
+    lines += [row(c, r) for c, r in s["categories"].items()] + [row("**overall**", s["overall"])]
+    if s["greedy"]:
+        lines += ["", "Greedy decoding must reproduce plain decoding exactly."]
+        if s["differences"]:
+            lines += ["Differences:", ""] + [f"- question {d['question_id']} ({d['category']}), turn {d['turn']}: "
+                                             f"first differing token at position {d['position']}"
+                                             for d in s["differences"]]
+        else:
+            lines.append("Every answer is identical to plain decoding.")
+    lines += ["", "Plots: `speedup_per_category.png`, `accept_length_hist.png`."]
+    p = out / "report.md"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def plot_summary(out: Path, s: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(s["categories"])
+    p1, p2 = out / "speedup_per_category.png", out / "accept_length_hist.png"
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(cats) + 2), 3.5))
+    key = "speedup" if "speedup" in s["overall"] else "accept_length"
+    vals = [s["categories"][c].get(key, 0) for c in cats] + [s["overall"].get(key, 0)]
+    ax.bar(cats + ["overall"], vals, color=["tab:blue"] * len(cats) + ["tab:orange"])
+    if key == "speedup":
+        ax.axhline(1.0, color="0.4", lw=1, ls="--")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_title(f"{s['model_id']}: {key.replace('_', ' ')} per category")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    h = s["accept_histogram"]
+    ax.bar([int(k) for k in h], list(h.values()))
+    ax.set_xlabel("tokens committed per verification step (bonus included)")
+    ax.set_ylabel("steps")
+    ax.set_title(f"mean accept length {s['overall']['accept_length']:.2f}")
+    fig.tight_layout()
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [str(p1), str(p2)]
+
+
+def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
+    """Refuse to mix answers made under other settings into one run directory."""
+    f = out / "run.json"
+    if f.is_file() and not overwrite:
+        old = json.loads(f.read_text())
+        diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
+        if diff:
+            raise EvalError(f"{out} holds answers made with other settings ({', '.join(f'{k}: {old.get(k)!r} -> {settings.get(k)!r}' for k in diff)}); "
+                            "use another --out, or --overwrite to start again")
+    if overwrite:
+        shutil.rmtree(out / "answers", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(settings, indent=2))
+
+
+def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, typical: bool = False, max_new_tokens: int = 1024,
+                 limit: int | None = None, categories: list[str] | None = None, base: str | None = None,
+                 dtype: str | None = None, device: str | None = None, seed: int = 0, baseline: bool = True,
+                 model_id: str | None = None, overwrite: bool = False, progress: bool = True,
+                 plots: bool = True) -> dict:
+    """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots."""
+    qs = load_questions(questions, categories, limit)
+    if not qs:
+        raise EvalError(f"{questions}: no questions selected")
+    decoder, tok, meta = load_decoder(export, base, tree, dtype, device)
+    if tok.chat_template is None:
+        raise EvalError(f"the tokenizer of {meta['base']['name_or_path']} has no chat template")
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
+    greedy = temperature <= 0 and not typical
+    base_name = base or meta["base"]["name_or_path"]
+    short = Path(base_name.rstrip("/")).name
+    model_id = model_id or f"{short}-draftlab-{meta['head']['type']}"
+    settings = {"export": str(export), "base": base_name, "questions": str(questions), "tree": tree,
+                "tree_size": decoder.tree.size, "head": meta["head"]["type"], "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "typical": typical, "greedy": greedy,
+                "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
+                "baseline_model_id": f"{short}-plain"}
+    outp = Path(out)
+    _settings_file(outp, settings, overwrite)
+    ans_dir = outp / "answers"
+    ans_dir.mkdir(exist_ok=True)
+    d_path, b_path = ans_dir / f"{model_id}.jsonl", ans_dir / f"{short}-plain.jsonl"
+    d_ans, b_ans = read_answers(d_path), read_answers(b_path)
+    # A question counts as done only when every method's answer is on disk.
+    done = {qid for qid in d_ans if qid in b_ans or not baseline}
+    for path, ans in ((d_path, d_ans), (b_path, b_ans)):
+        stale = [qid for qid in ans if qid not in done]
+        if stale:
+            path.write_text("".join(json.dumps(ans.pop(qid)) + "\n" for qid in list(ans) if qid in done))
+    todo = [q for q in qs if q["question_id"] not in done]
+    budget = _context_budget(decoder.base, max_new_tokens, decoder.tree.size)
+    if todo:  # warm-up of both paths, not timed and not recorded
+        warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
+        answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline)
+    bar = tqdm(todo, desc="mt-bench", unit="question", disable=not progress)
+    with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
+        for q in bar:
+            d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline)
+            extra = {}
+            if baseline and greedy:
+                diffs = [{"turn": t + 1, "position": _first_diff(d["tokens"], b["tokens"])}
+                         for t, (d, b) in enumerate(zip(d_turns, b_turns))]
+                diffs = [d for d in diffs if d["position"] is not None]
+                extra = {"identical": not diffs, "differences": diffs}
+            d_rec = answer_record(q, model_id, d_turns, extra)
+            if baseline:
+                b_rec = answer_record(q, settings["baseline_model_id"], b_turns)
+                fb.write(json.dumps(b_rec) + "\n")
+                fb.flush()
+                b_ans[q["question_id"]] = b_rec
+            fd.write(json.dumps(d_rec) + "\n")  # written last: its presence marks the question done
+            fd.flush()
+            os.fsync(fd.fileno())
+            d_ans[q["question_id"]] = d_rec
+            new = sum(d_rec["choices"][0]["new_tokens"])
+            bar.set_postfix(accept=f"{d_turns[-1]['accept_length']:.2f}", tokens=new)
+    summary = summarize(qs, d_ans, b_ans if baseline else {}, settings)
+    summary["answers"] = {"draftlab": str(d_path), **({"plain": str(b_path)} if baseline else {})}
+    summary["report"] = str(write_report(outp, summary))
+    if plots:
+        summary["plots"] = plot_summary(outp, summary)
+    (outp / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
+    """Markdown table of several eval runs side by side (overall, then speedup per category)."""
+    runs = []
+    for d in dirs:
+        f = Path(d) / "summary.json"
+        if not f.is_file():
+            raise EvalError(f"{d}: no summary.json (not a `draftlab eval mt-bench` output directory, or unfinished)")
+        runs.append({"dir": d, **json.loads(f.read_text())})
+    cats = sorted({c for r in runs for c in r["categories"]})
+    key = "speedup" if all("speedup" in r["overall"] for r in runs) else "accept_length"
+    head = ["run", "head", "tree size", "accept length", "tokens/s", "speedup", "identical"] + cats
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in runs:
+        o = r["overall"]
+        ident = f"{100 * o['identical_share']:.0f}%" if "identical_share" in o else "-"
+        cells = [r["dir"], r["head"], str(r["tree_size"]), f"{o['accept_length']:.2f}", f"{o['tokens_per_s']:.1f}",
+                 f"{o['speedup']:.2f}x" if "speedup" in o else "-", ident]
+        cells += [f"{r['categories'][c][key]:.2f}" if c in r["categories"] else "-" for c in cats]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nper-category columns: {key.replace('_', ' ')}")
+    return "\n".join(lines), runs
+
+
+def add_eval_args(sub) -> None:
+    p = sub.add_parser("mt-bench", help="speed and losslessness on MT-Bench / Spec-Bench questions",
+                       description="Answer FastChat-format questions (two turns through the chat template) with "
+                                   "the speculative decoder and with plain decoding of the same base, interleaved; "
+                                   "write FastChat answer files, summary.json, report.md and PNG plots. "
+                                   "Resumable: answers already in --out are kept.")
+    p.add_argument("export", help="export directory")
+    p.add_argument("--questions", required=True, help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id")
+    p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
+    p.add_argument("--tree", default=None, help="tree file, 'chain' or 'default'")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--limit", type=int, default=None, help="first N selected questions")
+    p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
+    p.add_argument("--base", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-id", default=None, help="model_id in the answer file")
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    c = sub.add_parser("compare", help="side-by-side table of eval run directories",
+                       description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees).")
+    c.add_argument("runs", nargs="+", help="run directories holding summary.json")
+    c.add_argument("--json", action="store_true")
+
+
+def eval_command(a) -> int:
+    if a.eval_cmd == "compare":
+        table, runs = compare_runs(a.runs)
+        if a.json:
+            print(json.dumps([{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
+                               "categories": r["categories"]} for r in runs]))
+        else:
+            print(table)
+        return 0
+    out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
+    s = run_mt_bench(a.export, a.questions, out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
+                     a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
+                     a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots)
+    if a.json:
+        print(json.dumps(s))
+        return 0
+    print(Path(s["report"]).read_text())
+    print(f"answers: {', '.join(s['answers'].values())}\nreport: {s['report']}")
+    if s["greedy"] and s["baseline"] and s["differences"]:
+        print(f"WARNING: {len(s['differences'])} turns differ from plain greedy decoding", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,123 @@
+"""`draftlab eval mt-bench` / `eval compare` on stories260K (its chat template comes from the importer)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import SHARED, needs_shared
+from test_decoder import noisy_heads
+from draftlab.evaluation import EvalError, compare_runs, load_questions, run_mt_bench
+
+pytestmark = needs_shared
+MT = SHARED / "mt_bench" / "question.jsonl"
+SPEC = SHARED / "spec_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def export(stories_dir, tmp_path_factory):
+    from draftlab.base import load_base
+    from draftlab.export import save_export
+
+    base, _ = load_base(str(stories_dir), "float32")
+    return str(save_export(noisy_heads(base, num_heads=4, noise=0.02), base,
+                           tmp_path_factory.mktemp("exp") / "export", str(stories_dir)))
+
+
+def lines(path):
+    return [json.loads(l) for l in open(path)]
+
+
+def test_questions_formats_and_errors(tmp_path):
+    mt = load_questions(str(MT))
+    assert len(mt) == 80 and {q["category"] for q in mt} >= {"writing", "coding", "math"}
+    assert all(len(q["turns"]) == 2 for q in mt)
+    spec = load_questions(str(SPEC), categories=["translation", "rag"], limit=5)
+    assert len(spec) == 5 and {q["category"] for q in spec} == {"translation"}
+    with pytest.raises(EvalError, match="--category poetry: not in .*categories: coding"):
+        load_questions(str(MT), categories=["poetry"])
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n{"question_id": 2, "turns": ["a"]}\n')
+    with pytest.raises(EvalError, match=r"q.jsonl:2: question record lacks category"):
+        load_questions(str(bad))
+    with pytest.raises(EvalError, match="no such file, and not a hub dataset id"):
+        load_questions("nothing-here.jsonl")
+
+
+def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path):
+    from draftlab.base import load_base
+
+    out = tmp_path / "run"
+    kw = dict(max_new_tokens=24, progress=False)
+    s = run_mt_bench(export, str(MT), str(out), limit=3, **kw)
+    d, b = lines(s["answers"]["draftlab"]), lines(s["answers"]["plain"])
+    assert [r["question_id"] for r in d] == [81, 82, 83] == [r["question_id"] for r in b]
+    rec = d[0]
+    assert set(rec) >= {"question_id", "answer_id", "model_id", "choices", "tstamp"}
+    ch = rec["choices"][0]
+    assert ch["index"] == 0 and len(ch["turns"]) == 2 and all(isinstance(t, str) for t in ch["turns"])
+    assert len(ch["new_tokens"]) == len(ch["steps"]) == len(ch["wall_time"]) == 2
+    assert all(r["identical"] for r in d) and d[0]["choices"][0]["turns"] == b[0]["choices"][0]["turns"]
+    o = s["overall"]
+    assert o["identical_share"] == 1.0 and s["differences"] == [] and o["answers"] == 3 and o["turns"] == 6
+    assert o["accept_length"] >= 1.0 and o["speedup"] > 0 and list(s["categories"]) == ["writing"]
+    steps = sum(sum(r["choices"][0]["steps"]) for r in d)
+    assert sum(s["accept_histogram"].values()) == steps
+    report = (out / "report.md").read_text()
+    assert "| writing | 3 |" in report and "Every answer is identical" in report
+    assert (out / "speedup_per_category.png").stat().st_size > 0 and (out / "accept_length_hist.png").is_file()
+
+    # The second turn sees the first answer through the chat template: replay the plain turn 2 by hand.
+    base, tok = load_base(str(stories_dir), "float32")
+    q = load_questions(str(MT), limit=1)[0]
+    msgs = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": b[0]["choices"][0]["turns"][0]},
+            {"role": "user", "content": q["turns"][1]}]
+    ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+    gen = base.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    if tok.eos_token_id in gen:
+        gen = gen[: gen.index(tok.eos_token_id)]
+    assert tok.decode(gen, skip_special_tokens=True).strip() == b[0]["choices"][0]["turns"][1]
+
+    # Resume: a crash after the plain answer of question 84 but before the draftlab one.
+    s = run_mt_bench(export, str(MT), str(out), limit=4, **kw)
+    ids_before = [r["answer_id"] for r in lines(s["answers"]["draftlab"])]
+    with open(s["answers"]["draftlab"]) as f:
+        kept = f.readlines()[:3]
+    open(s["answers"]["draftlab"], "w").writelines(kept)
+    s = run_mt_bench(export, str(MT), str(out), limit=4, **kw)
+    d2, b2 = lines(s["answers"]["draftlab"]), lines(s["answers"]["plain"])
+    assert [r["question_id"] for r in d2] == [81, 82, 83, 84] == [r["question_id"] for r in b2]
+    assert [r["answer_id"] for r in d2][:3] == ids_before[:3] and d2[3]["answer_id"] != ids_before[3]
+    assert s["overall"]["answers"] == 4
+
+    with pytest.raises(EvalError, match="other settings .*max_new_tokens: 24 -> 16"):
+        run_mt_bench(export, str(MT), str(out), limit=4, max_new_tokens=16, progress=False)
+
+
+def test_sampling_run_and_compare(export, tmp_path):
+    a = run_mt_bench(export, str(SPEC), str(tmp_path / "a"), categories=["translation"], limit=2, max_new_tokens=16,
+                     temperature=0.8, progress=False, plots=False)
+    assert "identical_share" not in a["overall"] and a["overall"]["new_tokens"] > 0
+    assert len(lines(a["answers"]["draftlab"])[0]["choices"][0]["turns"]) == 1  # Spec-Bench: one turn
+    run_mt_bench(export, str(SPEC), str(tmp_path / "b"), categories=["translation"], limit=2, max_new_tokens=16,
+                 tree="chain", progress=False, plots=False)
+    table, runs = compare_runs([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert len(runs) == 2 and table.splitlines()[0].endswith("| identical | translation |")
+    rows = table.splitlines()[2:4]
+    assert rows[0].split(" | ")[2] == str(runs[0]["tree_size"]) and rows[1].split(" | ")[2] == "5"
+    assert rows[0].split(" | ")[6] == "-" and rows[1].split(" | ")[6] == "100%"  # sampled vs greedy run
+    with pytest.raises(EvalError, match="no summary.json"):
+        compare_runs([str(tmp_path)])
+
+
+def test_eval_cli_json(export, tmp_path, capsys):
+    from draftlab.cli import main
+
+    rc = main(["eval", "mt-bench", export, "--questions", str(MT), "--limit", "1", "--max-new-tokens", "8",
+               "--out", str(tmp_path / "r"), "--category", "coding", "--json"])
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and s["overall"]["identical_share"] == 1.0 and list(s["categories"]) == ["coding"]
+    assert main(["eval", "compare", str(tmp_path / "r")]) == 0
+    assert "coding" in capsys.readouterr().out
+    assert main(["eval", "mt-bench", export, "--questions", str(MT), "--category", "poetry", "--json"]) == 2

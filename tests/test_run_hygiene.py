@@ -1,0 +1,109 @@
+"""Kill, stop and resume: a run killed (SIGKILL) or asked to stop (STOP file, SIGTERM) at any point resumes
+to the same final weights as a run that was never interrupted; half-written checkpoints never load."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_train import data_file, recipe, weights  # noqa: F401  (fixture re-export)
+from draftlab.config import dump_recipe
+from draftlab.train import latest_checkpoint, train
+
+STEPS = 60
+
+
+def launch(cfg, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "draftlab.cli", "train", str(cfg)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(out, step, proc, timeout=120):
+    """Block until metrics.jsonl shows `step` (the process is then somewhere in the following steps)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        f = out / "metrics.jsonl"
+        if f.is_file() and any(json.loads(l).get("step", 0) >= step for l in f.read_text().splitlines()[1:]
+                               if l.strip().endswith("}")):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-2000:]
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_base_dir, data_file, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("straight") / "run"
+    train(recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1, eval_every_steps=STEPS))
+    return out
+
+
+@pytest.mark.parametrize("kill_after", [3, 17])
+def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_file, straight, tmp_path,  # noqa: F811
+                                                          kill_after):
+    out = tmp_path / "run"
+    r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1, eval_every_steps=STEPS)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(r))
+    p = launch(cfg, tmp_path)
+    wait_for_step(out, kill_after, p)
+    p.send_signal(signal.SIGKILL)  # a checkpoint save is likely in flight: one is written every step
+    p.wait()
+    assert not (out / "export").exists()
+    ck = latest_checkpoint(out)
+    assert ck is not None and (ck / "trainer_state.json").is_file()
+    summary = train(r)
+    assert summary["finished"] and summary["step"] == STEPS
+    assert_same_weights(straight, out)
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(l)]
+    assert steps == sorted(set(steps)), "records after the resumed checkpoint must not be duplicated"
+
+
+@pytest.mark.parametrize("how", ["stop_file", "sigterm"])
+def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straight, tmp_path, how):  # noqa: F811
+    out = tmp_path / "run"
+    r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1000, eval_every_steps=STEPS)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(r))
+    p = launch(cfg, tmp_path)
+    wait_for_step(out, 5, p)
+    if how == "stop_file":
+        (out / "STOP").touch()
+    else:
+        p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, log[-2000:]
+    assert "stop requested: checkpoint saved at step" in log
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "stopped" and 5 <= last["step"] < STEPS
+    assert latest_checkpoint(out).name == f"step_{last['step']}" and not (out / "export").exists()
+    summary = train(r)  # the STOP file is cleared at start: the resumed run goes to the end
+    assert summary["finished"] and not (out / "STOP").exists()
+    assert_same_weights(straight, out)
+
+
+def test_half_written_checkpoints_are_never_loaded(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    train(recipe(tiny_base_dir, data_file, out, max_steps=2, save_every_steps=2), stop_after_steps=2)
+    good = latest_checkpoint(out)
+    # A crash between trainer_state.json and the rename, and one in the middle of save_state.
+    torn = out / "checkpoints" / "step_9.tmp"
+    torn.mkdir()
+    (torn / "trainer_state.json").write_text('{"step": 9}')
+    (out / "checkpoints" / "step_7").mkdir()
+    assert latest_checkpoint(out) == good
