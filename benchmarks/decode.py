@@ -35,7 +35,7 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
     """Run every method on every prompt (interleaved, after a warm-up); figures per method."""
     for fn in methods.values():
         fn(prompts[0][:8])
-    stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "split": {}, "identical": 0} for m in methods}
+    stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "committed": 0, "split": {}, "identical": 0} for m in methods}
     for ids in prompts:
         ref = None
         for m, fn in methods.items():
@@ -47,7 +47,8 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
             s["time_s"] += time.perf_counter() - t0
             toks = out if isinstance(out, list) else out.tokens[0]
             if not isinstance(out, list):
-                s["steps"] += out.steps + 1  # the prefill forward commits the first token
+                s["steps"] += out.steps  # verification forwards (the prefill is not one)
+                s["committed"] += sum(out.committed)  # tokens those forwards committed, bonus included
                 for k, v in out.time_s.items():
                     s["split"][k] = s["split"].get(k, 0.0) + v
             ref = toks if m == reference else ref
@@ -60,9 +61,8 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
         r = {"tokens_per_s": round(tps, 1), "speedup": round(tps / base_tps, 3), "new_tokens": s["tokens"],
              "identical_to_baseline": s["identical"] == len(prompts)}
         if s["steps"]:
-            decode_steps = s["steps"] - len(prompts)
-            r["accept_length"] = round(s["tokens"] / s["steps"], 3)
-            r["ms_per_step"] = {k: round(1000 * v / max(decode_steps, 1), 3) for k, v in s["split"].items()
+            r["accept_length"] = round(s["committed"] / s["steps"], 3)  # as Result.accept_length
+            r["ms_per_step"] = {k: round(1000 * v / s["steps"], 3) for k, v in s["split"].items()
                                 if k != "prefill"}
         out[m] = r
     return out

@@ -101,6 +101,21 @@ class TrainSection(_Section):
                                                            "needs H x dtype bytes per training token")
 
 
+class DistributedSection(_Section):
+    strategy: Literal["ddp", "deepspeed"] = Field(
+        "ddp", description="ddp: heads replicated (Accelerate DDP); deepspeed: ZeRO through Accelerate's plugin")
+    zero_stage: Literal[2, 3] = Field(2, description="DeepSpeed ZeRO stage (deepspeed only)")
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="DeepSpeed offload of optimizer state (and of parameters at stage 3) to CPU")
+
+    @model_validator(mode="after")
+    def _deepspeed_only(self):
+        if self.strategy != "deepspeed":
+            if self.zero_stage != 2 or self.offload != "none":
+                raise ValueError("zero_stage and offload are DeepSpeed settings; set distributed.strategy: deepspeed")
+        return self
+
+
 class LogSection(_Section):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     project: str = "draftlab"
@@ -113,6 +128,7 @@ class Recipe(_Section):
     loss: LossSection = LossSection()
     data: DataSection
     train: TrainSection = TrainSection()
+    distributed: DistributedSection = DistributedSection()
     log: LogSection = LogSection()
     output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
 

@@ -298,8 +298,10 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     done = {qid for qid in d_ans if qid in b_ans or not baseline}
     for path, ans in ((d_path, d_ans), (b_path, b_ans)):
         stale = [qid for qid in ans if qid not in done]
+        for qid in stale:
+            del ans[qid]
         if stale:
-            path.write_text("".join(json.dumps(ans.pop(qid)) + "\n" for qid in list(ans) if qid in done))
+            path.write_text("".join(json.dumps(r) + "\n" for r in ans.values()))
     todo = [q for q in qs if q["question_id"] not in done]
     budget = _context_budget(decoder.base, max_new_tokens, decoder.tree.size)
     if todo:  # warm-up of both paths, not timed and not recorded

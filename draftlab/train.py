@@ -88,6 +88,47 @@ def micro_batch_indices(n: int, batch_size: int, epoch: int, seed: int, rank: in
     return [perm[(j * world + rank) * batch_size:(j * world + rank + 1) * batch_size] for j in range(per_rank)]
 
 
+def _single_process_group_env() -> None:
+    """One process without a launcher: DeepSpeed still wants a process group (of one)."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT", str(port))})
+
+
+def deepspeed_plugin(recipe: Recipe):
+    """Accelerate's DeepSpeed plugin for the heads (ZeRO 2/3, optional CPU offload), or None for DDP."""
+    d, t = recipe.distributed, recipe.train
+    if d.strategy != "deepspeed":
+        return None
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise RunDirError("distributed.strategy: deepspeed needs DeepSpeed: pip install -e '.[deepspeed]'") from None
+    from accelerate.utils import DeepSpeedPlugin
+
+    zero: dict = {"stage": d.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
+    if d.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if d.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "gradient_clipping": t.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.mixed_precision == "bf16"},
+        "fp16": {"enabled": t.mixed_precision == "fp16"},
+        "steps_per_print": 1 << 30,
+    }
+    return DeepSpeedPlugin(hf_ds_config=config)
+
+
 def lr_lambda(warmup: int, total: int):
     """Linear warmup then cosine decay to 0, as a multiplier of the peak lr."""
     def f(step: int) -> float:
@@ -167,12 +208,18 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
 
     t = recipe.train
     out_dir = prepare_run_dir(recipe, overwrite)
+    ds_plugin = deepspeed_plugin(recipe)
+    if ds_plugin is not None:
+        _single_process_group_env()
     accelerator = Accelerator(
-        # Without CUDA, cpu=True is what makes Accelerate run several processes over gloo.
-        cpu=not torch.cuda.is_available(),
+        # Without CUDA, cpu=True is what makes Accelerate run several processes over gloo (DeepSpeed
+        # brings its own CPU backend and must not be turned off by it).
+        cpu=not torch.cuda.is_available() and recipe.distributed.strategy != "deepspeed",
         mixed_precision=t.mixed_precision, log_with=recipe.log.trackers or None, project_dir=str(out_dir / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+        deepspeed_plugin=ds_plugin,
     )
+    deepspeed = recipe.distributed.strategy == "deepspeed"
     is_main = accelerator.is_main_process
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,6 +237,12 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     H, V = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
     draft = build_draft(recipe.head.model_dump(), H, V, base=base).float()
     objective = DraftObjective(draft, recipe.loss)
+    if recipe.distributed.strategy == "deepspeed" and recipe.distributed.zero_stage == 3:
+        from deepspeed.zero import register_external_parameter
+
+        # The chunked loss reads the heads' lm_head weights outside their own forward: ZeRO-3 must gather them.
+        for lm in draft.lm_heads:
+            register_external_parameter(objective, lm.weight)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
@@ -300,7 +353,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         with nullcontext() if sync else accelerator.no_sync(objective):
             with accelerator.autocast():
                 out = objective(hidden, batch["input_ids"], batch["loss_mask"], batch["attention_mask"], base_weight)
-            accelerator.backward(out["loss"] / ga)
+            # DeepSpeed's engine divides by its gradient_accumulation_steps itself.
+            accelerator.backward(out["loss"] if deepspeed else out["loss"] / ga)
         window["loss"] += out["loss"].item() / ga
         window["tokens"] += int(batch["attention_mask"].sum()) * world
         micro += 1

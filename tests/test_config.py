@@ -80,3 +80,17 @@ def test_shipped_recipes_validate_and_start_with_their_command(path):
     load_recipe(path)
     first = path.read_text().splitlines()[0]
     assert first.startswith("# ") and ("draftlab" in first or "accelerate launch" in first)
+
+
+def test_distributed_section_golden():
+    with pytest.raises(ConfigError) as e:
+        build_recipe(MIN, ["distributed.strategy=fsdp2", "distributed.zero_stage=1"], source="r.yaml")
+    assert str(e.value) == (
+        "r.yaml: 2 problems\n"
+        "  - `distributed.strategy` = 'fsdp2': use 'ddp' or 'deepspeed'\n"
+        "  - `distributed.zero_stage` = 1: use 2 or 3")
+    with pytest.raises(ConfigError, match="zero_stage and offload are DeepSpeed settings; set distributed.strategy: "
+                                          "deepspeed"):
+        build_recipe(MIN, ["distributed.offload=cpu"])
+    r = build_recipe(MIN, ["distributed.strategy=deepspeed", "distributed.zero_stage=3", "distributed.offload=cpu"])
+    assert (r.distributed.strategy, r.distributed.zero_stage, r.distributed.offload) == ("deepspeed", 3, "cpu")

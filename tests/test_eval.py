@@ -90,6 +90,9 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     assert [r["question_id"] for r in d2] == [81, 82, 83, 84] == [r["question_id"] for r in b2]
     assert [r["answer_id"] for r in d2][:3] == ids_before[:3] and d2[3]["answer_id"] != ids_before[3]
     assert s["overall"]["answers"] == 4
+    bch = [r["choices"][0] for r in b2]
+    plain_tps = sum(sum(c["new_tokens"]) for c in bch) / sum(sum(c["wall_time"]) for c in bch)
+    assert s["overall"]["baseline_tokens_per_s"] == pytest.approx(plain_tps, abs=0.01)
 
     with pytest.raises(EvalError, match="other settings .*max_new_tokens: 24 -> 16"):
         run_mt_bench(export, str(MT), str(out), limit=4, max_new_tokens=16, progress=False)

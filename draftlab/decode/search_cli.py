@@ -62,17 +62,17 @@ def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int
 def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos) -> dict:
     """Greedy tokens/s and accept length of the decoder on prompts, in batches of batch_size."""
     decoder.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)  # warm-up
-    tokens = steps = rows = 0
+    tokens = committed = rows = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
         res = decoder.generate(prompts[s:s + batch_size], max_new_tokens=max_new_tokens, eos_token_id=eos)
         tokens += res.new_tokens
-        steps += sum(res.committed)
+        committed += sum(res.committed)
         rows += sum(res.rows_per_step)
     if decoder.device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / dt, "accept_length": steps / max(rows, 1)}
+    return {"tokens_per_s": tokens / dt, "accept_length": committed / max(rows, 1)}
 
 
 def hardware() -> str:

@@ -1,0 +1,56 @@
+"""DeepSpeed through Accelerate's plugin: the config the recipe produces, the error without DeepSpeed, and a
+ZeRO-2 run on CPU where DeepSpeed can run here (skips with the reason otherwise)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from test_train import data_file, recipe  # noqa: F401
+from draftlab.config import build_recipe, dump_recipe
+from draftlab.train import RunDirError, deepspeed_plugin
+
+
+def ds_recipe(base, data, out, **dist):
+    r = recipe(base, data, out, max_steps=2, grad_accum_steps=2)
+    return build_recipe({**r.model_dump(mode="json"), "distributed": {"strategy": "deepspeed", **dist}})
+
+
+def test_missing_deepspeed_is_a_clear_error(tiny_base_dir, data_file, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails as if not installed
+    with pytest.raises(RunDirError, match=r"needs DeepSpeed: pip install -e '.\[deepspeed\]'"):
+        deepspeed_plugin(ds_recipe(tiny_base_dir, data_file, tmp_path))
+
+
+def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+    pytest.importorskip("deepspeed")
+    assert deepspeed_plugin(recipe(tiny_base_dir, data_file, tmp_path)) is None  # ddp
+    cfg = deepspeed_plugin(ds_recipe(tiny_base_dir, data_file, tmp_path, zero_stage=3, offload="cpu")).deepspeed_config
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["gradient_clipping"] == 1.0
+    z2 = deepspeed_plugin(ds_recipe(tiny_base_dir, data_file, tmp_path, offload="cpu")).deepspeed_config
+    assert z2["zero_optimization"]["stage"] == 2 and "offload_param" not in z2["zero_optimization"]
+
+
+def test_zero2_training_run_on_cpu(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds"
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, out)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if p.returncode != 0 and ("ccl" in p.stderr or "No module named 'oneccl" in p.stderr):
+        pytest.skip("DeepSpeed's CPU accelerator needs oneCCL here: " + p.stderr.strip().splitlines()[-1][:200])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "export" / "draft.safetensors").is_file()
+    ck = out / "checkpoints" / "step_2"
+    assert list(ck.rglob("*zero_pp_rank_0*optim_states.pt")), sorted(p.name for p in ck.rglob("*"))  # a ZeRO checkpoint
+    losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    assert len(losses) == 2 and all(x == x for x in losses)
