@@ -55,13 +55,21 @@ def machine() -> dict:
     return info
 
 
-def heldout_story_prompts(n: int, chars: int = 64) -> list[str]:
-    """Openings of the first n stories of the held-out last 10% of the TinyStories sample."""
-    from draftlab.config import DataSection
-    from draftlab.data import read_records, _split
+# The stories260K exports benchmarks/train_heads.py leaves in EXPORTS, by head type.
+STORIES_EXPORTS = {"medusa": "stories260k-medusa", "hydra": "stories260k-hydra", "hydra++": "stories260k-hydra++"}
+
+
+def tinystories_split() -> tuple[list[str], list[str]]:
+    """(first 90%, last 10%) of the TinyStories sample: the recipes' training and held-out parts."""
+    from draftlab.data import _split, read_records
 
     docs = [r["text"] for _, _, r in read_records(str(TINYSTORIES))]
-    _, held = _split(docs, 0.1, "tail", 0)
+    return _split(docs, 0.1, "tail", 0)
+
+
+def heldout_story_prompts(n: int, chars: int = 64) -> list[str]:
+    """Openings of the first n stories of the held-out last 10% of the TinyStories sample."""
+    _, held = tinystories_split()
     return [d[:chars].rsplit(" ", 1)[0] for d in held[:n]]
 
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import EXPORTS, RESULTS, heldout_story_prompts, write_result
+from common import EXPORTS, RESULTS, STORIES_EXPORTS as KINDS, heldout_story_prompts, write_result
 from decode import compare, draftlab_method, hf_method, print_table
 
-KINDS = {"medusa": "stories260k-medusa", "hydra": "stories260k-hydra", "hydra++": "stories260k-hydra++"}
 
 
 def main() -> None:

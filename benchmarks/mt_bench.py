@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import EXPORTS, ROOT, SHARED, write_result
+from common import EXPORTS, ROOT, SHARED, STORIES_EXPORTS as KINDS, write_result
 
-KINDS = {"medusa": "stories260k-medusa", "hydra": "stories260k-hydra", "hydra++": "stories260k-hydra++"}
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def main() -> None:
         "eval_positions": int(ev["eval_positions"][0]), "export": str(dest.relative_to(ROOT)),
     }
     print(json.dumps(result, indent=2))
-    write_result(f"train_heads" if a.name == "stories260k-medusa" else f"train_heads_{a.name}", result)
+    write_result("train_heads" if a.name == "stories260k-medusa" else f"train_heads_{a.name}", result)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import EXPORTS, ROOT, TINYSTORIES, heldout_story_prompts, write_result
+from common import EXPORTS, ROOT, STORIES_EXPORTS, heldout_story_prompts, tinystories_split, write_result
 from decode import compare, draftlab_method, hf_method, print_table
 
-KINDS = {"medusa": "stories260k-medusa", "hydra": "stories260k-hydra"}
+KINDS = {k: STORIES_EXPORTS[k] for k in ("medusa", "hydra")}
 
 
 def calibration_file() -> str:
-    from draftlab.data import _split, read_records
-
-    docs = [r["text"] for _, _, r in read_records(str(TINYSTORIES))]
-    train, _ = _split(docs, 0.1, "tail", 0)
+    train, _ = tinystories_split()
     out = ROOT / "benchmarks" / "runs" / "tinystories_train.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps({"text": d}) + "\n" for d in train))

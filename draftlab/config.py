@@ -237,7 +237,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe file and apply dotted overrides."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(str(path), [f"no such recipe file; the shipped ones are in recipes/ (e.g. recipes/tiny-cpu.yaml)"])
+        raise ConfigError(str(path), ["no such recipe file; the shipped ones are in recipes/ (e.g. recipes/stories260k-medusa.yaml)"])
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -263,9 +263,13 @@ def heldout_prompts(data_cfg, n: int, seed: int = 0) -> list[list[dict] | str]:
         if isinstance(it, str):
             out.append(it[: max(16, len(it) // 4)])
         else:
-            first = next(j for j, m in enumerate(it) if m["role"] == "assistant")
-            out.append(it[:first])
+            out.append(prompt_turns(it))
     return out
+
+
+def prompt_turns(msgs: list[dict]) -> list[dict]:
+    """The messages before the first assistant turn: what a model is asked to answer."""
+    return msgs[:next(j for j, m in enumerate(msgs) if m["role"] == "assistant")]
 
 
 def collate(batch: list[dict], pad_id: int) -> dict:

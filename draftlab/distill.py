@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .base import load_base
-from .data import DataError, detect_format, read_records, to_messages
+from .data import DataError, detect_format, prompt_turns, read_records, to_messages
 
 
 def _base_args(base_or_recipe: str, dtype: str | None) -> tuple[str, str]:
@@ -33,8 +33,7 @@ def prompts_of(path: str, max_records: int | None = None) -> list[tuple[int, lis
             msgs = to_messages(rec, fmt)
         except DataError:
             continue
-        first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
-        out.append((i, msgs[:first]))
+        out.append((i, prompt_turns(msgs)))
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from .decode.acceptance import Sampling
-from .decode.cli import load_decoder, plain_generate
+from .decode.cli import encode_prompt, load_decoder, plain_generate
 from .decode.search_cli import hardware
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
@@ -85,8 +85,7 @@ def read_answers(path: Path) -> dict:
 
 def _prompt_ids(tok, messages: list[dict], budget: int) -> tuple[list[int], bool]:
     """Chat-template ids of a conversation ending in a user turn; keeps the last `budget` tokens."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False).input_ids
+    ids = encode_prompt(tok, messages, chat=True)
     if len(ids) > budget:
         return ids[-budget:], True
     return ids, False

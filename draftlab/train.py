@@ -107,7 +107,7 @@ def deepspeed_plugin(recipe: Recipe):
     if d.strategy != "deepspeed":
         return None
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401  (only checking that it is installed)
     except ImportError:
         raise RunDirError("distributed.strategy: deepspeed needs DeepSpeed: pip install -e '.[deepspeed]'") from None
     from accelerate.utils import DeepSpeedPlugin
@@ -219,7 +219,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
         deepspeed_plugin=ds_plugin,
     )
-    deepspeed = recipe.distributed.strategy == "deepspeed"
+    use_deepspeed = ds_plugin is not None
     is_main = accelerator.is_main_process
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     H, V = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
     draft = build_draft(recipe.head.model_dump(), H, V, base=base).float()
     objective = DraftObjective(draft, recipe.loss)
-    if recipe.distributed.strategy == "deepspeed" and recipe.distributed.zero_stage == 3:
+    if use_deepspeed and recipe.distributed.zero_stage == 3:
         from deepspeed.zero import register_external_parameter
 
         # The chunked loss reads the heads' lm_head weights outside their own forward: ZeRO-3 must gather them.
@@ -354,7 +354,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
             with accelerator.autocast():
                 out = objective(hidden, batch["input_ids"], batch["loss_mask"], batch["attention_mask"], base_weight)
             # DeepSpeed's engine divides by its gradient_accumulation_steps itself.
-            accelerator.backward(out["loss"] if deepspeed else out["loss"] / ga)
+            accelerator.backward(out["loss"] if use_deepspeed else out["loss"] / ga)
         window["loss"] += out["loss"].item() / ga
         window["tokens"] += int(batch["attention_mask"].sum()) * world
         micro += 1

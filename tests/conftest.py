@@ -73,3 +73,16 @@ def write_jsonl(path: Path, records: list) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """24 ShareGPT conversations (human question, story-text answer) for tiny training runs."""
+    import json
+
+    d = tmp_path_factory.mktemp("data")
+    recs = [{"conversations": [{"from": "human", "value": f"Tell me about the cat number {i}."},
+                               {"from": "gpt", "value": STORY_TEXT[i * 7: i * 7 + 120]}]} for i in range(24)]
+    p = d / "chat.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return p

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from draftlab.cli import build_parser, main
+from draftlab.cli import main
 
 COMMANDS = ["validate", "train", "import-llama2c", "quickstart", "generate", "distill-data", "search-tree"]
 
@@ -34,7 +34,6 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
 
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
-    import torch
     from draftlab.base import load_base
     from draftlab.export import save_export
     from draftlab.heads import build_draft

@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-import yaml
 
 from draftlab.config import ConfigError, build_recipe, diff_recipes, load_recipe, parse_overrides
 

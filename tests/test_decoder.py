@@ -202,7 +202,6 @@ def test_sampling_acceptance_keeps_the_base_distribution():
     logits = torch.randn(1, tree.size, V) * 1.5
     p = warp(logits[0, 0], s)
     # Draft candidates: the three most likely under a *different* distribution (a bad draft).
-    cand = torch.tensor([5, 1, 6])
     tokens = torch.tensor([[0, 5, 1, 6, 2]])
     g = torch.Generator().manual_seed(1)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from test_train import data_file, recipe  # noqa: F401
+from test_train import recipe
 from draftlab.config import build_recipe, dump_recipe
 from draftlab.train import RunDirError, deepspeed_plugin
 
@@ -19,13 +19,13 @@ def ds_recipe(base, data, out, **dist):
     return build_recipe({**r.model_dump(mode="json"), "distributed": {"strategy": "deepspeed", **dist}})
 
 
-def test_missing_deepspeed_is_a_clear_error(tiny_base_dir, data_file, tmp_path, monkeypatch):  # noqa: F811
+def test_missing_deepspeed_is_a_clear_error(tiny_base_dir, data_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails as if not installed
     with pytest.raises(RunDirError, match=r"needs DeepSpeed: pip install -e '.\[deepspeed\]'"):
         deepspeed_plugin(ds_recipe(tiny_base_dir, data_file, tmp_path))
 
 
-def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):
     pytest.importorskip("deepspeed")
     assert deepspeed_plugin(recipe(tiny_base_dir, data_file, tmp_path)) is None  # ddp
     cfg = deepspeed_plugin(ds_recipe(tiny_base_dir, data_file, tmp_path, zero_stage=3, offload="cpu")).deepspeed_config
@@ -37,7 +37,7 @@ def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):  
     assert z2["zero_optimization"]["stage"] == 2 and "offload_param" not in z2["zero_optimization"]
 
 
-def test_zero2_training_run_on_cpu(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_zero2_training_run_on_cpu(tiny_base_dir, data_file, tmp_path):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"
     cfg = tmp_path / "r.yaml"

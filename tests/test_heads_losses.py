@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_llama
-from draftlab.heads import MedusaHeads, build_draft
+from draftlab.heads import build_draft
 from draftlab.losses import draft_losses, head_loss
 
 

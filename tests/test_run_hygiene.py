@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_train import data_file, recipe, weights  # noqa: F401  (fixture re-export)
+from test_train import recipe, weights
 from draftlab.config import dump_recipe
 from draftlab.train import latest_checkpoint, train
 
@@ -46,14 +46,14 @@ def assert_same_weights(a, b):
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_base_dir, data_file, tmp_path_factory):  # noqa: F811
+def straight(tiny_base_dir, data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
     train(recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1, eval_every_steps=STEPS))
     return out
 
 
 @pytest.mark.parametrize("kill_after", [3, 17])
-def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_file, straight, tmp_path,  # noqa: F811
+def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_file, straight, tmp_path,
                                                           kill_after):
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1, eval_every_steps=STEPS)
@@ -75,7 +75,7 @@ def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_fi
 
 
 @pytest.mark.parametrize("how", ["stop_file", "sigterm"])
-def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straight, tmp_path, how):  # noqa: F811
+def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straight, tmp_path, how):
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1000, eval_every_steps=STEPS)
     cfg = tmp_path / "r.yaml"
@@ -97,7 +97,7 @@ def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straigh
     assert_same_weights(straight, out)
 
 
-def test_half_written_checkpoints_are_never_loaded(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_half_written_checkpoints_are_never_loaded(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "run"
     train(recipe(tiny_base_dir, data_file, out, max_steps=2, save_every_steps=2), stop_after_steps=2)
     good = latest_checkpoint(out)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_train import data_file, recipe  # noqa: F401
+from test_train import recipe
 from draftlab.config import dump_recipe
 
 SCRIPT = REPO / "slurm" / "train.sbatch"
@@ -26,9 +26,9 @@ def fake_tools(tmp_path: Path, accelerate_body: str) -> dict:
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     log = tmp_path / "calls.log"
-    (bin_ / "srun").write_text(f"""#!/bin/bash
+    (bin_ / "srun").write_text("""#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
-for ((n = 0; n < ${{SLURM_NNODES:-1}}; n++)); do SLURM_NODEID=$n "$@" & done
+for ((n = 0; n < ${SLURM_NNODES:-1}; n++)); do SLURM_NODEID=$n "$@" & done
 wait
 """)
     (bin_ / "scontrol").write_text(f"""#!/bin/bash
@@ -49,7 +49,7 @@ exec {sys.executable} "$@"
             "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]"}
 
 
-def test_multi_node_launch_line(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_multi_node_launch_line(tiny_base_dir, data_file, tmp_path):
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, tmp_path / "run")))
     env = {**fake_tools(tmp_path, ""), "SLURM_NNODES": "2", "DRAFTLAB_PROCS_PER_NODE": "4"}
@@ -76,7 +76,7 @@ def test_bad_recipe_fails_before_launch(tmp_path):
     assert p.returncode == 2 and "usage: sbatch slurm/train.sbatch" in p.stderr
 
 
-def test_preemption_signal_stops_the_trainer_and_requeues(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_preemption_signal_stops_the_trainer_and_requeues(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "run"
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, out)))
@@ -115,7 +115,7 @@ def job_state(job: str) -> str:
 
 
 @pytest.mark.skipif(not slurm_up(), reason="no Slurm cluster (start one with `bash slurm/local_cluster.sh start`)")
-def test_real_slurm_job_is_preempted_requeued_and_finishes(tiny_base_dir, data_file, tmp_path):  # noqa: F811
+def test_real_slurm_job_is_preempted_requeued_and_finishes(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "run"
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, out, max_steps=400, save_every_steps=50,

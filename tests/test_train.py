@@ -8,20 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, STORY_TEXT, tiny_llama
+from conftest import REPO, tiny_llama
 from draftlab.config import build_recipe, dump_recipe
 from draftlab.export import ExportError, load_export, read_meta
 from draftlab.train import RunDirError, train
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    recs = [{"conversations": [{"from": "human", "value": f"Tell me about the cat number {i}."},
-                               {"from": "gpt", "value": STORY_TEXT[i * 7: i * 7 + 120]}]} for i in range(24)]
-    p = d / "chat.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return p
 
 
 def recipe(base_dir, data, out, **train):
@@ -144,10 +134,10 @@ def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_f
     r = recipe(tiny_base_dir, data_file, tmp_path / "c", max_steps=None, epochs=3, eval_every_steps=1000,
                save_every_steps=1000, cache_hidden=True)
     r = build_recipe({**r.model_dump(mode="json"), "data": {**r.data.model_dump(), "eval_size": 0}})
-    cached = train(r)
+    train(r)
     assert calls["n"] == 12  # only the first epoch ran the base
     calls["n"] = 0
-    plain = train(build_recipe({**r.model_dump(mode="json"), "output_dir": str(tmp_path / "p"),
+    train(build_recipe({**r.model_dump(mode="json"), "output_dir": str(tmp_path / "p"),
                                 "train": {**r.train.model_dump(), "cache_hidden": False}}))
     assert calls["n"] == 36
     wa, wb = weights(tmp_path / "c"), weights(tmp_path / "p")

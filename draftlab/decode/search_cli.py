@@ -85,7 +85,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False) -> dict:
     """The whole search; writes the tree file (and PNGs with plot) and returns a report."""
-    from ..data import detect_format, read_records, to_messages
+    from ..data import detect_format, prompt_turns, read_records, to_messages
     from .cli import encode_prompt, load_decoder
 
     decoder, tok, meta = load_decoder(export, tree="chain")
@@ -97,9 +97,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
             text = rec["text"][:prompt_chars]
             prompts.append(encode_prompt(tok, text.rsplit(" ", 1)[0] if " " in text else text, chat))
         else:
-            msgs = to_messages(rec, fmt)
-            first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
-            prompts.append(encode_prompt(tok, msgs[:first], True))
+            prompts.append(encode_prompt(tok, prompt_turns(to_messages(rec, fmt)), True))
     if len(prompts) < 2:
         raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
     calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
