@@ -37,7 +37,7 @@ start() {
     if ! pgrep -x munged >/dev/null; then
         (runuser -u munge -- munged </dev/null >/dev/null 2>&1 || munged --force </dev/null >/dev/null 2>&1) || unavailable "munged did not start"
     fi
-    NODE=$(slurmd -C | head -n 1)  # this machine's real topology: NodeName=... CPUs=... RealMemory=...
+    NODE=$(slurmd -C | awk 'NR == 1')  # this machine's real topology: NodeName=... CPUs=... RealMemory=...
     cat > "$CONF" <<CONF
 ClusterName=draftlab-local
 SlurmctldHost=$HOST

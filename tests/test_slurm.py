@@ -32,7 +32,8 @@ for ((n = 0; n < ${SLURM_NNODES:-1}; n++)); do SLURM_NODEID=$n "$@" & done
 wait
 """)
     (bin_ / "scontrol").write_text(f"""#!/bin/bash
-if [ "$1" = show ] && [ "$2" = hostnames ]; then echo node01; echo node02; exit 0; fi
+# A large allocation: enough hostnames that a reader which stops after the first line would break the pipe.
+if [ "$1" = show ] && [ "$2" = hostnames ]; then echo node01; echo node02; exec seq -f 'node%05g' 3 200000; fi
 echo "scontrol $*" >> {log}
 """)
     (bin_ / "python").write_text(f"""#!/bin/bash
@@ -86,8 +87,9 @@ def test_preemption_signal_stops_the_trainer_and_requeues(tiny_base_dir, data_fi
     p = subprocess.Popen(["bash", str(SCRIPT), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, cwd=tmp_path)
     t0 = time.time()
-    while not (tmp_path / "calls.log").exists() and time.time() - t0 < 60:
+    while not (tmp_path / "calls.log").exists() and p.poll() is None and time.time() - t0 < 60:
         time.sleep(0.1)
+    assert p.poll() is None, p.communicate()[0]  # the job must still be running when the signal comes
     p.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` delivers before the time limit
     log, _ = p.communicate(timeout=60)
     assert p.returncode == 0, log
