@@ -128,6 +128,9 @@ def test_greedy_with_good_heads_accepts_more_than_one_token():
     res = dec.generate([prompt], max_new_tokens=30, on_tokens=on_tokens)
     assert res.tokens[0] == ref
     assert res.accept_length > 3.5  # 3 drafted + bonus accepted nearly every step
+    # Accept length counts emitted tokens only: the last step accepts 4 but max_new_tokens leaves room for 1
+    # (the prefill's token is not a verification step's).
+    assert sum(res.committed) == len(res.tokens[0]) - 1
 
 
 def test_kv_cache_after_acceptance_equals_plain_cache():

@@ -186,8 +186,8 @@ class SpeculativeDecoder:
                 if not live[b]:
                     continue
                 new = [int(tokens[b, n]) for n in paths[b][1:]] + [int(bonus[b])]
-                committed += len(new)
-                self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
+                # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
+                committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
             res.committed.append(committed)
             _sync(dev)
             t4 = time.perf_counter()
@@ -203,8 +203,9 @@ class SpeculativeDecoder:
         return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
 
     @staticmethod
-    def _emit(res: Result, b: int, new: list[int], live, max_new: int, eos: set, stop, on_tokens) -> None:
-        """Append committed tokens to row b, ending the row at EOS, max_new_tokens or a stop match."""
+    def _emit(res: Result, b: int, new: list[int], live, max_new: int, eos: set, stop, on_tokens) -> int:
+        """Append committed tokens to row b, ending the row at EOS, max_new_tokens or a stop match;
+        returns how many tokens row b gained."""
         out = res.tokens[b]
         before = len(out)
         new = new[: max_new - before]
@@ -223,6 +224,7 @@ class SpeculativeDecoder:
             live[b] = False
         if on_tokens is not None and len(out) > before:
             on_tokens(b, out[before:])
+        return max(len(out) - before, 0)
 
 
 _CHECKED: dict[int, bool] = {}
