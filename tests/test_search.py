@@ -4,9 +4,14 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_llama
+from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.search import (RankStats, expected_accept_length, geometric_sizes, grow_tree, node_probability,
-                                    proposal_trees, simulate_accept_length)
+                                    proposal_trees, replay_accept_length, simulate_accept_length)
+from draftlab.decode.search_cli import collect_ranks, greedy_continuations, measure
 from draftlab.decode.tree import Tree
+from test_decoder import noisy_heads, random_tree
+from test_hydra import hydra
 
 
 def sample_ranks(probs, n, seed=0):
@@ -75,6 +80,51 @@ def test_empirical_stats_capture_dependence_the_independence_model_misses():
     t = grow_tree(stats, 4)
     assert set(t.paths) == {(0,), (1,), (0, 0), (1, 1)}
     assert expected_accept_length(t.paths, stats) == pytest.approx(3.0)  # two drafted tokens + the bonus, always
+
+
+def fit_heads(base, draft, seqs, steps=60):
+    """Overfit the heads to the base's own continuations so that deep paths get accepted."""
+    from draftlab.base import base_hidden
+
+    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = 0.0
+        for seq in seqs:
+            ids = torch.tensor([seq])
+            with torch.no_grad():
+                h = base_hidden(base, ids, torch.ones_like(ids))
+            feats = draft.train_hidden(h, ids, torch.ones_like(ids))
+            for k in range(draft.num_heads):
+                logits = draft.lm_heads[k](feats[k][0, : ids.shape[1] - k - 2])
+                loss = loss + torch.nn.functional.cross_entropy(logits, ids[0, k + 2:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.eval()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_statistics_replay_the_decoder_exactly(kind):
+    """The rank vectors search-tree collects, replayed along a tree, give the accept length the real decoder
+    measures on the same prompts: the statistics describe what verification does, Hydra's path conditioning,
+    EOS and max_new_tokens included."""
+    import random
+
+    rng = random.Random(kind)
+    base = tiny_llama(seed=3)
+    draft = noisy_heads(base, noise=0.02) if kind == "medusa" else hydra(base, prefix=kind == "hydra++", noise=0.02)
+    prompts = [[rng.randint(3, 63) for _ in range(rng.randint(2, 6))] for _ in range(5)]
+    eos = greedy_continuations(base, prompts[:1], 24, None)[0][len(prompts[0]) + 12]  # one row ends early
+    seqs = greedy_continuations(base, prompts, 24, eos)
+    fit_heads(base, draft, seqs)
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in prompts])
+    measured = []
+    for tree in [Tree.chain(3), Tree.from_paths([]), grow_tree(RankStats(torch.cat(per_text), 3), 6)] + \
+            [random_tree(rng, 3) for _ in range(3)]:
+        m = measure(SpeculativeDecoder(base, draft, tree), prompts, 1, 24, eos)
+        assert replay_accept_length(tree, per_text) == pytest.approx(m["accept_length"], abs=1e-12)
+        measured.append(m["accept_length"])
+    assert max(measured) > 1.5  # the heads do get tokens accepted, so the replay is really exercised
 
 
 def test_proposal_trees_are_nested_and_prefix_closed():

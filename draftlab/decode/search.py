@@ -116,6 +116,25 @@ def simulate_accept_length(tree: Tree, ranks: torch.Tensor) -> float:
     return total / max(len(ranks), 1)
 
 
+def replay_accept_length(tree: Tree, sequences: list[torch.Tensor]) -> float:
+    """Greedy decoding replayed on the rank vectors of whole texts: from each text's first state, accept
+    along the tree, commit the accepted tokens plus the bonus, jump to the state after them. Unlike the
+    per-state mean, this visits only the states the decoder visits (and stops where the text does),
+    so on the calibration text it equals the decoder's own accept length exactly."""
+    have = set(tree.paths)
+    committed = steps = 0
+    for rows in sequences:
+        rows = rows.tolist()
+        i = 0
+        while i < len(rows):
+            d, path = 0, ()
+            while d < len(rows[i]) and path + (rows[i][d],) in have:
+                path, d = path + (rows[i][d],), d + 1
+            n = min(1 + d, len(rows) - i)  # the bonus past the end of the text is not emitted
+            committed, steps, i = committed + n, steps + 1, i + n
+    return committed / max(steps, 1)
+
+
 def geometric_sizes(max_nodes: int) -> list[int]:
     """1, 2, 4, ... up to max_nodes (included)."""
     sizes, s = [], 1

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .decoder import SpeculativeDecoder
-from .search import RankStats, geometric_sizes, proposal_trees
+from .search import RankStats, geometric_sizes, proposal_trees, replay_accept_length
 from .tree import Tree
 
 
@@ -29,11 +29,14 @@ def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eo
 
 
 @torch.no_grad()
-def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
-    """Rank vectors [T, D] over the generated part of each sequence; a rank of V means 'beyond the text'.
+def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """Per sequence, rank vectors [T, D] of the states greedy decoding can verify from; a rank of V means
+    'beyond the text'.
 
     At state t (x_0..x_t committed, root x_{t+1}), depth d's target is x_{t+d+1}; Hydra heads are
-    conditioned on the true path x_{t+1..t+d}, as an accepting tree would have them.
+    conditioned on the true path x_{t+1..t+d}, as an accepting tree would have them. States run from the
+    prompt's last token to the one before the text's last: once the root is the final token (max_new_tokens
+    or EOS), decoding stops without another verification step.
     """
     from ..base import base_hidden
 
@@ -55,8 +58,8 @@ def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int
             target = ids[0, k + 2:]  # [n]
             ranks[:n, k] = (logits > logits.gather(1, target[:, None])).sum(-1)
         start = max(plen - 1, 0)
-        rows.append(ranks[start: S - 1].cpu())
-    return torch.cat(rows) if rows else torch.zeros(0, D, dtype=torch.long)
+        rows.append(ranks[start: max(S - 2, start)].cpu())
+    return rows
 
 
 def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos) -> dict:
@@ -103,8 +106,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
 
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
-    ranks = collect_ranks(base, draft, seqs, [len(p) for p in calib])
-    stats = RankStats(ranks, max_rank)
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib])
+    stats = RankStats(torch.cat(per_text), max_rank)
     trees = proposal_trees(stats, max_nodes)
     if not trees:
         raise ValueError("the draft's candidates never matched the base on the calibration text; train the heads longer")
@@ -114,6 +117,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         tree = trees[n - 1]
         m = measure(SpeculativeDecoder(base, draft, tree), timing, batch_size, max_new_tokens, eos)
         rows.append({"nodes": n, "tree_size": tree.size, "expected_accept_length": tree.metadata["expected_accept_length"],
+                     "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     chosen = trees[best["nodes"] - 1]
@@ -121,11 +125,13 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         "name": Path(out).stem, "method": "greedy growth on empirical acceptance statistics (Hydra sec. 4)",
         "export": str(export), "calibration": {"data": str(data), "prompts": len(calib), "states": stats.n},
         "expected_accept_length": best["expected_accept_length"],
+        "replayed_accept_length": best["replayed_accept_length"],
         "measured_accept_length": best["measured_accept_length"], "tokens_per_s": best["tokens_per_s"],
         "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(),
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
-    report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "measured_accept_length",
+    report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "replayed_accept_length",
+                                                                    "measured_accept_length",
                                                                     "tokens_per_s", "tree_size", "batch_size", "hardware")},
               "sizes": rows}
     if plot:
