@@ -60,13 +60,15 @@ def main() -> None:
     if d := load("tree_search"):
         print(f"### Tree search (`benchmarks/tree_search.py`; statistics from {d['calibration_prompts']} training "
               f"stories, check on {d['heldout_prompts']} held-out prompts x {d['max_new_tokens']} tokens; {where(d)})\n")
-        print("| heads | chosen tree size | expected accept | measured accept | error | chosen tokens/s | "
-              "default tree size | default accept | default tokens/s | plain tokens/s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| heads | chosen tree size | expected accept | replayed accept (calibration) | measured accept "
+              "(held-out) | error | chosen tokens/s | default tree size | default accept | default tokens/s | "
+              "plain tokens/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for k in ("medusa", "hydra"):
             if k in d:
                 r = d[k]
-                print(f"| {k} | {r['tree_size']} | {r['expected_accept_length']:.3f} | {r['measured_accept_length']:.3f} | "
+                print(f"| {k} | {r['tree_size']} | {r['expected_accept_length']:.3f} | "
+                      f"{r['replayed_accept_length']:.3f} | {r['measured_accept_length']:.3f} | "
                       f"{100 * r['relative_error']:.1f}% | {r['tokens_per_s']:.0f} | {r['default_tree_size']} | "
                       f"{r['default_accept_length']:.3f} | {r['default_tokens_per_s']:.0f} | "
                       f"{r['baseline_tokens_per_s']:.0f} |")

@@ -102,8 +102,10 @@ class TrainSection(_Section):
 
 
 class DistributedSection(_Section):
-    strategy: Literal["ddp", "deepspeed"] = Field(
-        "ddp", description="ddp: heads replicated (Accelerate DDP); deepspeed: ZeRO through Accelerate's plugin")
+    strategy: Literal["ddp", "deepspeed", "fsdp"] = Field(
+        "ddp", description="ddp: base and heads replicated (Accelerate DDP); deepspeed: heads under ZeRO through "
+        "Accelerate's plugin; fsdp: the frozen base's decoder layers sharded across ranks (bases too big for one "
+        "GPU), heads replicated")
     zero_stage: Literal[2, 3] = Field(2, description="DeepSpeed ZeRO stage (deepspeed only)")
     offload: Literal["none", "cpu"] = Field(
         "none", description="DeepSpeed offload of optimizer state (and of parameters at stage 3) to CPU")

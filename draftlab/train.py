@@ -52,17 +52,32 @@ class StopRequest:
         self.flag = True
 
     def requested(self) -> bool:
-        local = self.flag or self.file.exists()
-        if self.accelerator.num_processes == 1:
-            return local
-        t = torch.tensor([float(local)], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+        return any_rank(self.flag or self.file.exists(), self.accelerator)
 
     def close(self) -> None:
         import signal
 
         for sig, old in self.old.items():
             signal.signal(sig, old)
+
+
+def local_fraction(model) -> float:
+    """Share of the model's parameters this rank holds (1.0 unless FSDP shards them)."""
+    from torch.distributed.tensor import DTensor
+
+    held = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        held += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return held / max(total, 1)
+
+
+def any_rank(flag: bool, accelerator) -> bool:
+    """True on every rank when flag is true on any (one all-reduce; none in a single process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
 class DraftObjective(nn.Module):
@@ -178,7 +193,12 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = examples[rank::world]
     sums = None
-    for s in range(0, len(mine), batch_size):
+    # Every rank takes as many base forwards as rank 0 (which has the most examples): with a sharded base
+    # each forward is a collective, and a rank that ran out joins it with a one-token stand-in.
+    for s in range(0, len(examples[0::world]), batch_size):
+        if s >= len(mine):
+            base_hidden(base, torch.ones(1, 1, dtype=torch.long, device=accelerator.device))
+            continue
         b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
         h = base_hidden(base, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
@@ -229,8 +249,15 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     set_seed(t.seed)
 
     b = recipe.base
-    base, tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
-                          b.attn_implementation)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    sharded = recipe.distributed.strategy == "fsdp" and world > 1
+    if sharded:
+        from .sharding import load_sharded_base
+
+        base, tok = load_sharded_base(b, accelerator, keep_last_layer=bool(recipe.head.prefix_attention))
+    else:  # (fsdp in a single process has nothing to shard over)
+        base, tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
+                              b.attn_implementation)
     with accelerator.main_process_first():
         train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
     pad_id = tok.pad_token_id
@@ -246,7 +273,6 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
-    world, rank = accelerator.num_processes, accelerator.process_index
     micro_per_epoch = len(train_ex) // (t.batch_size * world)
     if micro_per_epoch == 0:
         raise ValueError(f"data gives {len(train_ex)} training examples, fewer than one global batch "
@@ -305,7 +331,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         log({"step": 0, "event": "start", "train_examples": stats.train_examples,
              "eval_examples": stats.eval_examples, "train_tokens": stats.train_tokens,
              "loss_tokens": stats.loss_tokens, "skipped": stats.skipped, "total_steps": total_steps,
-             "processes": world})
+             "processes": world, "base_params_local": round(local_fraction(base), 4)})
 
     def save_checkpoint(step: int) -> None:
         final = out_dir / "checkpoints" / f"step_{step}"
@@ -345,7 +371,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         sync = (micro + 1) % ga == 0
         hidden = cache.get(idx, batch["input_ids"].shape[1], accelerator.device) if cache else None
-        if hidden is None:
+        # A sharded base's forward is a collective: if any rank missed the cache, every rank runs it.
+        if any_rank(hidden is None, accelerator) if sharded else hidden is None:
             with torch.no_grad():
                 hidden = base_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, S, H]
             if cache:
