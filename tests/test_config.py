@@ -86,7 +86,7 @@ def test_distributed_section_golden():
         build_recipe(MIN, ["distributed.strategy=fsdp2", "distributed.zero_stage=1"], source="r.yaml")
     assert str(e.value) == (
         "r.yaml: 2 problems\n"
-        "  - `distributed.strategy` = 'fsdp2': use 'ddp' or 'deepspeed'\n"
+        "  - `distributed.strategy` = 'fsdp2': use 'ddp', 'deepspeed' or 'fsdp'\n"
         "  - `distributed.zero_stage` = 1: use 2 or 3")
     with pytest.raises(ConfigError, match="zero_stage and offload are DeepSpeed settings; set distributed.strategy: "
                                           "deepspeed"):
