@@ -7,7 +7,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -114,6 +114,23 @@ def _single_process_group_env() -> None:
         port = sock.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", str(port))})
+
+
+@contextmanager
+def outside_deepspeed(ds_plugin):
+    """Load the frozen base whole: with a DeepSpeed plugin in place transformers' from_pretrained would
+    partition it as ZeRO-3 parameters (zero.Init), but the base runs outside DeepSpeed's engine."""
+    if ds_plugin is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if getattr(ds_plugin, "dschf", None) is not None:
+            set_hf_deepspeed_config(ds_plugin.dschf)
 
 
 def deepspeed_plugin(recipe: Recipe):
@@ -240,6 +257,13 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         deepspeed_plugin=ds_plugin,
     )
     use_deepspeed = ds_plugin is not None
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        # Every process would train alone and all would write the same run directory.
+        raise RunDirError(
+            f"launched {launched} processes but Accelerate runs {accelerator.num_processes}"
+            + ("; Accelerate runs multi-process DeepSpeed on GPUs only, use distributed.strategy: ddp on CPU"
+               if use_deepspeed and not torch.cuda.is_available() else ""))
     is_main = accelerator.is_main_process
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,8 +280,9 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
 
         base, tok = load_sharded_base(b, accelerator, keep_last_layer=bool(recipe.head.prefix_attention))
     else:  # (fsdp in a single process has nothing to shard over)
-        base, tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
-                              b.attn_implementation)
+        with outside_deepspeed(ds_plugin):
+            base, tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
+                                  b.attn_implementation)
     with accelerator.main_process_first():
         train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
     pad_id = tok.pad_token_id
@@ -265,7 +290,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     draft = build_draft(recipe.head.model_dump(), H, V, base=base).float()
     objective = DraftObjective(draft, recipe.loss)
     if use_deepspeed and recipe.distributed.zero_stage == 3:
-        from deepspeed.zero import register_external_parameter
+        from deepspeed.runtime.zero import register_external_parameter
 
         # The chunked loss reads the heads' lm_head weights outside their own forward: ZeRO-3 must gather them.
         for lm in draft.lm_heads:

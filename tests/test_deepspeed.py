@@ -1,5 +1,6 @@
 """DeepSpeed through Accelerate's plugin: the config the recipe produces, the error without DeepSpeed, and a
-ZeRO-2 run on CPU where DeepSpeed can run here (skips with the reason otherwise)."""
+ZeRO-2 and a ZeRO-3 run on CPU where DeepSpeed can run here (one process: Accelerate runs
+multi-process DeepSpeed on GPUs only, and a multi-process CPU launch is refused, tested here too) (skips with the reason otherwise)."""
 
 import json
 import os
@@ -37,11 +38,12 @@ def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):
     assert z2["zero_optimization"]["stage"] == 2 and "offload_param" not in z2["zero_optimization"]
 
 
-def test_zero2_training_run_on_cpu(tiny_base_dir, data_file, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"
     cfg = tmp_path / "r.yaml"
-    cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, out)))
+    cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, out, zero_stage=stage)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), "--json"]
@@ -55,3 +57,16 @@ def test_zero2_training_run_on_cpu(tiny_base_dir, data_file, tmp_path):
     assert list(ck.rglob("*zero_pp_rank_0*optim_states.pt")), sorted(p.name for p in ck.rglob("*"))  # a ZeRO checkpoint
     losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     assert len(losses) == 2 and all(x == x for x in losses)
+
+
+def test_multi_process_deepspeed_on_cpu_is_refused(tiny_base_dir, data_file, tmp_path):
+    pytest.importorskip("deepspeed")
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, tmp_path / "ds")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode != 0
+    assert "launched 2 processes but Accelerate runs 1" in p.stderr and "use distributed.strategy: ddp" in p.stderr
+    assert not (tmp_path / "ds" / "checkpoints").exists()

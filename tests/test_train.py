@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import subprocess
@@ -108,8 +109,11 @@ def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_pa
 def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "ddp"
     cfg = tmp_path / "r.yaml"
-    cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, out, max_steps=2)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    trackers = ["tensorboard"] + (["wandb"] if importlib.util.find_spec("wandb") else [])
+    cfg.write_text(dump_recipe(build_recipe({**recipe(tiny_base_dir, data_file, out, max_steps=2).model_dump(mode="json"),
+                                             "log": {"trackers": trackers}})))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline",
+           "WANDB_DIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli",
            "train", str(cfg), "--json"]
@@ -118,6 +122,11 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
     start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert start["processes"] == 2
     assert (out / "export" / "draft.safetensors").is_file()
+    # Trackers log from the main process only: tensorboard files from one process id, one wandb run.
+    events = list((out / "logs").rglob("events.out.tfevents*"))  # events.out.tfevents.TIME.HOST.PID.N
+    assert events and len({e.name.split(".")[-2] for e in events}) == 1
+    if "wandb" in trackers:
+        assert len(list(tmp_path.rglob("offline-run-*"))) == 1
 
 
 def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch):
