@@ -153,8 +153,8 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
                  "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     tree = Tree.load(out)
-    for key in ("expected_accept_length", "measured_accept_length", "tokens_per_s", "tree_size", "batch_size",
-                "hardware", "date", "method"):
+    for key in ("expected_accept_length", "replayed_accept_length", "measured_accept_length", "tokens_per_s",
+                "tree_size", "batch_size", "hardware", "date", "method"):
         assert key in tree.metadata
     assert tree.size == rep["tree_size"] and out.with_suffix(".sizes.png").is_file()
     assert out.with_suffix(".tree.png").is_file()
