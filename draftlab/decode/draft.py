@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..heads.hydra import causal_pattern
 from .tree import TreeBuffers
 
 
@@ -58,11 +59,8 @@ class DraftState:
             return hidden[:, -1]
         from transformers import DynamicCache
 
-        L = hidden.shape[1]
-        eye = torch.eye(L, dtype=torch.bool, device=hidden.device)
-        allowed = (torch.ones(L, L, dtype=torch.bool, device=hidden.device).tril() & valid[:, None, :]) | eye
         self.cache = DynamicCache()
-        return self.draft.prefix(hidden, allowed, positions, self.cache)[:, -1]
+        return self.draft.prefix(hidden, causal_pattern(valid), positions, self.cache)[:, -1]
 
     def advance(self, hidden: torch.Tensor, valid_before: torch.Tensor, new_valid: torch.Tensor,
                 positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -71,7 +69,6 @@ class DraftState:
         if not self.prefix:
             return hidden[rows, last]
         B, M, _ = hidden.shape
-        causal = torch.ones(M, M, dtype=torch.bool, device=hidden.device).tril()
-        new = (causal[None] & new_valid[:, None, :]) | torch.eye(M, dtype=torch.bool, device=hidden.device)[None]
-        allowed = torch.cat([valid_before[:, None, :].expand(B, M, valid_before.shape[1]), new], dim=2)
+        allowed = torch.cat([valid_before[:, None, :].expand(B, M, valid_before.shape[1]), causal_pattern(new_valid)],
+                            dim=2)
         return self.draft.prefix(hidden, allowed, positions, self.cache)[rows, last]

@@ -112,12 +112,17 @@ class TreeBuffers:
         depth = [0] + [len(p) for p in tree.paths]
         rank = [0] + [p[-1] for p in tree.paths]
         parent = [-1] + [index[p[:-1]] for p in tree.paths]
-        mask = torch.zeros(N, N, dtype=torch.bool)
+        # Node indices from the root down to each node: its ancestors, which is all it may attend to.
+        chains = []
         for i in range(N):
-            j = i
+            chain, j = [], i
             while j >= 0:
-                mask[i, j] = True
+                chain.append(j)
                 j = parent[j]
+            chains.append(chain[::-1])
+        mask = torch.zeros(N, N, dtype=torch.bool)
+        for i, chain in enumerate(chains):
+            mask[i, chain] = True
         children = [[] for _ in range(N)]
         for i in range(1, N):
             children[parent[i]].append(i)
@@ -126,25 +131,14 @@ class TreeBuffers:
         D = tree.depth
         lp = torch.full((len(leaves), D + 1), -1, dtype=torch.long)
         for r, leaf in enumerate(leaves):
-            chain, j = [], leaf
-            while j >= 0:
-                chain.append(j)
-                j = parent[j]
-            lp[r, : len(chain)] = torch.tensor(chain[::-1])
+            lp[r, : len(chains[leaf])] = torch.tensor(chains[leaf])
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-
-        def root_path(n):
-            chain = []
-            while n >= 0:
-                chain.append(n)
-                n = parent[n]
-            return chain[::-1]
         levels = []
         for d in range(D):
             parents = [n for n in range(N) if depth[n] == d and children[n]]
             pos = {n: i for i, n in enumerate(parents)}
             kids = [c for n in parents for c in children[n]]
-            levels.append({"parents": t(parents), "paths": t([root_path(n) for n in parents]).reshape(len(parents), d + 1),
+            levels.append({"parents": t(parents), "paths": t([chains[n] for n in parents]).reshape(len(parents), d + 1),
                            "children": t(kids), "child_parent": t([pos[parent[c]] for c in kids]),
                            "child_rank": t([rank[c] for c in kids])})
         return TreeBuffers(t(depth), t(rank), t(parent), mask.to(device), lp.to(device), children, levels)
