@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .decode.acceptance import Sampling
 from .decode.cli import encode_prompt, load_decoder, plain_generate
+from .decode.decoder import sync_device
 from .decode.search_cli import hardware
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
@@ -124,8 +125,7 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
                 t0 = time.perf_counter()
                 res = decoder.generate([ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
                                        generator=gen)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
+                sync_device(dev)
                 wall = time.perf_counter() - t0
                 tokens = res.tokens[0]
                 stats = {"new_tokens": len(tokens), "steps": res.steps, "accept_length": round(res.accept_length, 4),

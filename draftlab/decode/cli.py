@@ -9,7 +9,7 @@ import time
 import torch
 
 from .acceptance import Sampling
-from .decoder import SpeculativeDecoder
+from .decoder import SpeculativeDecoder, sync_device
 from .tree import Tree, default_tree
 
 
@@ -78,9 +78,9 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, samplin
             kw.update(temperature=None, top_p=None, top_k=None)
         torch.manual_seed(seed)
         t0 = time.perf_counter()
-        gen = model.generate(ids, **kw)[0, len(p):].tolist()
-        if str(ids.device).startswith("cuda"):
-            torch.cuda.synchronize()
+        # An explicit mask: generate() would otherwise mask prompt tokens equal to pad_token_id.
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0, len(p):].tolist()
+        sync_device(ids.device)
         t += time.perf_counter() - t0
         if eos is not None and eos in gen:
             gen = gen[: gen.index(eos) + 1]
@@ -108,8 +108,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
     t0 = time.perf_counter()
     res = decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
                            stop=stop_fn(tok, list(stops)), generator=gen, on_tokens=on_tokens)
-    if decoder.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_device(decoder.device)
     wall = time.perf_counter() - t0
     texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
     report = {

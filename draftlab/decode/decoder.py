@@ -45,7 +45,8 @@ class Result:
         return sum(len(t) for t in self.tokens)
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (a no-op on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -142,7 +143,7 @@ class SpeculativeDecoder:
         root = self._pick_root(out.logits[:, -1], sampling, generator)  # [B]
         state = DraftState(self.draft)
         hidden = state.start(out.hidden_states[-1], valid, pos)  # [B, H]
-        _sync(dev)
+        sync_device(dev)
         res.time_s["prefill"] += time.perf_counter() - t0
 
         live = torch.ones(B, dtype=torch.bool, device=dev)
@@ -151,11 +152,11 @@ class SpeculativeDecoder:
         while bool(live.any()):
             t1 = time.perf_counter()
             tokens = self.propose(root, hidden)  # [B, N]
-            _sync(dev)
+            sync_device(dev)
             t2 = time.perf_counter()
             start = cache.get_seq_length()
             logits, tree_hidden = self.verify(tokens, valid, next_pos, cache)
-            _sync(dev)
+            sync_device(dev)
             t3 = time.perf_counter()
             if sampling.typical:
                 paths, bonus = accept_typical(tokens, logits, self.buf, sampling, generator)
@@ -189,7 +190,7 @@ class SpeculativeDecoder:
                 # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
                 committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
             res.committed.append(committed)
-            _sync(dev)
+            sync_device(dev)
             t4 = time.perf_counter()
             res.time_s["draft"] += t2 - t1
             res.time_s["verify"] += t3 - t2

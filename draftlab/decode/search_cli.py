@@ -11,21 +11,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .decoder import SpeculativeDecoder
+from .decoder import SpeculativeDecoder, sync_device
 from .search import RankStats, geometric_sizes, proposal_trees, replay_accept_length
 from .tree import Tree
 
 
-@torch.no_grad()
 def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eos) -> list[list[int]]:
     """prompt + the base's greedy continuation, the text decoding will actually walk."""
-    out = []
-    for p in tqdm(prompts, desc="greedy continuations", leave=False):
-        x = torch.tensor([p], device=base.device)
-        g = base.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                          temperature=None, top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos or 0)
-        out.append(g[0].tolist())
-    return out
+    from .acceptance import Sampling
+    from .cli import plain_generate
+
+    return [p + plain_generate(base, [p], max_new_tokens, Sampling(), eos)[0][0]
+            for p in tqdm(prompts, desc="greedy continuations", leave=False)]
 
 
 @torch.no_grad()
@@ -72,8 +69,7 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: i
         tokens += res.new_tokens
         committed += sum(res.committed)
         rows += sum(res.rows_per_step)
-    if decoder.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_device(decoder.device)
     dt = time.perf_counter() - t0
     return {"tokens_per_s": tokens / dt, "accept_length": committed / max(rows, 1)}
 
