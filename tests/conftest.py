@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,16 @@ def stories_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def rng():
     return random.Random(0)
+
+
+def launch_train(cfg: Path, processes: int = 1, env: dict | None = None, json_out: bool = False,
+                 timeout: int = 600, cwd=None) -> subprocess.CompletedProcess:
+    """`accelerate launch` of `draftlab train CFG` on this CPU machine (several processes talk over gloo)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+           *(["--multi_gpu"] if processes > 1 else []), "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), *(["--json"] if json_out else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
 
 def write_jsonl(path: Path, records: list) -> Path:

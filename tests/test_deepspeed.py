@@ -3,13 +3,11 @@ ZeRO-2 and a ZeRO-3 run on CPU where DeepSpeed can run here (one process: Accele
 multi-process DeepSpeed on GPUs only, and a multi-process CPU launch is refused, tested here too) (skips with the reason otherwise)."""
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import launch_train
 from test_train import recipe
 from draftlab.config import build_recipe, dump_recipe
 from draftlab.train import RunDirError, deepspeed_plugin
@@ -44,10 +42,7 @@ def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage):
     out = tmp_path / "ds"
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, out, zero_stage=stage)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), "--json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    p = launch_train(cfg, json_out=True)
     if p.returncode != 0 and not (out / "metrics.jsonl").exists():
         # DeepSpeed's CPU backend (a JIT-built communication op, or oneCCL) could not start before training.
         pytest.skip("DeepSpeed could not start on this CPU machine: " + p.stderr.strip().splitlines()[-1][:200])
@@ -63,10 +58,7 @@ def test_multi_process_deepspeed_on_cpu_is_refused(tiny_base_dir, data_file, tmp
     pytest.importorskip("deepspeed")
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(ds_recipe(tiny_base_dir, data_file, tmp_path / "ds")))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    p = launch_train(cfg, processes=2)
     assert p.returncode != 0
     assert "launched 2 processes but Accelerate runs 1" in p.stderr and "use distributed.strategy: ddp" in p.stderr
     assert not (tmp_path / "ds" / "checkpoints").exists()

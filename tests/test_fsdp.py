@@ -1,24 +1,13 @@
 """distributed.strategy: fsdp shards the frozen base across ranks; training must not notice."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
+from conftest import launch_train
 from draftlab.config import build_recipe, dump_recipe
-
-
-def launch(cfg, tmp_path, processes=2):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli",
-           "train", str(cfg)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
 
 
 def hydra_pp_recipe(base_dir, data, out, strategy):
@@ -41,7 +30,7 @@ def test_fsdp_sharded_base_trains_the_same_heads_as_ddp(tiny_base_dir, data_file
     for strategy in ("ddp", "fsdp"):
         cfg = tmp_path / f"{strategy}.yaml"
         cfg.write_text(dump_recipe(hydra_pp_recipe(tiny_base_dir, data_file, tmp_path / strategy, strategy)))
-        p = launch(cfg, tmp_path)
+        p = launch_train(cfg, processes=2, timeout=300, cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-4000:]
         runs[strategy] = load_file(tmp_path / strategy / "export" / "draft.safetensors")
         start = json.loads((tmp_path / strategy / "metrics.jsonl").read_text().splitlines()[0])

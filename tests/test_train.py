@@ -1,15 +1,13 @@
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, tiny_llama
+from conftest import launch_train, tiny_llama
 from draftlab.config import build_recipe, dump_recipe
 from draftlab.export import ExportError, load_export, read_meta
 from draftlab.train import RunDirError, train
@@ -112,12 +110,8 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
     trackers = ["tensorboard"] + (["wandb"] if importlib.util.find_spec("wandb") else [])
     cfg.write_text(dump_recipe(build_recipe({**recipe(tiny_base_dir, data_file, out, max_steps=2).model_dump(mode="json"),
                                              "log": {"trackers": trackers}})))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline",
-           "WANDB_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftlab.cli",
-           "train", str(cfg), "--json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    p = launch_train(cfg, processes=2, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, json_out=True,
+                     timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert start["processes"] == 2
