@@ -38,18 +38,48 @@ class BaseSection(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
 
 
+class SSMSection(_Section):
+    name_or_path: str | None = Field(
+        None, description="hub id or directory of a small causal LM with the base's vocabulary; unset: build one "
+        "from the base's own config class with the fields below",
+        examples=["JackFram/llama-68m"])
+    num_layers: int = Field(2, ge=1, le=128, description="decoder layers of an SSM built from the base's config")
+    hidden_size: int | None = Field(None, ge=8, description="width of a built SSM (unset: the base's)")
+    num_attention_heads: int | None = Field(None, ge=1, description="unset: the base's head width is kept")
+    num_key_value_heads: int | None = Field(None, ge=1, description="unset: as the base's, capped by the heads")
+    intermediate_size: int | None = Field(None, ge=1, description="unset: the base's MLP ratio")
+    init: Literal["auto", "embeddings", "project", "truncate", "random"] = Field(
+        "auto", description="from the base: embeddings (copy embeddings, lm_head, final norm; same width), project "
+        "(the same projected onto the embeddings' top principal directions; narrower), truncate (also copy the "
+        "base's first num_layers layers), random; auto = embeddings if the widths match, else project (a "
+        "pretrained name_or_path keeps its own weights)")
+    trust_remote_code: bool = False
+
+
 class HeadSection(_Section):
-    type: Literal["medusa", "hydra"] = "medusa"
+    type: Literal["medusa", "hydra", "ssm"] = Field(
+        "medusa", description="the draft model: medusa / hydra heads on the base's hidden state, or ssm (a small "
+        "causal LM, see head.ssm)")
     num_heads: int = Field(4, ge=1, le=16, description="draft heads; head k predicts k+1 tokens past the base")
     num_layers: int = Field(
         1, ge=0, le=8, description="residual blocks per Medusa head / hidden layers per Hydra MLP"
     )
     prefix_attention: bool = Field(False, description="Hydra++: one extra decoder layer feeding the heads")
+    ssm: SSMSection | None = Field(None, description="the small LM, for head.type: ssm")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ssm_defaults(cls, data):
+        if isinstance(data, dict) and data.get("type") == "ssm" and data.get("ssm") is None:
+            data = {**data, "ssm": {}}
+        return data
 
     @model_validator(mode="after")
-    def _hydra_only(self) -> "HeadSection":
+    def _kind_options(self) -> "HeadSection":
         if self.prefix_attention and self.type != "hydra":
             raise ValueError("head.prefix_attention=true needs head.type=hydra (it is a Hydra++ option)")
+        if self.ssm is not None and self.type != "ssm":
+            raise ValueError("head.ssm configures a small draft LM; set head.type: ssm or remove head.ssm")
         return self
 
 
@@ -58,6 +88,9 @@ class LossSection(_Section):
     distill_weight: float = Field(
         0.0, ge=0, le=1, description="0 = CE on data tokens, 1 = match the base's distribution, between = mix"
     )
+    divergence: Literal["fkl", "rkl", "tvd", "jsd"] = Field(
+        "fkl", description="what distillation minimises towards the base: fkl = forward KL (soft CE), rkl = reverse "
+        "KL, tvd = total variation, jsd = Jensen-Shannon")
     chunk_size: int = Field(512, ge=1, description="positions per logits chunk (bounds loss memory)")
     topk: int = Field(5, ge=1, le=100, description="k of the top-k accuracy reported per head")
 
@@ -141,14 +174,22 @@ RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "
                   "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir"}
 
 
+def _model_of(annotation):
+    """The pydantic model inside an annotation (`X` or `X | None`), else None."""
+    for t in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
 def _section_fields(loc: tuple) -> list[str]:
     """Names valid at the location of an unknown key (for 'did you mean')."""
     model: Any = Recipe
     for part in loc[:-1]:
         field = model.model_fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        model = _model_of(field.annotation) if field is not None else None
+        if model is None:
             return []
-        model = field.annotation
     return list(model.model_fields)
 
 
@@ -156,12 +197,12 @@ def _field_info(loc: tuple):
     model: Any = Recipe
     info = None
     for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        if model is None:
             return None
         info = model.model_fields.get(part)
         if info is None:
             return None
-        model = info.annotation
+        model = _model_of(info.annotation)
     return info
 
 

@@ -118,7 +118,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode; print tables and return the figures."""
     from .config import build_recipe
     from .decode.acceptance import Sampling
-    from .decode.cli import encode_prompt, load_decoder, plain_generate
+    from .decode.generate import encode_prompt, load_decoder, plain_generate
     from .train import train
 
     out_dir = Path(out)
@@ -190,9 +190,9 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
             row["identical"] &= res.tokens[0] == ref[0]
     btps = plain_new / plain_t
     print("\n[4/4] speculative decoding vs plain decoding of the same base")
-    print(f"plain decoding: {btps:.1f} tokens/s; tree of {decoders['medusa'].tree.size} tokens\n")
+    print(f"plain decoding: {btps:.1f} tokens/s; tree of {decoders['medusa'].drafter.max_nodes} tokens\n")
     print("| heads | accept length | tokens/s | speedup | identical to plain greedy |\n|---|---|---|---|---|")
-    summary.update({"tree_size": decoders["medusa"].tree.size, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    summary.update({"tree_size": decoders["medusa"].drafter.max_nodes, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
     for kind, row in tot.items():
         accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
         summary["heads"][kind] = {"accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),

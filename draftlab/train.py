@@ -1,4 +1,4 @@
-"""The one training loop: frozen base -> hidden states -> draft module -> per-head losses (Accelerate)."""
+"""The one training loop: frozen base -> hidden states -> draft module (heads or an SSM) -> chunked losses (Accelerate)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .base import base_hidden, load_base, set_seed
 from .config import RESUMABLE_KEYS, Recipe, dump_recipe, diff_recipes, build_recipe
 from .data import collate, load_examples
 from .export import save_export
-from .heads import build_draft
+from .drafters import build_draft
 from .losses import draft_losses
 
 import yaml
@@ -93,7 +93,8 @@ class DraftObjective(nn.Module):
         c = self.loss_cfg
         return draft_losses(feats, [lm.weight for lm in self.draft.lm_heads], input_ids, loss_mask,
                             base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
-                            distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk)
+                            distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
+                            shifts=getattr(self.draft, "shifts", None), divergence=c.divergence)
 
 
 def micro_batch_indices(n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int) -> list[list[int]]:
@@ -205,7 +206,8 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
 
 @torch.no_grad()
 def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_weight) -> dict:
-    """Per-head top-1 / top-k accuracy and loss on the held-out examples (sharded across ranks)."""
+    """Per-head loss, top-1 / top-k accuracy on the data tokens and top-1 agreement with the base (the draft's
+    first choice equals the base's) on the held-out examples, sharded across ranks."""
     objective.eval()
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = examples[rank::world]
@@ -220,15 +222,15 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
         h = base_hidden(base, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
             out = objective(h, b["input_ids"], b["loss_mask"], b["attention_mask"], base_weight)
-        part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"]])  # [4, K]
+        part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"], out["agree1"]])  # [5, K]
         sums = part if sums is None else sums + part
     objective.train()
     if sums is None:
-        sums = torch.zeros(4, objective_num_heads(objective), device=accelerator.device)
+        sums = torch.zeros(5, objective_num_heads(objective), device=accelerator.device)
     sums = accelerator.reduce(sums, reduction="sum")
     n = sums[1].clamp(min=1)
     return {"eval_loss": (sums[0] / n).tolist(), "top1": (sums[2] / n).tolist(), "topk": (sums[3] / n).tolist(),
-            "eval_positions": sums[1].tolist()}
+            "agree1": (sums[4] / n).tolist(), "eval_positions": sums[1].tolist()}
 
 
 def objective_num_heads(objective) -> int:
@@ -286,8 +288,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     with accelerator.main_process_first():
         train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
     pad_id = tok.pad_token_id
-    H, V = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
-    draft = build_draft(recipe.head.model_dump(), H, V, base=base).float()
+    H = base.config.hidden_size
+    draft = build_draft(recipe.head.model_dump(), base).float()
     objective = DraftObjective(draft, recipe.loss)
     if use_deepspeed and recipe.distributed.zero_stage == 3:
         from deepspeed.runtime.zero import register_external_parameter
@@ -308,7 +310,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     # The scheduler is stepped by hand once per optimizer step; registering (not preparing) it
     # checkpoints it without Accelerate's per-process stepping.
     accelerator.register_for_checkpointing(scheduler)
-    base_weight = base.get_output_embeddings().weight if recipe.loss.distill_weight > 0 else None
+    lm_weight = base.get_output_embeddings().weight  # the teacher's; evaluation always reports agreement with it
+    base_weight = lm_weight if recipe.loss.distill_weight > 0 else None
     cache = None
     if t.cache_hidden:
         from .hidden_cache import HiddenCache
@@ -431,7 +434,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
         if eval_ex and (step % t.eval_every_steps == 0 or step == total_steps):
-            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight)
             log({"step": step, "event": "eval", **last_eval})
         stopped = step < end_step and stopper.requested()
         if step % t.save_every_steps == 0 or step == end_step or stopped:
@@ -448,11 +451,11 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
                "stopped": stopped}
     if step >= total_steps:
         if last_eval is None and eval_ex:
-            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, base_weight)
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight)
         if is_main:
             export = save_export(accelerator.unwrap_model(objective).draft, base, out_dir / "export", b.name_or_path,
                                  extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
-                                                     "eval": last_eval}})
+                                                     "eval": last_eval}}, tokenizer=tok)
             summary["export"] = str(export)
         summary["eval"] = last_eval
         if is_main and last_eval:

@@ -36,10 +36,10 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     from draftlab.base import load_base
     from draftlab.export import save_export
-    from draftlab.heads import build_draft
+    from draftlab.drafters import build_draft
 
     base, _ = load_base(str(tiny_base_dir), "float32")
-    draft = build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, 32, base.config.vocab_size, base=base)
+    draft = build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base)
     save_export(draft, base, tmp_path / "exp", str(tiny_base_dir))
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "12",
                  "--compare", "--json"]) == 0

@@ -42,7 +42,7 @@ def test_every_problem_reported_at_once_golden():
 def test_unknown_key_without_close_match_lists_valid_keys():
     with pytest.raises(ConfigError) as e:
         build_recipe(MIN, ["loss.zzz=1"])
-    assert "`loss.zzz`: unknown key; valid keys here: head_decay, distill_weight, chunk_size, topk" in str(e.value)
+    assert "`loss.zzz`: unknown key; valid keys here: head_decay, distill_weight, divergence, chunk_size, topk" in str(e.value)
 
 
 def test_cross_field_rule_names_the_fix():

@@ -5,9 +5,10 @@ import torch
 
 from conftest import tiny_llama
 from draftlab.decode.acceptance import Sampling, accept_sampling, warp
-from draftlab.decode.decoder import SpeculativeDecoder, compact_cache
-from draftlab.decode.tree import Tree, TreeError, default_tree
-from draftlab.heads import MedusaHeads
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.tree import Tree, TreeError, TreeView, default_tree
+from draftlab.drafters import Drafter, Proposal, make_drafter
+from draftlab.drafters.heads import MedusaHeads
 
 
 def noisy_heads(base, num_heads=3, noise=0.05, seed=0):
@@ -82,12 +83,34 @@ def test_greedy_equals_plain_greedy_random_trees_tiny_llama(seed):
     heads = noisy_heads(base, seed=seed)
     trees = [random_tree(rng, 3), Tree.from_paths([]), Tree.chain(3), default_tree(3, 10)]
     for tree in trees:
-        dec = SpeculativeDecoder(base, heads, tree)
+        dec = SpeculativeDecoder(base, make_drafter(heads, tree))
         for B in (1, 3):
             prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 12))] for _ in range(B)]
             res = dec.generate(prompts, max_new_tokens=24)
             for p, got in zip(prompts, res.tokens):
                 assert got == plain_greedy(base, p, 24), (tree.paths, p)
+
+
+class OracleDrafter(Drafter):
+    """Drafts the true continuation of one known sequence as a chain of `depth` tokens (long accepted paths)."""
+
+    def __init__(self, seq, prompt_len, depth):
+        self.seq, self.depth, self.pos = seq, depth, prompt_len
+
+    @property
+    def max_nodes(self):
+        return self.depth + 1
+
+    def begin(self, prompt, sampling, generator):
+        self.pos = prompt.ids.shape[1]  # index of the root in seq
+
+    def propose(self, root):
+        nxt = [self.seq[j] if j < len(self.seq) else 0 for j in range(self.pos + 1, self.pos + 1 + self.depth)]
+        tokens = torch.tensor([[int(root[0])] + nxt])
+        return Proposal(tokens, TreeView.of_static(Tree.chain(self.depth).buffers(), 1))
+
+    def commit(self, step):
+        self.pos += len(step.paths[0])
 
 
 def test_greedy_with_good_heads_accepts_more_than_one_token():
@@ -98,34 +121,8 @@ def test_greedy_with_good_heads_accepts_more_than_one_token():
     prompt = [5, 6, 7]
     ref = plain_greedy(base, prompt, 30)
 
-    class Oracle(torch.nn.Module):
-        """Proposes the true greedy continuation (looked up from ref) to exercise long accepted paths."""
-        kind, num_heads = "medusa", 3
-
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-
-    oracle = Oracle()
-    seq = prompt + ref
-    state = {"pos": len(prompt)}
-
-    def logits(hidden):
-        # position of the root token = number of tokens generated so far
-        B = hidden.shape[0]
-        out = torch.zeros(B, 3, 64, dtype=torch.float64)
-        root_index = state["pos"]
-        for k in range(3):
-            j = root_index + 1 + k
-            if j < len(seq):
-                out[:, k, seq[j]] = 1.0
-        return out
-    oracle.logits = logits
-    dec = SpeculativeDecoder(base, oracle, Tree.chain(3))
-
-    def on_tokens(b, new):
-        state["pos"] += len(new)
-    res = dec.generate([prompt], max_new_tokens=30, on_tokens=on_tokens)
+    dec = SpeculativeDecoder(base, OracleDrafter(prompt + ref, len(prompt), 3))
+    res = dec.generate([prompt], max_new_tokens=30)
     assert res.tokens[0] == ref
     assert res.accept_length > 3.5  # 3 drafted + bonus accepted nearly every step
     # Accept length counts emitted tokens only: the last step accepts 4 but max_new_tokens leaves room for 1
@@ -139,26 +136,32 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
     base = tiny_llama(seed=1)
     heads = noisy_heads(base, noise=0.0)
     prompt = [3, 9, 4, 1]
-    dec = SpeculativeDecoder(base, heads, default_tree(3, 8))
+    tree = default_tree(3, 8)
+    dec = SpeculativeDecoder(base, make_drafter(heads, tree))
     res = dec.generate([prompt], max_new_tokens=12)
     seq = prompt + res.tokens[0]
-    # Rebuild the decoder's cache state by hand for one step and compare next-step logits with a
-    # fresh plain forward over the same committed tokens.
-    cache = DynamicCache(config=base.config)
-    ids = torch.tensor([prompt])
-    out = base(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    root = out.logits[:, -1].argmax(-1)
-    tokens = dec.propose(root, out.hidden_states[-1][:, -1])
-    valid = torch.ones(1, len(prompt), dtype=torch.bool)
-    logits, _ = dec.verify(tokens, valid, torch.tensor([len(prompt)]), cache)
+    # One step by hand with the decoder's parts: verify the heads' tree, keep the accepted path, and compare
+    # the next step's logits with a fresh plain forward over the same committed tokens.
     from draftlab.decode.acceptance import accept_greedy
+    from draftlab.decode.cache import SlotCache
+    from draftlab.drafters import PromptState
 
-    paths, bonus = accept_greedy(tokens, logits, dec.buf)
-    compact_cache(cache, len(prompt), torch.tensor([paths[0]]))
-    committed = prompt + tokens[0, paths[0]].tolist()
-    assert cache.get_seq_length() == len(committed)
+    target = SlotCache(base)
+    ids = torch.tensor([prompt])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    out, pos = target.prefill(ids, valid, hidden=True)
+    root = out.logits[:, -1].argmax(-1)
+    drafter = make_drafter(heads, tree)
+    drafter.begin(PromptState(ids, valid, pos, {-1: out.hidden_states[-1]}), Sampling(), None)
+    prop = drafter.propose(root)
+    logits = target.forward(prop.tokens, prop.view.ancestors, prop.view.depth).logits
+    paths, bonus = accept_greedy(prop.tokens, logits, prop.view)
+    keep = torch.tensor([paths[0]])
+    target.keep(len(prompt), keep, torch.ones_like(keep, dtype=torch.bool))
+    committed = prompt + prop.tokens[0, paths[0]].tolist()
+    assert target.cache.get_seq_length() == len(committed)
     nxt = bonus[None]
-    step = base(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+    step = base(nxt, past_key_values=target.cache, use_cache=True).logits[0, -1]
     fresh = base(torch.tensor([committed + [int(bonus)]])).logits[0, -1]
     torch.testing.assert_close(step, fresh)
     assert committed[len(prompt):] + [int(bonus)] == seq[len(prompt): len(committed) + 1]
@@ -167,7 +170,7 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
 def test_eos_max_new_tokens_and_stop():
     base = tiny_llama(seed=2)
     heads = noisy_heads(base)
-    dec = SpeculativeDecoder(base, heads, default_tree(3, 10))
+    dec = SpeculativeDecoder(base, make_drafter(heads, default_tree(3, 10)))
     ref = plain_greedy(base, [1, 2, 3], 20)
     eos = ref[5]
     res = dec.generate([[1, 2, 3]], max_new_tokens=20, eos_token_id=eos)
@@ -184,7 +187,7 @@ def test_eos_max_new_tokens_and_stop():
 def test_tree_deeper_than_heads_is_refused():
     base = tiny_llama()
     with pytest.raises(ValueError, match="4 deep but the draft module has 3 heads"):
-        SpeculativeDecoder(base, noisy_heads(base), Tree.chain(4))
+        make_drafter(noisy_heads(base), Tree.chain(4))
 
 
 # --- stochastic losslessness ----------------------------------------------------------------------
@@ -201,7 +204,7 @@ def test_sampling_acceptance_keeps_the_base_distribution():
     torch.manual_seed(0)
     V, s = 8, Sampling(temperature=1.0)
     tree = Tree.from_paths([[0], [1], [2], [0, 0]])
-    buf = tree.buffers()
+    view = TreeView.of_static(tree.buffers(), 1)
     logits = torch.randn(1, tree.size, V) * 1.5
     p = warp(logits[0, 0], s)
     # Draft candidates: the three most likely under a *different* distribution (a bad draft).
@@ -209,7 +212,7 @@ def test_sampling_acceptance_keeps_the_base_distribution():
     g = torch.Generator().manual_seed(1)
 
     def first(_):
-        paths, bonus = accept_sampling(tokens, logits, buf, s, g)
+        paths, bonus = accept_sampling(tokens, logits, view, s, g)
         path = paths[0]
         return int(tokens[0, path[1]]) if len(path) > 1 else int(bonus[0])
     n = 20000
@@ -269,7 +272,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     with torch.no_grad():
         base.lm_head.weight.mul_(6)  # a peaked base, so the test has power with few samples
     heads = noisy_heads(base, noise=0.3, seed=4)
-    dec = SpeculativeDecoder(base, heads, Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]]))
+    dec = SpeculativeDecoder(base, make_drafter(heads, Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])))
     s = Sampling(temperature=0.8, top_p=0.9)
     prompt = [1, 5]
     joint = _joint_first_two(base, prompt, s)
@@ -283,12 +286,13 @@ def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
     """The same check fails when acceptance ignores p (accepting every drafted child with p(x) > 0)."""
     import draftlab.decode.decoder as decoder_mod
 
-    def biased(tokens, logits, buf, s, generator=None):
+    def biased(tokens, logits, view, s, generator=None, q=None, q_index=None):
         paths, bonus = [], torch.empty(tokens.shape[0], dtype=torch.long)
         for b in range(tokens.shape[0]):
             node, path = 0, [0]
-            while buf.children[node]:
-                c = buf.children[node][0]
+            children = view.children(b)
+            while children[node]:
+                c = children[node][0]
                 if warp(logits[b, node], s)[tokens[b, c]] <= 0:
                     break
                 node = c
@@ -301,7 +305,7 @@ def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
     with torch.no_grad():
         base.lm_head.weight.mul_(6)
     heads = noisy_heads(base, noise=0.3, seed=4)
-    dec = SpeculativeDecoder(base, heads, Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]]))
+    dec = SpeculativeDecoder(base, make_drafter(heads, Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])))
     s = Sampling(temperature=0.8, top_p=0.9)
     joint = _joint_first_two(base, [1, 5], s)
     stat, df = chi_square(_sample_joint(dec, [1, 5], s, 2000, seed=0), joint)
@@ -311,6 +315,6 @@ def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
 def test_typical_acceptance_runs_and_is_greedy_like_at_low_temperature():
     base = tiny_llama(seed=5)
     heads = noisy_heads(base)
-    dec = SpeculativeDecoder(base, heads, default_tree(3, 10))
+    dec = SpeculativeDecoder(base, make_drafter(heads, default_tree(3, 10)))
     res = dec.generate([[1, 2, 3]], max_new_tokens=16, sampling=Sampling(typical=True))
     assert len(res.tokens[0]) == 16 and res.accept_length >= 1

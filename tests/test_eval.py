@@ -7,7 +7,7 @@ import torch
 
 from conftest import SHARED, needs_shared
 from test_decoder import noisy_heads
-from draftlab.evaluation import EvalError, compare_runs, load_questions, run_mt_bench
+from draftlab.eval.mt_bench import EvalError, compare_runs, load_questions, run_mt_bench
 
 pytestmark = needs_shared
 MT = SHARED / "mt_bench" / "question.jsonl"

@@ -4,13 +4,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_llama
-from draftlab.heads import build_draft
+from draftlab.drafters import build_draft
 from draftlab.losses import draft_losses, head_loss
 
 
 def test_medusa_shapes_and_identity_init():
     base = tiny_llama()
-    heads = build_draft({"type": "medusa", "num_heads": 3, "num_layers": 2}, 32, 64, base=base).double()
+    heads = build_draft({"type": "medusa", "num_heads": 3, "num_layers": 2}, base).double()
     h = torch.randn(2, 5, 32, dtype=torch.float64)
     feats = heads.train_hidden(h, None)
     assert len(feats) == 3 and all(f.shape == (2, 5, 32) for f in feats)
@@ -28,7 +28,7 @@ def test_head_loss_matches_direct_cross_entropy_and_is_chunk_invariant():
     t = torch.randint(0, 11, (37,))
     direct = F.cross_entropy(h @ w.t(), t, reduction="sum")
     for chunk in (1, 5, 37, 100):
-        loss, top1, topk = head_loss(h, w, t, chunk_size=chunk, topk=3)
+        loss, top1, topk, _ = head_loss(h, w, t, chunk_size=chunk, topk=3)
         torch.testing.assert_close(loss, direct)
     logits = h @ w.t()
     assert top1.item() == (logits.argmax(-1) == t).sum().item()

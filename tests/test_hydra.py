@@ -6,15 +6,16 @@ import torch
 from conftest import tiny_llama
 from test_decoder import plain_greedy, random_tree
 from draftlab.decode.decoder import SpeculativeDecoder
-from draftlab.decode.draft import DraftState
 from draftlab.decode.tree import Tree, default_tree
-from draftlab.heads import build_draft
+from draftlab.decode.acceptance import Sampling
+from draftlab.drafters import PromptState, StepResult, build_draft, make_drafter
+from draftlab.drafters.heads import HeadsDrafter
 
 
 def hydra(base, prefix: bool, heads=3, layers=2, noise=0.05, seed=0):
     torch.manual_seed(seed)
     d = build_draft({"type": "hydra", "num_heads": heads, "num_layers": layers, "prefix_attention": prefix},
-                    base.config.hidden_size, base.config.vocab_size, base=base).to(torch.float64)
+                    base).to(torch.float64)
     for p in d.parameters():
         p.data += noise * torch.randn_like(p)
     return d.eval()
@@ -22,7 +23,7 @@ def hydra(base, prefix: bool, heads=3, layers=2, noise=0.05, seed=0):
 
 def test_fresh_hydra_head_predicts_like_the_base():
     base = tiny_llama()
-    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, 32, 64, base=base).double()
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base).double()
     h = torch.randn(3, 32, dtype=torch.float64)
     path = torch.randint(0, 64, (3, 2))
     torch.testing.assert_close(d.head_logits(1, h, path), base.lm_head(h))
@@ -38,9 +39,9 @@ def test_training_features_equal_decoding_features(prefix):
         hidden = base(ids, output_hidden_states=True).hidden_states[-1]  # [1, S, H]
         feats = d.train_hidden(hidden, ids, torch.ones_like(ids))
         t = 6  # the decoder state after committing x_0..x_t
-        state = DraftState(d)
-        valid = torch.ones(1, t + 1, dtype=torch.bool)
-        h = state.start(hidden[:, : t + 1], valid, torch.arange(t + 1)[None])
+        drafter = HeadsDrafter(d, Tree.chain(3))
+        drafter.begin(prompt_state(hidden[:, : t + 1]), Sampling(), None)
+        h = drafter.hidden
         for k in range(3):
             path = ids[:, t + 1: t + k + 2]  # root x_{t+1} and k drafted tokens
             dec = d.head_logits(k, h, path)
@@ -48,18 +49,29 @@ def test_training_features_equal_decoding_features(prefix):
             torch.testing.assert_close(dec, train)
 
 
+def prompt_state(hidden):
+    B, L, _ = hidden.shape
+    valid = torch.ones(B, L, dtype=torch.bool)
+    return PromptState(torch.zeros(B, L, dtype=torch.long), valid, torch.arange(L)[None].expand(B, L), {-1: hidden})
+
+
 @pytest.mark.parametrize("prefix", [False, True])
 def test_prefix_state_advance_equals_full_prefix_pass(prefix):
+    """The drafter's state after committing 4 more tokens == the prefix layer over all 9 states at once."""
     base = tiny_llama(seed=3)
     d = hydra(base, prefix)
     hidden = torch.randn(2, 9, 32, dtype=torch.float64)
     with torch.no_grad():
         full = d.context(hidden)
-        state = DraftState(d)
-        state.start(hidden[:, :5], torch.ones(2, 5, dtype=torch.bool), torch.arange(5)[None].expand(2, 5))
-        got = state.advance(hidden[:, 5:], torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 4, dtype=torch.bool),
-                            torch.arange(5, 9)[None].expand(2, 4), torch.tensor([3, 3]))
-    torch.testing.assert_close(got, full[:, 8])
+        drafter = HeadsDrafter(d, Tree.chain(3))
+        drafter.begin(prompt_state(hidden[:, :5]), Sampling(), None)
+        keep = torch.arange(4)[None].expand(2, 4)
+        ones = torch.ones(2, 4, dtype=torch.bool)
+        drafter.commit(StepResult(torch.zeros(2, 4, dtype=torch.long), [[0, 1, 2, 3]] * 2, keep, ones,
+                                  torch.tensor([3, 3]), torch.arange(5, 9)[None].expand(2, 4),
+                                  torch.ones(2, 5, dtype=torch.bool), torch.zeros(2, dtype=torch.long),
+                                  torch.ones(2, dtype=torch.bool), {-1: hidden[:, 5:]}))
+    torch.testing.assert_close(drafter.hidden, full[:, 8])
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -69,7 +81,7 @@ def test_hydra_greedy_equals_plain_greedy(prefix, seed):
     base = tiny_llama(seed=seed)
     d = hydra(base, prefix, seed=seed)
     for tree in [default_tree(3, 12), Tree.chain(3), random_tree(rng, 3), Tree.from_paths([])]:
-        dec = SpeculativeDecoder(base, d, tree)
+        dec = SpeculativeDecoder(base, make_drafter(d, tree))
         for B in (1, 3):
             prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 9))] for _ in range(B)]
             res = dec.generate(prompts, max_new_tokens=20)
@@ -82,8 +94,7 @@ def test_hydra_export_round_trip_needs_the_base(tiny_base_dir, tmp_path):
     from draftlab.export import load_export, save_export
 
     base, _ = load_base(str(tiny_base_dir), "float32")
-    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 4, "prefix_attention": True},
-                    32, base.config.vocab_size, base=base)
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 4, "prefix_attention": True}, base)
     for p in d.parameters():
         p.data += 0.01
     save_export(d, base, tmp_path / "e", str(tiny_base_dir))

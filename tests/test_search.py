@@ -6,9 +6,10 @@ import torch
 
 from conftest import tiny_llama
 from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.drafters import make_drafter
 from draftlab.decode.search import (RankStats, expected_accept_length, geometric_sizes, grow_tree, node_probability,
                                     proposal_trees, replay_accept_length, simulate_accept_length)
-from draftlab.decode.search_cli import collect_ranks, greedy_continuations, measure
+from draftlab.decode.tree_search import collect_ranks, greedy_continuations, measure
 from draftlab.decode.tree import Tree
 from test_decoder import noisy_heads, random_tree
 from test_hydra import hydra
@@ -121,7 +122,7 @@ def test_statistics_replay_the_decoder_exactly(kind):
     measured = []
     for tree in [Tree.chain(3), Tree.from_paths([]), grow_tree(RankStats(torch.cat(per_text), 3), 6)] + \
             [random_tree(rng, 3) for _ in range(3)]:
-        m = measure(SpeculativeDecoder(base, draft, tree), prompts, 1, 24, eos)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), prompts, 1, 24, eos)
         assert replay_accept_length(tree, per_text) == pytest.approx(m["accept_length"], abs=1e-12)
         measured.append(m["accept_length"])
     assert max(measured) > 1.5  # the heads do get tokens accepted, so the replay is really exercised
@@ -140,10 +141,10 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
     from draftlab.base import load_base
     from draftlab.cli import main
     from draftlab.export import save_export
-    from draftlab.heads import build_draft
+    from draftlab.drafters import build_draft
 
     base, _ = load_base(str(tiny_base_dir), "float32")
-    draft = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, 32, base.config.vocab_size, base=base)
+    draft = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base)
     save_export(draft, base, tmp_path / "exp", str(tiny_base_dir))
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))

@@ -8,6 +8,7 @@ import torch
 from conftest import STORIES, needs_shared
 from test_decoder import noisy_heads, plain_greedy, random_tree
 from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.drafters import make_drafter
 from draftlab.decode.tree import Tree, default_tree
 
 pytestmark = needs_shared
@@ -59,7 +60,7 @@ def test_greedy_exactness_on_stories260k(stories):
     heads = noisy_heads(model, num_heads=4, noise=0.02)
     prompts = ["Once upon a time", "The little dog", "Tom and Sue went to the park. They", "One day"]
     for i, tree in enumerate([default_tree(4), Tree.chain(4), random_tree(rng, 4), Tree.from_paths([])]):
-        dec = SpeculativeDecoder(model, heads, tree)
+        dec = SpeculativeDecoder(model, make_drafter(heads, tree))
         for B in (1, 3):
             batch = [[1] + tok(prompts[(i + j) % 4], add_special_tokens=False).input_ids for j in range(B)]
             res = dec.generate(batch, max_new_tokens=40)

@@ -1,8 +1,9 @@
 """Acceptance rules over a verified tree: greedy (exact), lossless sampling, and Medusa's typical (lossy).
 
-All take tree tokens [B, N] and the base's logits at every node [B, N, V] (logits at node i are the
-base's distribution for the token after node i), and return, per row, the accepted node indices
-(starting with the root, 0) and the bonus token [B] the base adds after the last accepted node.
+All take the tree tokens [B, N], the base's logits at every node [B, N, V] (logits at node i are the
+base's distribution for the token after node i) and the step's `TreeView`, and return, per row, the
+accepted node indices (starting with the root, 0) and the bonus token [B] the base adds after the
+last accepted node.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import TreeBuffers
+from .tree import TreeView
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class Sampling:
     typical: bool = False
     posterior_threshold: float = 0.09  # epsilon
     posterior_alpha: float = 0.3  # alpha ~ sqrt(epsilon)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0 and not self.typical
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -43,48 +48,72 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
-def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buf: TreeBuffers):
-    """Longest root-to-leaf prefix whose every token is the base's argmax after its parent."""
+def _deepest(ok: torch.Tensor, view: TreeView) -> list[list[int]]:
+    """Per row, the path to the deepest node whose whole root path is ok (ties: the earliest node)."""
+    # A node counts only if it and all its ancestors are ok: [B, N, N] & -> [B, N].
+    full = ~(view.ancestors & ~ok[:, None, :]).any(-1) & view.valid
+    N = ok.shape[1]
+    order = torch.arange(N - 1, -1, -1, device=ok.device)
+    score = torch.where(full, view.depth * N + order, torch.full_like(view.depth, -1))
+    best = score.argmax(-1).tolist()
+    return [view.path_to(b, n) for b, n in enumerate(best)]
+
+
+def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView):
+    """Longest root path whose every token is the base's argmax after its parent."""
     pred = logits.argmax(-1)  # [B, N]
-    lp = buf.leaf_paths  # [P, D+1]
-    child, parent = lp[:, 1:], lp[:, :-1]  # [P, D]
-    match = (tokens[:, child.clamp(min=0)] == pred[:, parent.clamp(min=0)]) & (child >= 0)  # [B, P, D]
-    accepted = match.long().cumprod(-1).sum(-1)  # [B, P]
-    best = accepted.argmax(-1)  # [B]
-    n = accepted.gather(1, best[:, None])[:, 0]  # [B]
-    paths = [lp[best[b], : int(n[b]) + 1].tolist() for b in range(tokens.shape[0])]
+    ok = tokens == pred.gather(1, view.parents.clamp(min=0))
+    ok[:, 0] = True
+    paths = _deepest(ok, view)
     last = torch.tensor([p[-1] for p in paths], device=tokens.device)
-    bonus = pred.gather(1, last[:, None])[:, 0]
-    return paths, bonus
+    return paths, pred.gather(1, last[:, None])[:, 0]
 
 
-def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, buf: TreeBuffers, s: Sampling,
-                    generator: torch.Generator | None = None):
-    """Lossless multi-candidate speculative sampling (SpecInfer-style recursive rejection).
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What is left of p after a candidate drawn from q was rejected (unnormalised): max(p - q, 0)."""
+    return (p - q).clamp(min=0.0)
 
-    The draft proposes each child deterministically (q = a point mass), so child x is accepted
-    with probability min(1, p(x)/q(x)) = p(x); on rejection p becomes normalize(max(p - q, 0)),
-    i.e. x is removed and p renormalised, and the next sibling is tried. If every child is
-    rejected (or the node is a leaf) the bonus token is sampled from what remains of p. The
-    committed tokens are therefore distributed exactly as sampling from the base.
+
+def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
+                    generator: torch.Generator | None = None, q: torch.Tensor | None = None,
+                    q_index: torch.Tensor | None = None):
+    """Lossless multi-step speculative sampling over the tree (SpecInfer's recursive rejection).
+
+    At each accepted node the children are tried in order. A child x drawn from a draft distribution
+    q (q[b, q_index[b, x]]; siblings drawn i.i.d. from their own q) is accepted with probability
+    min(1, p(x)/q(x)); on rejection p <- normalize(max(p - q, 0)) and the next child is tried. A child
+    proposed deterministically (q_index -1: top-k candidates of heads, lookups) has q = a point mass on
+    x, so it is accepted with probability p(x) and on rejection x is removed from p. When every child
+    is rejected (or the node is a leaf) the bonus token is sampled from what remains of p. Each try
+    is one exact rejection step towards the current p, so the committed tokens are distributed
+    exactly as sampling from the base.
     """
     B = tokens.shape[0]
     paths, bonus = [], torch.empty(B, dtype=torch.long, device=tokens.device)
+    qi = q_index.tolist() if q_index is not None else None
     for b in range(B):
+        children = view.children(b)
         node, path = 0, [0]
         while True:
             p = warp(logits[b, node], s)  # [V]
             nxt = None
-            for c in buf.children[node]:
+            for c in children[node]:
                 x = int(tokens[b, c])
-                px = p[x]
+                j = qi[b][c] if qi is not None else -1
                 u = torch.rand((), generator=generator, device=p.device)
-                if px > 0 and u < px:
-                    nxt = c
-                    break
-                p[x] = 0.0
+                if j < 0:
+                    if p[x] > 0 and u < p[x]:
+                        nxt = c
+                        break
+                    p[x] = 0.0
+                else:
+                    qd = q[b, j].float()
+                    if p[x] > 0 and u * qd[x] < p[x]:  # u < p(x)/q(x), without dividing by q(x)
+                        nxt = c
+                        break
+                    p = residual(p, qd)
                 total = p.sum()
-                if total <= 0:  # all mass was on rejected tokens (cannot happen unless p is degenerate)
+                if total <= 0:  # p lies under q everywhere only if p == q, where x is always accepted
                     break
                 p = p / total
             if nxt is None:
@@ -96,22 +125,17 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, buf: TreeBuffers
     return paths, bonus
 
 
-def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, buf: TreeBuffers, s: Sampling,
+def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                    generator: torch.Generator | None = None):
     """Medusa's typical acceptance (lossy): accept x if p(x) > min(eps, alpha * exp(-H(p)))."""
     probs = warp(logits, s) if s.temperature > 0 else torch.softmax(logits.float(), -1)  # [B, N, V]
     entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)  # [B, N]
     thresh = torch.minimum(torch.full_like(entropy, s.posterior_threshold), s.posterior_alpha * torch.exp(-entropy))
-    lp = buf.leaf_paths
-    child, parent = lp[:, 1:], lp[:, :-1]
-    cp = child.clamp(min=0)
-    pp = parent.clamp(min=0)
-    p_tok = probs[:, pp].gather(-1, tokens[:, cp][..., None])[..., 0]  # [B, P, D] p_parent(child token)
-    ok = (p_tok > thresh[:, pp]) & (child >= 0)
-    accepted = ok.long().cumprod(-1).sum(-1)  # [B, P]
-    best = accepted.argmax(-1)
-    n = accepted.gather(1, best[:, None])[:, 0]
-    paths = [lp[best[b], : int(n[b]) + 1].tolist() for b in range(tokens.shape[0])]
+    par = view.parents.clamp(min=0)
+    p_tok = probs.gather(1, par[..., None].expand(-1, -1, probs.shape[-1])).gather(-1, tokens[..., None])[..., 0]
+    ok = p_tok > thresh.gather(1, par)  # [B, N]
+    ok[:, 0] = True
+    paths = _deepest(ok, view)
     last = torch.tensor([p[-1] for p in paths], device=tokens.device)
     last_probs = probs[torch.arange(tokens.shape[0], device=tokens.device), last]  # [B, V]
     if s.temperature > 0:

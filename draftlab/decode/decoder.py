@@ -1,11 +1,13 @@
-"""Tree speculative decoding on stock Hugging Face causal LMs.
+"""Tree speculative decoding on stock Hugging Face causal LMs, with any drafter.
 
-One step:  propose (draft fills the tree) -> verify (ONE base forward over the tree tokens, 4D mask,
-explicit positions, KV cache) -> accept (greedy / lossless sampling / typical) -> keep only the
-accepted path in the KV cache -> emit accepted tokens + the base's bonus token.
+One step:  propose (the drafter's tree) -> verify (ONE base forward over the tree tokens, 4D mask from
+the step's parents, explicit positions, KV cache) -> accept (greedy / lossless sampling / typical) ->
+keep only the accepted path in the KV cache -> emit accepted tokens + the base's bonus token -> the
+drafter follows the accepted path.
 
-Batches: each row keeps its own set of valid cache slots. Rows accept different numbers of
-tokens; the cache grows by the longest, and shorter rows leave masked-out holes.
+Batches: each row keeps its own set of valid cache slots. Rows accept different numbers of tokens
+(and may get trees of different shapes); the cache grows by the longest, and shorter rows leave
+masked-out holes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.base import Drafter, PromptState, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
-from .draft import DraftState
-from .tree import Tree, TreeBuffers
-
-
-class UnsupportedBaseError(ValueError):
-    """The base architecture cannot run tree verification (4D masks / croppable KV cache)."""
+from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
 
 
 @dataclass
@@ -32,6 +30,7 @@ class Result:
     steps: int = 0  # base forwards after prefill (verification steps)
     committed: list[int] = field(default_factory=list)  # tokens committed per step (summed over live rows)
     rows_per_step: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)  # tokens verified per row per step (padding included)
     time_s: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "accept": 0.0})
 
     @property
@@ -51,98 +50,49 @@ def sync_device(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cache_layers(cache):
-    """(keys, values) tensors of each layer of a DynamicCache, as a list of layer objects."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or not all(hasattr(l, "keys") for l in layers):
-        raise UnsupportedBaseError("the KV cache of this base is not a per-layer key/value cache "
-                                   "(DynamicCache); tree verification needs one")
-    return layers
-
-
-def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
-    """Move slots start+keep[b] to start.. for each row b, then crop to start + keep.shape[1]. keep [B, M]."""
-    m = keep.shape[1]
-    for layer in cache_layers(cache):
-        for name in ("keys", "values"):
-            t = getattr(layer, name)  # [B, kv_heads, L, d]
-            idx = (start + keep)[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
-            # Gather first (the source and destination slots overlap), write in place, crop as a view:
-            # no copy of the committed prefix.
-            t[:, :, start:start + m] = t.gather(2, idx)
-            setattr(layer, name, t[:, :, :start + m])
+def _layers(out, layers) -> dict:
+    return {l: out.hidden_states[l] for l in layers}
 
 
 class SpeculativeDecoder:
-    """Greedy, sampling and typical-acceptance decoding of a base with a draft module over a static tree."""
+    """Greedy, sampling and typical-acceptance decoding of a base with a drafter."""
 
-    def __init__(self, base, draft, tree: Tree, check_base: bool = True):
-        self.base, self.draft, self.tree = base, draft, tree
+    def __init__(self, base, drafter: Drafter, check_base: bool = True):
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
+                            "draftlab.drafters.make_drafter(module, tree)")
+        self.base, self.drafter = base, drafter
         self.device = next(base.parameters()).device
-        num_heads = getattr(draft, "num_heads", 0)
-        if tree.depth > num_heads:
-            raise ValueError(f"the tree is {tree.depth} deep but the draft module has {num_heads} heads; "
-                             f"use a tree of depth <= {num_heads} (e.g. --tree chain) or more heads")
-        self.buf: TreeBuffers = tree.buffers(self.device)
-        self.topk = tree.topk_per_depth()
         if check_base:
             check_tree_support(base)
 
-    # --- the three parts of a step ------------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Tree tokens [B, N]: node 0 = root, node (.., r) at depth d = the draft's rank-r token for depth d."""
-        from .draft import fill_tree
-
-        return fill_tree(self.draft, self.base, self.buf, self.topk, root, hidden)
-
-    @torch.no_grad()
-    def verify(self, tokens: torch.Tensor, valid: torch.Tensor, next_pos: torch.Tensor, cache):
-        """ONE base forward over all tree tokens. Returns logits [B, N, V] and final hidden states [B, N, H]."""
-        B, N = tokens.shape
-        dtype = next(self.base.parameters()).dtype
-        allowed = torch.cat([valid[:, None, :].expand(B, N, valid.shape[1]),
-                             self.buf.mask[None].expand(B, N, N)], dim=2)  # [B, N, L+N]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        pos = next_pos[:, None] + self.buf.depth[None, :]  # [B, N]
-        out = self.base(input_ids=tokens, attention_mask=mask[:, None], position_ids=pos, past_key_values=cache,
-                        use_cache=True, output_hidden_states=True)
-        return out.logits, out.hidden_states[-1]
-
-    # --- the loop -----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,
                  eos_token_id: int | list[int] | None = None, stop=None, on_tokens=None,
                  generator: torch.Generator | None = None) -> Result:
         """Decode a batch of prompt id lists. stop(row, tokens) -> cut index or None ends a row early;
         on_tokens(row, new_tokens) is called as tokens are committed (streaming)."""
-        from transformers import DynamicCache
-
         sampling = sampling or Sampling()
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         B = len(prompts)
         res = Result(tokens=[[] for _ in range(B)])
-        dev = self.device
+        dev, drafter = self.device, self.drafter
+        layers = drafter.hidden_layers
 
         # Prefill: left-padded batch; each row's positions count its own tokens only.
         t0 = time.perf_counter()
-        L = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
+        L = max(len(p) for p in prompts)
         ids = torch.zeros(B, L, dtype=torch.long, device=dev)
         valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         for b, p in enumerate(prompts):
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.base.config)
-        out = self.base(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=cache,
-                        use_cache=True, output_hidden_states=True)
-        next_pos = valid.sum(-1)  # [B]
+        target = SlotCache(self.base)
+        out, pos = target.prefill(ids, valid, hidden=bool(layers))
         root = self._pick_root(out.logits[:, -1], sampling, generator)  # [B]
-        state = DraftState(self.draft)
-        hidden = state.start(out.hidden_states[-1], valid, pos)  # [B, H]
+        drafter.begin(PromptState(ids, valid, pos, _layers(out, layers)), sampling, generator)
         sync_device(dev)
         res.time_s["prefill"] += time.perf_counter() - t0
 
@@ -151,19 +101,20 @@ class SpeculativeDecoder:
             self._emit(res, b, [int(root[b])], live, max_new_tokens, eos, stop, on_tokens)
         while bool(live.any()):
             t1 = time.perf_counter()
-            tokens = self.propose(root, hidden)  # [B, N]
+            prop = drafter.propose(root)
+            tokens, view = prop.tokens, prop.view  # [B, N]
             sync_device(dev)
             t2 = time.perf_counter()
-            start = cache.get_seq_length()
-            logits, tree_hidden = self.verify(tokens, valid, next_pos, cache)
+            start, valid_before = target.length, target.valid
+            out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(layers))
             sync_device(dev)
             t3 = time.perf_counter()
             if sampling.typical:
-                paths, bonus = accept_typical(tokens, logits, self.buf, sampling, generator)
+                paths, bonus = accept_typical(tokens, out.logits, view, sampling, generator)
             elif sampling.temperature > 0:
-                paths, bonus = accept_sampling(tokens, logits, self.buf, sampling, generator)
+                paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
             else:
-                paths, bonus = accept_greedy(tokens, logits, self.buf)
+                paths, bonus = accept_greedy(tokens, out.logits, view)
             # paths: per row, accepted node indices starting with 0 (the root, now committed to the cache).
             M = max(len(p) for p in paths)
             keep = torch.zeros(B, M, dtype=torch.long, device=dev)
@@ -171,25 +122,25 @@ class SpeculativeDecoder:
             for b, p in enumerate(paths):
                 keep[b, : len(p)] = torch.tensor(p, device=dev)
                 keep_valid[b, : len(p)] = bool(live[b])
-            compact_cache(cache, start, keep)
-            last = torch.tensor([len(p) - 1 for p in paths], device=dev)  # [B] index into keep
-            kept_hidden = tree_hidden.gather(1, keep[:, :, None].expand(B, M, tree_hidden.shape[-1]))  # [B, M, H]
-            kept_pos = next_pos[:, None] + torch.arange(M, device=dev)[None]
-            hidden = state.advance(kept_hidden, valid, keep_valid, kept_pos, last)
-            valid = torch.cat([valid, keep_valid], dim=1)
-            next_pos = next_pos + keep_valid.sum(-1)
-            root = bonus
+            kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
+            target.keep(start, keep, keep_valid)
             res.steps += 1
-            n_live = int(live.sum())
-            res.rows_per_step.append(n_live)
+            res.rows_per_step.append(int(live.sum()))
+            res.tree_sizes.append(tokens.shape[1])
             committed = 0
             for b in range(B):
-                if not live[b]:
-                    continue
-                new = [int(tokens[b, n]) for n in paths[b][1:]] + [int(bonus[b])]
-                # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
-                committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
+                if live[b]:
+                    new = [int(tokens[b, n]) for n in paths[b][1:]] + [int(bonus[b])]
+                    # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
+                    committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
             res.committed.append(committed)
+            if bool(live.any()):
+                hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
+                          for l, h in _layers(out, layers).items()}
+                last = torch.tensor([len(p) - 1 for p in paths], device=dev)
+                drafter.commit(StepResult(tokens, paths, keep, keep_valid, last, kept_pos, valid_before, bonus,
+                                          live.clone(), hidden))
+            root = bonus
             sync_device(dev)
             t4 = time.perf_counter()
             res.time_s["draft"] += t2 - t1
@@ -226,46 +177,3 @@ class SpeculativeDecoder:
         if on_tokens is not None and len(out) > before:
             on_tokens(b, out[before:])
         return max(len(out) - before, 0)
-
-
-_CHECKED: dict[int, bool] = {}
-
-
-@torch.no_grad()
-def check_tree_support(base) -> None:
-    """Probe once per model that a 4D tree mask and cache compaction give the same logits as plain decoding."""
-    from transformers import DynamicCache
-
-    if _CHECKED.get(id(base)):
-        return
-    dev = next(base.parameters()).device
-    dtype = next(base.parameters()).dtype
-    arch = type(base).__name__
-    V = base.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (1, 4), generator=g).to(dev)
-    sib = torch.randint(0, V, (1, 2), generator=g).to(dev)
-    try:
-        ref = base(input_ids=torch.cat([ids, sib[:, 1:]], 1)).logits[0, -1].float()
-        cache = DynamicCache(config=base.config)
-        base(input_ids=ids, past_key_values=cache, use_cache=True)
-        # Two siblings at the same position: the second must not see the first.
-        mask = torch.zeros(1, 1, 2, 6, dtype=dtype, device=dev)
-        mask[0, 0, 1, 4] = torch.finfo(dtype).min
-        got = base(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
-                   past_key_values=cache, use_cache=True).logits[0, 1].float()
-        cache_layers(cache)
-    except UnsupportedBaseError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure here means the architecture cannot take the tree
-        raise UnsupportedBaseError(f"{arch} cannot run tree verification: a forward with a 4D attention mask "
-                                   f"and explicit position ids failed ({type(e).__name__}: {e}). Use a "
-                                   "Llama-family base, or attn_implementation='eager'/'sdpa'.") from None
-    tol = 1e-3 if dtype == torch.float32 or dtype == torch.float64 else 5e-2
-    err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
-    if not err < tol:
-        raise UnsupportedBaseError(f"{arch} ignores custom 4D attention masks (tree logits differ from plain "
-                                   f"decoding by {err:.3g}); its attention implementation "
-                                   f"({base.config._attn_implementation!r}) may build its own mask. Try "
-                                   "attn_implementation='eager' or 'sdpa'.")
-    _CHECKED[id(base)] = True

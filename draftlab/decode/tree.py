@@ -1,7 +1,13 @@
-"""Static draft trees: prefix-closed lists of top-k rank paths, and what verification derives from them.
+"""Draft trees: static rank-path trees (the Medusa "choices" format) and per-step tree views.
 
-Node 0 is the root: the token the base already chose. The node for path (r1, ..., rd) holds the
-rank-rd candidate of draft depth d, below the node of (r1, ..., r(d-1)).
+A static `Tree` is a prefix-closed list of rank paths. Node 0 is the root: the token the base already
+chose. The node for path (r1, ..., rd) holds the rank-rd candidate at depth d, below the node of
+(r1, ..., r(d-1)); for heads "rank" is the head's top-k rank, for a small LM it is the rank among its
+candidates at the parent (or, when sampling, the r-th of its samples there).
+
+A `TreeView` is what verification and acceptance read for one step: per row, the parent of every
+node, so trees may change from step to step and differ between rows (padded nodes are masked out
+and never accepted). A static tree is the special case whose view is the same every step.
 """
 
 from __future__ import annotations
@@ -15,6 +21,19 @@ import torch
 
 class TreeError(ValueError):
     """A tree that is not a valid prefix-closed list of rank paths."""
+
+
+def _literal(text: str, source: str) -> list:
+    """Paths from JSON or Python literal text (tuples become lists); never evaluates code."""
+    import ast
+
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError) as e:
+        raise TreeError(f"{source}: not a list of paths ({type(e).__name__}: {e}); expected e.g. [[0], [1], [0, 0]] "
+                        "or [(0,), (1,), (0, 0)]") from None
+    to_list = lambda v: [to_list(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return to_list(value)
 
 
 @dataclass(frozen=True)
@@ -48,21 +67,65 @@ class Tree:
         return Tree.from_paths([[0] * d for d in range(1, depth + 1)], {"name": f"chain-{depth}"})
 
     @staticmethod
+    def expansion(ks) -> "Tree":
+        """SpecInfer's expansion configuration <k1, ..., km>: every depth-(i-1) node gets its top-k_i children."""
+        ks = [int(k) for k in ks]
+        if not ks or any(k < 1 for k in ks):
+            raise TreeError(f"expansion {ks}: needs one or more widths >= 1, e.g. 1,2,1")
+        level, paths = [()], []
+        for k in ks:
+            level = [p + (r,) for p in level for r in range(k)]
+            paths += level
+        return Tree.from_paths([list(p) for p in paths], {"name": "expansion-" + "-".join(map(str, ks))})
+
+    @staticmethod
+    def parse(spec: str) -> "Tree":
+        """A tree given on the command line: inline paths (JSON, or the Python tuple text Medusa and EAGLE write,
+        e.g. "[(0,), (1,), (0, 0)]"), a tree file, or `FILE.py:NAME` for a list assigned in a Python file
+        (Medusa's medusa_choices.py: `mc_sim_7b_63 = [...]`)."""
+        text = spec.strip()
+        if text.startswith(("[", "(")):
+            return Tree.from_paths(_literal(text, "--tree"), {"name": "inline"}, source="--tree (inline)")
+        if ".py:" in text:
+            path, name = text.rsplit(":", 1)
+            return Tree._from_python(Path(path), name)
+        return Tree.load(text)
+
+    @staticmethod
+    def _from_python(path: Path, name: str) -> "Tree":
+        import ast
+
+        if not path.is_file():
+            raise TreeError(f"{path}: no such file")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                return Tree.from_paths(_literal(ast.get_source_segment(path.read_text(), node.value), f"{path}:{name}"),
+                                       {"name": name}, source=f"{path}:{name}")
+        names = [t.id for n in ast.parse(path.read_text()).body if isinstance(n, ast.Assign)
+                 for t in n.targets if isinstance(t, ast.Name)]
+        raise TreeError(f"{path}: no list named {name!r} (names assigned there: {', '.join(names) or 'none'})")
+
+    @staticmethod
     def load(path: str | Path) -> "Tree":
-        """Read a tree file: JSON or YAML, either a bare list of paths or {'paths': [...], 'metadata': {...}}."""
+        """Read a tree file: JSON or YAML (a bare list of paths or {'paths' | 'choices': [...], 'metadata': {...}}),
+        or a text file holding a Python list of tuples."""
         import yaml
 
         p = Path(path)
         if not p.is_file():
-            raise TreeError(f"{p}: no such tree file")
+            raise TreeError(f"{p}: no such tree file (give a JSON/YAML tree file, FILE.py:NAME, inline paths such "
+                            "as '[[0], [1], [0, 0]]', or one of default, chain, chain:N, expansion:K1,K2,...)")
+        text = p.read_text()
+        if text.lstrip().startswith("[") and "(" in text:  # Python tuple text, as Medusa / EAGLE write choices
+            return Tree.from_paths(_literal(text, str(p)), {"name": p.stem}, source=str(p))
         try:
-            data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise TreeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
         if isinstance(data, dict):
             paths = data.get("paths", data.get("choices"))
             if paths is None:
-                raise TreeError(f"{p}: a mapping needs a 'paths' list")
+                raise TreeError(f"{p}: a mapping needs a 'paths' (or 'choices') list")
             return Tree.from_paths(paths, data.get("metadata"), source=str(p))
         return Tree.from_paths(data, source=str(p))
 
@@ -89,6 +152,14 @@ class Tree:
 
     def buffers(self, device=None) -> "TreeBuffers":
         return TreeBuffers.build(self, device)
+
+    def widths(self) -> list[int]:
+        """Children per node, in node order (root first)."""
+        w = [0] * self.size
+        index = {p: i for i, p in enumerate(self.paths, start=1)}
+        for p in self.paths:
+            w[index.get(p[:-1], 0)] += 1
+        return w
 
 
 @dataclass
@@ -157,3 +228,71 @@ def default_tree(num_heads: int, nodes: int = DEFAULT_TREE_NODES) -> Tree:
 
     probs = [[0.6 ** (d + 1) * 0.5 ** r for r in range(8)] for d in range(num_heads)]
     return grow_tree(probs, nodes, name=f"default-{num_heads}h-{nodes}n")
+
+
+@dataclass
+class TreeView:
+    """One step's tree, per row: what the verifier's mask and positions and the acceptance rules read.
+
+    Nodes are in topological order (parent index < node index); node 0 is the root. Padded nodes
+    (valid False) have parent -1, are nobody's parent, attend to themselves only and are never accepted.
+    """
+
+    parents: torch.Tensor  # [B, N] long, root and padding -1
+    depth: torch.Tensor  # [B, N] long, root 0
+    valid: torch.Tensor  # [B, N] bool
+    ancestors: torch.Tensor  # [B, N, N] bool: node i may attend to node j (j is i or an ancestor of i)
+    static: "TreeBuffers | None" = None  # set when every row has this one static tree
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[1]
+
+    @staticmethod
+    def of_static(buf: "TreeBuffers", batch: int) -> "TreeView":
+        """The view of a static tree for a batch: expanded, not copied."""
+        N = buf.depth.numel()
+        ex = lambda t: t[None].expand(batch, *t.shape)
+        valid = torch.ones(N, dtype=torch.bool, device=buf.depth.device)
+        return TreeView(ex(buf.parent), ex(buf.depth), ex(valid), ex(buf.mask), static=buf)
+
+    @staticmethod
+    def of_parents(parents: torch.Tensor, valid: torch.Tensor | None = None) -> "TreeView":
+        """Depths and ancestor sets from per-row parents [B, N] (topological order), by repeated squaring."""
+        B, N = parents.shape
+        dev = parents.device
+        idx = torch.arange(N, device=dev)
+        if valid is None:
+            valid = torch.ones(B, N, dtype=torch.bool, device=dev)
+        parents = torch.where(valid, parents, torch.full_like(parents, -1))
+        bad = valid[:, 1:] & ~((parents[:, 1:] >= 0) & (parents[:, 1:] < idx[1:]))
+        if bool(bad.any()) or bool((parents[:, 0] != -1).any()):
+            raise TreeError("a proposal's nodes must be in topological order: node 0 is the root (parent -1) and "
+                            "every other valid node's parent is an earlier node")
+        if bool((valid & ~valid.gather(1, parents.clamp(min=0))).any()):
+            raise TreeError("a proposal's padded node is the parent of a valid node")
+        reach = torch.eye(N, dtype=torch.float32, device=dev).expand(B, N, N).clone()  # [B, N, N]
+        rows, cols = torch.nonzero(parents >= 0, as_tuple=True)
+        reach[rows, cols, parents[rows, cols]] = 1.0
+        # reach holds paths of length <= 1; squaring doubles that, so ceil(log2 N) rounds reach every ancestor.
+        for _ in range(max(1, (N - 1).bit_length())):
+            reach = ((reach + reach @ reach) > 0).float()
+        anc = reach > 0
+        depth = anc.sum(-1) - 1
+        return TreeView(parents, depth, valid, anc)
+
+    def children(self, b: int) -> list[list[int]]:
+        """Row b's children of every node, in node order (the order acceptance tries siblings)."""
+        if self.static is not None:
+            return self.static.children
+        par = self.parents[b].tolist()
+        ok = self.valid[b].tolist()
+        kids = [[] for _ in par]
+        for i in range(1, len(par)):
+            if ok[i]:
+                kids[par[i]].append(i)
+        return kids
+
+    def path_to(self, b: int, node: int) -> list[int]:
+        """Node indices from the root down to `node` in row b."""
+        return torch.nonzero(self.ancestors[b, node]).flatten().tolist()

@@ -1,34 +1,53 @@
-"""`draftlab generate`: load an export with its base, decode, optionally compare with plain decoding."""
+"""Decoding with an export: load it with its base, encode prompts, decode, compare with plain decoding."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import torch
 
 from .acceptance import Sampling
 from .decoder import SpeculativeDecoder, sync_device
-from .tree import Tree, default_tree
+from .tree import Tree, TreeError
 
 
-def resolve_tree(tree: str | None, meta: dict) -> Tree:
-    """--tree value (a file, 'chain' or 'default'), else the export's default tree, else a shipped default."""
-    k = meta["head"]["num_heads"]
-    if tree == "chain":
-        return Tree.chain(k)
-    if tree and tree != "default":
-        return Tree.load(tree)
-    if meta.get("default_tree"):
-        return Tree.from_paths(meta["default_tree"], {"name": "export default"})
-    return default_tree(k)
+def resolve_tree(spec: str | None, meta: dict) -> Tree:
+    """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's),
+    'chain' (heads: one per head; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
+    (SpecInfer's expansion configuration), or a tree file / inline list (see Tree.parse)."""
+    from ..drafters import SSM_DEFAULT_CHAIN, kind_of
+
+    head = meta["head"]
+    if spec in (None, "", "default"):
+        if meta.get("default_tree"):
+            return Tree.from_paths(meta["default_tree"], {"name": "export default"})
+        return kind_of(head["type"]).default_tree(_Shape(head))
+    if spec == "chain":
+        return Tree.chain(SSM_DEFAULT_CHAIN if head["type"] == "ssm" else head["num_heads"])
+    name, _, arg = spec.partition(":")
+    if name == "chain" and arg.isdigit():
+        return Tree.chain(int(arg))
+    if name == "expansion" and arg:
+        try:
+            return Tree.expansion(arg.split(","))
+        except ValueError:
+            raise TreeError(f"--tree {spec}: expansion widths must be integers, e.g. expansion:1,2,1") from None
+    return Tree.parse(spec)
+
+
+class _Shape:
+    """The fields of an export's head config that a kind's default tree reads, without loading weights."""
+
+    def __init__(self, head: dict):
+        self.num_heads = head.get("num_heads", 1)
+        self.kind = head["type"]
 
 
 def load_decoder(export_dir: str, base: str | None = None, tree: str | None = None, dtype: str | None = None,
                  device: str | None = None):
     """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names."""
     from ..base import load_base
+    from ..drafters import make_drafter
     from ..export import load_export, read_meta
 
     meta = read_meta(export_dir)
@@ -36,7 +55,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     name = base or meta["base"]["name_or_path"]
     model, tok = load_base(name, dtype or meta["base"]["dtype"], device)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=next(model.parameters()).dtype)
-    return SpeculativeDecoder(model, draft, resolve_tree(tree, meta)), tok, meta
+    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta))), tok, meta
 
 
 def encode_prompt(tok, prompt, chat: bool) -> list[int]:
@@ -119,7 +138,8 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         "tokens_per_s": round(res.new_tokens / wall, 2),
         "wall_s": round(wall, 4),
         "time_split_s": {k: round(v, 4) for k, v in res.time_s.items()},
-        "tree_size": decoder.tree.size,
+        "tree_size": decoder.drafter.max_nodes,
+        "drafter": decoder.drafter.describe(),
         "batch_size": len(ids),
     }
     if compare:
@@ -133,49 +153,3 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
             report["identical_to_baseline"] = all(same)
     report["tokens"] = res.tokens
     return report
-
-
-def add_generate_args(p) -> None:
-    p.add_argument("export", help="export directory (OUTPUT_DIR/export of a training run)")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--tree", default=None, help="tree file (JSON/YAML), 'chain', or 'default'")
-    p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
-    p.add_argument("--compare", action="store_true", help="also run plain decoding of the base and report speedup")
-    p.add_argument("--stream", action="store_true", help="print text as it is committed (batch of one)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-
-
-def generate_command(a) -> int:
-    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device)
-    sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)
-    on_text = None
-    if a.stream and not a.json:
-        on_text = lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())
-    rep = run_generate(decoder, tok, a.prompt, a.max_new_tokens, sampling, a.compare, a.chat, a.stop, a.seed, on_text)
-    rep.pop("tokens")
-    if a.json:
-        print(json.dumps(rep))
-        return 0
-    if a.stream:
-        print()
-    else:
-        for t in (rep["text"] if isinstance(rep["text"], list) else [rep["text"]]):
-            print(t)
-    line = f"\n{rep['new_tokens']} tokens in {rep['steps']} steps, accept length {rep['accept_length']:.2f}, " \
-           f"{rep['tokens_per_s']:.1f} tokens/s"
-    if a.compare:
-        line += f"; plain decoding {rep['baseline_tokens_per_s']:.1f} tokens/s, speedup {rep['speedup']:.2f}x"
-        if "identical_to_baseline" in rep:
-            line += f", identical to plain greedy: {rep['identical_to_baseline']}"
-    print(line, file=sys.stderr)
-    return 0

@@ -12,7 +12,7 @@ def _print_json(obj: dict) -> None:
 
 
 def cmd_validate(a) -> int:
-    from .config import dump_recipe, load_recipe
+    from ..config import dump_recipe, load_recipe
 
     recipe = load_recipe(a.recipe, a.overrides)
     if a.json:
@@ -23,8 +23,8 @@ def cmd_validate(a) -> int:
 
 
 def cmd_train(a) -> int:
-    from .config import load_recipe
-    from .train import train
+    from ..config import load_recipe
+    from ..train import train
 
     summary = train(load_recipe(a.recipe, a.overrides), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
     if a.json:
@@ -35,7 +35,7 @@ def cmd_train(a) -> int:
 
 
 def cmd_import(a) -> int:
-    from .base import import_llama2c
+    from ..base import import_llama2c
 
     out = import_llama2c(a.model, a.tokenizer, a.out)
     print(f"wrote a Hugging Face Llama directory to {out}")
@@ -43,7 +43,7 @@ def cmd_import(a) -> int:
 
 
 def cmd_quickstart(a) -> int:
-    from .quickstart import quickstart
+    from ..quickstart import quickstart
 
     summary = quickstart(a.out, minutes=a.minutes, seed=a.seed)
     if a.json:
@@ -52,7 +52,7 @@ def cmd_quickstart(a) -> int:
 
 
 def cmd_distill(a) -> int:
-    from .distill import distill_data
+    from ..distill import distill_data
 
     summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
                            a.max_records, a.dtype, a.device, a.seed)
@@ -64,7 +64,7 @@ def cmd_distill(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from .decode.cli import generate_command
+    from .generate import generate_command
 
     return generate_command(a)
 
@@ -116,19 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_distill)
 
-    from .decode.search_cli import add_search_args, search_command
+    from .search_tree import add_search_args, search_command
 
     s = sub.add_parser("search-tree", help="find the fastest static tree for an export on this machine")
     add_search_args(s)
     s.set_defaults(func=lambda a: search_command(a))
 
-    from .evaluation import add_eval_args, eval_command
+    from .eval import add_eval_args, eval_command
 
     s = sub.add_parser("eval", help="MT-Bench speed / losslessness evaluation, and comparison of eval runs")
     add_eval_args(s.add_subparsers(dest="eval_cmd", required=True, metavar="{mt-bench,compare}"))
     s.set_defaults(func=eval_command)
 
-    from .decode.cli import add_generate_args
+    from .generate import add_generate_args
 
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")
     add_generate_args(s)
@@ -137,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .base import BaseModelError
-    from .config import ConfigError
-    from .data import DataError
-    from .export import ExportError
+    from ..base import BaseModelError
+    from ..config import ConfigError
+    from ..data import DataError
+    from ..export import ExportError
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""`draftlab eval mt-bench` and `draftlab eval compare`: speed and losslessness on MT-Bench-style questions.
+"""MT-Bench / Spec-Bench speed and losslessness runs, and comparisons of runs.
 
 For every question, the draftlab decoder and plain decoding of the same base answer each turn in
 turn (draftlab turn 1, plain turn 1, draftlab turn 2, ...), so both see the same machine state;
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .decode.acceptance import Sampling
-from .decode.cli import encode_prompt, load_decoder, plain_generate
-from .decode.decoder import sync_device
-from .decode.search_cli import hardware
+from ..decode.acceptance import Sampling
+from ..decode.decoder import sync_device
+from ..decode.generate import encode_prompt, load_decoder, plain_generate
+from ..decode.tree_search import hardware
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
             "seed", "baseline")
@@ -283,7 +283,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     short = Path(base_name.rstrip("/")).name
     model_id = model_id or f"{short}-draftlab-{meta['head']['type']}"
     settings = {"export": str(export), "base": base_name, "questions": str(questions), "tree": tree,
-                "tree_size": decoder.tree.size, "head": meta["head"]["type"], "temperature": temperature,
+                "tree_size": decoder.drafter.max_nodes, "head": meta["head"]["type"], "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "typical": typical, "greedy": greedy,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain"}
@@ -302,7 +302,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
         if stale:
             path.write_text("".join(json.dumps(r) + "\n" for r in ans.values()))
     todo = [q for q in qs if q["question_id"] not in done]
-    budget = _context_budget(decoder.base, max_new_tokens, decoder.tree.size)
+    budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)
     if todo:  # warm-up of both paths, not timed and not recorded
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
         answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline)
@@ -358,59 +358,3 @@ def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nper-category columns: {key.replace('_', ' ')}")
     return "\n".join(lines), runs
-
-
-def add_eval_args(sub) -> None:
-    p = sub.add_parser("mt-bench", help="speed and losslessness on MT-Bench / Spec-Bench questions",
-                       description="Answer FastChat-format questions (two turns through the chat template) with "
-                                   "the speculative decoder and with plain decoding of the same base, interleaved; "
-                                   "write FastChat answer files, summary.json, report.md and PNG plots. "
-                                   "Resumable: answers already in --out are kept.")
-    p.add_argument("export", help="export directory")
-    p.add_argument("--questions", required=True, help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id")
-    p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
-    p.add_argument("--tree", default=None, help="tree file, 'chain' or 'default'")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--limit", type=int, default=None, help="first N selected questions")
-    p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
-    p.add_argument("--base", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-id", default=None, help="model_id in the answer file")
-    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    c = sub.add_parser("compare", help="side-by-side table of eval run directories",
-                       description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees).")
-    c.add_argument("runs", nargs="+", help="run directories holding summary.json")
-    c.add_argument("--json", action="store_true")
-
-
-def eval_command(a) -> int:
-    if a.eval_cmd == "compare":
-        table, runs = compare_runs(a.runs)
-        if a.json:
-            print(json.dumps([{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
-                               "categories": r["categories"]} for r in runs]))
-        else:
-            print(table)
-        return 0
-    out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
-    s = run_mt_bench(a.export, a.questions, out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
-                     a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
-                     a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots)
-    if a.json:
-        print(json.dumps(s))
-        return 0
-    print(Path(s["report"]).read_text())
-    print(f"answers: {', '.join(s['answers'].values())}\nreport: {s['report']}")
-    if s["greedy"] and s["baseline"] and s["differences"]:
-        print(f"WARNING: {len(s['differences'])} turns differ from plain greedy decoding", flush=True)
-        return 1
-    return 0

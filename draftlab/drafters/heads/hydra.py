@@ -14,15 +14,8 @@ import copy
 import torch
 from torch import nn
 
+from ...decode.cache import causal_allowed
 from .medusa import ResBlock
-
-
-def causal_pattern(valid: torch.Tensor) -> torch.Tensor:
-    """valid [B, S] -> allowed [B, S, S]: causal over valid positions; a padding position attends to itself
-    (so no softmax row is empty)."""
-    S = valid.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=valid.device).tril()
-    return (causal[None] & valid[:, None, :].bool()) | torch.eye(S, dtype=torch.bool, device=valid.device)[None]
 
 
 class HydraError(ValueError):
@@ -127,7 +120,7 @@ class HydraHeads(nn.Module):
         B, S, _ = hidden.shape
         valid = torch.ones(B, S, dtype=torch.bool, device=hidden.device) if attention_mask is None else attention_mask
         pos = torch.arange(S, device=hidden.device)[None].expand(B, S)
-        return self.prefix(hidden, causal_pattern(valid), pos)
+        return self.prefix(hidden, causal_allowed(valid), pos)
 
     # --- heads --------------------------------------------------------------------------------------
     def head_features(self, k: int, h: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`draftlab search-tree`: acceptance statistics on calibration text -> greedy trees -> the fastest here."""
+"""Tree search for an export: acceptance statistics on calibration text -> greedy trees -> the fastest here."""
 
 from __future__ import annotations
 
@@ -12,50 +12,41 @@ import torch
 from tqdm.auto import tqdm
 
 from .decoder import SpeculativeDecoder, sync_device
-from .search import RankStats, geometric_sizes, proposal_trees, replay_accept_length
+from .search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
 from .tree import Tree
 
 
 def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eos) -> list[list[int]]:
     """prompt + the base's greedy continuation, the text decoding will actually walk."""
     from .acceptance import Sampling
-    from .cli import plain_generate
+    from .generate import plain_generate
 
     return [p + plain_generate(base, [p], max_new_tokens, Sampling(), eos)[0][0]
             for p in tqdm(prompts, desc="greedy continuations", leave=False)]
 
 
 @torch.no_grad()
-def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int], depth: int | None = None
+                  ) -> list[torch.Tensor]:
     """Per sequence, rank vectors [T, D] of the states greedy decoding can verify from; a rank of V means
     'beyond the text'.
 
-    At state t (x_0..x_t committed, root x_{t+1}), depth d's target is x_{t+d+1}; Hydra heads are
-    conditioned on the true path x_{t+1..t+d}, as an accepting tree would have them. States run from the
-    prompt's last token to the one before the text's last: once the root is the final token (max_new_tokens
-    or EOS), decoding stops without another verification step.
+    At state t (x_0..x_t committed, root x_{t+1}), depth d's target is x_{t+d+1}; the draft is conditioned
+    on the true path x_{t+1..t+d} (Hydra heads, SSMs), as an accepting tree would have it. States run from
+    the prompt's last token to the one before the text's last: once the root is the final token
+    (max_new_tokens or EOS), decoding stops without another verification step. depth defaults to the
+    number of heads.
     """
-    from ..base import base_hidden
+    from ..drafters import kind_of
 
+    ranks_of = kind_of(draft.kind).ranks
+    depth = depth or draft.num_heads
     rows = []
-    V = base.get_output_embeddings().weight.shape[0]
-    D = draft.num_heads
-    dtype = next(draft.parameters()).dtype
     for seq, plen in zip(sequences, prompt_lens):
         ids = torch.tensor([seq], device=base.device)
-        S = ids.shape[1]
-        h = base_hidden(base, ids, torch.ones_like(ids))
-        feats = draft.train_hidden(h.to(dtype), ids, torch.ones_like(ids))
-        ranks = torch.full((S, D), V, dtype=torch.long, device=ids.device)
-        for k in range(D):
-            n = S - (k + 2)
-            if n <= 0:
-                continue
-            logits = draft.lm_heads[k](feats[k][0, :n])  # [n, V]
-            target = ids[0, k + 2:]  # [n]
-            ranks[:n, k] = (logits > logits.gather(1, target[:, None])).sum(-1)
+        ranks = ranks_of(draft, base, ids, depth)
         start = max(plen - 1, 0)
-        rows.append(ranks[start: max(S - 2, start)].cpu())
+        rows.append(ranks[start: max(ids.shape[1] - 2, start)].cpu())
     return rows
 
 
@@ -82,13 +73,25 @@ def hardware() -> str:
 
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
-                prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False) -> dict:
-    """The whole search; writes the tree file (and PNGs with plot) and returns a report."""
-    from ..data import detect_format, prompt_turns, read_records, to_messages
-    from .cli import encode_prompt, load_decoder
+                prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
+                max_depth: int = 8) -> dict:
+    """The whole search; writes the tree file (and PNGs with plot) and returns a report.
 
-    decoder, tok, meta = load_decoder(export, tree="chain")
-    base, draft, eos = decoder.base, decoder.draft, tok.eos_token_id
+    Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
+    grows with depth (one forward per level) rather than with width, so chains of several lengths are
+    timed beside the greedy trees."""
+    from ..base import load_base
+    from ..data import detect_format, prompt_turns, read_records, to_messages
+    from ..drafters import make_drafter
+    from ..export import load_export, read_meta
+    from .generate import encode_prompt
+
+    meta = read_meta(export)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base, tok = load_base(meta["base"]["name_or_path"], meta["base"]["dtype"], device)
+    draft, meta = load_export(export, base=base, device=device, dtype=next(base.parameters()).dtype)
+    eos = tok.eos_token_id
+    depth = max_depth if draft.kind == "ssm" else draft.num_heads
     prompts = []
     for _, _, rec in read_records(data, max_records=calibration_prompts + timing_prompts):
         fmt = detect_format(rec)
@@ -102,22 +105,26 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
 
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
-    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib])
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
     stats = RankStats(torch.cat(per_text), max_rank)
     trees = proposal_trees(stats, max_nodes)
     if not trees:
-        raise ValueError("the draft's candidates never matched the base on the calibration text; train the heads longer")
+        raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
+    candidates = [trees[n - 1] for n in sizes]
+    if draft.kind == "ssm":
+        candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
     rows = []
-    for n in tqdm(sizes, desc="timing tree sizes"):
-        tree = trees[n - 1]
-        m = measure(SpeculativeDecoder(base, draft, tree), timing, batch_size, max_new_tokens, eos)
-        rows.append({"nodes": n, "tree_size": tree.size, "expected_accept_length": tree.metadata["expected_accept_length"],
+    for tree in tqdm(candidates, desc="timing trees"):
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), timing, batch_size, max_new_tokens, eos)
+        rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
+                     "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
-                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
+                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
+                     "paths": [list(p) for p in tree.paths]})
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    chosen = trees[best["nodes"] - 1]
-    chosen = Tree.from_paths([list(p) for p in chosen.paths], {
+    rows = [{k: v for k, v in r.items() if k != "paths"} for r in rows]
+    chosen = Tree.from_paths(best["paths"], {
         "name": Path(out).stem, "method": "greedy growth on empirical acceptance statistics (Hydra sec. 4)",
         "export": str(export), "calibration": {"data": str(data), "prompts": len(calib), "states": stats.n},
         "expected_accept_length": best["expected_accept_length"],
@@ -144,14 +151,21 @@ def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:
 
     p1 = out.with_suffix(".sizes.png")
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["tree_size"] for r in rows]
-    ax.plot(xs, [r["expected_accept_length"] for r in rows], "o-", label="expected accept length")
-    ax.plot(xs, [r["measured_accept_length"] for r in rows], "s--", label="measured accept length")
+    grown = sorted((r for r in rows if not r["name"].startswith("chain")), key=lambda r: r["tree_size"])
+    chains = sorted((r for r in rows if r["name"].startswith("chain")), key=lambda r: r["tree_size"])
+    xs = [r["tree_size"] for r in grown]
+    ax.plot(xs, [r["expected_accept_length"] for r in grown], "o-", label="expected accept length")
+    ax.plot(xs, [r["measured_accept_length"] for r in grown], "s--", label="measured accept length")
+    if chains:
+        ax.plot([r["tree_size"] for r in chains], [r["measured_accept_length"] for r in chains], "d:",
+                label="chains: measured accept length")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree size (tokens per verification)")
     ax.set_ylabel("accept length")
     ax2 = ax.twinx()
-    ax2.plot(xs, [r["tokens_per_s"] for r in rows], "^-", color="tab:red", label="tokens/s")
+    ax2.plot(xs, [r["tokens_per_s"] for r in grown], "^-", color="tab:red", label="tokens/s")
+    if chains:
+        ax2.plot([r["tree_size"] for r in chains], [r["tokens_per_s"] for r in chains], "v:", color="tab:red")
     ax2.set_ylabel("tokens/s", color="tab:red")
     ax.legend(loc="upper left")
     ax.set_title(f"tree search ({tree.metadata.get('hardware', '')})")
@@ -189,33 +203,3 @@ def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:
     fig.savefig(p2, dpi=120)
     plt.close(fig)
     return [str(p1), str(p2)]
-
-
-def add_search_args(p) -> None:
-    p.add_argument("export")
-    p.add_argument("--data", required=True, help="calibration text: .txt / JSON(L) of text, ShareGPT or Alpaca records")
-    p.add_argument("--out", required=True, help="tree file to write (.json)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree (non-root nodes) to consider")
-    p.add_argument("--batch-size", type=int, default=1, help="batch size the tree is tuned for")
-    p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
-    p.add_argument("--calibration-prompts", type=int, default=64)
-    p.add_argument("--timing-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
-    p.add_argument("--plot", action="store_true", help="write OUT.sizes.png and OUT.tree.png")
-    p.add_argument("--json", action="store_true")
-
-
-def search_command(a) -> int:
-    rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
-                      a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot)
-    if a.json:
-        print(json.dumps(rep))
-        return 0
-    print("| nodes | expected accept | measured accept | tokens/s |\n|---|---|---|---|")
-    for r in rep["sizes"]:
-        print(f"| {r['tree_size']} | {r['expected_accept_length']:.3f} | {r['measured_accept_length']:.3f} | "
-              f"{r['tokens_per_s']:.1f} |")
-    print(f"\nchose {rep['tree_size']} nodes ({rep['tokens_per_s']:.1f} tokens/s at batch size {rep['batch_size']} on "
-          f"{rep['hardware']}); wrote {rep['tree']}")
-    return 0

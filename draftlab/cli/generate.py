@@ -1,0 +1,55 @@
+"""`draftlab generate`: speculative decoding with an export, optionally compared with plain decoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..decode.acceptance import Sampling
+from ..decode.generate import load_decoder, run_generate
+
+
+def add_generate_args(p) -> None:
+    p.add_argument("export", help="export directory (OUTPUT_DIR/export of a training run)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--tree", default=None, help="tree file (JSON/YAML), 'chain', or 'default'")
+    p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    p.add_argument("--compare", action="store_true", help="also run plain decoding of the base and report speedup")
+    p.add_argument("--stream", action="store_true", help="print text as it is committed (batch of one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def generate_command(a) -> int:
+    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device)
+    sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)
+    on_text = None
+    if a.stream and not a.json:
+        on_text = lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())
+    rep = run_generate(decoder, tok, a.prompt, a.max_new_tokens, sampling, a.compare, a.chat, a.stop, a.seed, on_text)
+    rep.pop("tokens")
+    if a.json:
+        print(json.dumps(rep))
+        return 0
+    if a.stream:
+        print()
+    else:
+        for t in (rep["text"] if isinstance(rep["text"], list) else [rep["text"]]):
+            print(t)
+    line = f"\n{rep['new_tokens']} tokens in {rep['steps']} steps, accept length {rep['accept_length']:.2f}, " \
+           f"{rep['tokens_per_s']:.1f} tokens/s"
+    if a.compare:
+        line += f"; plain decoding {rep['baseline_tokens_per_s']:.1f} tokens/s, speedup {rep['speedup']:.2f}x"
+        if "identical_to_baseline" in rep:
+            line += f", identical to plain greedy: {rep['identical_to_baseline']}"
+    print(line, file=sys.stderr)
+    return 0

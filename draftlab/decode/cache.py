@@ -1,0 +1,143 @@
+"""A stock Hugging Face causal LM decoding trees over its own KV cache: the base when it verifies, a
+small drafter LM when it drafts.
+
+Rows of a batch commit different numbers of tokens per step, so every row keeps its own set of
+valid cache slots (`valid` [B, L]); slots a row did not fill are holes it never attends to. Tree
+tokens are appended as tentative slots with a 4D mask (each sees the row's valid slots and its own
+ancestors) and explicit positions; `keep` then moves the accepted ones into place and crops the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class UnsupportedBaseError(ValueError):
+    """The architecture cannot run tree verification (4D masks / croppable KV cache)."""
+
+
+def cache_layers(cache):
+    """(keys, values) tensors of each layer of a DynamicCache, as a list of layer objects."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(l, "keys") for l in layers):
+        raise UnsupportedBaseError("the KV cache of this model is not a per-layer key/value cache "
+                                   "(DynamicCache); tree decoding needs one")
+    return layers
+
+
+def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
+    """Move slots start+keep[b] to start.. for each row b, then crop to start + keep.shape[1]. keep [B, M]."""
+    m = keep.shape[1]
+    for layer in cache_layers(cache):
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [B, kv_heads, L, d]
+            idx = (start + keep)[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
+            # Gather first (the source and destination slots overlap), write in place, crop as a view:
+            # no copy of the committed prefix.
+            t[:, :, start:start + m] = t.gather(2, idx)
+            setattr(layer, name, t[:, :, :start + m])
+
+
+def causal_allowed(valid: torch.Tensor) -> torch.Tensor:
+    """valid [B, S] -> allowed [B, S, S]: causal over valid positions; every position attends to itself
+    (so no softmax row is empty)."""
+    S = valid.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=valid.device).tril()
+    return (causal[None] & valid[:, None, :].bool()) | torch.eye(S, dtype=torch.bool, device=valid.device)[None]
+
+
+class SlotCache:
+    """A model, its DynamicCache, and per row: which slots are valid and the next position."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = DynamicCache(config=model.config)
+        self.valid: torch.Tensor | None = None  # [B, L] bool
+        self.next_pos: torch.Tensor | None = None  # [B] long
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+        """Left-padded prompts [B, L] (valid marks real tokens) -> model output; each row's positions count
+        its own tokens only."""
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
+                         use_cache=True, output_hidden_states=hidden)
+        self.valid, self.next_pos = valid.bool(), valid.sum(-1)
+        return out, pos
+
+    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
+        """Tentative slots for tokens [B, N]. Node i sees the valid committed slots and, of the tentative slots
+        (those already appended since the last keep, then these N), the ones allowed[:, i] [B, N, T] marks.
+        Its position is next_pos + depth [B, N]. Returns the model output."""
+        B, N = tokens.shape
+        L = self.valid.shape[1]
+        full = torch.cat([self.valid[:, None, :].expand(B, N, L), allowed], dim=2)  # [B, N, L+T]
+        mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~full, torch.finfo(self.dtype).min)
+        pos = self.next_pos[:, None] + depth
+        return self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=pos,
+                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+
+    def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Keep tentative slots start+keep[b] [B, M] (entries with keep_valid False become holes), drop the
+        other tentative slots, and advance each row's position by its kept count."""
+        compact_cache(self.cache, start, keep)
+        self.valid = torch.cat([self.valid[:, :start], keep_valid], dim=1)
+        self.next_pos = self.next_pos + keep_valid.sum(-1)
+
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+        """Commit tokens [B, P] (rows left-padded: valid marks real ones) in one forward; returns the output."""
+        out = self.forward(tokens, causal_allowed(valid), (valid.long().cumsum(-1) - 1).clamp(min=0), hidden)
+        self.valid = torch.cat([self.valid, valid.bool()], dim=1)
+        self.next_pos = self.next_pos + valid.sum(-1)
+        return out
+
+
+_CHECKED: dict[int, bool] = {}
+
+
+@torch.no_grad()
+def check_tree_support(model) -> None:
+    """Probe once per model that a 4D tree mask and explicit positions give the same logits as plain decoding."""
+    from transformers import DynamicCache
+
+    if _CHECKED.get(id(model)):
+        return
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    arch = type(model).__name__
+    V = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (1, 4), generator=g).to(dev)
+    sib = torch.randint(0, V, (1, 2), generator=g).to(dev)
+    try:
+        ref = model(input_ids=torch.cat([ids, sib[:, 1:]], 1)).logits[0, -1].float()
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        # Two siblings at the same position: the second must not see the first.
+        mask = torch.zeros(1, 1, 2, 6, dtype=dtype, device=dev)
+        mask[0, 0, 1, 4] = torch.finfo(dtype).min
+        got = model(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
+                    past_key_values=cache, use_cache=True).logits[0, 1].float()
+        cache_layers(cache)
+    except UnsupportedBaseError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure here means the architecture cannot take the tree
+        raise UnsupportedBaseError(f"{arch} cannot run tree decoding: a forward with a 4D attention mask "
+                                   f"and explicit position ids failed ({type(e).__name__}: {e}). Use a "
+                                   "Llama-family model, or attn_implementation='eager'/'sdpa'.") from None
+    tol = 1e-3 if dtype == torch.float32 or dtype == torch.float64 else 5e-2
+    err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+    if not err < tol:
+        raise UnsupportedBaseError(f"{arch} ignores custom 4D attention masks (tree logits differ from plain "
+                                   f"decoding by {err:.3g}); its attention implementation "
+                                   f"({model.config._attn_implementation!r}) may build its own mask. Try "
+                                   "attn_implementation='eager' or 'sdpa'.")
+    _CHECKED[id(model)] = True

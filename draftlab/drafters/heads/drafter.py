@@ -1,0 +1,97 @@
+"""Heads as a drafter: Medusa / Hydra / Hydra++ heads fill a static tree from the base's own hidden state."""
+
+from __future__ import annotations
+
+import torch
+
+from ...decode.cache import causal_allowed
+from ...decode.tree import Tree, TreeView
+from ..base import Drafter, PromptState, Proposal, StepResult
+
+
+class HeadsDrafter(Drafter):
+    """Fills a static rank-path tree with the heads' top-k candidates (deterministic drafts, q = None).
+
+    Medusa heads all read h_t, so every depth comes from one call; Hydra heads run depth by depth, each
+    conditioned on its node's own root path. The state they read is the base's final hidden state at the
+    last committed token, passed through the Hydra++ prefix layer (with its own KV cache, slot-aligned
+    with the base's) when the heads have one.
+    """
+
+    hidden_layers = (-1,)
+
+    def __init__(self, heads, tree: Tree):
+        num_heads = getattr(heads, "num_heads", 0)
+        if tree.depth > num_heads:
+            raise ValueError(f"the tree is {tree.depth} deep but the draft module has {num_heads} heads; "
+                             f"use a tree of depth <= {num_heads} (e.g. --tree chain) or more heads")
+        self.heads, self.tree = heads, tree
+        self.device = next(heads.parameters()).device
+        self.dtype = next(heads.parameters()).dtype
+        self.buf = tree.buffers(self.device)
+        self.topk = tree.topk_per_depth()
+        self.fill = self._fill_medusa if heads.kind == "medusa" else self._fill_hydra
+        self.prefix = getattr(heads, "prefix_layer", None) is not None
+        self.views: dict[int, TreeView] = {}
+        self.hidden = self.cache = None
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.size
+
+    def describe(self) -> dict:
+        return {"kind": self.heads.kind + ("++" if self.prefix else ""), "tree_size": self.tree.size,
+                "tree_depth": self.tree.depth, "tree": self.tree.metadata.get("name", "")}
+
+    # --- state -------------------------------------------------------------------------------------
+    def begin(self, prompt: PromptState, sampling, generator) -> None:
+        hidden = prompt.hidden[-1]  # [B, L, H]
+        if not self.prefix:
+            self.hidden = hidden[:, -1]
+            return
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.hidden = self.heads.prefix(hidden, causal_allowed(prompt.valid), prompt.positions, self.cache)[:, -1]
+
+    def commit(self, step: StepResult) -> None:
+        hidden = step.hidden[-1]  # [B, M, H] base states of the kept nodes
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if self.prefix:
+            B, M, _ = hidden.shape
+            vb = step.valid_before
+            allowed = torch.cat([vb[:, None, :].expand(B, M, vb.shape[1]), causal_allowed(step.keep_valid)], dim=2)
+            hidden = self.heads.prefix(hidden, allowed, step.positions, self.cache)
+        self.hidden = hidden[rows, step.last]
+
+    # --- proposals ---------------------------------------------------------------------------------
+    def propose(self, root: torch.Tensor) -> Proposal:
+        B = root.shape[0]
+        if B not in self.views:
+            self.views[B] = TreeView.of_static(self.buf, B)
+        return Proposal(self.fill(root, self.hidden), self.views[B])
+
+    def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
+        logits = self.heads.logits(hidden.to(self.dtype))
+        kmax = max(self.topk, default=1)
+        cand = logits[:, : len(self.topk)].topk(kmax, dim=-1).indices  # [B, D, kmax]
+        depth, rank = self.buf.depth[1:], self.buf.rank[1:]
+        return torch.cat([root[:, None], cand[:, depth - 1, rank]], dim=1)
+
+    def _fill_hydra(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # Depth by depth: head d runs once over every depth-d node that has children, each conditioned on
+        # its own root path, and its top-k fills that node's children by rank.
+        B, N = root.shape[0], self.buf.depth.numel()
+        tokens = torch.zeros(B, N, dtype=torch.long, device=root.device)
+        tokens[:, 0] = root
+        for d, lv in enumerate(self.buf.levels):
+            P = lv["parents"].numel()
+            if P == 0:
+                continue
+            path_tokens = tokens[:, lv["paths"]]  # [B, P, d+1]
+            h = hidden[:, None, :].expand(B, P, hidden.shape[-1])
+            logits = self.heads.head_logits(d, h, path_tokens)  # [B, P, V]
+            cand = logits.topk(self.topk[d], dim=-1).indices  # [B, P, k_d]
+            tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
+        return tokens

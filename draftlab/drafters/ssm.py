@@ -1,0 +1,261 @@
+"""Small speculative models (SSMs): a small causal LM that drafts for the base.
+
+Training: `SSMDraft` wraps a stock Hugging Face causal LM (a hub id / directory, or one built from the
+base's own config class with fewer / narrower layers), trained by distillation from the frozen base in
+the one training loop. Decoding: `SSMDrafter` drafts a chain (classic speculative decoding) or any
+rank-path tree (SpecInfer's expansion configurations <k1, ..., km> included) with its own KV cache,
+which follows the accepted path without a re-prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..decode.acceptance import Sampling, warp
+from ..decode.cache import SlotCache, check_tree_support
+from ..decode.tree import Tree, TreeView
+from .base import Drafter, PromptState, Proposal, StepResult
+
+
+class SSMError(ValueError):
+    """An SSM that cannot draft for this base as configured."""
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+def _ssm_config(base_config, c: dict):
+    """The base's config class with the SSM's depth and width (same block type, same vocabulary)."""
+    cfg = base_config.__class__.from_dict(base_config.to_dict())
+    H = c.get("hidden_size") or base_config.hidden_size
+    heads = c.get("num_attention_heads") or max(1, base_config.num_attention_heads * H // base_config.hidden_size)
+    kv = c.get("num_key_value_heads") or max(1, min(heads, getattr(base_config, "num_key_value_heads", heads) or heads))
+    if H % heads or heads % kv:
+        raise SSMError(f"head.ssm: hidden_size {H} must divide by num_attention_heads {heads}, and that by "
+                       f"num_key_value_heads {kv}")
+    inter = c.get("intermediate_size") or int(round(base_config.intermediate_size * H / base_config.hidden_size))
+    cfg.update({"hidden_size": H, "num_hidden_layers": c.get("num_layers", 2), "num_attention_heads": heads,
+                "num_key_value_heads": kv, "intermediate_size": inter})
+    if getattr(cfg, "head_dim", None) is not None:
+        cfg.head_dim = H // heads
+    for key in ("layer_types", "_name_or_path"):  # per-layer lists sized for the base's depth
+        if hasattr(cfg, key) and key == "layer_types" and cfg.layer_types is not None:
+            cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
+    return cfg
+
+
+def check_vocab(ssm, base, where: str) -> None:
+    """Drafts are verified token id for token id: the vocabularies must be the same size (no truncation)."""
+    vs, vb = ssm.get_output_embeddings().weight.shape[0], base.get_output_embeddings().weight.shape[0]
+    if vs != vb:
+        raise SSMError(f"{where}: the draft model has a vocabulary of {vs} tokens and the base {vb}; an SSM must "
+                       "share the base's tokenizer and vocabulary size (pick a smaller model of the base's family, "
+                       "or build one from the recipe with head.ssm.num_layers / hidden_size)")
+
+
+class SSMDraft(nn.Module):
+    """A small causal LM as a trainable draft module: features for the chunked loss, its lm_head, and export."""
+
+    kind = "ssm"
+    num_heads = 1  # one next-token prediction: metrics keep their per-head shape
+    shifts = (1,)  # position t is trained on token t+1 (heads: t+k+2)
+
+    def __init__(self, lm, settings: dict | None = None):
+        super().__init__()
+        self.lm = lm
+        self.settings = dict(settings or {})
+        self.vocab_size = lm.get_output_embeddings().weight.shape[0]
+        self.hidden_size = lm.config.hidden_size
+
+    @property
+    def lm_heads(self):
+        return [self.lm.get_output_embeddings()]
+
+    def config(self) -> dict:
+        c = self.lm.config
+        return {"type": "ssm", "num_heads": 1, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "num_layers": c.num_hidden_layers, "model_type": c.model_type,
+                "params": sum(p.numel() for p in self.lm.parameters()), **self.settings}
+
+    def train_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask=None) -> list[torch.Tensor]:
+        """The SSM's own final (normalised) states [B, S, Hs]; the base's states are only the teacher's."""
+        return [self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state]
+
+    @torch.no_grad()
+    def init_from_base(self, base, how: str) -> None:
+        """Initialise from the base: 'embeddings' (copy embeddings, lm_head and final norm; same width),
+        'project' (the same, projected onto the embedding matrix's top principal directions; narrower),
+        'truncate' (also copy the base's first layers), 'random' (keep the fresh initialisation)."""
+        if how == "random":
+            return
+        Hs, Hb = self.hidden_size, base.config.hidden_size
+        if how == "auto":
+            how = "embeddings" if Hs == Hb else "project"
+        if how in ("embeddings", "truncate") and Hs != Hb:
+            raise SSMError(f"head.ssm.init={how}: the SSM is {Hs} wide and the base {Hb}; use init: project "
+                           "(or random), or hidden_size equal to the base's")
+        emb_b, emb_s = base.get_input_embeddings().weight, self.lm.get_input_embeddings().weight
+        out_b, out_s = base.get_output_embeddings().weight, self.lm.get_output_embeddings().weight
+        proj = None
+        if how == "project":
+            # Top right singular vectors of the base's embedding matrix: the directions it uses most.
+            _, _, vh = torch.linalg.svd(emb_b.float() - emb_b.float().mean(0), full_matrices=False)
+            proj = vh[:Hs].t()  # [Hb, Hs]
+        for src, dst in ((emb_b, emb_s), (out_b, out_s)):
+            dst.copy_((src.float() @ proj if proj is not None else src.float()).to(dst.dtype))
+        if how == "truncate":
+            n = self.lm.config.num_hidden_layers
+            layers_b, layers_s = base.base_model.layers, self.lm.base_model.layers
+            if n > len(layers_b):
+                raise SSMError(f"head.ssm.init=truncate: the SSM has {n} layers, the base only {len(layers_b)}")
+            for i in range(n):
+                layers_s[i].load_state_dict({k: v.float() for k, v in layers_b[i].state_dict().items()})
+            norm_b, norm_s = getattr(base.base_model, "norm", None), getattr(self.lm.base_model, "norm", None)
+            if norm_b is not None and norm_s is not None:
+                norm_s.load_state_dict(norm_b.state_dict())
+
+
+def build_ssm(head: dict, base) -> SSMDraft:
+    """The SSM of a recipe's `head` section (type: ssm): loaded from head.ssm.name_or_path or built from the
+    base's config class, checked against the base's vocabulary, initialised as head.ssm.init says."""
+    from transformers import AutoModelForCausalLM
+
+    c = dict(head.get("ssm") or {})
+    if c.get("name_or_path"):
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(c["name_or_path"], dtype=torch.float32,
+                                                      trust_remote_code=c.get("trust_remote_code", False))
+        except OSError as e:
+            raise SSMError(f"head.ssm.name_or_path={c['name_or_path']!r}: cannot load a causal LM ({e})") from None
+        check_vocab(lm, base, f"head.ssm.name_or_path={c['name_or_path']!r}")
+        init = "random" if c.get("init", "auto") == "auto" else c["init"]  # a pretrained SSM keeps its weights
+    else:
+        lm = AutoModelForCausalLM.from_config(_ssm_config(base.config, c), dtype=torch.float32)
+        check_vocab(lm, base, "head.ssm")
+        init = c.get("init", "auto")
+    lm.requires_grad_(True).train()
+    module = SSMDraft(lm, {"source": c.get("name_or_path") or "config", "init": init})
+    module.init_from_base(base, init)
+    return module
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+class SSMDrafter(Drafter):
+    """Drafts a static-shape tree with a small LM: at every node its top-k (greedy) or k i.i.d. samples from
+    q = its warped distribution (sampling), as many as the tree gives that node children.
+
+    Per step: one forward over the tokens committed since the last step (the root included), then one
+    forward per tree depth over the nodes that have children. Leaves are never forwarded: an accepted
+    leaf is fed with the next root. The tentative tree slots of the accepted path are kept in its KV
+    cache and the rest dropped, as in the base.
+    """
+
+    def __init__(self, lm, tree: Tree):
+        if tree.depth == 0:
+            raise ValueError("an SSM needs a tree of depth >= 1 (e.g. --tree chain or --expansion 2,1)")
+        self.lm, self.tree = lm, tree
+        self.device = next(lm.parameters()).device
+        self.buf = tree.buffers(self.device)
+        check_tree_support(lm)
+        # Per depth d: the nodes with children (buf.levels[d]["parents"]); those below the root are forwarded at
+        # depth d, attending to their ancestors among the nodes forwarded so far (in the cache's tentative tail).
+        kids = self.buf.children
+        self.internal = [n for n in range(1, tree.size) if kids[n]]  # forwarded tree nodes, in forward order
+        self.slot = {n: i for i, n in enumerate(self.internal)}  # forwarded node -> its tentative slot
+        depth = self.buf.depth.tolist()
+        self.levels = []
+        for d, lv in enumerate(self.buf.levels):
+            nodes = lv["parents"].tolist()
+            fwd = [n for n in nodes if n > 0]
+            upto = [n for n in self.internal if depth[n] <= d]
+            self.levels.append({**lv, "k": int(lv["child_rank"].max()) + 1, "forward": fwd,
+                                "allowed": self.buf.mask[fwd][:, upto] if fwd else None,  # [n_d, done + n_d]
+                                "fwd_depth": self.buf.depth[fwd] - 1 if fwd else None})  # the root sits at next_pos-1
+        # Sampling: q rows are the root's distribution, then one per forwarded node (in forward order), and node
+        # n was drawn from its parent's row.
+        q_row = {n: i for i, n in enumerate([0] + self.internal)}
+        parent = self.buf.parent.tolist()
+        self.q_index = torch.tensor([-1] + [q_row[parent[n]] for n in range(1, tree.size)], device=self.device)
+        self.views: dict[int, TreeView] = {}
+        self.target = None
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.size
+
+    def describe(self) -> dict:
+        return {"kind": "ssm", "tree_size": self.tree.size, "tree_depth": self.tree.depth,
+                "tree": self.tree.metadata.get("name", ""), "forwards_per_step": len(self.levels)}
+
+    def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
+        self.sampling, self.generator = sampling, generator
+        self.target = SlotCache(self.lm)
+        self.target.prefill(prompt.ids, prompt.valid)
+        B = prompt.ids.shape[0]
+        self.pending = [[] for _ in range(B)]  # committed tokens not yet in the SSM's cache, per row
+        self.live = [True] * B
+
+    def _children(self, logits: torch.Tensor, k: int, dist: list) -> torch.Tensor:
+        """[B, P, V] logits -> [B, P, k] children: top-k, or k i.i.d. samples from q (kept in dist)."""
+        if self.sampling.temperature <= 0:
+            return logits.topk(k, dim=-1).indices
+        q = warp(logits, self.sampling)  # [B, P, V]
+        dist.append(q)
+        B, P, V = q.shape
+        draws = torch.multinomial(q.reshape(B * P, V), k, replacement=True, generator=self.generator)
+        return draws.reshape(B, P, k)
+
+    @torch.no_grad()
+    def propose(self, root: torch.Tensor) -> Proposal:
+        B, dev = root.shape[0], self.device
+        # 1. Feed what was committed since the last step (an accepted leaf, the root), left-padded.
+        feed = [p + [int(r)] for p, r in zip(self.pending, root.tolist())]
+        P = max(len(f) for f in feed)
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        ok = torch.zeros(B, P, dtype=torch.bool, device=dev)
+        for b, f in enumerate(feed):
+            ids[b, P - len(f):] = torch.tensor(f, device=dev)
+            ok[b, P - len(f):] = self.live[b]  # a finished row's tokens are fed as holes
+        logits = self.target.append(ids, ok).logits[:, -1:]  # [B, 1, V] at the root
+        self.start = self.target.length
+        # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
+        # have children of their own. Logits of depth d's nodes are in level order (the root's for d = 0).
+        tokens = torch.zeros(B, self.tree.size, dtype=torch.long, device=dev)
+        tokens[:, 0] = root
+        dist: list = []
+        for d, lv in enumerate(self.levels):
+            if d > 0:
+                out = self.target.forward(tokens[:, lv["forward"]], lv["allowed"][None].expand(B, -1, -1),
+                                          lv["fwd_depth"][None].expand(B, -1))
+                logits = out.logits  # [B, n_d, V]: every node with children at depth d > 0 is forwarded
+            cand = self._children(logits, lv["k"], dist)  # [B, n_d, k]
+            tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
+        if B not in self.views:
+            self.views[B] = TreeView.of_static(self.buf, B)
+        prop = Proposal(tokens, self.views[B])
+        if dist:
+            prop.q, prop.q_index = torch.cat(dist, dim=1), self.q_index[None].expand(B, -1)  # [B, 1 + internal, V]
+        return prop
+
+    @torch.no_grad()
+    def commit(self, step: StepResult) -> None:
+        B, dev = step.keep.shape[0], self.device
+        # Tentative slots hold the forwarded tree nodes; keep those on the accepted path (all of it but a
+        # leaf at its end), in order. The root was committed when it was fed.
+        kept, self.pending = [], []
+        for b, path in enumerate(step.paths):
+            nodes = path[1:]
+            in_cache = [self.slot[n] for n in nodes if n in self.slot]
+            kept.append(in_cache)
+            leaf = [int(step.tokens[b, nodes[-1]])] if nodes and nodes[-1] not in self.slot else []
+            self.pending.append(leaf if bool(step.live[b]) else [])
+        self.live = step.live.tolist()
+        M = max((len(k) for k in kept), default=0)
+        keep = torch.zeros(B, M, dtype=torch.long, device=dev)
+        keep_valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
+        for b, k in enumerate(kept):
+            keep[b, : len(k)] = torch.tensor(k, dtype=torch.long, device=dev)
+            keep_valid[b, : len(k)] = bool(step.live[b])
+        self.target.keep(self.start, keep, keep_valid)
+

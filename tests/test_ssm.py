@@ -1,0 +1,239 @@
+"""Small drafter LMs (SSMs): exact greedy decoding, their KV cache following the text, lossless sampling with
+sampled drafts (and a wrong residual caught), dynamic per-row trees in the verifier, training and export."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_decoder import _joint_first_two, _sample_joint, chi_square, plain_greedy, random_tree
+from draftlab.decode import acceptance
+from draftlab.decode.acceptance import Sampling, accept_greedy, accept_sampling, warp
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.tree import Tree, TreeError, TreeView
+from draftlab.drafters import Drafter, Proposal
+from draftlab.drafters.ssm import SSMDrafter
+
+
+def small_lm(seed=1, layers=1, hidden=16, vocab=64):
+    """A different, smaller Llama over the same vocabulary: a bad but honest drafter."""
+    return tiny_llama(vocab=vocab, hidden=hidden, layers=layers, seed=seed)
+
+
+# --- greedy exactness -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ssm_greedy_equals_plain_greedy(seed):
+    rng = random.Random(seed)
+    base = tiny_llama(seed=seed)
+    trees = [Tree.chain(1), Tree.chain(5), Tree.expansion([2, 2, 1]), Tree.expansion([1, 3]), random_tree(rng, 4)]
+    for lm in (small_lm(seed + 10), tiny_llama(seed=seed)):  # a poor drafter, and the base itself (all accepted)
+        for tree in trees:
+            if tree.depth == 0:
+                continue
+            dec = SpeculativeDecoder(base, SSMDrafter(lm, tree))
+            for B in (1, 3):
+                prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 10))] for _ in range(B)]
+                res = dec.generate(prompts, max_new_tokens=20)
+                for p, got in zip(prompts, res.tokens):
+                    assert got == plain_greedy(base, p, 20), (tree.paths, p)
+
+
+def test_the_base_as_its_own_drafter_accepts_every_token():
+    base = tiny_llama(seed=0)
+    dec = SpeculativeDecoder(base, SSMDrafter(tiny_llama(seed=0), Tree.chain(4)))
+    res = dec.generate([[1, 2, 3], [7]], max_new_tokens=40)
+    # 10 steps of 4 drafted + 1 bonus per row (40 tokens: the prefill's 1, then 39 = 7 full steps + 4).
+    assert res.accept_length > 4.5
+
+
+def test_ssm_drafts_follow_the_committed_text():
+    """Each step's chain equals the SSM's own greedy continuation of the committed text computed from scratch:
+    its KV cache holds exactly the committed tokens after every accept, reject, accepted leaf and bonus."""
+    base = tiny_llama(seed=5)
+    lm = small_lm(seed=6, layers=2)
+    drafter = SSMDrafter(lm, Tree.chain(3))
+    steps = []
+    propose, commit = drafter.propose, drafter.commit
+
+    def spy_propose(root):
+        prop = propose(root)
+        steps.append({"tokens": prop.tokens.clone()})
+        return prop
+
+    def spy_commit(step):
+        steps[-1].update(paths=step.paths, bonus=step.bonus.tolist())
+        commit(step)
+    drafter.propose, drafter.commit = spy_propose, spy_commit
+    prompts = [[4, 9, 2], [11, 3, 5, 8, 1]]
+    res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=16)
+    text = [p + r[:1] for p, r in zip(prompts, res.tokens)]  # prompt + the prefill's token (the first root)
+    checked = 0
+    for st in steps:
+        for b in range(2):
+            done = text[b][len(prompts[b]):]
+            if len(done) >= len(res.tokens[b]):
+                continue  # this row had ended
+            assert st["tokens"][b, 1:].tolist() == plain_greedy(lm, text[b], 3), (b, text[b])
+            checked += 1
+            if "paths" in st:
+                text[b] += [int(st["tokens"][b, n]) for n in st["paths"][b][1:]] + [st["bonus"][b]]
+    assert checked >= 6
+
+
+# --- sampling with sampled drafts -------------------------------------------------------------------
+
+def _two_level_trial(p1, p2, q1, q2, widths, g, s):
+    """One verification of a two-level tree whose children are drawn i.i.d. from the draft's q; the base's
+    conditionals are p1 (after the root) and p2[x] (after x). Returns the first two committed tokens."""
+    V = p1.shape[0]
+    k1, k2 = widths
+    first = torch.multinomial(q1, k1, replacement=True, generator=g).tolist()
+    tokens, parents, qi = [0], [-1], [-1]
+    for x in first:
+        tokens.append(x), parents.append(0), qi.append(0)
+    for j, x in enumerate(first):
+        for y in torch.multinomial(q2[x], k2, replacement=True, generator=g).tolist():
+            tokens.append(y), parents.append(1 + j), qi.append(1 + j)
+    N = len(tokens)
+    logits = torch.empty(1, N, V)
+    logits[0, 0] = p1.log()
+    for i in range(1, N):
+        logits[0, i] = p2[tokens[i]].log() if parents[i] == 0 else torch.zeros(V)  # leaves: any p (bonus only)
+    # Depth-2 leaves need the base's distribution after them only for a bonus we do not look at.
+    q = torch.stack([q1] + [q2[x] for x in first])[None]  # [1, 1 + k1, V]
+    view = TreeView.of_parents(torch.tensor([parents]))
+    paths, bonus = accept_sampling(torch.tensor([tokens]), logits, view, s, g, q, torch.tensor([qi]))
+    out = [tokens[n] for n in paths[0][1:]] + [int(bonus[0])]
+    if len(out) == 1:  # nothing accepted: the token after the bonus comes from the next step, drawn from p2
+        out.append(int(torch.multinomial(p2[out[0]], 1, generator=g)))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("widths", [(1, 1), (3, 2)])
+def test_multi_step_speculative_sampling_keeps_the_joint_law(widths):
+    torch.manual_seed(0)
+    V, s = 6, Sampling(temperature=1.0)
+    p1 = torch.softmax(torch.randn(V) * 1.5, -1)
+    p2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
+    q1 = torch.softmax(torch.randn(V) * 1.5, -1)  # a draft that disagrees with the base
+    q2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(V, V)
+    for _ in range(6000):
+        a, b = _two_level_trial(p1, p2, q1, q2, widths, g, s)
+        counts[a, b] += 1
+    stat, df = chi_square(counts, p1[:, None] * p2)
+    assert df >= 20
+    assert stat < df + 4 * (2 * df) ** 0.5, (stat, df)
+
+
+def test_a_wrong_residual_fails_the_same_check(monkeypatch):
+    """Renormalising p after a rejection instead of taking max(p - q, 0) (sampled drafts) is caught."""
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
+    torch.manual_seed(0)
+    V, s = 6, Sampling(temperature=1.0)
+    p1 = torch.softmax(torch.randn(V) * 1.5, -1)
+    p2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
+    q1 = torch.softmax(torch.randn(V) * 1.5, -1)
+    q2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(V, V)
+    for _ in range(6000):
+        a, b = _two_level_trial(p1, p2, q1, q2, (3, 2), g, s)
+        counts[a, b] += 1
+    stat, df = chi_square(counts, p1[:, None] * p2)
+    assert stat > df + 4 * (2 * df) ** 0.5, (stat, df)
+
+
+@pytest.mark.parametrize("tree", [Tree.chain(3), Tree.expansion([2, 2])])
+def test_ssm_speculative_sampling_matches_plain_sampling_end_to_end(tree):
+    base = tiny_llama(vocab=16, seed=4)
+    lm = small_lm(seed=7, vocab=16)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(6)  # peaked, so the test has power with few samples
+        lm.lm_head.weight.mul_(4)
+    dec = SpeculativeDecoder(base, SSMDrafter(lm, tree))
+    s = Sampling(temperature=0.8, top_p=0.9)
+    joint = _joint_first_two(base, [1, 5], s)
+    stat, df = chi_square(_sample_joint(dec, [1, 5], s, 2000, seed=0), joint)
+    assert df >= 5
+    assert stat < df + 4 * (2 * df) ** 0.5, (stat, df)
+
+
+# --- dynamic trees in the verifier ------------------------------------------------------------------
+
+class RandomTreeDrafter(Drafter):
+    """A different random tree per row and per step (padded to the largest), tokens from a heads-free rule:
+    mostly random, sometimes the base's true next token, so some paths are accepted."""
+
+    def __init__(self, base, seed=0, max_nodes=9):
+        self.base, self.rng, self._max = base, random.Random(seed), max_nodes
+        self.sizes = []
+
+    @property
+    def max_nodes(self):
+        return self._max
+
+    def begin(self, prompt, sampling, generator):
+        self.text = [[int(t) for t, v in zip(r, m) if v] for r, m in zip(prompt.ids, prompt.valid)]
+
+    def propose(self, root):
+        B, V = root.shape[0], self.base.config.vocab_size
+        rows = []
+        for b in range(B):
+            n = self.rng.randint(1, self._max)
+            parents = [-1] + [self.rng.randrange(i) for i in range(1, n)]
+            ctx = self.text[b] + [int(root[b])]
+            tokens = [int(root[b])]
+            for i in range(1, n):
+                tokens.append(self.rng.randrange(V))
+            # Make one path the true continuation now and then.
+            if n > 1 and self.rng.random() < 0.7:
+                guess = plain_greedy(self.base, ctx, 1)[0]
+                tokens[[i for i in range(1, n) if parents[i] == 0][0]] = guess
+            rows.append((tokens, parents))
+        N = max(len(t) for t, _ in rows)
+        self.sizes.append([len(t) for t, _ in rows])
+        tok = torch.zeros(B, N, dtype=torch.long)
+        par = torch.full((B, N), -1, dtype=torch.long)
+        ok = torch.zeros(B, N, dtype=torch.bool)
+        for b, (t, p) in enumerate(rows):
+            tok[b, : len(t)], par[b, : len(p)], ok[b, : len(t)] = torch.tensor(t), torch.tensor(p), True
+        return Proposal(tok, TreeView.of_parents(par, ok))
+
+    def commit(self, step):
+        for b, path in enumerate(step.paths):
+            self.text[b] += [int(step.tokens[b, n]) for n in path] if bool(step.live[b]) else []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_row_per_step_trees_are_exact(seed):
+    rng = random.Random(seed)
+    base = tiny_llama(seed=seed)
+    drafter = RandomTreeDrafter(base, seed)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 8))] for _ in range(3)]
+    res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=18)
+    for p, got in zip(prompts, res.tokens):
+        assert got == plain_greedy(base, p, 18)
+    assert res.accept_length > 1.1  # the true tokens planted in the trees were accepted
+    assert any(len(set(s)) > 1 for s in drafter.sizes)  # rows really had different trees
+
+
+def test_tree_view_from_parents_and_padding():
+    par = torch.tensor([[-1, 0, 0, 1, 3, -1], [-1, 0, 1, -1, -1, -1]])
+    ok = torch.tensor([[True] * 5 + [False], [True] * 3 + [False] * 3])
+    v = TreeView.of_parents(par, ok)
+    assert v.depth[0].tolist()[:5] == [0, 1, 1, 2, 3] and v.depth[1].tolist()[:3] == [0, 1, 2]
+    assert v.path_to(0, 4) == [0, 1, 3, 4] and v.children(0)[1] == [3]
+    assert not v.ancestors[0, 4, 2] and v.ancestors[0, 5].tolist() == [False] * 5 + [True]  # padding: itself only
+    # Greedy acceptance never picks a padded node even if it "matches".
+    logits = torch.zeros(2, 6, 8)
+    tokens = torch.zeros(2, 6, dtype=torch.long)  # argmax of zeros is 0: every token matches
+    paths, _ = accept_greedy(tokens, logits, v)
+    assert paths == [[0, 1, 3, 4], [0, 1, 2]]
+    with pytest.raises(TreeError, match="topological order"):
+        TreeView.of_parents(torch.tensor([[-1, 2, 0]]))
+    with pytest.raises(TreeError, match="padded node is the parent"):
+        TreeView.of_parents(torch.tensor([[-1, 0, 1]]), torch.tensor([[True, False, True]]))
