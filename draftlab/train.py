@@ -119,8 +119,9 @@ def _single_process_group_env() -> None:
 
 @contextmanager
 def outside_deepspeed(ds_plugin):
-    """Load the frozen base whole: with a DeepSpeed plugin in place transformers' from_pretrained would
-    partition it as ZeRO-3 parameters (zero.Init), but the base runs outside DeepSpeed's engine."""
+    """Build models whole: with a DeepSpeed plugin in place transformers' from_pretrained / from_config would
+    partition them as ZeRO-3 parameters (zero.Init) on creation. The frozen base runs outside DeepSpeed's
+    engine; a draft LM must exist whole to be checked and initialised from the base (the engine shards it)."""
     if ds_plugin is None:
         yield
         return
@@ -289,7 +290,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
     pad_id = tok.pad_token_id
     H = base.config.hidden_size
-    draft = build_draft(recipe.head.model_dump(), base).float()
+    with outside_deepspeed(ds_plugin):  # built whole (and checked, initialised from the base); ZeRO-3 shards it later
+        draft = build_draft(recipe.head.model_dump(), base).float()
     objective = DraftObjective(draft, recipe.loss)
     if use_deepspeed and recipe.distributed.zero_stage == 3:
         from deepspeed.runtime.zero import register_external_parameter

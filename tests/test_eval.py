@@ -124,3 +124,18 @@ def test_eval_cli_json(export, tmp_path, capsys):
     assert main(["eval", "compare", str(tmp_path / "r")]) == 0
     assert "coding" in capsys.readouterr().out
     assert main(["eval", "mt-bench", export, "--questions", str(MT), "--category", "poetry", "--json"]) == 2
+
+
+def test_mt_bench_with_an_ssm_export(stories_dir, tmp_path):
+    """eval mt-bench takes an SSM export unchanged: answers identical to plain greedy, the drafter recorded."""
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+
+    base, tok = load_base(str(stories_dir), "float32")
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)
+    exp = save_export(ssm, base, tmp_path / "ssm", str(stories_dir), tokenizer=tok)
+    s = run_mt_bench(str(exp), str(MT), str(tmp_path / "r"), limit=2, max_new_tokens=24, tree="chain:3",
+                     progress=False, plots=False)
+    assert s["head"] == "ssm" and s["tree_size"] == 4
+    assert s["overall"]["identical_share"] == 1.0 and s["overall"]["accept_length"] >= 1

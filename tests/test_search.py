@@ -104,7 +104,19 @@ def fit_heads(base, draft, seqs, steps=60):
     draft.eval()
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def noisy_ssm(base, noise=0.05, seed=0):
+    """An SSM that is the base plus noise: it agrees with the base often, but not always."""
+    from draftlab.drafters.ssm import SSMDraft
+
+    lm = tiny_llama(seed=3)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(noise * p.std() * torch.randn_like(p))
+    return SSMDraft(lm).eval()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++", "ssm"])
 def test_statistics_replay_the_decoder_exactly(kind):
     """The rank vectors search-tree collects, replayed along a tree, give the accept length the real decoder
     measures on the same prompts: the statistics describe what verification does, Hydra's path conditioning,
@@ -113,15 +125,20 @@ def test_statistics_replay_the_decoder_exactly(kind):
 
     rng = random.Random(kind)
     base = tiny_llama(seed=3)
-    draft = noisy_heads(base, noise=0.02) if kind == "medusa" else hydra(base, prefix=kind == "hydra++", noise=0.02)
     prompts = [[rng.randint(3, 63) for _ in range(rng.randint(2, 6))] for _ in range(5)]
     eos = greedy_continuations(base, prompts[:1], 24, None)[0][len(prompts[0]) + 12]  # one row ends early
     seqs = greedy_continuations(base, prompts, 24, eos)
-    fit_heads(base, draft, seqs)
-    per_text = collect_ranks(base, draft, seqs, [len(p) for p in prompts])
+    if kind == "ssm":  # any depth: the SSM drafts as deep as the tree goes
+        draft, depth = noisy_ssm(base), 5
+    else:
+        draft = noisy_heads(base, noise=0.02) if kind == "medusa" else hydra(base, prefix=kind == "hydra++", noise=0.02)
+        fit_heads(base, draft, seqs)
+        depth = 3
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in prompts], depth)
     measured = []
-    for tree in [Tree.chain(3), Tree.from_paths([]), grow_tree(RankStats(torch.cat(per_text), 3), 6)] + \
-            [random_tree(rng, 3) for _ in range(3)]:
+    trees = [Tree.chain(depth), grow_tree(RankStats(torch.cat(per_text), 3), 6)] + \
+        [random_tree(rng, depth) for _ in range(3)] + ([] if kind == "ssm" else [Tree.from_paths([])])
+    for tree in trees:
         m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), prompts, 1, 24, eos)
         assert replay_accept_length(tree, per_text) == pytest.approx(m["accept_length"], abs=1e-12)
         measured.append(m["accept_length"])
@@ -137,15 +154,17 @@ def test_proposal_trees_are_nested_and_prefix_closed():
     assert geometric_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["hydra", "ssm"])
+def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_path, capsys, kind):
     from draftlab.base import load_base
     from draftlab.cli import main
     from draftlab.export import save_export
     from draftlab.drafters import build_draft
 
-    base, _ = load_base(str(tiny_base_dir), "float32")
-    draft = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base)
-    save_export(draft, base, tmp_path / "exp", str(tiny_base_dir))
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    head = {"type": "hydra", "num_heads": 2, "num_layers": 1} if kind == "hydra" else \
+        {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}
+    save_export(build_draft(head, base), base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
     out = tmp_path / "tree.json"
@@ -159,3 +178,8 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
         assert key in tree.metadata
     assert tree.size == rep["tree_size"] and out.with_suffix(".sizes.png").is_file()
     assert out.with_suffix(".tree.png").is_file()
+    names = [r["name"] for r in rep["sizes"]]
+    if kind == "ssm":  # chains of several lengths are timed beside the grown trees, deeper than any head count
+        assert {"chain-2", "chain-4", "chain-8"} <= set(names) and max(r["tree_depth"] for r in rep["sizes"]) > 2
+    else:
+        assert not any(n.startswith("chain") for n in names)

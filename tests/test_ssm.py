@@ -237,3 +237,78 @@ def test_tree_view_from_parents_and_padding():
         TreeView.of_parents(torch.tensor([[-1, 2, 0]]))
     with pytest.raises(TreeError, match="padded node is the parent"):
         TreeView.of_parents(torch.tensor([[-1, 0, 1]]), torch.tensor([[True, False, True]]))
+
+
+# --- building, exporting, loading --------------------------------------------------------------------
+
+def test_init_from_the_base(tiny_base_dir):
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.drafters.ssm import SSMError
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    ids = torch.randint(0, base.config.vocab_size, (2, 9))
+    # All of the base's layers copied: the SSM is the base.
+    full = build_draft({"type": "ssm", "ssm": {"num_layers": 2, "init": "truncate"}}, base)
+    torch.testing.assert_close(full.lm(ids).logits, base(ids).logits)
+    one = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)
+    torch.testing.assert_close(one.lm.base_model.layers[0].self_attn.q_proj.weight,
+                               base.base_model.layers[0].self_attn.q_proj.weight)
+    same = build_draft({"type": "ssm", "ssm": {"num_layers": 1}}, base)  # auto: embeddings
+    torch.testing.assert_close(same.lm.get_input_embeddings().weight, base.get_input_embeddings().weight)
+    narrow = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base)  # auto: project
+    E, Es = base.get_input_embeddings().weight, narrow.lm.get_input_embeddings().weight
+    assert Es.shape == (E.shape[0], 16)
+    # The projection keeps the embeddings' geometry as far as 16 directions can: similar tokens stay similar.
+    c = lambda M: torch.nn.functional.normalize(M - M.mean(0), dim=1) @ torch.nn.functional.normalize(M - M.mean(0), dim=1).t()
+    assert torch.corrcoef(torch.stack([c(E).flatten(), c(Es).flatten()]))[0, 1] > 0.5
+    with pytest.raises(SSMError, match="16 wide and the base 32; use init: project"):
+        build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16, "init": "embeddings"}}, base)
+
+
+def test_a_vocabulary_mismatch_names_both_sizes(tiny_base_dir, tmp_path):
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.drafters.ssm import SSMError
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    other = tiny_llama(vocab=48, hidden=16, layers=1, dtype=torch.float32)
+    other.save_pretrained(tmp_path / "other")
+    V = base.config.vocab_size
+    with pytest.raises(SSMError, match=f"vocabulary of 48 tokens and the base {V}"):
+        build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "other")}}, base)
+
+
+def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.drafters import build_draft
+    from draftlab.export import ExportError, load_export, read_meta, save_export
+
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).eval()
+    exp = save_export(ssm, base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
+    meta = read_meta(exp)
+    assert meta["head"]["type"] == "ssm" and meta["head"]["num_layers"] == 1 and meta["base"]["hidden_size"] == 32
+    # A plain Hugging Face directory: what assisted generation, vLLM or SGLang take as a draft model.
+    hf = AutoModelForCausalLM.from_pretrained(exp)
+    assert len(AutoTokenizer.from_pretrained(exp)) == len(tok)
+    ids = torch.randint(0, base.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ssm.lm(ids).logits)
+    again, _ = load_export(exp, base=base)
+    with pytest.raises(ExportError, match="hidden_size: export has 32, base has 48"):
+        load_export(exp, base=tiny_llama(vocab=base.config.vocab_size, hidden=48, dtype=torch.float32))
+    for tree in ("default", "chain:2", "expansion:2,1"):
+        assert main(["generate", str(exp), "--prompt", "Once upon", "--max-new-tokens", "10", "--tree", tree,
+                     "--compare", "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rep["identical_to_baseline"] is True and rep["drafter"]["kind"] == "ssm", rep
+    assert main(["generate", str(exp), "--prompt", "x", "--temperature", "0.8", "--json"]) == 0
+    (exp / "model.safetensors").unlink()
+    with pytest.raises(ExportError, match="incomplete ssm export, missing model.safetensors"):
+        read_meta(exp)

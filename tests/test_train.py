@@ -13,33 +13,44 @@ from draftlab.export import ExportError, load_export, read_meta
 from draftlab.train import RunDirError, train
 
 
-def recipe(base_dir, data, out, **train):
+MEDUSA = {"head": {"num_heads": 3, "num_layers": 1}}
+# A 1-layer, half-width SSM built from the base's config, distilled with reverse KL mixed with CE.
+SSM = {"head": {"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}},
+       "loss": {"distill_weight": 0.7, "divergence": "rkl"}}
+KINDS = {"medusa": MEDUSA, "ssm": SSM}
+
+
+def recipe(base_dir, data, out, kind="medusa", **train):
     t = {"lr": 1e-2, "warmup_steps": 1, "batch_size": 2, "max_steps": 4, "save_every_steps": 2,
          "eval_every_steps": 2, "log_every_steps": 1, **train}
-    return build_recipe({"base": {"name_or_path": str(base_dir), "dtype": "float32"},
-                         "head": {"num_heads": 3, "num_layers": 1},
+    return build_recipe({"base": {"name_or_path": str(base_dir), "dtype": "float32"}, **KINDS[kind],
                          "data": {"path": str(data), "max_len": 64, "eval_size": 4},
                          "train": t, "output_dir": str(out)})
 
 
 def weights(out: Path) -> dict:
-    return load_file(out / "export" / "draft.safetensors")
+    """The exported draft's tensors (heads: draft.safetensors; an SSM: its HF model.safetensors)."""
+    heads = out / "export" / "draft.safetensors"
+    return load_file(heads if heads.is_file() else out / "export" / "model.safetensors")
 
 
-def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path):
-    straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a"))
+@pytest.mark.parametrize("kind", ["medusa", "ssm"])
+def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path, kind):
+    straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind))
     assert straight["finished"] and straight["step"] == 4
-    first = train(recipe(tiny_base_dir, data_file, tmp_path / "b"), stop_after_steps=2)
+    first = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind), stop_after_steps=2)
     assert not first["finished"] and (tmp_path / "b" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
     assert not (tmp_path / "b" / "export").exists()
-    resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b"))
+    resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind))
     assert resumed["finished"]
     wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
-    # The heads actually moved away from their initialisation.
-    assert any(v.abs().sum() > 0 for k, v in wa.items() if "blocks" in k and "weight" in k)
+    # The draft actually moved away from its initialisation.
+    fresh = train(recipe(tiny_base_dir, data_file, tmp_path / "c", kind, max_steps=1, lr=1e-9))
+    w0 = weights(tmp_path / "c")
+    assert fresh["finished"] and any((wa[k] - w0[k]).abs().max() > 1e-4 for k in wa)
 
 
 def test_metrics_config_and_eval_are_written(tiny_base_dir, data_file, tmp_path):
@@ -104,18 +115,19 @@ def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_pa
         assert list(tmp_path.rglob("offline-run-*"))
 
 
-def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path):
+@pytest.mark.parametrize("kind", ["medusa", "ssm"])
+def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind):
     out = tmp_path / "ddp"
     cfg = tmp_path / "r.yaml"
     trackers = ["tensorboard"] + (["wandb"] if importlib.util.find_spec("wandb") else [])
-    cfg.write_text(dump_recipe(build_recipe({**recipe(tiny_base_dir, data_file, out, max_steps=2).model_dump(mode="json"),
+    cfg.write_text(dump_recipe(build_recipe({**recipe(tiny_base_dir, data_file, out, kind, max_steps=2).model_dump(mode="json"),
                                              "log": {"trackers": trackers}})))
     p = launch_train(cfg, processes=2, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, json_out=True,
                      timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert start["processes"] == 2
-    assert (out / "export" / "draft.safetensors").is_file()
+    assert weights(out)
     # Trackers log from the main process only: tensorboard files from one process id, one wandb run.
     events = list((out / "logs").rglob("events.out.tfevents*"))  # events.out.tfevents.TIME.HOST.PID.N
     assert events and len({e.name.split(".")[-2] for e in events}) == 1

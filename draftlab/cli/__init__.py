@@ -55,11 +55,11 @@ def cmd_distill(a) -> int:
     from ..distill import distill_data
 
     summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
-                           a.max_records, a.dtype, a.device, a.seed)
+                           a.max_records, a.dtype, a.device, a.seed, a.mode, a.prompt_chars)
     if a.json:
         _print_json(summary)
     else:
-        print(f"wrote {summary['written']} conversations to {summary['out']} ({summary['skipped_existing']} already there)")
+        print(f"wrote {summary['written']} records to {summary['out']} ({summary['skipped_existing']} already there)")
     return 0
 
 
@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("base", help="a recipe YAML (its base) or a base model path / hub id")
     s.add_argument("--prompts", required=True, help="ShareGPT / Alpaca / text file whose prompts the base answers")
     s.add_argument("--out", required=True, help="JSONL of ShareGPT conversations; appended to and resumed")
+    s.add_argument("--mode", default="chat", choices=["chat", "text"],
+                   help="chat: answer the first user turn via the chat template (ShareGPT out); text: continue the "
+                        "opening of each text (for bases without a chat format; {text} records out)")
+    s.add_argument("--prompt-chars", type=int, default=64, help="text mode: characters of each text given as prompt")
     s.add_argument("--max-new-tokens", type=int, default=512)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
