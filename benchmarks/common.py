@@ -80,3 +80,26 @@ def write_result(name: str, data: dict) -> Path:
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
     return out
+
+
+# Llama-2-7B's shape, for GPU runs with random weights (what is timed does not depend on the values).
+SHAPE_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+
+
+def random_llama(shape: dict = SHAPE_7B, dtype: str = "bfloat16", device: str = "cuda", seed: int = 0):
+    """A random-weight Llama of the given shape, built directly on the device in the given dtype."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    model.generation_config.eos_token_id = None  # random weights: decode fixed lengths
+    return model.requires_grad_(False).eval()

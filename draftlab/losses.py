@@ -100,11 +100,14 @@ def draft_losses(feats: list[torch.Tensor], lm_weights: list[torch.Tensor], inpu
     out = {"loss_sum": [], "count": [], "top1": [], "topk": [], "agree1": []}
     for k, (f, w) in enumerate(zip(feats, lm_weights)):
         shift = shifts[k]
-        if S <= shift:
+        sel = loss_mask[:, shift:].bool() if S > shift else None  # [B, S-shift]
+        if sel is None or not bool(sel.any()):
+            # Nothing to supervise for this head here (short sequence, answer cut by max_len): an exact zero that
+            # still reaches its parameters, so backward works and DDP sees every parameter used.
+            total = total + 0.0 * (f.sum() + w.sum())
             for key in out:
-                out[key].append(total.new_zeros(()))
+                out[key].append(total.new_zeros(()).detach())
             continue
-        sel = loss_mask[:, shift:].bool()  # [B, S-shift]
         h = f[:, : S - shift][sel]  # [N, H]
         target = input_ids[:, shift:][sel]  # [N]
         th = base_hidden[:, shift - 1: S - 1][sel] if teach else None

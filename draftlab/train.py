@@ -432,6 +432,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
                    "tokens_per_s": window["tokens"] / dt, "train_top1": (out["top1"] / n).tolist()}
             if grad_norm is not None:
                 rec["grad_norm"] = float(grad_norm)
+            if accelerator.device.type == "cuda":  # peak so far on this rank: what batch size / max_len cost
+                rec["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated(accelerator.device) / 2**30, 2)
             log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}

@@ -77,3 +77,18 @@ def test_draft_losses_alignment_and_decay_on_hand_made_tensors():
     assert out["top1"][0].item() == 3.0
     expected = 0.5 * math.log(3)
     assert abs(out["loss"].item() - expected) < 1e-6
+
+
+def test_a_head_with_nothing_to_supervise_still_backpropagates():
+    """A micro-batch whose answer tokens were cut by max_len: zero loss, but a graph to every head's parameters."""
+    h = torch.randn(1, 4, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (1, 4))
+    out = draft_losses([h, h], [w, w], ids, torch.tensor([[0, 0, 1, 0]]))  # head 0 (t+2) sees position 2, head 1 none
+    out["loss"].backward()
+    assert out["count"].tolist() == [1.0, 0.0] and w.grad is not None
+    h.grad = w.grad = None
+    out = draft_losses([h], [w], ids, torch.zeros(1, 4, dtype=torch.long))
+    assert out["loss"].item() == 0.0
+    out["loss"].backward()
+    assert torch.count_nonzero(w.grad) == 0 and h.grad is not None

@@ -94,6 +94,9 @@ class SSMDraft(nn.Module):
         if how in ("embeddings", "truncate") and Hs != Hb:
             raise SSMError(f"head.ssm.init={how}: the SSM is {Hs} wide and the base {Hb}; use init: project "
                            "(or random), or hidden_size equal to the base's")
+        if how == "project" and Hs > Hb:
+            raise SSMError(f"head.ssm.init=project: the SSM ({Hs} wide) is wider than the base ({Hb}); a projection "
+                           "onto the base's embedding directions needs hidden_size <= the base's (or use init: random)")
         emb_b, emb_s = base.get_input_embeddings().weight, self.lm.get_input_embeddings().weight
         out_b, out_s = base.get_output_embeddings().weight, self.lm.get_output_embeddings().weight
         proj = None
