@@ -62,6 +62,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
+    ap.add_argument("--reps", type=int, default=3, help="decoder runs per configuration (the median is reported)")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of one run per drafter")
+    ap.add_argument("--alphas", type=float, nargs="*", default=[0.6, 0.8, 0.9])
+    ap.add_argument("--trees", nargs="*", default=["chain-1", "chain-3", "chain-5", "chain-8", "default-4h-25"])
+    ap.add_argument("--parts", nargs="*", default=["verify", "loop", "drafters"], help="which parts to run")
     a = ap.parse_args()
     from draftlab.decode.acceptance import accept_greedy
     from draftlab.decode.cache import SlotCache
@@ -83,11 +88,13 @@ def main() -> None:
     ids = torch.tensor([prompt], device=dev)
     gen = lambda n: base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                                   temperature=None, top_p=None, top_k=None, pad_token_id=0)
-    truth = gen(a.new_tokens + 16)[0, len(prompt):].tolist()
+    truth_plain = gen(a.new_tokens + 16)[0, len(prompt):].tolist()
     plain_ms = timed(lambda: gen(a.new_tokens), reps=3, warmup=1)
     res["plain"] = {"tokens_per_s": round(1000 * a.new_tokens / plain_ms, 1), "ms_per_token": round(plain_ms / a.new_tokens, 3)}
     print("plain", res["plain"], flush=True)
 
+    if "verify" not in a.parts:
+        a.sizes = []
     # 2. Verification forward vs tree size (default trees for 4 heads grown to N-1 nodes), and accept + keep.
     target = SlotCache(base)
     valid = torch.ones(1, len(prompt), dtype=torch.bool, device=dev)
@@ -124,49 +131,82 @@ def main() -> None:
 
     # 3. The decoder loop with an oracle drafter of per-token acceptance alpha.
     class Oracle(Drafter):
+        """Knows the base's greedy continuation of the committed text ("truth"). When bf16 rounding makes the
+        decoder commit another token than plain generate would (a near-tie), it re-derives truth from the
+        committed text with plain generate; that time is kept apart (excluded_s) and the events are counted."""
+
         def __init__(self, tree: Tree, alpha: float, seed: int = 0):
             self.tree, self.alpha, self.rng = tree, alpha, random.Random(seed)
             self.buf = tree.buffers(dev)
             self.view = TreeView.of_static(self.buf, 1)
             self.depth = self.buf.depth.tolist()
             self.rank = self.buf.rank.tolist()
+            self.excluded_s, self.resyncs = 0.0, 0
 
         @property
         def max_nodes(self):
             return self.tree.size
 
         def begin(self, prompt_state, sampling, generator):
-            self.pos = 0  # index in truth of the root
+            self.text = list(prompt)
+            self.truth = list(truth_plain)  # continuation of self.text[:len(prompt)]
+            self.first = True
 
         def propose(self, root):
-            # Node at depth d, rank r: the true token at that depth if r == 0 and the coin says so, else a wrong one.
+            if self.first:  # the prefill's token
+                self._follow([int(root[0])])
+                self.first = False
+            j0 = len(self.text) - len(prompt)  # truth index of the token after the root
             toks = [int(root[0])]
             for n in range(1, self.tree.size):
-                j = self.pos + self.depth[n]
-                right = self.rank[n] == 0 and self.rng.random() < self.alpha and j < len(truth)
-                toks.append(truth[j] if right else (truth[j] + 1 + self.rank[n]) % V if j < len(truth) else 0)
+                j = j0 + self.depth[n] - 1
+                t = self.truth[j] if j < len(self.truth) else 0
+                right = self.rank[n] == 0 and self.rng.random() < self.alpha
+                toks.append(t if right else (t + 1 + self.rank[n]) % V)
             return Proposal(torch.tensor([toks], device=dev), self.view)
 
         def commit(self, step):
-            self.pos += len(step.paths[0])
+            self._follow([int(step.tokens[0, n]) for n in step.paths[0][1:]] + [int(step.bonus[0])])
+
+        def _follow(self, new):
+            start = len(self.text) - len(prompt)
+            self.text += new
+            if self.truth[start:start + len(new)] != new or len(self.truth) < start + len(new) + 16:
+                sync()
+                t0 = time.perf_counter()
+                self.resyncs += self.truth[start:start + len(new)] != new
+                ids = torch.tensor([self.text], device=dev)
+                cont = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, pad_token_id=0)[0, ids.shape[1]:]
+                self.truth = self.text[len(prompt):] + cont.tolist()
+                sync()
+                self.excluded_s += time.perf_counter() - t0
 
     loops = []
-    for alpha in (0.6, 0.8, 0.9):
-        for name, tree in (("chain-1", Tree.chain(1)), ("chain-3", Tree.chain(3)), ("chain-5", Tree.chain(5)),
-                           ("chain-8", Tree.chain(8)), ("default-4h-25", default_tree(4, 24))):
-            dec = SpeculativeDecoder(base, Oracle(tree, alpha))
-            dec.generate([prompt], max_new_tokens=8)
-            sync()
-            t0 = time.perf_counter()
-            r = dec.generate([prompt], max_new_tokens=a.new_tokens)
-            sync()
-            wall = time.perf_counter() - t0
+    trees = {"chain-1": Tree.chain(1), "chain-3": Tree.chain(3), "chain-5": Tree.chain(5), "chain-8": Tree.chain(8),
+             "default-4h-25": default_tree(4, 24)}
+    for alpha in a.alphas if "loop" in a.parts else []:
+        for name in a.trees:
+            tree = trees[name]
+            SpeculativeDecoder(base, Oracle(tree, alpha)).generate([prompt], max_new_tokens=8)  # warm-up
+            runs = []
+            for rep in range(a.reps):
+                drafter = Oracle(tree, alpha, seed=rep)
+                dec = SpeculativeDecoder(base, drafter)
+                sync()
+                t0 = time.perf_counter()
+                r = dec.generate([prompt], max_new_tokens=a.new_tokens)
+                sync()
+                runs.append((time.perf_counter() - t0 - drafter.excluded_s, r, drafter))
+            wall, r, drafter = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
             tps = a.new_tokens / wall
-            diff = next((i for i, (x, y) in enumerate(zip(r.tokens[0], truth)) if x != y), None)
+            diff = next((i for i, (x, y) in enumerate(zip(r.tokens[0], truth_plain)) if x != y), None)
+            ms = {k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items() if k != "prefill"}
+            ms["commit"] = round(ms["commit"] - 1000 * drafter.excluded_s / r.steps, 3)
             row = {"alpha": alpha, "tree": name, "tree_size": tree.size, "accept_length": round(r.accept_length, 3),
                    "tokens_per_s": round(tps, 1), "speedup": round(tps / res["plain"]["tokens_per_s"], 3),
-                   "ms_per_step": {k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items() if k != "prefill"},
-                   "identical_to_plain": diff is None, "first_difference": diff}
+                   "ms_per_step": ms, "identical_to_plain": diff is None, "first_difference": diff,
+                   "bf16_resyncs": drafter.resyncs}
             loops.append(row)
             print(row, flush=True)
     res["oracle_loop"] = loops
@@ -180,11 +220,20 @@ def main() -> None:
              ("hydra++", {"type": "hydra", "num_heads": 4, "num_layers": 4, "prefix_attention": True}, default_tree(4, 24)),
              ("ssm-68m-shape", ssm68, Tree.chain(4)), ("ssm-68m-shape", ssm68, Tree.expansion([2, 2, 1])),
              ("ssm-1x4096", ssm_wide, Tree.chain(4))]
-    for name, head, tree in cases:
+    for name, head, tree in cases if "drafters" in a.parts else []:
         module = build_draft(head, base).to(device=dev, dtype=base.dtype).eval().requires_grad_(False)
         dec = SpeculativeDecoder(base, make_drafter(module, tree))
         dec.generate([prompt], max_new_tokens=8)
-        r = dec.generate([prompt], max_new_tokens=64)
+        r = min((dec.generate([prompt], max_new_tokens=64) for _ in range(a.reps)),
+                key=lambda x: sum(x.time_s.values()) / x.steps)
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+            with profile(activities=acts) as prof:
+                dec.generate([prompt], max_new_tokens=16)
+            print(f"--- profile: {name} {tree.metadata.get('name', '')}")
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60))
         ms = {k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items() if k != "prefill"}
         row = {"drafter": name, "tree": tree.metadata.get("name", ""), "tree_size": tree.size, "ms_per_step": ms,
                "draft_over_verify": round(ms["draft"] / ms["verify"], 3),

@@ -2,8 +2,10 @@
 TinyStories prompts x 128 new tokens, all in one process, prompt by prompt, interleaved, after a warm-up:
 
 - plain HF generate (the speedup baseline), HF prompt lookup;
-- HF assisted generation with the same SSM: its defaults (up to 20 draft tokens, confidence threshold 0.4)
-  and a fixed chain of the same length as draftlab's (num_assistant_tokens=gamma, threshold 0);
+- HF assisted generation with the same SSM: its defaults (the results record them: up to 20 draft tokens,
+  constant schedule, confidence threshold 0.4 in transformers 5.x) and a fixed chain of the same length as
+  draftlab's (num_assistant_tokens=gamma, threshold 0), set on the assistant's generation_config, where HF
+  reads them;
 - draftlab with the SSM: that chain, and the fastest tree `search-tree` finds for it on training prompts;
 - draftlab with the Hydra heads of the same base (benchmarks/exports/stories260k-hydra), default tree;
 - the SSM distilled with the other divergence(s), same chain: the divergences compared on tau.
@@ -77,7 +79,15 @@ def main() -> None:
 
     decoder, tok, meta = load_decoder(str(main_exp), tree=f"chain:{gamma}")
     base, eos, N = decoder.base, tok.eos_token_id, a.max_new_tokens
-    ssm_hf = AutoModelForCausalLM.from_pretrained(main_exp, dtype=base.dtype).eval()  # the export is an HF model dir
+    # The export is an HF model directory. HF assisted generation reads its settings from the *assistant's*
+    # generation_config: one copy keeps HF's defaults, one drafts a fixed chain like draftlab's.
+    ssm_hf = AutoModelForCausalLM.from_pretrained(main_exp, dtype=base.dtype).eval()
+    ssm_fixed = AutoModelForCausalLM.from_pretrained(main_exp, dtype=base.dtype).eval()
+    ssm_fixed.generation_config.update(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+    gc = ssm_hf.generation_config
+    hf_defaults = {k: getattr(gc, k) if getattr(gc, k) is not None else gc._get_default_generation_params().get(k)
+                   for k in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
     ssm, _ = load_export(main_exp, base=base, dtype=base.dtype)
     hydra, _, _ = load_decoder(str(EXPORTS / "stories260k-hydra"))
     hydra.base = base
@@ -88,9 +98,7 @@ def main() -> None:
         "hf_generate": hf_method(base, eos, N),
         "hf_prompt_lookup": hf_method(base, eos, N, prompt_lookup_num_tokens=4),
         "hf_assisted_default": hf_method(base, eos, N, assistant_model=ssm_hf),
-        f"hf_assisted_chain{gamma}": hf_method(base, eos, N, assistant_model=ssm_hf, num_assistant_tokens=gamma,
-                                               num_assistant_tokens_schedule="constant",
-                                               assistant_confidence_threshold=0.0),
+        f"hf_assisted_chain{gamma}": hf_method(base, eos, N, assistant_model=ssm_fixed),
         f"draftlab_ssm_chain{gamma}": draftlab_method(decoder, eos, N),
         f"draftlab_ssm_tree{best.size}": draftlab_method(SpeculativeDecoder(base, make_drafter(ssm, best)), eos, N),
         "draftlab_hydra": draftlab_method(hydra, eos, N),
@@ -117,6 +125,7 @@ def main() -> None:
                       "verify_over_plain_step": round(ms["verify"] / 1000 / t_plain, 3)})
     train = json.loads((RESULTS / "train_ssm.json").read_text())
     out = {"prompts": len(prompts), "max_new_tokens": N, "gamma": gamma, "tree": [list(p) for p in best.paths],
+           "hf_assisted_defaults": hf_defaults,
            "search": search["sizes"], "methods": results,
            "ssm": {d: {k: v for k, v in train["divergences"][d].items() if k in ("head_top1", "agree_top1", "steps", "wall_s")}
                    for d in a.divergences if d in train["divergences"]},

@@ -18,6 +18,16 @@ def where(d: dict) -> str:
     return f"{m.get('gpu') or m['cpu']}, {m['torch_threads']} threads, torch {m['torch']}, {d['date']}"
 
 
+def phases(rows) -> str:
+    """Header naming the per-step phases the results hold (older results have no separate commit phase)."""
+    keys = next((list(r["ms_per_step"]) for r in rows if r.get("ms_per_step")), ["draft", "verify", "accept"])
+    return "ms/step " + " / ".join(keys)
+
+
+def split(r: dict) -> str:
+    return " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
+
+
 def main() -> None:
     if d := load("train_heads"):
         print(f"### Training Medusa heads (`benchmarks/train_heads.py`; {where(d)})\n")
@@ -31,24 +41,23 @@ def main() -> None:
         print(f"### Greedy decoding (`benchmarks/decode.py`; {d['prompts']} prompts x {d['max_new_tokens']} "
               f"tokens; {where(d)})\n")
         print("| method | tree size | accept length | tokens/s | speedup | identical to plain greedy | "
-              "ms/step draft / verify / accept |")
+              f"{phases(d['methods'].values())} |")
         print("|---|---|---|---|---|---|---|")
         for m, r in d["methods"].items():
-            split = " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
             print(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split} |")
+                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
         print()
     if d := load("heads"):
         print(f"### Medusa vs Hydra vs Hydra++ (`benchmarks/heads.py`; same data and optimizer steps, default tree of "
               f"{d['tree_size']} tokens, {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy; {where(d)})\n")
         print(f"plain HF generate: {d['baseline_tokens_per_s']:.0f} tokens/s\n")
-        print("| heads | head top-1 (1..4) | accept length | tokens/s | speedup | identical | ms/step draft / verify / accept |")
+        print(f"| heads | head top-1 (1..4) | accept length | tokens/s | speedup | identical | "
+              f"{phases(d[k] for k in ('medusa', 'hydra', 'hydra++'))} |")
         print("|---|---|---|---|---|---|---|")
         for k in ("medusa", "hydra", "hydra++"):
             r = d[k]
-            split = " / ".join(f"{v:.2f}" for v in r["ms_per_step"].values())
             print(f"| {k} | {' '.join(f'{x:.3f}' for x in r['head_top1'])} | {r['accept_length']:.3f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | {split} |")
+                  f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
         print()
     if d := load("hidden_cache"):
         on, off = d["cache_on"], d["cache_off"]
@@ -84,6 +93,69 @@ def main() -> None:
                   f" | {r['overall']['speedup']:.2f}x | {r['overall']['accept_length']:.2f} | "
                   f"{100 * r['overall']['identical_share']:.0f}% |")
         print()
+    if d := load("train_ssm"):
+        print(f"### Distilling an SSM (`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
+              f"continuations of the training stories; {where(d)})\n")
+        print("| divergence | steps | wall s | training tokens/s | held-out top-1 (data token) | top-1 agreement with the base |")
+        print("|---|---|---|---|---|---|")
+        for div, r in d["divergences"].items():
+            print(f"| {div} | {r['steps']} | {r['wall_s']:.0f} | {r['train_tokens_per_s']:.0f} | {r['head_top1'][0]:.3f} | "
+                  f"{r['agree_top1'][0]:.3f} |")
+        print()
+    if d := load("ssm"):
+        print(f"### SSM drafting vs HF assisted generation and the heads (`benchmarks/ssm.py`; {d['prompts']} held-out "
+              f"prompts x {d['max_new_tokens']} tokens, greedy; SSM {d['ssm_params'] / 1e3:.0f}K parameters; {where(d)})\n")
+        print("| method | tokens per base forward | accept length | tokens/s | speedup | identical | c | predicted "
+              f"speedup | break-even c | {phases(d['methods'].values())} |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for m, r in d["methods"].items():
+            print(f"| {m} | {r['tokens_per_base_forward']:.2f} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
+                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {r.get('cost_ratio_c', '-')} | "
+                  f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
+        print()
+    if d := load("refactor_check"):
+        print(f"### The drafter interface against the decoder before it (`benchmarks/refactor_check.py`; before = "
+              f"{d['before']}, same exports, base object and prompts, interleaved; {d['prompts']} prompts x "
+              f"{d['max_new_tokens']} tokens; {where(d)})\n")
+        print("| heads | accept length before / after | tokens/s before | tokens/s after | after / before |")
+        print("|---|---|---|---|---|")
+        for k, ratio in d["after_over_before"].items():
+            b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
+            print(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
+                  f"{ratio:.3f} |")
+        print(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s\n")
+    if d := load("gpu_decode"):
+        print(f"### The decoder on a GPU (`benchmarks/gpu_decode.py`; {d['device']}, torch {d['torch']}, transformers "
+              f"{d['transformers']}, {d['date']}; random-weight Llama-2-7B shape, {d['dtype']}, batch 1, "
+              f"{d['context']}-token context)\n")
+        print(f"Plain HF generate: {d['plain_call_a']['tokens_per_s']} tokens/s in one call, "
+              f"{d['plain_call_b']['tokens_per_s']} in the other.\n")
+        print("| tree size | " + " | ".join(str(r["tree_size"]) for r in d["verify"]) + " |")
+        print("|---" * (len(d["verify"]) + 1) + "|")
+        print("| verify forward ms | " + " | ".join(f"{r['verify_ms']:.1f}" for r in d["verify"]) + " |")
+        print("| over a plain step | " + " | ".join(f"{r['over_plain_step']:.2f}" for r in d["verify"]) + " |\n")
+        print("| drafter | tree size | " + phases(d["drafter_costs"]) + " | draft / verify | parameters |")
+        print("|---|---|---|---|---|")
+        for r in d["drafter_costs"]:
+            print(f"| {r['drafter']} ({r['tree']}) | {r['tree_size']} | {split(r)} | {r['draft_over_verify']:.3f} | "
+                  f"{r['params'] / 1e6:.0f}M |")
+        print("\n| oracle acceptance alpha | tree | accept length | tokens/s | speedup | "
+              f"{phases(d['oracle_loop'])} | bf16 re-syncs |")
+        print("|---|---|---|---|---|---|---|")
+        for r in d["oracle_loop"]:
+            print(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['speedup']:.2f}x | {split(r)} | {r['bf16_resyncs']} |")
+        print()
+    if d := load("gpu_train"):
+        print(f"### bf16 training steps on a GPU (`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
+              f"{d['date']}; random-weight Llama-2-7B shape in bfloat16, batch {d['batch_size']} x up to {d['max_len']} "
+              f"tokens of ShareGPT, {d['steps']} steps)\n")
+        print("| draft | trainable parameters | training tokens/s | peak GPU memory GiB | wall s |\n|---|---|---|---|---|")
+        for k, r in d["runs"].items():
+            print(f"| {k} | {r['draft_params'] / 1e6:.0f}M | {r['train_tokens_per_s']:.0f} | {r['peak_gpu_mem_gib']:.1f} | "
+                  f"{r['wall_s']:.0f} |")
+        print()
+
 
 if __name__ == "__main__":
     main()

@@ -65,6 +65,8 @@ class HeadSection(_Section):
         1, ge=0, le=8, description="residual blocks per Medusa head / hidden layers per Hydra MLP"
     )
     prefix_attention: bool = Field(False, description="Hydra++: one extra decoder layer feeding the heads")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Hydra heads: dropout on each head's input, between its "
+                           "blocks and before its lm_head, in training (Hydra++'s reference script: 0.2)")
     ssm: SSMSection | None = Field(None, description="the small LM, for head.type: ssm")
 
     @model_validator(mode="before")
@@ -78,6 +80,8 @@ class HeadSection(_Section):
     def _kind_options(self) -> "HeadSection":
         if self.prefix_attention and self.type != "hydra":
             raise ValueError("head.prefix_attention=true needs head.type=hydra (it is a Hydra++ option)")
+        if self.dropout and self.type != "hydra":
+            raise ValueError("head.dropout is a Hydra option; set head.type=hydra or head.dropout=0")
         if self.ssm is not None and self.type != "ssm":
             raise ValueError("head.ssm configures a small draft LM; set head.type: ssm or remove head.ssm")
         return self
@@ -118,6 +122,8 @@ class TrainSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(40, ge=0, description="linear warmup, in optimizer steps")
+    final_lr_ratio: float = Field(0.0, ge=0, le=1, description="the cosine schedule decays to this fraction of the "
+                                  "peak lr (Hydra++'s reference script: 0.33)")
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs when set")
     batch_size: int = Field(4, ge=1, description="examples per process per micro-batch")

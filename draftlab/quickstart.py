@@ -2,7 +2,8 @@
 
 1. Corpus: Python standard-library sources (present on every machine with Python).
 2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
-3. Draft: Medusa, Hydra and Hydra++ heads trained by the regular recipe trainer, exported.
+3. Draft: Medusa, Hydra and Hydra++ heads and a 1-layer SSM distilled from the base, trained by the regular
+   recipe trainer, exported.
 4. Decode: held-out prompts through the speculative decoder with each, vs plain decoding of the same base.
 """
 
@@ -22,11 +23,12 @@ from .base import SIMPLE_CHAT_TEMPLATE, set_seed
 CORPUS_BYTES = 3_000_000
 VOCAB = 512
 SEQ = 256
-# The three head types of the paper, as recipe `head` and `loss` sections (4 heads each).
+# The three head types of the paper (4 heads each) and a small draft model, as recipe `head` and `loss` sections.
 HEADS = {
     "medusa": ({"type": "medusa", "num_heads": 4, "num_layers": 1}, {}),
     "hydra": ({"type": "hydra", "num_heads": 4, "num_layers": 1}, {}),
     "hydra++": ({"type": "hydra", "num_heads": 4, "num_layers": 4, "prefix_attention": True}, {"distill_weight": 1.0}),
+    "ssm": ({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, {"distill_weight": 1.0}),
 }
 
 
@@ -138,7 +140,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
 
     from .config import dump_recipe
 
-    print(f"[2/4] training {', '.join(HEADS)} heads with the recipe trainer ({head_steps} steps each)")
+    print(f"[2/4] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
     results = {}
     for kind, (head, loss) in HEADS.items():
         recipe = build_recipe({
@@ -155,11 +157,13 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         path.write_text(f"# draftlab train {path}\n" + dump_recipe(recipe))
         print(f"  {kind}: {path}")
         results[kind] = train(recipe, overwrite=True)
-    print("\nheld-out top-1 accuracy per head (head k predicts the token k+1 past the base's):")
-    print("| head | " + " | ".join(HEADS) + " |")
-    print("|---" * (len(HEADS) + 1) + "|")
-    for k in range(4):
-        print(f"| {k + 1} | " + " | ".join(f"{results[h]['eval']['top1'][k]:.3f}" for h in HEADS) + " |")
+    print("\nheld-out top-1 agreement with the base (heads: head k predicts the token k+1 past the base's; "
+          "the SSM: the next token):")
+    print("| draft | " + " | ".join(f"head {k + 1}" for k in range(4)) + " |")
+    print("|---" * 5 + "|")
+    for h in HEADS:
+        agree = results[h]["eval"]["agree1"]
+        print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
     print(f"\n[3/4] decoding {num_prompts} held-out prompts ({max_new_tokens} new tokens, greedy), "
           "each head type and plain decoding in turn")
@@ -190,16 +194,18 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
             row["identical"] &= res.tokens[0] == ref[0]
     btps = plain_new / plain_t
     print("\n[4/4] speculative decoding vs plain decoding of the same base")
-    print(f"plain decoding: {btps:.1f} tokens/s; tree of {decoders['medusa'].drafter.max_nodes} tokens\n")
-    print("| heads | accept length | tokens/s | speedup | identical to plain greedy |\n|---|---|---|---|---|")
-    summary.update({"tree_size": decoders["medusa"].drafter.max_nodes, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    print(f"plain decoding: {btps:.1f} tokens/s; each draft with its kind's default tree\n")
+    print("| draft | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n|---|---|---|---|---|---|")
+    summary.update({"baseline_tokens_per_s": round(btps, 1), "heads": {}})
     for kind, row in tot.items():
         accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
-        summary["heads"][kind] = {"accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+        size = decoders[kind].drafter.max_nodes
+        summary["heads"][kind] = {"tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
                                   "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"],
                                   "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
+                                  "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
                                   "export": results[kind]["export"]}
-        print(f"| {kind} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
+        print(f"| {kind} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(f"\nexports: {', '.join(r['export'] for r in results.values())}\n"
           f"(try: draftlab generate {results['hydra']['export']} --prompt 'def ' --compare)")

@@ -163,13 +163,13 @@ def deepspeed_plugin(recipe: Recipe):
     return DeepSpeedPlugin(hf_ds_config=config)
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warmup then cosine decay to 0, as a multiplier of the peak lr."""
+def lr_lambda(warmup: int, total: int, final: float = 0.0):
+    """Linear warmup then cosine decay to `final` (a fraction of the peak lr), as a multiplier of the peak lr."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
 
 
@@ -307,7 +307,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         raise ValueError(f"data gives {len(train_ex)} training examples, fewer than one global batch "
                          f"(train.batch_size={t.batch_size} x {world} processes); lower train.batch_size")
     total_steps = t.max_steps or max(1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, total_steps, t.final_lr_ratio))
     objective, optimizer = accelerator.prepare(objective, optimizer)
     # The scheduler is stepped by hand once per optimizer step; registering (not preparing) it
     # checkpoints it without Accelerate's per-process stepping.

@@ -129,3 +129,26 @@ def test_distill_data_is_batched_resumable_and_trainable(tiny_base_dir, tmp_path
     tok = load_tokenizer(str(tiny_base_dir))
     train, _, _ = load_examples(DataSection(path=str(out), eval_size=0), tok)
     assert len(train) == 5 and all(sum(e["loss_mask"]) > 0 for e in train)
+
+
+def test_head_dropout_acts_in_training_only():
+    base = tiny_llama(seed=6)
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 3, "dropout": 0.5}, base).double()
+    plain = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 3}, base).double()
+    plain.load_state_dict(d.state_dict())  # dropout has no weights: same keys, exports stay compatible
+    h, path = torch.randn(4, 32, dtype=torch.float64), torch.randint(0, 64, (4, 2))
+    d.train()
+    assert not torch.equal(d.head_logits(1, h, path), d.head_logits(1, h, path))
+    d.eval()
+    plain.eval()
+    torch.testing.assert_close(d.head_logits(1, h, path), plain.head_logits(1, h, path))
+    assert d.config()["dropout"] == 0.5
+
+
+def test_cosine_schedule_floor():
+    from draftlab.train import lr_lambda
+
+    f = lr_lambda(10, 110, final=0.33)
+    assert f(0) < f(9) < 1 and f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.665)
+    assert f(110) == pytest.approx(0.33) and f(500) == pytest.approx(0.33)
+    assert lr_lambda(10, 110)(110) == pytest.approx(0.0)

@@ -23,9 +23,9 @@ def test_quickstart_end_to_end_offline(tmp_path):
                        cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(summary["heads"]) == {"medusa", "hydra", "hydra++"}
+    assert set(summary["heads"]) == {"medusa", "hydra", "hydra++", "ssm"}
     for kind, h in summary["heads"].items():
         assert h["identical_to_baseline"] is True, kind
         assert h["accept_length"] > 1.2, kind
-        assert len(h["head_top1"]) == 4 and h["head_top1"][0] > 0.05, kind
-    assert "| heads | accept length |" in p.stdout and "| hydra++ |" in p.stdout
+        assert len(h["head_top1"]) == (1 if kind == "ssm" else 4) and h["agree_top1"][0] > 0.05, kind
+    assert "| draft | tree size | accept length |" in p.stdout and "| hydra++ |" in p.stdout and "| ssm |" in p.stdout

@@ -85,10 +85,16 @@ class SlotCache:
         return self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=pos,
                           past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
-    def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+    def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         """Keep tentative slots start+keep[b] [B, M] (entries with keep_valid False become holes), drop the
-        other tentative slots, and advance each row's position by its kept count."""
-        compact_cache(self.cache, start, keep)
+        other tentative slots, and advance each row's position by its kept count. in_place: the caller knows
+        every row keeps a prefix of its tentative slots in order (chains, root-only accepts), so nothing moves
+        and the cache is only cropped."""
+        if in_place:
+            for layer in cache_layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, :start + keep.shape[1]], layer.values[:, :, :start + keep.shape[1]]
+        else:
+            compact_cache(self.cache, start, keep)
         self.valid = torch.cat([self.valid[:, :start], keep_valid], dim=1)
         self.next_pos = self.next_pos + keep_valid.sum(-1)
 

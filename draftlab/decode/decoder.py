@@ -31,7 +31,10 @@ class Result:
     committed: list[int] = field(default_factory=list)  # tokens committed per step (summed over live rows)
     rows_per_step: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)  # tokens verified per row per step (padding included)
-    time_s: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "accept": 0.0})
+    # Per phase: the drafter's proposal, the base's verification forward, acceptance (rule, KV-cache keep,
+    # emitting tokens), and the drafter following the accepted path (its own cache, Hydra++'s prefix layer).
+    time_s: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "accept": 0.0,
+                                                  "commit": 0.0})
 
     @property
     def accept_length(self) -> float:
@@ -117,23 +120,27 @@ class SpeculativeDecoder:
                 paths, bonus = accept_greedy(tokens, out.logits, view)
             # paths: per row, accepted node indices starting with 0 (the root, now committed to the cache).
             M = max(len(p) for p in paths)
-            keep = torch.zeros(B, M, dtype=torch.long, device=dev)
-            keep_valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
-            for b, p in enumerate(paths):
-                keep[b, : len(p)] = torch.tensor(p, device=dev)
-                keep_valid[b, : len(p)] = bool(live[b])
+            rows = [p + [0] * (M - len(p)) for p in paths]
+            live_rows = live.tolist()
+            keep = torch.tensor(rows, dtype=torch.long, device=dev)  # [B, M]
+            keep_valid = torch.tensor([[lv] * len(p) + [False] * (M - len(p)) for p, lv in zip(paths, live_rows)],
+                                      dtype=torch.bool, device=dev)
             kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
-            target.keep(start, keep, keep_valid)
+            # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
+            target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
             res.steps += 1
-            res.rows_per_step.append(int(live.sum()))
+            res.rows_per_step.append(sum(live_rows))
             res.tree_sizes.append(tokens.shape[1])
             committed = 0
+            host_tokens, host_bonus = tokens.tolist(), bonus.tolist()  # one device-to-host copy per step
             for b in range(B):
-                if live[b]:
-                    new = [int(tokens[b, n]) for n in paths[b][1:]] + [int(bonus[b])]
+                if live_rows[b]:
+                    new = [host_tokens[b][n] for n in paths[b][1:]] + [host_bonus[b]]
                     # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
                     committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
             res.committed.append(committed)
+            sync_device(dev)
+            t4 = time.perf_counter()
             if bool(live.any()):
                 hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
                           for l, h in _layers(out, layers).items()}
@@ -142,10 +149,10 @@ class SpeculativeDecoder:
                                           live.clone(), hidden))
             root = bonus
             sync_device(dev)
-            t4 = time.perf_counter()
             res.time_s["draft"] += t2 - t1
             res.time_s["verify"] += t3 - t2
             res.time_s["accept"] += t4 - t3
+            res.time_s["commit"] += time.perf_counter() - t4
         return res
 
     def _pick_root(self, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:

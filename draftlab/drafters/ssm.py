@@ -260,5 +260,5 @@ class SSMDrafter(Drafter):
         for b, k in enumerate(kept):
             keep[b, : len(k)] = torch.tensor(k, dtype=torch.long, device=dev)
             keep_valid[b, : len(k)] = bool(step.live[b])
-        self.target.keep(self.start, keep, keep_valid)
+        self.target.keep(self.start, keep, keep_valid, in_place=all(k == list(range(len(k))) for k in kept))
 

@@ -15,7 +15,8 @@ def build_heads(head: dict, hidden_size: int, vocab_size: int, base=None):
         from .hydra import HydraHeads
 
         module = HydraHeads(hidden_size, vocab_size, head["num_heads"], head["num_layers"],
-                            prefix_attention=head.get("prefix_attention", False), base=base)
+                            prefix_attention=head.get("prefix_attention", False), base=base,
+                            dropout=head.get("dropout", 0.0))
     else:
         raise ValueError(f"head.type={kind!r} is not a head type (medusa, hydra)")
     if base is not None:

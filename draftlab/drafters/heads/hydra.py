@@ -23,12 +23,14 @@ class HydraError(ValueError):
 
 
 class HydraHead(nn.Module):
-    """in_proj([h ; k+1 embeddings]) -> num_layers residual blocks -> lm_head."""
+    """in_proj([h ; k+1 embeddings]) -> num_layers residual blocks -> lm_head, with dropout (training only) on the
+    input, before every further block and before the lm_head, where Hydra++'s reference heads have it."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_inputs: int, num_layers: int):
+    def __init__(self, hidden_size: int, vocab_size: int, num_inputs: int, num_layers: int, dropout: float = 0.0):
         super().__init__()
         self.in_proj = nn.Linear(num_inputs * hidden_size, hidden_size)
         self.blocks = nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])
+        self.drop = nn.Dropout(dropout)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         # Start as "h only": the head initially predicts what the base's lm_head would from h.
         with torch.no_grad():
@@ -37,18 +39,23 @@ class HydraHead(nn.Module):
             self.in_proj.bias.zero_()
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.in_proj(x))
+        x = self.in_proj(self.drop(x))
+        for i, block in enumerate(self.blocks):
+            x = block(self.drop(x) if i else x)
+        return self.drop(x)
 
 
 class HydraHeads(nn.Module):
     kind = "hydra"
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
-                 prefix_attention: bool = False, base=None):
+                 prefix_attention: bool = False, base=None, dropout: float = 0.0):
         super().__init__()
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.prefix_attention = num_heads, num_layers, prefix_attention
-        self.heads = nn.ModuleList(HydraHead(hidden_size, vocab_size, k + 2, num_layers) for k in range(num_heads))
+        self.dropout = dropout
+        self.heads = nn.ModuleList(HydraHead(hidden_size, vocab_size, k + 2, num_layers, dropout)
+                                   for k in range(num_heads))
         self.prefix_layer = None
         self._base = None  # a plain list entry, not a submodule: the frozen base is neither trained nor exported
         if base is not None:
@@ -60,7 +67,7 @@ class HydraHeads(nn.Module):
 
     def config(self) -> dict:
         return {"type": "hydra", "num_heads": self.num_heads, "num_layers": self.num_layers,
-                "prefix_attention": self.prefix_attention, "hidden_size": self.hidden_size,
+                "prefix_attention": self.prefix_attention, "dropout": self.dropout, "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size}
 
     # --- the base this module reads from --------------------------------------------------------
