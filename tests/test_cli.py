@@ -7,7 +7,8 @@ import pytest
 from conftest import REPO
 from draftlab.cli import main
 
-COMMANDS = ["validate", "train", "import-llama2c", "quickstart", "generate", "distill-data", "search-tree"]
+COMMANDS = ["validate", "train", "import-llama2c", "import-medusa", "export", "quickstart", "generate", "distill-data",
+            "search-tree"]
 
 
 def test_every_command_has_help(capsys):

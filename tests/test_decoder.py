@@ -312,9 +312,34 @@ def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
     assert stat > df + 4 * (2 * df) ** 0.5
 
 
-def test_typical_acceptance_runs_and_is_greedy_like_at_low_temperature():
+def test_typical_acceptance_is_exact_greedy_at_temperature_zero():
+    """Medusa falls back to greedy verification at T=0, so typical mode is lossless there."""
     base = tiny_llama(seed=5)
     heads = noisy_heads(base)
     dec = SpeculativeDecoder(base, make_drafter(heads, default_tree(3, 10)))
-    res = dec.generate([[1, 2, 3]], max_new_tokens=16, sampling=Sampling(typical=True))
-    assert len(res.tokens[0]) == 16 and res.accept_length >= 1
+    res = dec.generate([[1, 2, 3], [9, 4]], max_new_tokens=16, sampling=Sampling(typical=True))
+    assert res.tokens == [plain_greedy(base, [1, 2, 3], 16), plain_greedy(base, [9, 4], 16)]
+
+
+def test_typical_rule_at_positive_temperature_follows_medusa():
+    """Thresholds min(eps, alpha exp(-H)) with H = -sum p log(p + 1e-5); ties in depth go to the most likely
+    path; the bonus comes from p with the tokens under the threshold removed."""
+    from draftlab.decode.acceptance import accept_typical
+
+    V = 6
+    s = Sampling(temperature=1.0, typical=True, posterior_threshold=0.09, posterior_alpha=0.3)
+    tree = Tree.from_paths([[0], [1], [0, 0], [1, 0]])  # two depth-2 paths
+    view = TreeView.of_static(tree.buffers(), 1)
+    logits = torch.full((1, 5, V), -9.0)
+    logits[0, 0, [2, 3]] = torch.tensor([2.0, 1.6])  # root: p(2) > p(3), both above the threshold
+    logits[0, 1, 4], logits[0, 2, 5] = 3.0, 3.0  # below either child, the next token is likely
+    logits[0, 3, 1] = logits[0, 4, 1] = 5.0  # after either leaf: token 1 almost surely (others under the threshold)
+    tokens = torch.tensor([[0, 2, 3, 4, 5]])  # node 1 = 2, node 2 = 3, node 3 = 4 (below 2), node 4 = 5 (below 3)
+    g = torch.Generator().manual_seed(0)
+    paths, bonus = accept_typical(tokens, logits, view, s, g)
+    assert paths == [[0, 1, 3]]  # both paths reach depth 2; the one through the likelier token 2 wins
+    assert bonus.item() == 1
+    low = logits.clone()
+    low[0, 1, 4], low[0, 1, 0] = -9.0, 6.0  # after node 1 the base now wants token 0: node 3 is rejected, so only
+    # the path through node 2 is complete (an accepted depth beats likelihood)
+    assert accept_typical(tokens, low, view, s, g)[0] == [[0, 2, 4]]

@@ -42,6 +42,31 @@ def cmd_import(a) -> int:
     return 0
 
 
+def cmd_import_medusa(a) -> int:
+    from ..convert import import_medusa
+
+    rep = import_medusa(a.checkpoint, a.out, a.base, a.dtype)
+    if a.json:
+        _print_json(rep)
+    else:
+        note = (f" (its config says {rep['config_num_heads']}; counted from the tensors)"
+                if rep["config_num_heads"] not in (None, rep["num_heads"]) else "")
+        print(f"imported {rep['num_heads']} Medusa heads{note} x {rep['num_layers']} block(s), {rep['layout']} layout, "
+              f"for base {rep['base']} -> {rep['export']}")
+    return 0
+
+
+def cmd_export(a) -> int:
+    from ..convert import export_to
+
+    rep = export_to(a.export, a.to, a.out, a.eval, a.license)
+    if a.json:
+        _print_json(rep)
+    else:
+        print(f"wrote {', '.join(rep['files'])} ({rep['format']}) to {rep['out']}")
+    return 0
+
+
 def cmd_quickstart(a) -> int:
     from ..quickstart import quickstart
 
@@ -93,6 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=cmd_import)
+
+    s = sub.add_parser("import-medusa", help="convert FasterDecoding / Medusa-2 / vLLM Medusa heads into a draftlab export",
+                       description="Read Medusa heads (medusa_lm_head.pt or .safetensors, a Medusa-2 checkpoint whose "
+                                   "shards hold medusa_head.*, or vLLM's layout) and write a draftlab export that "
+                                   "generate, search-tree and eval run on.")
+    s.add_argument("checkpoint", help="a directory or a weights file")
+    s.add_argument("--base", default=None, help="the base model (default: the checkpoint's base_model_name_or_path; "
+                                               "a Medusa-2 checkpoint is its own base)")
+    s.add_argument("--out", required=True, help="export directory to write")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the base is loaded in to check shapes")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_import_medusa)
+
+    s = sub.add_parser("export", help="write an export in a serving engine's format (vLLM Medusa, FasterDecoding, HF)",
+                       description="vllm-medusa: vLLM's Medusa draft layout; medusa: FasterDecoding's "
+                                   "medusa_lm_head.pt; hf: an SSM as a plain Hugging Face model directory. Hydra "
+                                   "heads have no engine format (no engine runs sequentially dependent heads).")
+    s.add_argument("export", help="a draftlab export directory")
+    s.add_argument("--to", required=True, choices=["vllm-medusa", "medusa", "hf"])
+    s.add_argument("--out", required=True)
+    s.add_argument("--eval", default=None, help="an `eval mt-bench` run directory whose figures go into the model card")
+    s.add_argument("--license", default="other", help="license field of the model card (the base's usually applies)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads, export and decode (CPU, offline)")
     s.add_argument("--out", default="runs/quickstart")

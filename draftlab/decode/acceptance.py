@@ -125,21 +125,45 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
     return paths, bonus
 
 
+def typical_threshold(probs: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Medusa's acceptance threshold min(epsilon, alpha * exp(-H(p))), H(p) = -sum p log(p + 1e-5); probs [..., V]."""
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+    return torch.minimum(torch.full_like(entropy, s.posterior_threshold), s.posterior_alpha * torch.exp(-entropy))
+
+
+def typical_sample(logits: torch.Tensor, s: Sampling, generator=None) -> torch.Tensor:
+    """A token from softmax(logits / T) with the tokens under the typical threshold removed (Medusa's
+    get_typical_one_token), for every row of logits [B, V]."""
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    probs = probs.masked_fill(probs < typical_threshold(probs, s)[..., None], 0.0)
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
 def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                    generator: torch.Generator | None = None):
-    """Medusa's typical acceptance (lossy): accept x if p(x) > min(eps, alpha * exp(-H(p)))."""
-    probs = warp(logits, s) if s.temperature > 0 else torch.softmax(logits.float(), -1)  # [B, N, V]
-    entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)  # [B, N]
-    thresh = torch.minimum(torch.full_like(entropy, s.posterior_threshold), s.posterior_alpha * torch.exp(-entropy))
+    """Medusa's typical acceptance (lossy, opt-in), as the FasterDecoding code implements it.
+
+    At temperature 0 it is greedy verification, exactly. At T > 0, with p = softmax(logits / T) (top-p and
+    top-k do not enter this rule), a candidate x is accepted when p(x) > min(epsilon, alpha * exp(-H(p))),
+    H(p) = -sum p log(p + 1e-5); of the deepest accepted paths the one with the largest sum of log p(x) is
+    taken; the bonus token is sampled from p with the tokens under that same threshold removed.
+    """
+    if s.temperature <= 0:
+        return accept_greedy(tokens, logits, view)
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B, N, V]
+    thresh = typical_threshold(probs, s)  # [B, N]
     par = view.parents.clamp(min=0)
     p_tok = probs.gather(1, par[..., None].expand(-1, -1, probs.shape[-1])).gather(-1, tokens[..., None])[..., 0]
-    ok = p_tok > thresh.gather(1, par)  # [B, N]
+    ok = p_tok > thresh.gather(1, par)  # [B, N]: node accepted given its parent was
     ok[:, 0] = True
-    paths = _deepest(ok, view)
-    last = torch.tensor([p[-1] for p in paths], device=tokens.device)
-    last_probs = probs[torch.arange(tokens.shape[0], device=tokens.device), last]  # [B, V]
-    if s.temperature > 0:
-        bonus = torch.multinomial(last_probs, 1, generator=generator)[:, 0]
-    else:
-        bonus = last_probs.argmax(-1)
+    full = ~(view.ancestors & ~ok[:, None, :]).any(-1) & view.valid  # the whole root path accepted
+    logp = torch.log(p_tok.clamp(min=1e-30))
+    logp[:, 0] = 0.0
+    path_ll = (view.ancestors.float() * logp[:, None, :]).sum(-1)  # [B, N] log-likelihood of each root path
+    depth = torch.where(full, view.depth, torch.full_like(view.depth, -1))
+    deepest = full & (depth == depth.max(-1, keepdim=True).values)
+    best = torch.where(deepest, path_ll, torch.full_like(path_ll, float("-inf"))).argmax(-1).tolist()
+    paths = [view.path_to(b, n) for b, n in enumerate(best)]
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    bonus = typical_sample(logits[rows, torch.tensor(best, device=tokens.device)], s, generator)
     return paths, bonus

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters.base import Drafter, PromptState, StepResult
-from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
+from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, typical_sample, warp
 from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
 
 
@@ -158,6 +158,8 @@ class SpeculativeDecoder:
     def _pick_root(self, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
         if sampling.temperature <= 0:
             return logits.argmax(-1)
+        if sampling.typical:  # Medusa samples every token it emits from the typical-truncated distribution
+            return typical_sample(logits, sampling, generator)
         probs = warp(logits, sampling)
         return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
 

@@ -1,0 +1,299 @@
+"""Converters between draftlab exports and the formats other tools read and write.
+
+Import: FasterDecoding Medusa heads (`medusa_lm_head.pt` / `.safetensors`: `{h}.{l}.linear.weight|bias` for the
+residual blocks and `{h}.{L}.weight` for each head's lm_head; config `medusa_num_heads`, `medusa_num_layers`,
+`base_model_name_or_path`), Medusa-2 checkpoints (the same keys under `medusa_head.` inside the model's own
+shards, whose directory is then the base), and vLLM Medusa checkpoints (`blocks.{h}.layers.{l}.weight|bias`,
+`lm_heads.{h}.weight`).
+
+Export: `vllm-medusa` (what vLLM's Medusa model loads: the names above plus a config with model_type medusa,
+num_heads, num_hidden_layers, hidden_size, vocab_size, truncated_vocab_size and medusa_fc_bias), `medusa` (the
+FasterDecoding layout), `hf` (an SSM as a plain Hugging Face directory with the tokenizer). Every export gets a
+model card. Hydra heads have no engine format: no serving engine implements sequentially dependent heads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .export import ExportError, load_export, read_meta, read_safetensors, save_export
+
+FORMATS = ("vllm-medusa", "medusa", "hf")
+_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")  # FasterDecoding residual blocks
+_LINEAR = re.compile(r"^(\d+)\.(\d+)\.weight$")  # FasterDecoding: head h's final lm_head is its layer L
+_VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
+_VLLM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
+
+
+class ConvertError(ValueError):
+    """A checkpoint or export that cannot be converted as asked; says which key or field and why."""
+
+
+# --- import ---------------------------------------------------------------------------------------
+
+def _read(path: Path, keep=lambda k: True) -> dict:
+    """The tensors of a .safetensors / .pt / .bin file whose names pass `keep` (others are never read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (SafetensorError, OSError) as e:
+        raise ConvertError(f"{path}: damaged or unreadable weights file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - pickle / zip errors of a foreign file
+        raise ConvertError(f"{path}: not a readable PyTorch state dict ({type(e).__name__}: {e})") from None
+    return {k: v for k, v in state.items() if keep(k)}
+
+
+def _is_head_key(k: str) -> bool:
+    k = k.removeprefix("medusa_head.").removeprefix("medusa_heads.")
+    return bool(_BLOCK.match(k) or _LINEAR.match(k) or _VLLM_BLOCK.match(k) or _VLLM_HEAD.match(k))
+
+
+def find_medusa_tensors(src: str | Path) -> tuple[dict, dict, Path | None]:
+    """(head tensors under FasterDecoding or vLLM names, the checkpoint's config, and the checkpoint directory when
+    the heads sit inside a model's own shards (Medusa-2: that directory is the base) else None)."""
+    src = Path(src)
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory")
+    folder = src if src.is_dir() else src.parent
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if src.is_file():
+        files = [src]
+    else:
+        heads = [src / n for n in ("medusa_lm_head.safetensors", "medusa_lm_head.pt") if (src / n).is_file()]
+        files = heads[:1] or sorted(src.glob("model*.safetensors")) or sorted(src.glob("pytorch_model*.bin"))
+        if not files:
+            raise ConvertError(f"{src}: no medusa_lm_head.pt / .safetensors and no model shards to read heads from")
+    tensors, inside_model = {}, False
+    for f in files:
+        shard = f.name.startswith(("model", "pytorch_model"))
+        # A shard also holds the base's weights: only head-shaped names are read (a 7B shard is never loaded whole).
+        for k, v in _read(f, _is_head_key if shard else (lambda k: True)).items():
+            inside_model = inside_model or (shard and k.startswith("medusa_head."))
+            tensors[k.removeprefix("medusa_head.").removeprefix("medusa_heads.")] = v
+    return tensors, config, (folder if inside_model else None)
+
+
+def parse_medusa(tensors: dict, where: str) -> tuple[list[list[tuple]], list[torch.Tensor], str]:
+    """Per head, its blocks [(weight, bias or None)] and its lm_head weight, from FasterDecoding or vLLM names.
+    Heads are counted from the tensors (published configs can name fewer heads than the file holds)."""
+    blocks: dict = {}
+    heads: dict = {}
+    layout = None
+    lin: dict = {}
+    for k, v in tensors.items():
+        if m := _BLOCK.match(k):
+            h, l, kind = int(m[1]), int(m[2]), m[3]
+            blocks.setdefault(h, {}).setdefault(l, {})[kind] = v
+            layout = layout or "medusa"
+        elif m := _VLLM_BLOCK.match(k):
+            h, l, kind = int(m[1]), int(m[2]), m[3]
+            blocks.setdefault(h, {}).setdefault(l, {})[kind] = v
+            layout = layout or "vllm-medusa"
+        elif m := _VLLM_HEAD.match(k):
+            heads[int(m[1])] = v
+            layout = layout or "vllm-medusa"
+        elif m := _LINEAR.match(k):
+            lin.setdefault(int(m[1]), {})[int(m[2])] = v
+        elif k == "token_map":
+            raise ConvertError(f"{where}: key 'token_map' (a truncated draft vocabulary) is not supported; export the "
+                               "heads with the full vocabulary")
+        else:
+            raise ConvertError(f"{where}: key {k!r} is not a Medusa head weight (expected {{h}}.{{l}}.linear.weight/"
+                               "bias and {h}.{L}.weight, or blocks.{h}.layers.{l}.weight and lm_heads.{h}.weight)")
+    for h, layers in lin.items():  # FasterDecoding: the lm_head is the Linear after the L residual blocks
+        L = max(layers)
+        if L != len(blocks.get(h, {})):
+            raise ConvertError(f"{where}: head {h} has a Linear at index {L} but {len(blocks.get(h, {}))} residual "
+                               f"blocks; its lm_head must come right after the blocks (key {h}.{L}.weight)")
+        heads[h] = layers[L]
+    K = len(heads)
+    if K == 0:
+        raise ConvertError(f"{where}: no Medusa lm_head weights found")
+    if sorted(heads) != list(range(K)):
+        raise ConvertError(f"{where}: heads {sorted(heads)} are not numbered 0..{K - 1}")
+    out = []
+    for h in range(K):
+        layers = blocks.get(h, {})
+        if sorted(layers) != list(range(len(layers))):
+            raise ConvertError(f"{where}: head {h} has residual blocks {sorted(layers)}, not 0..{len(layers) - 1}")
+        rows = []
+        for l in range(len(layers)):
+            if "weight" not in layers[l]:
+                raise ConvertError(f"{where}: head {h} block {l} has a bias but no weight")
+            rows.append((layers[l]["weight"], layers[l].get("bias")))
+        out.append(rows)
+    if len({len(r) for r in out}) != 1:
+        raise ConvertError(f"{where}: heads have different numbers of residual blocks ({[len(r) for r in out]})")
+    return out, [heads[h] for h in range(K)], layout or "medusa"
+
+
+def import_medusa(src: str | Path, out: str | Path, base: str | None = None, dtype: str = "float32") -> dict:
+    """Convert a FasterDecoding / Medusa-2 / vLLM Medusa checkpoint into a draftlab export."""
+    from .base import load_base
+    from .drafters.heads import MedusaHeads
+
+    tensors, config, medusa2_base = find_medusa_tensors(src)
+    blocks, lm, layout = parse_medusa(tensors, str(src))
+    base_name = base or (str(medusa2_base) if medusa2_base else config.get("base_model_name_or_path"))
+    if not base_name:
+        raise ConvertError(f"{src}: no --base given and the checkpoint names no base_model_name_or_path; pass "
+                           "--base with the model the heads were trained on")
+    model, _ = load_base(base_name, dtype)
+    H, V = model.config.hidden_size, model.get_output_embeddings().weight.shape[0]
+    K, L = len(lm), len(blocks[0])
+    for h in range(K):
+        if tuple(lm[h].shape) != (V, H):
+            raise ConvertError(f"{src}: head {h}'s lm_head is {tuple(lm[h].shape)}, the base {base_name!r} needs "
+                               f"({V}, {H}) (vocab, hidden); is this the base the heads were trained on?")
+        for l, (w, b) in enumerate(blocks[h]):
+            if tuple(w.shape) != (H, H) or (b is not None and tuple(b.shape) != (H,)):
+                raise ConvertError(f"{src}: head {h} block {l} has shape {tuple(w.shape)}, the base is {H} wide")
+    heads = MedusaHeads(H, V, K, L)
+    with torch.no_grad():
+        for h in range(K):
+            for l, (w, b) in enumerate(blocks[h]):
+                lin = heads.blocks[h][l].linear
+                lin.weight.copy_(w.float())
+                lin.bias.copy_(b.float() if b is not None else torch.zeros(H))  # vLLM without medusa_fc_bias: no bias
+            heads.lm_heads[h].weight.copy_(lm[h].float())
+    stated = config.get("medusa_num_heads", config.get("num_heads"))
+    info = {"path": str(src), "layout": layout, "medusa2": medusa2_base is not None, "config_num_heads": stated,
+            "num_heads": K, "num_layers": L}
+    save_export(heads, model, out, base_name, extra={"imported_from": info})
+    return {"export": str(out), "base": base_name, **info}
+
+
+# --- export to engines ----------------------------------------------------------------------------
+
+HYDRA_REFUSAL = ("Hydra / Hydra++ heads are sequentially dependent (each head reads the embeddings of the tokens "
+                 "drafted before it, and Hydra++ runs a prefix attention layer): no serving engine implements them, and "
+                 "written as Medusa weights they would load and then draft wrongly. Serve them with `draftlab generate` / "
+                 "`draftlab eval`, or train Medusa heads (head.type: medusa) for vLLM / TensorRT-LLM / FasterDecoding.")
+
+
+def vllm_medusa_state(heads) -> tuple[dict, dict]:
+    """Tensors and config.json in vLLM's Medusa layout (block biases kept: medusa_fc_bias true)."""
+    state = {}
+    for h in range(heads.num_heads):
+        for l, block in enumerate(heads.blocks[h]):
+            state[f"blocks.{h}.layers.{l}.weight"] = block.linear.weight.detach().contiguous()
+            state[f"blocks.{h}.layers.{l}.bias"] = block.linear.bias.detach().contiguous()
+        state[f"lm_heads.{h}.weight"] = heads.lm_heads[h].weight.detach().contiguous()
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": heads.hidden_size,
+              "vocab_size": heads.vocab_size, "truncated_vocab_size": heads.vocab_size, "num_heads": heads.num_heads,
+              "num_hidden_layers": heads.num_layers, "medusa_fc_bias": True, "max_paths": 64, "topk": 10}
+    return state, config
+
+
+def medusa_state(heads, base_name: str) -> tuple[dict, dict]:
+    """Tensors and config.json in the FasterDecoding layout. Its MedusaModel builds each head's residual blocks as
+    ONE module repeated num_layers times, so only heads whose blocks are all equal can be represented."""
+    state = {}
+    for h in range(heads.num_heads):
+        first = heads.blocks[h][0].linear
+        for l, block in enumerate(heads.blocks[h]):
+            if l and not (torch.equal(block.linear.weight, first.weight) and torch.equal(block.linear.bias, first.bias)):
+                raise ConvertError(
+                    f"head {h} has {heads.num_layers} distinct residual blocks, and FasterDecoding's MedusaModel shares "
+                    "one block across a head's layers (`[ResBlock(h)] * medusa_num_layers`): loading would keep one of "
+                    "them and draft wrongly. Export --to vllm-medusa (distinct layers), or train with head.num_layers: 1")
+            state[f"{h}.{l}.linear.weight"] = block.linear.weight.detach().contiguous()
+            state[f"{h}.{l}.linear.bias"] = block.linear.bias.detach().contiguous()
+        state[f"{h}.{heads.num_layers}.weight"] = heads.lm_heads[h].weight.detach().contiguous()
+    return state, {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+                   "base_model_name_or_path": base_name}
+
+
+def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> str:
+    """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do."""
+    head, base, tr = meta["head"], meta["base"], meta.get("training") or {}
+    kind = {"medusa": f"{head['num_heads']} Medusa heads ({head['num_layers']} residual block(s) each)",
+            "ssm": f"a small draft LM ({head.get('num_layers')} layers, {head.get('params', 0) / 1e6:.1f}M parameters)"
+            }.get(head["type"], head["type"])
+    lines = ["---", f"license: {license_id}", f"base_model: {base['name_or_path']}",
+             "tags: [speculative-decoding, draftlab, " + ("medusa" if head["type"] == "medusa" else "draft-model") + "]",
+             "---", "", f"# Draft model for `{base['name_or_path']}`", "",
+             f"{kind[0].upper() + kind[1:]} for speculative decoding of `{base['name_or_path']}` "
+             f"({base['model_type']}, hidden size {base['hidden_size']}, vocabulary {base['vocab_size']}), written by "
+             f"draftlab in the `{fmt}` layout. Greedy speculative decoding with it reproduces the base's own greedy "
+             "output; it changes speed, not text.", "", "## Training", ""]
+    recipe = tr.get("recipe") or {}
+    if recipe:
+        data = recipe.get("data", {})
+        lines += [f"- data: `{data.get('path')}` ({data.get('format')}, max_len {data.get('max_len')})",
+                  f"- steps: {tr.get('steps')}; loss: distill_weight {recipe.get('loss', {}).get('distill_weight')}, "
+                  f"divergence {recipe.get('loss', {}).get('divergence', 'fkl')}; lr {recipe.get('train', {}).get('lr')}",
+                  "- recipe: the `training.recipe` field of draftlab.json in the draftlab export"]
+        ev = tr.get("eval") or {}
+        if ev.get("agree1"):
+            lines.append("- held-out top-1 agreement with the base: " + ", ".join(f"{x:.3f}" for x in ev["agree1"]))
+    elif meta.get("imported_from"):
+        lines.append(f"- imported from `{meta['imported_from']['path']}` ({meta['imported_from']['layout']} layout)")
+    else:
+        lines.append("- unknown (the export records no training run)")
+    lines += ["", "## Measured", ""]
+    summary = Path(eval_dir) / "summary.json" if eval_dir else None
+    if summary is not None and summary.is_file():
+        s = json.loads(summary.read_text())
+        o = s["overall"]
+        lines += [f"`draftlab eval mt-bench {s['export']} --questions {s['questions']} --max-new-tokens "
+                  f"{s['max_new_tokens']} --temperature {s['temperature']}` on {s['hardware']}:", "",
+                  f"- accept length {o['accept_length']} (tokens per verification forward, bonus included), "
+                  f"{o['tokens_per_s']} tokens/s, {o.get('speedup', '-')}x plain decoding of the same base in the same "
+                  f"run, tree of {s['tree_size']} tokens, batch size 1"]
+        if "identical_share" in o:
+            lines.append(f"- answers identical to plain greedy decoding: {100 * o['identical_share']:.0f}%")
+    else:
+        lines += ["Not measured with this export. Measure with `draftlab eval mt-bench EXPORT --questions "
+                  "question.jsonl` and pass `--eval RUN_DIR` to `draftlab export` to record it here."]
+    lines += ["", f"License: {license_id} (the base model's license governs its use)." , ""]
+    return "\n".join(lines)
+
+
+def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str | None = None,
+              license_id: str = "other") -> dict:
+    """Write an export in an engine's format (see FORMATS) with a model card; returns what was written."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise ConvertError(f"--to {fmt!r}: use one of {', '.join(FORMATS)}")
+    meta = read_meta(export_dir)
+    kind = meta["head"]["type"]
+    if kind == "hydra":
+        raise ConvertError(HYDRA_REFUSAL)
+    if fmt == "hf" and kind != "ssm":
+        raise ConvertError(f"--to hf writes a standalone model; {export_dir} holds {kind} heads, which run on top of "
+                           "their base. Use --to vllm-medusa or --to medusa")
+    if fmt != "hf" and kind != "medusa":
+        raise ConvertError(f"--to {fmt} is a Medusa heads format; {export_dir} holds a {kind}. Use --to hf")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    if fmt == "hf":
+        for f in Path(export_dir).iterdir():
+            if f.is_file() and f.name not in ("draftlab.json", "README.md"):
+                shutil.copy(f, out / f.name)
+                files.append(f.name)
+    else:
+        heads, _ = load_export(export_dir)
+        if fmt == "vllm-medusa":
+            state, config = vllm_medusa_state(heads)
+            save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+            files.append("model.safetensors")
+        else:
+            state, config = medusa_state(heads, meta["base"]["name_or_path"])
+            torch.save(state, out / "medusa_lm_head.pt")
+            files.append("medusa_lm_head.pt")
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        files.append("config.json")
+    (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
+    return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}

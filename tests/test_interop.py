@@ -1,0 +1,219 @@
+"""Reading published Medusa checkpoints and writing engine formats, through the exact key names those tools use."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from draftlab.convert import ConvertError, export_to, import_medusa
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.tree import Tree, default_tree
+from draftlab.drafters import build_draft, make_drafter
+from draftlab.drafters.heads import MedusaHeads
+from draftlab.export import load_export, save_export
+
+
+@pytest.fixture(scope="module")
+def base(tiny_base_dir):
+    from draftlab.base import load_base
+
+    return load_base(str(tiny_base_dir), "float32")[0]
+
+
+def random_heads(base, K=3, L=1, seed=0):
+    torch.manual_seed(seed)
+    H, V = base.config.hidden_size, base.config.vocab_size
+    heads = MedusaHeads(H, V, K, L)
+    heads.init_from_base(base)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return heads.eval()
+
+
+def faster_decoding_state(heads, shared_blocks=False):
+    """The state dict FasterDecoding's MedusaModel.medusa_head saves: nn.Sequential(*[ResBlock] * L, Linear)."""
+    state = {}
+    for h in range(heads.num_heads):
+        for l in range(heads.num_layers):
+            src = heads.blocks[h][0 if shared_blocks else l].linear
+            state[f"{h}.{l}.linear.weight"] = src.weight.detach().clone()
+            state[f"{h}.{l}.linear.bias"] = src.bias.detach().clone()
+        state[f"{h}.{heads.num_layers}.weight"] = heads.lm_heads[h].weight.detach().clone()
+    return state
+
+
+def same_decoding(base, a, b, tree):
+    prompts = [[1, 5, 9, 2], [7, 7]]
+    ra = SpeculativeDecoder(base, make_drafter(a, tree)).generate(prompts, max_new_tokens=16)
+    rb = SpeculativeDecoder(base, make_drafter(b, tree)).generate(prompts, max_new_tokens=16)
+    return ra.tokens == rb.tokens and ra.committed == rb.committed
+
+
+def test_import_faster_decoding_checkpoint(base, tiny_base_dir, tmp_path):
+    heads = random_heads(base, K=3, L=2)
+    with torch.no_grad():  # FasterDecoding's heads share one block across a head's layers
+        for h in range(3):
+            heads.blocks[h][1].load_state_dict(heads.blocks[h][0].state_dict())
+    ck = tmp_path / "medusa-ckpt"
+    ck.mkdir()
+    torch.save(faster_decoding_state(heads), ck / "medusa_lm_head.pt")
+    # A published config that names fewer heads than the file holds: heads are counted from the tensors.
+    (ck / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2,
+                                                "base_model_name_or_path": str(tiny_base_dir)}))
+    rep = import_medusa(ck, tmp_path / "exp")
+    assert rep["num_heads"] == 3 and rep["config_num_heads"] == 2 and rep["layout"] == "medusa"
+    imported, meta = load_export(tmp_path / "exp", base=base)
+    assert meta["imported_from"]["num_layers"] == 2
+    for k, v in heads.state_dict().items():
+        torch.testing.assert_close(imported.state_dict()[k], v)
+    assert same_decoding(base, imported, heads, default_tree(3, 12))
+
+
+def test_import_safetensors_and_medusa2_shards(base, tiny_base_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    heads = random_heads(base, K=2, L=1, seed=1)
+    st = tmp_path / "medusa_lm_head.safetensors"
+    save_file(faster_decoding_state(heads), st)
+    import_medusa(st, tmp_path / "a", base=str(tiny_base_dir))
+    assert same_decoding(base, load_export(tmp_path / "a", base=base)[0], heads, Tree.chain(2))
+    # Medusa-2: the heads live in the model's own shards under medusa_head.*; the checkpoint is the base.
+    m2 = tmp_path / "medusa2"
+    base.save_pretrained(m2)
+    for f in tiny_base_dir.glob("tokenizer*"):
+        (m2 / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file
+
+    shard = load_file(m2 / "model.safetensors")
+    shard.update({f"medusa_head.{k}": v for k, v in faster_decoding_state(heads).items()})
+    save_file(shard, m2 / "model.safetensors", metadata={"format": "pt"})
+    rep = import_medusa(m2, tmp_path / "b")
+    assert rep["medusa2"] and rep["base"] == str(m2) and rep["num_heads"] == 2
+    assert same_decoding(base, load_export(tmp_path / "b", base=base)[0], heads, Tree.chain(2))
+
+
+def test_import_errors_name_the_key(base, tiny_base_dir, tmp_path):
+    heads = random_heads(base, K=2)
+    state = faster_decoding_state(heads)
+    bad = dict(state, **{"0.0.linear.scale": torch.ones(1)})
+    torch.save(bad, tmp_path / "x.pt")
+    with pytest.raises(ConvertError, match=r"key '0.0.linear.scale' is not a Medusa head weight"):
+        import_medusa(tmp_path / "x.pt", tmp_path / "e", base=str(tiny_base_dir))
+    wide = {k: torch.zeros(v.shape[0], 48) if "linear" not in k else v for k, v in state.items()}  # lm_heads 48 wide
+    torch.save(wide, tmp_path / "w.pt")
+    with pytest.raises(ConvertError, match=r"head 0's lm_head is \(\d+, 48\), the base"):
+        import_medusa(tmp_path / "w.pt", tmp_path / "e", base=str(tiny_base_dir))
+    torch.save(state, tmp_path / "nobase.pt")
+    with pytest.raises(ConvertError, match="no --base given"):
+        import_medusa(tmp_path / "nobase.pt", tmp_path / "e")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConvertError, match="not a readable PyTorch state dict"):
+        import_medusa(tmp_path / "junk.pt", tmp_path / "e", base=str(tiny_base_dir))
+
+
+class VllmMedusaMirror(nn.Module):
+    """vLLM's Medusa module structure (vllm/model_executor/models/medusa.py): parameter names and shapes only."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, V = cfg["hidden_size"], cfg["truncated_vocab_size"]
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(cfg["num_heads"]))
+        for block in self.blocks:
+            block.layers = nn.ModuleList(nn.Linear(H, H, bias=cfg.get("medusa_fc_bias", False))
+                                         for _ in range(cfg["num_hidden_layers"]))
+        self.lm_heads = nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(cfg["num_heads"]))
+
+    def logits(self, h):
+        out = []
+        for block, lm in zip(self.blocks, self.lm_heads):
+            x = h
+            for layer in block.layers:
+                x = x + nn.functional.silu(layer(x))
+            out.append(lm(x))
+        return torch.stack(out, dim=-2)
+
+
+def test_export_for_vllm_loads_into_its_structure_with_the_same_logits(base, tiny_base_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    heads = random_heads(base, K=3, L=2)
+    save_export(heads, base, tmp_path / "exp", str(tiny_base_dir))
+    rep = export_to(tmp_path / "exp", "vllm-medusa", tmp_path / "vllm", license_id="apache-2.0")
+    cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == 2
+    assert cfg["medusa_fc_bias"] is True and cfg["truncated_vocab_size"] == cfg["vocab_size"] == base.config.vocab_size
+    state = load_file(tmp_path / "vllm" / "model.safetensors")
+    mirror = VllmMedusaMirror(cfg)
+    assert set(state) == set(mirror.state_dict())  # exactly the loader's names: nothing missing, nothing ignored
+    mirror.load_state_dict(state, strict=True)
+    h = torch.randn(5, base.config.hidden_size)
+    torch.testing.assert_close(mirror.logits(h), heads.logits(h))
+    # Without medusa_fc_bias the loader has no bias parameters and would drop them silently: the names differ.
+    assert set(state) != set(VllmMedusaMirror({**cfg, "medusa_fc_bias": False}).state_dict())
+    card = (tmp_path / "vllm" / "README.md").read_text()
+    assert "license: apache-2.0" in card and "Not measured" in card and rep["files"] == ["README.md", "config.json",
+                                                                                        "model.safetensors"]
+    # And draftlab reads vLLM's layout back.
+    import_medusa(tmp_path / "vllm" / "model.safetensors", tmp_path / "back", base=str(tiny_base_dir))
+    for k, v in heads.state_dict().items():
+        torch.testing.assert_close(load_export(tmp_path / "back")[0].state_dict()[k], v)
+
+
+def test_export_faster_decoding_round_trip_and_shared_blocks(base, tiny_base_dir, tmp_path):
+    heads = random_heads(base, K=2, L=1)
+    save_export(heads, base, tmp_path / "exp", str(tiny_base_dir))
+    export_to(tmp_path / "exp", "medusa", tmp_path / "fd")
+    state = torch.load(tmp_path / "fd" / "medusa_lm_head.pt", weights_only=True)
+    assert set(state) == set(faster_decoding_state(heads))
+    cfg = json.loads((tmp_path / "fd" / "config.json").read_text())
+    assert cfg == {"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": str(tiny_base_dir)}
+    import_medusa(tmp_path / "fd", tmp_path / "back")
+    assert same_decoding(base, load_export(tmp_path / "back", base=base)[0], heads, Tree.chain(2))
+    deep = random_heads(base, K=2, L=2)  # distinct blocks: FasterDecoding's shared block cannot hold them
+    save_export(deep, base, tmp_path / "deep", str(tiny_base_dir))
+    with pytest.raises(ConvertError, match="distinct residual blocks.*--to vllm-medusa"):
+        export_to(tmp_path / "deep", "medusa", tmp_path / "fd2")
+
+
+def test_export_hf_for_ssms_and_refusals(base, tiny_base_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftlab.base import load_tokenizer
+
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).eval()
+    save_export(ssm, base, tmp_path / "ssm", str(tiny_base_dir), tokenizer=load_tokenizer(str(tiny_base_dir)))
+    export_to(tmp_path / "ssm", "hf", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == base.config.vocab_size
+    ids = torch.randint(0, base.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ssm.lm(ids).logits)
+    assert not (tmp_path / "hf" / "draftlab.json").exists() and (tmp_path / "hf" / "README.md").is_file()
+    with pytest.raises(ConvertError, match="is a Medusa heads format"):
+        export_to(tmp_path / "ssm", "vllm-medusa", tmp_path / "x")
+    save_export(random_heads(base), base, tmp_path / "med", str(tiny_base_dir))
+    with pytest.raises(ConvertError, match="writes a standalone model"):
+        export_to(tmp_path / "med", "hf", tmp_path / "x")
+    hydra = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base)
+    save_export(hydra, base, tmp_path / "hy", str(tiny_base_dir))
+    with pytest.raises(ConvertError, match="sequentially dependent.*no serving engine implements them"):
+        export_to(tmp_path / "hy", "vllm-medusa", tmp_path / "x")
+
+
+def test_trees_in_the_formats_medusa_and_eagle_write(tmp_path):
+    (tmp_path / "choices.py").write_text("mc_sim_7b_63 = [(0,), (1,), (0, 0), (0, 1)]\nother = [[0]]\n")
+    assert Tree.parse(f"{tmp_path / 'choices.py'}:mc_sim_7b_63").paths == ((0,), (1,), (0, 0), (0, 1))
+    assert Tree.parse("[(0,), (0, 0)]").paths == ((0,), (0, 0))
+    assert Tree.parse("[[0], [1]]").size == 3
+    (tmp_path / "t.txt").write_text("[(0,), (1,), (1, 0)]")
+    assert Tree.load(tmp_path / "t.txt").size == 4
+    from draftlab.decode.tree import TreeError
+
+    with pytest.raises(TreeError, match="no list named 'missing'.*mc_sim_7b_63, other"):
+        Tree.parse(f"{tmp_path / 'choices.py'}:missing")
+    with pytest.raises(TreeError, match="not a list of paths"):
+        Tree.parse("[(0,), (0 0)]")
+    with pytest.raises(TreeError, match="no such tree file.*inline paths"):
+        Tree.parse("nothere.json")
