@@ -31,10 +31,23 @@ class BaseModelError(ValueError):
     """The base model or tokenizer cannot be loaded or used as asked."""
 
 
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id (`org/name`): starts with / . ~, or has more than one separator."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> None:
+    """A name that can only be a local directory must exist (else hub clients report a malformed repo id)."""
+    if looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+        raise BaseModelError(f"{field}={name_or_path!r}: no such directory (a hub id looks like org/name). For a "
+                             "llama2.c checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`")
+
+
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
     """AutoTokenizer with a pad token and a chat template guaranteed."""
     from transformers import AutoTokenizer
 
+    check_model_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -57,6 +70,7 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
 
     if dtype not in DTYPES:
         raise BaseModelError(f"base.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    check_model_path(name_or_path)
     kwargs = dict(dtype=DTYPES[dtype], revision=revision, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

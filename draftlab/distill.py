@@ -1,15 +1,23 @@
-"""Self-distilled data: the base answers a dataset's prompts; heads then train on the base's own text."""
+"""Self-distilled data: the base answers a dataset's prompts (or continues its texts), in this process or through
+OpenAI-compatible servers (vLLM, SGLang, TGI); drafts then train on the base's own text.
+
+Output: one JSON record per line with `source_index` (the record of the prompts file it came from, which is how
+a killed run resumes): ShareGPT `conversations` (chat mode) or `text` (text mode), the same either way.
+"""
 
 from __future__ import annotations
 
 import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from .base import load_base
 from .data import DataError, detect_format, prompt_turns, read_records, to_messages
+from .progress import progress
 
 
 def _base_args(base_or_recipe: str, dtype: str | None) -> tuple[str, str]:
@@ -27,86 +35,198 @@ def text_prefix(text: str, chars: int) -> str:
     return head.rsplit(" ", 1)[0] if " " in head and len(text) > chars else head
 
 
-def prompts_of(path: str, max_records: int | None = None, mode: str = "chat",
-               prompt_chars: int = 64) -> list[tuple[int, object]]:
-    """(record index, prompt) for each usable record: messages up to the first assistant turn (chat), or the
-    opening of the text / of the first user turn (text)."""
+def prompts_of(path: str, max_records: int | None = None, mode: str = "chat", prompt_chars: int = 64,
+               all_turns: bool = False) -> list[tuple[int, object]]:
+    """(record index, prompt) per usable record. chat: the messages up to the first assistant turn, or with
+    all_turns the whole conversation (its assistant turns are regenerated); text: the opening of the text (or of
+    the first user turn)."""
     out = []
     for _, i, rec in read_records(path, max_records=max_records):
         fmt = detect_format(rec)
-        if mode == "text":
-            if fmt == "text":
-                out.append((i, text_prefix(rec["text"], prompt_chars)))
-            else:
-                try:
-                    out.append((i, prompt_turns(to_messages(rec, fmt))[-1]["content"]))
-                except DataError:
-                    continue
-            continue
-        if fmt == "text":
-            out.append((i, [{"role": "user", "content": rec["text"]}]))
-            continue
         try:
-            msgs = to_messages(rec, fmt)
-        except DataError:
+            if mode == "text":
+                out.append((i, text_prefix(rec["text"], prompt_chars) if fmt == "text"
+                            else prompt_turns(to_messages(rec, fmt))[-1]["content"]))
+            elif fmt == "text":
+                out.append((i, [{"role": "user", "content": rec["text"]}]))
+            else:
+                msgs = to_messages(rec, fmt)
+                out.append((i, msgs if all_turns else prompt_turns(msgs)))
+        except (DataError, KeyError, TypeError):
             continue
-        out.append((i, prompt_turns(msgs)))
     return out
 
 
-def distill_data(base_or_recipe: str, prompts_file: str, out_file: str, max_new_tokens: int = 512,
+# --- where answers come from ----------------------------------------------------------------------
+
+class LocalModel:
+    """The base in this process, batched (greedy by default)."""
+
+    def __init__(self, name: str, dtype: str, device: str | None, max_new_tokens: int, temperature: float,
+                 top_p: float):
+        from .base import load_base
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.tok = load_base(name, dtype, self.device)
+        self.tok.padding_side = "left"
+        self.kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=self.tok.pad_token_id)
+        self.kw.update(dict(temperature=temperature, top_p=top_p) if temperature > 0 else
+                       dict(temperature=None, top_p=None, top_k=None))
+
+    @torch.no_grad()
+    def answer(self, prompts: list) -> list[str]:
+        """Chat prompts (message lists) -> answers; text prompts (strings) -> prompt + continuation."""
+        chat = isinstance(prompts[0], list)
+        if chat:
+            texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+            enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        else:
+            enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=True).to(self.device)
+        gen = self.model.generate(**enc, **self.kw)[:, enc["input_ids"].shape[1]:]
+        out = []
+        for j, ids in enumerate(gen):
+            if chat:
+                out.append(self.tok.decode(ids, skip_special_tokens=True).strip())
+            else:  # decoded with the prompt's ids, so word boundaries come out as the base made them
+                own = enc["input_ids"][j][enc["attention_mask"][j].bool()].tolist()
+                out.append(self.tok.decode(own + ids.tolist(), skip_special_tokens=True))
+        return out
+
+
+class Endpoints:
+    """OpenAI-compatible servers (`/v1/chat/completions`, `/v1/completions`), several requests at once.
+
+    Requests go round-robin over the endpoints; a failed request (connection error, timeout, HTTP 429 or 5xx) is
+    retried on the next endpoint after a backoff of 0.5 s doubling up to 30 s; other HTTP errors (a wrong model
+    name, a prompt over the server's context) stop the run with the server's message.
+    """
+
+    def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float, top_p: float,
+                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0, seed: int = 0):
+        self.urls = [u.rstrip("/") + ("" if u.rstrip("/").endswith("/v1") else "/v1") for u in urls]
+        self.params = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+        self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
+        self.model = model or self._served_model()
+        self.next = 0
+
+    def _served_model(self) -> str:
+        for url in self.urls:
+            try:
+                with urllib.request.urlopen(url + "/models", timeout=30) as r:
+                    return json.loads(r.read())["data"][0]["id"]
+            except (OSError, KeyError, IndexError, ValueError):
+                continue
+        raise DataError(f"--endpoint {', '.join(self.urls)}: no server answered GET /v1/models; check the address, "
+                        "or name the model with --model")
+
+    def _post(self, start: int, route: str, body: dict) -> dict:
+        last = None
+        for attempt in range(self.retries + 1):
+            url = self.urls[(start + attempt) % len(self.urls)] + route
+            req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:300]
+                if e.code != 429 and e.code < 500:
+                    raise DataError(f"{url}: HTTP {e.code}: {detail}") from None
+                last = f"HTTP {e.code} from {url}: {detail}"
+            except (OSError, ValueError) as e:  # refused, reset, timed out, not JSON
+                last = f"{url}: {type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(min(0.5 * 2 ** attempt, 30.0))
+        raise DataError(f"request failed after {self.retries + 1} tries ({last}). Records written so far stay in the "
+                        "output file; run the same command again to resume")
+
+    def _one(self, job: tuple[int, object]) -> str:
+        start, prompt = job
+        if isinstance(prompt, list):
+            r = self._post(start, "/chat/completions", {"model": self.model, "messages": prompt, **self.params})
+            return r["choices"][0]["message"]["content"].strip()
+        r = self._post(start, "/completions", {"model": self.model, "prompt": prompt, **self.params})
+        return prompt + r["choices"][0]["text"]
+
+    def answer(self, prompts: list) -> list[str]:
+        jobs = [(self.next + j, p) for j, p in enumerate(prompts)]
+        self.next += len(prompts)
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._one, jobs))
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+def _regenerate(source, items: list[tuple[int, object]], mode: str, all_turns: bool) -> list[dict]:
+    """Records for a chunk of prompts: text continuations, first answers, or every assistant turn regenerated in
+    order (each answer sees the base's own earlier answers), turn t of all conversations in one batch."""
+    if mode == "text":
+        return [{"source_index": i, "text": t} for (i, _), t in zip(items, source.answer([p for _, p in items]))]
+    if not all_turns:
+        answers = source.answer([p for _, p in items])
+        return [{"source_index": i, "conversations": _sharegpt(p + [{"role": "assistant", "content": a}])}
+                for (i, p), a in zip(items, answers)]
+    convs = [[m for m in msgs if m["role"] == "system"] for _, msgs in items]
+    users = [[m for m in msgs if m["role"] == "user"] for _, msgs in items]
+    for t in range(max(len(u) for u in users)):
+        active = [j for j, u in enumerate(users) if t < len(u)]
+        for j in active:
+            convs[j].append(users[j][t])
+        for j, a in zip(active, source.answer([convs[j] for j in active])):
+            convs[j].append({"role": "assistant", "content": a})
+    return [{"source_index": i, "conversations": _sharegpt(c)} for (i, _), c in zip(items, convs)]
+
+
+def _sharegpt(msgs: list[dict]) -> list[dict]:
+    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+            for m in msgs]
+
+
+def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, max_new_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, max_records: int | None = None,
                  dtype: str | None = None, device: str | None = None, seed: int = 0, mode: str = "chat",
-                 prompt_chars: int = 64) -> dict:
-    """Generate with the base and append records to out_file; records already there are skipped.
+                 prompt_chars: int = 64, all_turns: bool = False, endpoints: list[str] | None = None,
+                 model: str | None = None, concurrency: int = 8, retries: int = 5, timeout: float = 600.0) -> dict:
+    """Generate with the base (in this process, or through `endpoints`) and append records to out_file; records
+    already there are skipped, so a killed run resumes.
 
-    mode chat: the base answers each record's first user turn through its chat template, written as ShareGPT
-    conversations. mode text (bases without a chat format, e.g. TinyStories models): the base continues the
-    first prompt_chars characters of each text, written as {"text": prefix + continuation}."""
+    mode chat: the base answers each record's first user turn (or, with all_turns, every user turn in order,
+    seeing its own earlier answers) through its chat template; ShareGPT conversations out. mode text (bases
+    without a chat format): the base continues the first prompt_chars characters of each text; {"text"} out."""
     if mode not in ("chat", "text"):
         raise DataError(f"--mode {mode!r}: use chat or text")
-    name, dtype = _base_args(base_or_recipe, dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_base(name, dtype, device)
-    tok.padding_side = "left"
-    todo = prompts_of(prompts_file, max_records, mode, prompt_chars)
+    if all_turns and mode != "chat":
+        raise DataError("--all-turns regenerates the assistant turns of conversations; it needs --mode chat")
+    todo = prompts_of(prompts_file, max_records, mode, prompt_chars, all_turns)
     if not todo:
         raise DataError(f"{prompts_file}: no prompts found (expected ShareGPT, Alpaca or text records)")
     out = Path(out_file)
     done = set()
     if out.is_file():
-        for line in out.read_text().splitlines():
+        for n, line in enumerate(out.read_text().splitlines(), 1):
             if line.strip():
-                done.add(json.loads(line)["source_index"])
+                try:
+                    done.add(json.loads(line)["source_index"])
+                except (json.JSONDecodeError, KeyError):
+                    raise DataError(f"{out}:{n}: not a record this command wrote (no source_index); write to a new "
+                                    "--out file") from None
     todo = [(i, m) for i, m in todo if i not in done]
     torch.manual_seed(seed)
+    if endpoints:
+        source = Endpoints(endpoints, model, max_new_tokens, temperature, top_p, concurrency, retries, timeout, seed)
+        name, chunk = f"{source.model} at {', '.join(source.urls)}", max(batch_size, 4 * concurrency)
+    else:
+        if not base_or_recipe:
+            raise DataError("give the base (a model path / hub id or a recipe) or --endpoint URL")
+        name, dt = _base_args(base_or_recipe, dtype)
+        source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p), batch_size
     written = 0
-    with open(out, "a") as f, tqdm(total=len(todo) + len(done), initial=len(done), desc="distill", unit="prompt") as bar:
-        for s in range(0, len(todo), batch_size):
-            chunk = todo[s:s + batch_size]
-            if mode == "chat":
-                texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for _, m in chunk]
-                enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            else:
-                enc = tok([m for _, m in chunk], return_tensors="pt", padding=True, add_special_tokens=True).to(device)
-            kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
-            kw.update(dict(temperature=temperature, top_p=top_p) if temperature > 0 else
-                      dict(temperature=None, top_p=None, top_k=None))
-            with torch.no_grad():
-                gen = model.generate(**enc, **kw)[:, enc["input_ids"].shape[1]:]
-            for j, ((i, prompt), ids) in enumerate(zip(chunk, gen)):
-                answer = tok.decode(ids, skip_special_tokens=True)
-                if mode == "text":  # decoded with the prompt's ids, so word boundaries come out as the base made them
-                    own = enc["input_ids"][j][enc["attention_mask"][j].bool()].tolist()
-                    f.write(json.dumps({"source_index": i, "text": tok.decode(own + ids.tolist(),
-                                                                             skip_special_tokens=True)}) + "\n")
-                else:
-                    conv = [{"from": "human" if m["role"] == "user" else m["role"], "value": m["content"]}
-                            for m in prompt]
-                    conv.append({"from": "gpt", "value": answer.strip()})
-                    f.write(json.dumps({"source_index": i, "conversations": conv}) + "\n")
+    with open(out, "a") as f, progress(total=len(todo) + len(done), initial=len(done), desc="distill",
+                                       unit="prompt") as bar:
+        for s in range(0, len(todo), chunk):
+            items = todo[s:s + chunk]
+            for rec in _regenerate(source, items, mode, all_turns):
+                f.write(json.dumps(rec) + "\n")
                 written += 1
             f.flush()
-            bar.update(len(chunk))
+            bar.update(len(items))
     return {"out": str(out), "written": written, "skipped_existing": len(done), "base": name}
-

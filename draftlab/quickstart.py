@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from .progress import progress
 
 from .base import SIMPLE_CHAT_TEMPLATE, set_seed
 
@@ -78,7 +78,8 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
 
     set_seed(seed)
     stream = []
-    for ids in tok(train_docs, add_special_tokens=False).input_ids:
+    # Whole files on purpose (they are cut into SEQ-token windows below): no "longer than the maximum" warning.
+    for ids in tok(train_docs, add_special_tokens=False, verbose=False).input_ids:
         stream += [tok.bos_token_id] + ids + [tok.eos_token_id]
     data = torch.tensor(stream)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
@@ -90,7 +91,7 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
     g = torch.Generator().manual_seed(seed)
     budget = minutes * 60
     t0, step, loss_ema = time.perf_counter(), 0, None
-    bar = tqdm(total=int(budget), desc="pretrain base", unit="s")
+    bar = progress(total=int(budget), desc="pretrain base", unit="s")
     while (elapsed := time.perf_counter() - t0) < budget:
         starts = torch.randint(0, len(data) - SEQ - 1, (16,), generator=g)
         x = torch.stack([data[s:s + SEQ] for s in starts])
@@ -180,7 +181,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     plain_generate(base, prompts[:1], 8, Sampling(), eos)
     tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True} for k in HEADS}
     plain_t = plain_new = 0
-    for p in tqdm(prompts, desc="decode"):
+    for p in progress(prompts, desc="decode", unit="prompt"):
         ref, t = plain_generate(base, [p], max_new_tokens, Sampling(), eos)
         plain_t, plain_new = plain_t + t, plain_new + len(ref[0])
         for kind, dec in decoders.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from .progress import progress
 
 from .base import base_hidden, load_base, set_seed
 from .config import RESUMABLE_KEYS, Recipe, dump_recipe, diff_recipes, build_recipe
@@ -384,7 +384,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
 
     ga = t.grad_accum_steps
     objective.train()
-    bar = tqdm(total=total_steps, initial=step, disable=not is_main, desc="train", unit="step")
+    bar = progress(total=total_steps, initial=step, disable=not is_main, desc="train", unit="step")
     window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
     last_eval = None
     end_step = total_steps if stop_after_steps is None else min(total_steps, step + stop_after_steps)

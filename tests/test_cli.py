@@ -52,3 +52,23 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
                  "--top-p", "0.9", "--json"]) == 0
     assert main(["generate", str(tmp_path), "--prompt", "x", "--json"]) == 2
     assert "not a draftlab export" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+
+
+def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
+    """What a new user hits first: a damaged export, a base path that does not exist, nonsensical lengths."""
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "e",
+                str(tiny_base_dir))
+    (tmp_path / "e" / "draft.safetensors").write_bytes(b"\0" * 16)
+    assert main(["generate", str(tmp_path / "e"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "draft.safetensors: damaged or truncated" in err and "Export again" in err and "Traceback" not in err
+    assert main(["generate", str(tmp_path / "e"), "--prompt", "x", "--base", str(tmp_path / "nope")]) == 2
+    assert "no such directory (a hub id looks like org/name)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(tmp_path / "e"), "--prompt", "x", "--max-new-tokens", "0"])
+    assert e.value.code == 2 and "0 is not >= 1" in capsys.readouterr().err

@@ -6,9 +6,12 @@ import argparse
 import json
 import sys
 
+from .args import positive_int
+
 
 def _print_json(obj: dict) -> None:
     print(json.dumps(obj))
+
 
 
 def cmd_validate(a) -> int:
@@ -80,7 +83,8 @@ def cmd_distill(a) -> int:
     from ..distill import distill_data
 
     summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
-                           a.max_records, a.dtype, a.device, a.seed, a.mode, a.prompt_chars)
+                           a.max_records, a.dtype, a.device, a.seed, a.mode, a.prompt_chars, a.all_turns, a.endpoint,
+                           a.model, a.concurrency, a.retries, a.timeout)
     if a.json:
         _print_json(summary)
     else:
@@ -151,15 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_quickstart)
 
-    s = sub.add_parser("distill-data", help="have the base answer a dataset's prompts (self-distilled training data)")
-    s.add_argument("base", help="a recipe YAML (its base) or a base model path / hub id")
+    s = sub.add_parser("distill-data", help="have the base answer a dataset's prompts (self-distilled training data)",
+                       description="The base answers each record's prompt (or continues each text), in this process or "
+                                   "through OpenAI-compatible servers (--endpoint, e.g. vLLM / SGLang / TGI), and the "
+                                   "records are appended to --out; a killed run resumes where it stopped.")
+    s.add_argument("base", nargs="?", default=None,
+                   help="a recipe YAML (its base) or a base model path / hub id (not needed with --endpoint)")
     s.add_argument("--prompts", required=True, help="ShareGPT / Alpaca / text file whose prompts the base answers")
     s.add_argument("--out", required=True, help="JSONL of ShareGPT conversations; appended to and resumed")
     s.add_argument("--mode", default="chat", choices=["chat", "text"],
                    help="chat: answer the first user turn via the chat template (ShareGPT out); text: continue the "
                         "opening of each text (for bases without a chat format; {text} records out)")
     s.add_argument("--prompt-chars", type=int, default=64, help="text mode: characters of each text given as prompt")
-    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--all-turns", action="store_true",
+                   help="chat mode: regenerate every assistant turn, each seeing the base's own earlier answers")
+    s.add_argument("--endpoint", action="append", default=[],
+                   help="base URL of an OpenAI-compatible server (http://host:8000 or .../v1); repeat for several")
+    s.add_argument("--model", default=None, help="model name the servers serve (default: the first of GET /v1/models)")
+    s.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (--endpoint)")
+    s.add_argument("--retries", type=int, default=5, help="tries per request after the first, rotating endpoints")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--max-new-tokens", type=positive_int, default=512)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--batch-size", type=int, default=8)

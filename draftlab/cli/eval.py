@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..eval.mt_bench import compare_runs, run_mt_bench
+from .args import positive_int
 
 
 def add_eval_args(sub) -> None:
@@ -22,7 +23,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=positive_int, default=1024)
     p.add_argument("--limit", type=int, default=None, help="first N selected questions")
     p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
     p.add_argument("--base", default=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from ..decode.tree_search import search_tree
+from .args import positive_int
 
 
 def add_search_args(p) -> None:
@@ -16,7 +17,7 @@ def add_search_args(p) -> None:
     p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
     p.add_argument("--calibration-prompts", type=int, default=64)
     p.add_argument("--timing-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
     p.add_argument("--plot", action="store_true", help="write OUT.sizes.png and OUT.tree.png")

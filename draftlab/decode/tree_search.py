@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from ..progress import progress
 
 from .decoder import SpeculativeDecoder, sync_device
 from .search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
@@ -22,7 +22,7 @@ def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eo
     from .generate import plain_generate
 
     return [p + plain_generate(base, [p], max_new_tokens, Sampling(), eos)[0][0]
-            for p in tqdm(prompts, desc="greedy continuations", leave=False)]
+            for p in progress(prompts, desc="greedy continuations", unit="prompt", leave=False)]
 
 
 @torch.no_grad()
@@ -115,7 +115,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     if draft.kind == "ssm":
         candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
     rows = []
-    for tree in tqdm(candidates, desc="timing trees"):
+    for tree in progress(candidates, desc="timing trees", unit="tree"):
         m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), timing, batch_size, max_new_tokens, eos)
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),

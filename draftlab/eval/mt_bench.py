@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
 from ..decode.decoder import sync_device
@@ -47,7 +47,7 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
                 except json.JSONDecodeError as e:
                     raise EvalError(f"{src}:{n}: not valid JSON ({e.msg})") from None
     else:
-        if "/" not in src:
+        if "/" not in src or src.endswith((".json", ".jsonl")) or src.startswith(("/", ".", "~")) or src.count("/") > 1:
             raise EvalError(f"--questions {src!r}: no such file, and not a hub dataset id (owner/name)")
         from datasets import load_dataset
 
@@ -306,7 +306,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     if todo:  # warm-up of both paths, not timed and not recorded
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
         answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline)
-    bar = tqdm(todo, desc="mt-bench", unit="question", disable=not progress)
+    bar = progress_bar(todo, desc="mt-bench", unit="question", disable=not progress)
     with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
         for q in bar:
             d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline)

@@ -1,0 +1,26 @@
+"""Progress output: plain periodic lines when stderr is not a terminal (logs, Slurm .out files)."""
+
+import io
+
+from draftlab.progress import LineProgress, progress
+
+
+def test_lines_not_redraws_when_not_a_terminal(monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_PROGRESS_SECONDS", "0")
+    out = io.StringIO()
+    bar = progress(total=4, desc="train", unit="step", file=out)
+    assert isinstance(bar, LineProgress)
+    for _ in range(4):
+        bar.update(1)
+        bar.set_postfix(loss="1.234")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 5  # one per refresh (interval 0) and one at the end
+    assert lines[-1].startswith("train: 4/4 step (100%)") and lines[-1].endswith("loss=1.234")
+
+
+def test_quiet_between_intervals_and_iteration(monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_PROGRESS_SECONDS", "3600")
+    out = io.StringIO()
+    assert list(progress(range(1000), desc="x", file=out)) == list(range(1000))
+    assert out.getvalue().count("\n") == 1 and "x: 1000/1000 it (100%)" in out.getvalue()
