@@ -45,8 +45,12 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
     (out / META).unlink(missing_ok=True)
     kind = kind_of(draft.kind)
     files = kind.save(draft, out)
-    if tokenizer is not None and draft.kind == "ssm":
-        tokenizer.save_pretrained(out)  # the SSM directory loads on its own, tokenizer included
+    if tokenizer is not None:  # SSM directories load on their own, tokenizer included
+        ssm_dirs = [out] if draft.kind == "ssm" else [out / n for n, m in zip(getattr(draft, "names", []),
+                                                                                 getattr(draft, "members", []))
+                                                        if m.kind == "ssm"]
+        for d in ssm_dirs:
+            tokenizer.save_pretrained(d)
     meta = {"format_version": FORMAT_VERSION, "head": draft.config(), "base": base_identity(base, base_name),
             "default_tree": default_tree, "files": files, **(extra or {})}
     (out / (META + ".tmp")).write_text(json.dumps(meta, indent=2))

@@ -11,7 +11,8 @@ from .args import positive_int
 
 
 def add_generate_args(p) -> None:
-    p.add_argument("export", help="export directory (OUTPUT_DIR/export of a training run)")
+    p.add_argument("export", help="export directory (OUTPUT_DIR/export of a training run), or `lookup` / `lookup:N` "
+                                  "for prompt-lookup drafting with --base")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--tree", default=None, help="tree file (JSON/YAML), 'chain', or 'default'")
     p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
@@ -27,11 +28,18 @@ def add_generate_args(p) -> None:
     p.add_argument("--compare", action="store_true", help="also run plain decoding of the base and report speedup")
     p.add_argument("--stream", action="store_true", help="print text as it is committed (batch of one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ensemble-mode", choices=["merge", "vote"], default=None,
+                   help="ensemble exports: merged trees (SpecInfer) or weighted-majority vote (Minions)")
+    p.add_argument("--node-budget", type=positive_int, default=None, help="ensemble exports, merge: tokens per tree")
+    p.add_argument("--length", type=positive_int, default=None, help="ensemble exports, vote: chain length")
+    p.add_argument("--adaptive", action="store_true", default=None,
+                   help="ensemble exports, vote: adapt the chain length online (Minions)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def generate_command(a) -> int:
-    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device)
+    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device, mode=a.ensemble_mode,
+                                   node_budget=a.node_budget, length=a.length, adaptive=a.adaptive)
     sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)
     on_text = None
     if a.stream and not a.json:

@@ -23,7 +23,7 @@ def resolve_tree(spec: str | None, meta: dict) -> Tree:
             return Tree.from_paths(meta["default_tree"], {"name": "export default"})
         return kind_of(head["type"]).default_tree(_Shape(head))
     if spec == "chain":
-        return Tree.chain(SSM_DEFAULT_CHAIN if head["type"] == "ssm" else head["num_heads"])
+        return Tree.chain(head["num_heads"] if head["type"] in ("medusa", "hydra") else SSM_DEFAULT_CHAIN)
     name, _, arg = spec.partition(":")
     if name == "chain" and arg.isdigit():
         return Tree.chain(int(arg))
@@ -44,18 +44,28 @@ class _Shape:
 
 
 def load_decoder(export_dir: str, base: str | None = None, tree: str | None = None, dtype: str | None = None,
-                 device: str | None = None):
-    """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names."""
-    from ..base import load_base
-    from ..drafters import make_drafter
+                 device: str | None = None, **drafter_options):
+    """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names. `lookup` (or
+    `lookup:N`, N tokens per continuation) instead of an export decodes with prompt lookup and needs `base`.
+    drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
+    from ..base import base_identity, load_base
+    from ..drafters import LookupDraft, make_drafter
     from ..export import load_export, read_meta
 
-    meta = read_meta(export_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if export_dir.split(":")[0] == "lookup":
+        if not base:
+            raise ValueError("the lookup drafter needs --base (the model to decode)")
+        model, tok = load_base(base, dtype or "float32", device)
+        n = int(export_dir.split(":")[1]) if ":" in export_dir else 5
+        meta = {"head": {"type": "lookup", "num_tokens": n}, "base": base_identity(model, base)}
+        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n))), tok, meta
+    meta = read_meta(export_dir)
     name = base or meta["base"]["name_or_path"]
     model, tok = load_base(name, dtype or meta["base"]["dtype"], device)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=next(model.parameters()).dtype)
-    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta))), tok, meta
+    options = {k: v for k, v in drafter_options.items() if v is not None}
+    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options)), tok, meta
 
 
 def encode_prompt(tok, prompt, chat: bool) -> list[int]:

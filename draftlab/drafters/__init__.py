@@ -7,6 +7,7 @@ and the recipe schema, never the decoder.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -149,7 +150,116 @@ SSM_DEFAULT_CHAIN = 4
 SSM = DraftKind(_build_ssm, _save_ssm, _load_ssm, _ssm_drafter, lambda m: Tree.chain(SSM_DEFAULT_CHAIN),
                 ("config.json", "model.safetensors"), _ssm_ranks)
 
-KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM}
+# --- lookup: prompt lookup / datastore retrieval, no weights ------------------------------------------
+
+class LookupDraft(torch.nn.Module):
+    """The retrieval drafter's settings and optional datastore, as a (weightless) draft module."""
+
+    kind = "lookup"
+    num_heads = 1
+
+    def __init__(self, num_tokens: int = 5, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+                 datastore: list[list[int]] | None = None):
+        super().__init__()
+        self.settings = {"num_tokens": num_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
+                         "max_matches": max_matches}
+        self.datastore = datastore
+
+    def config(self) -> dict:
+        return {"type": "lookup", **self.settings, "datastore": self.datastore is not None}
+
+
+def _save_lookup(module, out: Path) -> list[str]:
+    if module.datastore is None:
+        return []
+    (out / "datastore.json").write_text(json.dumps(module.datastore))
+    return ["datastore.json"]
+
+
+def _load_lookup(head: dict, export_dir: Path, base):
+    store = export_dir / "datastore.json"
+    seqs = json.loads(store.read_text()) if head.get("datastore") and store.is_file() else None
+    return LookupDraft(**{k: head[k] for k in ("num_tokens", "max_ngram", "min_ngram", "max_matches")}, datastore=seqs)
+
+
+def _lookup_drafter(module, tree: Tree | None) -> Drafter:
+    from .retrieval import Datastore, LookupDrafter
+
+    st = module.settings
+    store = (Datastore.from_sequences(module.datastore, max(2, st["min_ngram"]), st["max_ngram"])
+             if module.datastore else None)
+    return LookupDrafter(st["num_tokens"], st["max_ngram"], st["min_ngram"], st["max_matches"], store)
+
+
+def _no_ranks(module, base, ids, depth):
+    raise ValueError(f"search-tree has no rank statistics for a {module.kind} drafter (its trees come from the text); "
+                     "search the trees of an ensemble's SSM members instead")
+
+
+LOOKUP = DraftKind(lambda head, base: LookupDraft(), _save_lookup, _load_lookup, _lookup_drafter,
+                   lambda m: Tree.chain(1), (), _no_ranks)
+
+
+# --- ensemble: member exports in subdirectories ----------------------------------------------------------
+
+class EnsembleDraft(torch.nn.Module):
+    """Member draft modules and how to decode with them (mode, node budget), as one draft module."""
+
+    kind = "ensemble"
+    num_heads = 1
+
+    def __init__(self, members: list, names: list[str], decode: dict | None = None, stages: list | None = None):
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+        self.names = names
+        self.decode = {"mode": "merge", "node_budget": 32, **(decode or {})}
+        self.stages = stages or []
+
+    def config(self) -> dict:
+        return {"type": "ensemble", "members": [{"name": n, "dir": n, "head": m.config()}
+                                                for n, m in zip(self.names, self.members)],
+                "decode": self.decode}
+
+
+def _save_ensemble(module, out: Path) -> list[str]:
+    files = []
+    for name, member in zip(module.names, module.members):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        files += [f"{name}/{f}" for f in kind_of(member.kind).save(member, out / name)]
+    return files
+
+
+def _load_ensemble(head: dict, export_dir: Path, base):
+    from ..export import ExportError
+
+    members = []
+    for m in head["members"]:
+        kind = kind_of(m["head"]["type"])
+        missing = [f for f in kind.files if not (export_dir / m["dir"] / f).is_file()]
+        if missing:
+            raise ExportError(f"{export_dir}: ensemble member {m['name']} is missing {', '.join(missing)}")
+        members.append(kind.load(m["head"], export_dir / m["dir"], base))
+    return EnsembleDraft(members, [m["name"] for m in head["members"]], head.get("decode"))
+
+
+def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
+    """Members with their own default trees (or `tree` for every SSM member); mode and budget from the export,
+    overridable by keyword (mode, node_budget, length, adaptive, scheduler)."""
+    from .ensemble import AdaptiveLength, EnsembleDrafter, Scheduler
+
+    d = {**module.decode, **{k: v for k, v in decode.items() if v is not None}}
+    drafters = [kind_of(m.kind).drafter(m, tree if tree is not None and m.kind == "ssm" else
+                                        kind_of(m.kind).default_tree(m)) for m in module.members]
+    adaptive = AdaptiveLength(s=d.get("length", 4)) if d.get("adaptive") else None
+    return EnsembleDrafter(drafters, module.names, mode=d["mode"], node_budget=d["node_budget"],
+                           scheduler=Scheduler() if d.get("scheduler", True) else None, adaptive=adaptive,
+                           length=d.get("length", 4))
+
+
+ENSEMBLE = DraftKind(lambda head, base: None, _save_ensemble, _load_ensemble, _ensemble_drafter,
+                     lambda m: None, (), _no_ranks)
+
+KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "lookup": LOOKUP, "ensemble": ENSEMBLE}
 
 
 def kind_of(name: str) -> DraftKind:
@@ -163,11 +273,13 @@ def build_draft(head: dict, base):
     return kind_of(head["type"]).build(head, base)
 
 
-def make_drafter(module, tree: Tree | None = None) -> Drafter:
-    """The drafter that decodes with a draft module (its kind's default tree unless one is given)."""
+def make_drafter(module, tree: Tree | None = None, **options) -> Drafter:
+    """The drafter that decodes with a draft module (its kind's default tree unless one is given); options go to
+    kinds that take them (ensembles: mode, node_budget, length, adaptive, scheduler)."""
     kind = kind_of(module.kind)
-    return kind.drafter(module, tree if tree is not None else kind.default_tree(module))
+    tree = tree if tree is not None else kind.default_tree(module)
+    return kind.drafter(module, tree, **options) if options else kind.drafter(module, tree)
 
 
-__all__ = ["Drafter", "DraftKind", "KINDS", "PromptState", "Proposal", "StepResult", "build_draft", "kind_of",
-           "make_drafter"]
+__all__ = ["Drafter", "DraftKind", "EnsembleDraft", "KINDS", "LookupDraft", "PromptState", "Proposal", "StepResult",
+           "build_draft", "kind_of", "make_drafter"]

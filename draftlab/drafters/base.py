@@ -66,6 +66,10 @@ class StepResult:
     bonus: torch.Tensor
     live: torch.Tensor  # [B] bool, after this step's tokens were emitted
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Committed tokens after the end of `paths` (before the bonus) that the drafter did not propose itself: an
+    # ensemble member whose tree covered only part of the accepted path gets the rest here, per row.
+    extra: list[list[int]] | None = None
+    time_s: dict = field(default_factory=dict)  # this step's draft / verify / accept seconds (adaptive drafters)
 
 
 class Drafter(ABC):
@@ -91,6 +95,12 @@ class Drafter(ABC):
     @abstractmethod
     def commit(self, step: StepResult) -> None:
         """Follow the accepted path and the bonus token."""
+
+    def follow(self, committed: list[list[int]]) -> None:
+        """The text grew by these tokens per row (root first, bonus excluded) in a step this drafter did not
+        propose for (an ensemble's scheduler paused it); its state must follow. Drafters that read the base's
+        hidden states cannot skip a step and do not implement this."""
+        raise NotImplementedError(f"{type(self).__name__} cannot skip a step")
 
     def describe(self) -> dict:
         """What a report says about this drafter (kind, tree size, ...)."""

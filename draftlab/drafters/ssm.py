@@ -155,33 +155,47 @@ class SSMDrafter(Drafter):
     """
 
     def __init__(self, lm, tree: Tree):
+        self.lm = lm
+        self.device = next(lm.parameters()).device
+        check_tree_support(lm)
+        self.shapes: dict = {}
+        self.set_tree(tree)
+        self.target = None
+
+    def set_tree(self, tree: Tree) -> None:
+        """Draft this tree from the next step on (the KV cache is unaffected; an adaptive ensemble changes chain
+        lengths between steps)."""
         if tree.depth == 0:
             raise ValueError("an SSM needs a tree of depth >= 1 (e.g. --tree chain or --expansion 2,1)")
-        self.lm, self.tree = lm, tree
-        self.device = next(lm.parameters()).device
-        self.buf = tree.buffers(self.device)
-        check_tree_support(lm)
+        key = tree.paths
+        if key not in self.shapes:
+            self.shapes[key] = self._shape(tree)
+        self.tree, shape = tree, self.shapes[key]
+        self.buf, self.internal, self.slot, self.levels, self.q_index = (
+            shape["buf"], shape["internal"], shape["slot"], shape["levels"], shape["q_index"])
+        self.views: dict[int, TreeView] = shape["views"]
+
+    def _shape(self, tree: Tree) -> dict:
+        buf = tree.buffers(self.device)
         # Per depth d: the nodes with children (buf.levels[d]["parents"]); those below the root are forwarded at
         # depth d, attending to their ancestors among the nodes forwarded so far (in the cache's tentative tail).
-        kids = self.buf.children
-        self.internal = [n for n in range(1, tree.size) if kids[n]]  # forwarded tree nodes, in forward order
-        self.slot = {n: i for i, n in enumerate(self.internal)}  # forwarded node -> its tentative slot
-        depth = self.buf.depth.tolist()
-        self.levels = []
-        for d, lv in enumerate(self.buf.levels):
-            nodes = lv["parents"].tolist()
-            fwd = [n for n in nodes if n > 0]
-            upto = [n for n in self.internal if depth[n] <= d]
-            self.levels.append({**lv, "k": int(lv["child_rank"].max()) + 1, "forward": fwd,
-                                "allowed": self.buf.mask[fwd][:, upto] if fwd else None,  # [n_d, done + n_d]
-                                "fwd_depth": self.buf.depth[fwd] - 1 if fwd else None})  # the root sits at next_pos-1
+        kids = buf.children
+        internal = [n for n in range(1, tree.size) if kids[n]]  # forwarded tree nodes, in forward order
+        depth = buf.depth.tolist()
+        levels = []
+        for d, lv in enumerate(buf.levels):
+            fwd = [n for n in lv["parents"].tolist() if n > 0]
+            upto = [n for n in internal if depth[n] <= d]
+            levels.append({**lv, "k": int(lv["child_rank"].max()) + 1, "forward": fwd,
+                           "allowed": buf.mask[fwd][:, upto] if fwd else None,  # [n_d, done + n_d]
+                           "fwd_depth": buf.depth[fwd] - 1 if fwd else None})  # the root sits at next_pos - 1
         # Sampling: q rows are the root's distribution, then one per forwarded node (in forward order), and node
         # n was drawn from its parent's row.
-        q_row = {n: i for i, n in enumerate([0] + self.internal)}
-        parent = self.buf.parent.tolist()
-        self.q_index = torch.tensor([-1] + [q_row[parent[n]] for n in range(1, tree.size)], device=self.device)
-        self.views: dict[int, TreeView] = {}
-        self.target = None
+        q_row = {n: i for i, n in enumerate([0] + internal)}
+        parent = buf.parent.tolist()
+        q_index = torch.tensor([-1] + [q_row[parent[n]] for n in range(1, tree.size)], device=self.device)
+        return {"buf": buf, "internal": internal, "slot": {n: i for i, n in enumerate(internal)}, "levels": levels,
+                "q_index": q_index, "views": {}}
 
     @property
     def max_nodes(self) -> int:
@@ -212,7 +226,8 @@ class SSMDrafter(Drafter):
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
         B, dev = root.shape[0], self.device
-        # 1. Feed what was committed since the last step (an accepted leaf, the root), left-padded.
+        # 1. Feed what was committed since the last step (an accepted leaf, tokens other drafters proposed, the root),
+        # left-padded.
         feed = [p + [int(r)] for p, r in zip(self.pending, root.tolist())]
         P = max(len(f) for f in feed)
         ids = torch.zeros(B, P, dtype=torch.long, device=dev)
@@ -241,6 +256,11 @@ class SSMDrafter(Drafter):
             prop.q, prop.q_index = torch.cat(dist, dim=1), self.q_index[None].expand(B, -1)  # [B, 1 + internal, V]
         return prop
 
+    def follow(self, committed: list[list[int]]) -> None:
+        for b, toks in enumerate(committed):
+            if self.live[b]:
+                self.pending[b] = self.pending[b] + toks
+
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         B, dev = step.keep.shape[0], self.device
@@ -252,7 +272,8 @@ class SSMDrafter(Drafter):
             in_cache = [self.slot[n] for n in nodes if n in self.slot]
             kept.append(in_cache)
             leaf = [int(step.tokens[b, nodes[-1]])] if nodes and nodes[-1] not in self.slot else []
-            self.pending.append(leaf if bool(step.live[b]) else [])
+            extra = step.extra[b] if step.extra is not None else []
+            self.pending.append(leaf + extra if bool(step.live[b]) else [])
         self.live = step.live.tolist()
         M = max((len(k) for k in kept), default=0)
         keep = torch.zeros(B, M, dtype=torch.long, device=dev)

@@ -1,0 +1,320 @@
+"""Ensembles of drafters behind the one drafter interface.
+
+merge (SpecInfer): every active member drafts its own tree; the trees are merged into one trie per row (equal
+    prefixes shared) and cut to a node budget, highest-priority nodes first; one base forward verifies it. With
+    sampled drafts each member's candidates keep that member's q, so siblings drawn by different members stay
+    separate nodes even when their tokens are equal (a shared node would have no single q).
+vote (Minions): every active member drafts a chain of s tokens; the chains form a weighted trie (a node weighs the
+    summed weights of the members whose chain passes through it) and one sequence is chosen from the root by
+    taking, at each level, the heaviest child; that sequence alone is verified. Member weights follow their
+    acceptance (reward / punish), and s adapts online (AdaptiveLength).
+A Scheduler decides which members draft each step, so a useless member stops costing time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..decode.tree import Tree, TreeView
+from .base import Drafter, PromptState, Proposal, StepResult
+from .retrieval import padded_proposal
+
+
+@dataclass
+class Scheduler:
+    """Which members draft. A member's gain is the number of accepted drafted tokens its own tree held, tracked as
+    an exponential moving average (`decay`). After `warmup` steps a member whose gain is below `min_share` of the
+    best member's is paused; a paused member drafts again every `probe_every` steps, so one that starts to help
+    comes back. Gains also weigh the members' nodes when a merged tree is cut to its budget."""
+
+    min_share: float = 0.1
+    decay: float = 0.9
+    warmup: int = 8
+    probe_every: int = 16
+    gains: list[float] = field(default_factory=list)
+    steps: int = 0
+    history: list[list[bool]] = field(default_factory=list)  # who drafted, per step
+
+    def reset(self, n: int) -> None:
+        if len(self.gains) != n:
+            self.gains = [1.0] * n
+
+    def active(self) -> list[bool]:
+        if self.steps < self.warmup:
+            on = [True] * len(self.gains)
+        else:
+            best = max(self.gains)
+            on = [g >= self.min_share * best or self.steps % self.probe_every == 0 for g in self.gains]
+        self.history.append(on)
+        return on
+
+    def update(self, gains: list[float | None]) -> None:
+        self.steps += 1
+        for m, g in enumerate(gains):
+            if g is not None:
+                self.gains[m] = self.decay * self.gains[m] + (1 - self.decay) * g
+
+
+@dataclass
+class VoteWeights:
+    """Minions' member weights: after a step, each member whose chain the chosen sequence followed to its end
+    ("won") updates its average acceptance rate over the steps it won (ACR, accepted drafted tokens / drafted);
+    its weight is multiplied by `reward_factor` when ACR > `reward_threshold` and by `punish_factor` when
+    ACR < `punish_threshold`, and the weights are renormalised to sum to the number of members."""
+
+    reward_factor: float = 1.2
+    punish_factor: float = 0.8
+    reward_threshold: float = 0.6
+    punish_threshold: float = 0.3
+    weights: list[float] = field(default_factory=list)
+    acr_sum: list[float] = field(default_factory=list)
+    wins: list[int] = field(default_factory=list)
+
+    def reset(self, n: int) -> None:
+        if len(self.weights) != n:
+            self.weights, self.acr_sum, self.wins = [1.0] * n, [0.0] * n, [0] * n
+
+    def update(self, winners: list[int], rate: float) -> None:
+        for m in winners:
+            self.acr_sum[m] += rate
+            self.wins[m] += 1
+            acr = self.acr_sum[m] / self.wins[m]
+            if acr > self.reward_threshold:
+                self.weights[m] *= self.reward_factor
+            elif acr < self.punish_threshold:
+                self.weights[m] *= self.punish_factor
+        total = sum(self.weights)
+        self.weights = [w * len(self.weights) / total for w in self.weights]
+
+
+@dataclass
+class AdaptiveLength:
+    """Minions' adaptive speculation length. Each verification records cost = time per verified token (with
+    `metric` "step": drafting + verification + acceptance time over the tokens the step committed, for decoders
+    that draft and verify in turn; "verify": the verification alone, the paper's t_LLM / vl, for a pipeline that
+    hides drafting). Every `decision_threshold` records since the last change, a line cost = a + b * s is fitted
+    over the last `window` records (which span the recent lengths): b > 0 -> s -= s_punish, b < 0 ->
+    s += s_reward, within [s_min, s_max]. While the window holds one length only there is no slope; s then steps
+    up by s_reward (down at s_max) to get a second point."""
+
+    s: int = 4
+    s_min: int = 1
+    s_max: int = 12
+    decision_threshold: int = 8
+    window: int = 24
+    s_reward: int = 1
+    s_punish: int = 1
+    metric: str = "step"
+    records: list[tuple[int, float]] = field(default_factory=list)
+    since: int = 0
+    history: list[int] = field(default_factory=list)  # s per step
+
+    def record(self, time_s: dict, committed: float) -> None:
+        t = time_s.get("verify", 0.0) if self.metric == "verify" else sum(time_s.values())
+        self.records = (self.records + [(self.s, t / max(committed, 1e-9))])[-self.window:]
+        self.since += 1
+        self.history.append(self.s)
+        if self.since >= self.decision_threshold:
+            self.decide()
+
+    def slope(self) -> float | None:
+        xs = [s for s, _ in self.records]
+        if len(set(xs)) < 2:
+            return None
+        ys = [c for _, c in self.records]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+    def decide(self) -> None:
+        b = self.slope()
+        if b is None:
+            step = self.s_reward if self.s < self.s_max else -self.s_punish
+        else:
+            step = -self.s_punish if b > 0 else self.s_reward if b < 0 else 0
+        self.s = min(self.s_max, max(self.s_min, self.s + step))
+        self.since = 0
+
+
+class EnsembleDrafter(Drafter):
+    """Several drafters as one (see the module docstring for the two modes)."""
+
+    def __init__(self, members: list[Drafter], names: list[str] | None = None, mode: str = "merge",
+                 node_budget: int = 64, scheduler: Scheduler | None = None, vote: VoteWeights | None = None,
+                 adaptive: AdaptiveLength | None = None, length: int = 4):
+        if mode not in ("merge", "vote"):
+            raise ValueError(f"ensemble mode {mode!r}: use merge or vote")
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        self.members, self.mode, self.node_budget = members, mode, node_budget
+        self.names = names or [f"member{i}" for i in range(len(members))]
+        self.scheduler = scheduler
+        self.vote = vote or VoteWeights()
+        self.adaptive = adaptive if mode == "vote" else None
+        self.hidden_layers = tuple(sorted({l for m in members for l in m.hidden_layers}))
+        if mode == "vote":  # every member drafts a chain: of the adaptive length, or of `length` tokens
+            self._set_length(self.adaptive.s if self.adaptive is not None else length)
+
+    @property
+    def max_nodes(self) -> int:
+        if self.mode == "vote":
+            return 1 + (self.adaptive.s_max if self.adaptive else self.length)
+        return 1 + min(self.node_budget, sum(m.max_nodes - 1 for m in self.members))
+
+    def describe(self) -> dict:
+        d = {"kind": "ensemble", "mode": self.mode, "members": [m.describe() for m in self.members],
+             "max_nodes": self.max_nodes}
+        if self.mode == "vote":
+            d["weights"] = [round(w, 3) for w in self.vote.weights]
+        if self.adaptive is not None:
+            d["speculation_length"] = self.adaptive.s
+        return d
+
+    # --- state --------------------------------------------------------------------------------------------
+    def begin(self, prompt: PromptState, sampling, generator) -> None:
+        self.sampling = sampling
+        for m in self.members:
+            sub = replace(prompt, hidden={l: prompt.hidden[l] for l in m.hidden_layers})
+            m.begin(sub, sampling, generator)
+        n = len(self.members)
+        if self.scheduler is not None:
+            self.scheduler.reset(n)
+        self.vote.reset(n)
+
+    def _set_length(self, s: int) -> None:
+        self.length = s
+        for m in self.members:
+            if hasattr(m, "set_tree"):
+                m.set_tree(Tree.chain(s))
+            elif hasattr(m, "num_tokens"):
+                m.num_tokens, m.max_matches = s, 1
+            else:
+                raise ValueError(f"vote mode needs members that draft chains of a set length; {type(m).__name__} "
+                                 "does not (use mode: merge)")
+
+    # --- proposals ----------------------------------------------------------------------------------------
+    def propose(self, root: torch.Tensor) -> Proposal:
+        self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
+        self.props = [m.propose(root) if on else None for m, on in zip(self.members, self.on)]
+        rows = [self._merge_row(b, int(root[b])) if self.mode == "merge" else self._vote_row(b, int(root[b]))
+                for b in range(root.shape[0])]
+        self.owners = [r["owners"] for r in rows]
+        prop = padded_proposal([(r["tokens"], r["parents"]) for r in rows], root.device)
+        sampled = [p for p in self.props if p is not None and p.q is not None]
+        if self.mode == "merge" and sampled:
+            prop.q, prop.q_index = self._q_table(rows, prop.tokens.shape[1], root.device)
+        return prop
+
+    def _member_nodes(self, m: int, b: int) -> list[tuple[int, int, int]]:
+        """(node, parent, token) of member m's valid nodes in row b, in node order (root excluded)."""
+        p = self.props[m]
+        par, ok, tok = p.view.parents[b].tolist(), p.view.valid[b].tolist(), p.tokens[b].tolist()
+        return [(i, par[i], tok[i]) for i in range(1, len(par)) if ok[i]]
+
+    def _merge_row(self, b: int, root: int) -> dict:
+        tokens, parents, owners, depth = [root], [-1], [{m: 0 for m, on in enumerate(self.on) if on}], [0]
+        share = self.mode == "merge" and not (self.sampling.temperature > 0 and not self.sampling.typical)
+        child: dict = {}
+        for m, p in enumerate(self.props):
+            if p is None:
+                continue
+            local = {0: 0}
+            for i, par, t in self._member_nodes(m, b):
+                mp = local[par]
+                key = (mp, t)
+                if share and key in child:
+                    node = child[key]
+                else:
+                    node = len(tokens)
+                    tokens.append(t), parents.append(mp), owners.append({}), depth.append(depth[mp] + 1)
+                    child.setdefault(key, node)
+                owners[node][m] = i
+                local[i] = node
+        if len(tokens) - 1 > self.node_budget:
+            weight = self.scheduler.gains if self.scheduler is not None else [1.0] * len(self.members)
+            score = [sum(weight[m] for m in o) for o in owners]
+            # A node's owners are a subset of its parent's, so its score is no higher; ties keep the shallower node:
+            # the kept set is prefix-closed.
+            kept = sorted(range(1, len(tokens)), key=lambda n: (-score[n], depth[n], n))[: self.node_budget]
+            order = [0] + sorted(kept)
+            new = {n: j for j, n in enumerate(order)}
+            tokens = [tokens[n] for n in order]
+            parents = [-1] + [new[parents[n]] for n in order[1:]]
+            owners = [owners[n] for n in order]
+        return {"tokens": tokens, "parents": parents, "owners": owners}
+
+    def _vote_row(self, b: int, root: int) -> dict:
+        weights = self.vote.weights
+        chains = {m: [t for _, _, t in self._member_nodes(m, b)] for m, p in enumerate(self.props) if p is not None}
+        tokens, parents, owners = [root], [-1], [{m: 0 for m in chains}]
+        alive = dict(chains)
+        depth = 0
+        while True:
+            votes: dict[int, float] = {}
+            for m, c in alive.items():
+                if depth < len(c):
+                    votes[c[depth]] = votes.get(c[depth], 0.0) + weights[m]
+            if not votes:
+                break
+            pick = max(votes, key=lambda t: (votes[t], -min(m for m, c in alive.items()
+                                                             if depth < len(c) and c[depth] == t)))
+            alive = {m: c for m, c in alive.items() if depth < len(c) and c[depth] == pick}
+            tokens.append(pick), parents.append(len(tokens) - 2), owners.append({m: depth + 1 for m in alive})
+            depth += 1
+        return {"tokens": tokens, "parents": parents, "owners": owners}
+
+    def _q_table(self, rows: list[dict], N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Members' q rows side by side [B, sum Q_m, V]; a merged node points at its (single) owner's row."""
+        offsets, tables, off = {}, [], 0
+        for m, p in enumerate(self.props):
+            if p is not None and p.q is not None:
+                offsets[m] = off
+                tables.append(p.q)
+                off += p.q.shape[1]
+        q_index = torch.full((len(rows), N), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            for n, own in enumerate(r["owners"][1:], start=1):
+                (m, i), = own.items()  # sampled drafts are never shared between members
+                if m in offsets:
+                    q_index[b, n] = offsets[m] + int(self.props[m].q_index[b, i])
+        return torch.cat(tables, dim=1), q_index.to(device)
+
+    # --- following the text -------------------------------------------------------------------------------
+    def commit(self, step: StepResult) -> None:
+        gains: list[float | None] = [None] * len(self.members)
+        for m, member in enumerate(self.members):
+            committed = [[int(step.tokens[b, n]) for n in path] for b, path in enumerate(step.paths)]
+            if self.props[m] is None:
+                member.follow(committed)
+                continue
+            paths, extra = [], []
+            for b, path in enumerate(step.paths):
+                own = [0]
+                for n in path[1:]:
+                    if m not in self.owners[b][n]:
+                        break
+                    own.append(self.owners[b][n][m])
+                paths.append(own)
+                extra.append(committed[b][len(own):])
+            member.commit(replace(step, tokens=self.props[m].tokens, paths=paths, extra=extra))
+            live = [b for b in range(len(paths)) if bool(step.live[b])] or list(range(len(paths)))
+            gains[m] = sum(len(paths[b]) - 1 for b in live) / len(live)
+        if self.scheduler is not None:
+            self.scheduler.update(gains)
+        if self.mode == "vote":
+            self._after_vote(step)
+
+    def _after_vote(self, step: StepResult) -> None:
+        rows = [b for b in range(len(step.paths)) if bool(step.live[b])] or [0]
+        for b in rows:
+            drafted = len(self.owners[b]) - 1
+            if drafted:
+                winners = list(self.owners[b][-1])
+                self.vote.update(winners, (len(step.paths[b]) - 1) / drafted)
+        if self.adaptive is not None:
+            committed = sum(len(step.paths[b]) for b in rows) / len(rows)  # accepted drafted tokens + the bonus
+            before = self.adaptive.s
+            self.adaptive.record(step.time_s, committed)
+            if self.adaptive.s != before:
+                self._set_length(self.adaptive.s)

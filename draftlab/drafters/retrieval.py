@@ -1,0 +1,141 @@
+"""Retrieval drafting: continuations of the text's last n-gram found earlier in the same text (prompt lookup) or in
+a datastore of token sequences (e.g. the training data), merged into one trie per row. It costs no model
+forward; its trees change every step and differ between rows. As an ensemble member it is SpecInfer's
+"retrieval speculator"."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..decode.tree import TreeView
+from .base import Drafter, PromptState, Proposal, StepResult
+
+
+class NgramIndex:
+    """End positions of every n-gram (min_n..max_n) of growing token sequences, newest last."""
+
+    def __init__(self, min_n: int, max_n: int, per_key: int = 8):
+        self.min_n, self.max_n, self.per_key = min_n, max_n, per_key
+        self.seqs: list[list[int]] = []
+        self.index: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+
+    def add(self, seq_id: int, start: int) -> None:
+        """Index the n-grams of sequence seq_id that end at positions >= start."""
+        seq = self.seqs[seq_id]
+        for end in range(max(start, self.min_n - 1), len(seq)):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                hits = self.index[tuple(seq[end - n + 1: end + 1])]
+                hits.append((seq_id, end))
+                if len(hits) > self.per_key:
+                    del hits[0]
+
+    def continuations(self, context: list[int], length: int, limit: int, exclude: int | None = None) -> list[list[int]]:
+        """Up to `limit` distinct continuations (newest first) of the longest n-gram that ends `context` and occurs in
+        the index; `exclude` skips matches in that sequence ending at or after len(context) - 1 (the text itself)."""
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            found, seen = [], set()
+            for seq_id, end in reversed(self.index.get(tuple(context[-n:]), [])):
+                if seq_id == exclude and end >= len(context) - 1:
+                    continue
+                cont = tuple(self.seqs[seq_id][end + 1: end + 1 + length])
+                if cont and cont not in seen:
+                    seen.add(cont)
+                    found.append(list(cont))
+                    if len(found) == limit:
+                        break
+            if found:
+                return found
+        return []
+
+
+class Datastore(NgramIndex):
+    """Token sequences to retrieve from (e.g. the training data's texts), indexed once."""
+
+    @staticmethod
+    def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
+        store = Datastore(min_n, max_n, per_key)
+        for seq in seqs:
+            store.seqs.append(list(seq))
+            store.add(len(store.seqs) - 1, 0)
+        return store
+
+
+class LookupDrafter(Drafter):
+    """Prompt lookup and datastore retrieval. Per row: the continuations (up to `num_tokens` long, at most
+    `max_matches` of them) of the longest n-gram (`max_ngram` down to `min_ngram` tokens, the root included) that
+    ends the text and occurred before, in the text itself first and then in the datastore, merged into a trie.
+    Deterministic drafts (q is a point mass)."""
+
+    def __init__(self, num_tokens: int = 5, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+                 datastore: Datastore | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"lookup: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.num_tokens, self.max_matches = num_tokens, max_matches
+        self.min_ngram, self.max_ngram, self.datastore = min_ngram, max_ngram, datastore
+        self.text: NgramIndex | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        return 1 + self.num_tokens * self.max_matches
+
+    def describe(self) -> dict:
+        return {"kind": "lookup", "num_tokens": self.num_tokens, "max_ngram": self.max_ngram,
+                "max_matches": self.max_matches, "datastore": self.datastore is not None}
+
+    def begin(self, prompt: PromptState, sampling, generator) -> None:
+        self.text = NgramIndex(self.min_ngram, self.max_ngram, per_key=4 * self.max_matches)
+        for row, ok in zip(prompt.ids.tolist(), prompt.valid.tolist()):
+            self.text.seqs.append([t for t, v in zip(row, ok) if v])
+            self.text.add(len(self.text.seqs) - 1, 0)
+        self.device = prompt.ids.device
+
+    def _candidates(self, b: int, root: int) -> list[list[int]]:
+        context = self.text.seqs[b] + [root]
+        found = self.text.continuations(context, self.num_tokens, self.max_matches, exclude=b)
+        if len(found) < self.max_matches and self.datastore is not None:
+            more = self.datastore.continuations(context, self.num_tokens, self.max_matches - len(found))
+            found += [c for c in more if c not in found]
+        return found
+
+    def propose(self, root: torch.Tensor) -> Proposal:
+        rows = []
+        for b, r in enumerate(root.tolist()):
+            tokens, parents, children = [r], [-1], [{}]  # a trie: children[node] maps token -> node
+            for cont in self._candidates(b, r):
+                node = 0
+                for t in cont:
+                    if t not in children[node]:
+                        children[node][t] = len(tokens)
+                        tokens.append(t)
+                        parents.append(node)
+                        children.append({})
+                    node = children[node][t]
+            rows.append((tokens, parents))
+        return padded_proposal(rows, self.device)
+
+    def commit(self, step: StepResult) -> None:
+        for b, path in enumerate(step.paths):
+            if bool(step.live[b]):
+                start = len(self.text.seqs[b])
+                self.text.seqs[b] += [int(step.tokens[b, n]) for n in path]
+                self.text.seqs[b] += step.extra[b] if step.extra is not None else []
+                self.text.add(b, start)
+
+    def follow(self, committed: list[list[int]]) -> None:
+        for b, toks in enumerate(committed):
+            start = len(self.text.seqs[b])
+            self.text.seqs[b] += toks
+            self.text.add(b, start)
+
+
+def padded_proposal(rows: list[tuple[list[int], list[int]]], device) -> Proposal:
+    """Per-row (tokens, parents) trees -> one Proposal, padded to the largest (padding masked, never accepted)."""
+    N = max(len(t) for t, _ in rows)
+    tok = torch.zeros(len(rows), N, dtype=torch.long)
+    par = torch.full((len(rows), N), -1, dtype=torch.long)
+    ok = torch.zeros(len(rows), N, dtype=torch.bool)
+    for b, (t, p) in enumerate(rows):
+        tok[b, : len(t)], par[b, : len(p)], ok[b, : len(t)] = torch.tensor(t), torch.tensor(p), True
+    return Proposal(tok.to(device), TreeView.of_parents(par.to(device), ok.to(device)))

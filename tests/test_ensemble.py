@@ -1,0 +1,116 @@
+"""Ensembles: merged trees and majority vote stay exact (greedy) and lossless (sampling); the vote weights, the
+adaptive speculation length and the scheduler follow their rules; retrieval drafting."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from test_decoder import _joint_first_two, _sample_joint, chi_square, plain_greedy
+from test_ssm import small_lm
+from draftlab.decode.acceptance import Sampling
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.tree import Tree
+from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler, VoteWeights
+from draftlab.drafters.retrieval import Datastore, LookupDrafter
+from draftlab.drafters.ssm import SSMDrafter
+
+
+def members(base, seed, trees):
+    out = [SSMDrafter(tiny_llama(seed=seed), trees[0])]  # the base itself: most of its tokens are accepted
+    out += [SSMDrafter(small_lm(seed + 20 + i, layers=1 + i % 2), t) for i, t in enumerate(trees[1:])]
+    return out + [LookupDrafter(num_tokens=3)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode,budget", [("merge", 64), ("merge", 5), ("vote", 0)])
+def test_ensembles_are_exact(seed, mode, budget):
+    rng = random.Random(seed)
+    base = tiny_llama(seed=seed)
+    trees = [Tree.chain(3), Tree.expansion([2, 2]), Tree.chain(2)]
+    drafter = EnsembleDrafter(members(base, seed, trees), mode=mode, node_budget=budget, scheduler=Scheduler(warmup=2),
+                              adaptive=AdaptiveLength(s=2, decision_threshold=2) if mode == "vote" else None)
+    dec = SpeculativeDecoder(base, drafter)
+    for B in (1, 3):
+        prompts = [[rng.randrange(64) for _ in range(rng.randint(2, 9))] * 2 for _ in range(B)]
+        res = dec.generate(prompts, max_new_tokens=20)
+        for p, got in zip(prompts, res.tokens):
+            assert got == plain_greedy(base, p, 20), (mode, budget, p)
+        assert res.accept_length > 1.2 and max(res.tree_sizes) <= drafter.max_nodes
+        if budget == 5:
+            assert max(res.tree_sizes) <= 6
+
+
+@pytest.mark.parametrize("mode", ["merge", "vote"])
+def test_ensemble_sampling_keeps_the_base_distribution(mode):
+    base = tiny_llama(vocab=16, seed=4)
+    lms = [small_lm(seed=7, vocab=16), small_lm(seed=8, vocab=16, layers=2)]
+    with torch.no_grad():
+        base.lm_head.weight.mul_(6)
+        for lm in lms:
+            lm.lm_head.weight.mul_(4)
+    # merge: each member's sampled siblings keep that member's q (two members, two samples per node each).
+    drafter = EnsembleDrafter([SSMDrafter(lm, Tree.expansion([2, 1])) for lm in lms], mode=mode, length=2)
+    dec = SpeculativeDecoder(base, drafter)
+    s = Sampling(temperature=0.8, top_p=0.9)
+    stat, df = chi_square(_sample_joint(dec, [1, 5], s, 2000, seed=0), _joint_first_two(base, [1, 5], s))
+    assert df >= 5 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)
+
+
+def test_vote_weights_reward_and_punish():
+    v = VoteWeights(reward_factor=2.0, punish_factor=0.5, reward_threshold=0.6, punish_threshold=0.3)
+    v.reset(3)
+    v.update([0], 1.0)  # member 0 won with everything accepted: ACR 1.0 > 0.6
+    assert v.weights[0] > v.weights[1] == v.weights[2] and sum(v.weights) == pytest.approx(3)
+    v.update([1], 0.0)  # member 1 won and nothing was accepted: ACR 0 < 0.3
+    assert v.weights[1] < v.weights[2] < v.weights[0]
+    before = list(v.weights)
+    v.update([2], 0.5)  # between the thresholds: no change but renormalisation
+    assert v.weights == pytest.approx(before)
+
+
+def test_adaptive_length_finds_the_cheapest_length():
+    """Cost per token with its minimum at s = 6 (plus noise): the rule settles around it from s = 2."""
+    rng = random.Random(0)
+    a = AdaptiveLength(s=2, s_min=1, s_max=12, decision_threshold=6, window=18)
+    for _ in range(600):
+        cost = 1.0 + 0.02 * (a.s - 6) ** 2 + rng.gauss(0, 0.01)
+        a.record({"draft": cost, "verify": 0.0}, 1.0)
+    late = a.history[-300:]
+    assert 4.5 <= sum(late) / len(late) <= 7.5 and a.history[0] == 2
+    flat = AdaptiveLength(s=4, decision_threshold=2, s_max=6)
+    for _ in range(10):
+        flat.record({"verify": 1.0}, 1.0)
+    assert flat.s in range(1, 7)
+
+
+def test_scheduler_pauses_a_useless_member_and_probes_it():
+    base = tiny_llama(seed=0)
+    good = SSMDrafter(tiny_llama(seed=0), Tree.chain(3))
+    bad = SSMDrafter(small_lm(seed=99), Tree.chain(3))
+    sched = Scheduler(warmup=4, probe_every=8, min_share=0.3)
+    dec = SpeculativeDecoder(base, EnsembleDrafter([good, bad], mode="merge", scheduler=sched))
+    prompts = [[3, 4, 5, 6]]
+    res = dec.generate(prompts, max_new_tokens=60)
+    assert res.tokens[0] == plain_greedy(base, prompts[0], 60)
+    late = sched.history[6:]
+    bad_share = sum(on[1] for on in late) / len(late)
+    assert all(on[0] for on in late) and bad_share < 0.5 and any(on[1] for on in late)  # paused, but probed
+
+
+def test_lookup_drafter_prompt_and_datastore():
+    base = tiny_llama(seed=1)
+    dec = SpeculativeDecoder(base, LookupDrafter(num_tokens=4))
+    res = dec.generate([[7, 8, 3, 7, 8], [9, 9, 9]], max_new_tokens=40)
+    assert res.tokens == [plain_greedy(base, [7, 8, 3, 7, 8], 40), plain_greedy(base, [9, 9, 9], 40)]
+    # This random base falls into short cycles (row 2: 51 24 45 51 24 45 ...): lookup drafts them from the text.
+    assert res.accept_length > 1.6
+    store = Datastore.from_sequences([[1, 2, 3, 4, 5, 6]], min_n=2, max_n=3)
+    assert store.continuations([0, 2, 3], 2, 4) == [[4, 5]]
+    d = LookupDrafter(num_tokens=3, min_ngram=2, datastore=store)
+    from draftlab.drafters import PromptState
+
+    ids = torch.tensor([[0, 2]])
+    d.begin(PromptState(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(2)[None]), Sampling(), None)
+    assert d.propose(torch.tensor([3])).tokens[0].tolist() == [3, 4, 5, 6]
