@@ -157,6 +157,28 @@ class DistributedSection(_Section):
         return self
 
 
+class EnsembleSection(_Section):
+    members: int = Field(3, ge=1, le=16, description="SSMs in the ensemble, trained one after another (stages)")
+    architectures: list[dict] = Field(
+        default_factory=list, description="per-member overrides of head.ssm (stage i uses entry i, the rest "
+        "head.ssm as it is), e.g. [{num_layers: 1}, {num_layers: 2, hidden_size: 32}]")
+    boost: bool = Field(True, description="collective boost-tuning: stage i trains on the examples members 1..i-1 "
+                        "do not cover; false: every member trains on all data (an independent ensemble)")
+    score: Literal["coverage"] = Field(
+        "coverage", description="an example's score: the share of its supervised positions where some member's "
+        "top-1 token is the base's top-1 token")
+    threshold: float = Field(0.8, gt=0, le=1, description="examples scoring at least this are covered")
+    weighting: Literal["remove", "downweight"] = Field(
+        "remove", description="covered examples are dropped for the next stages, or kept at the downweight rate")
+    downweight: float = Field(0.25, gt=0, lt=1, description="share of covered examples kept (weighting: downweight)")
+    lookup: bool = Field(False, description="add a retrieval member (prompt lookup + the training data as datastore)")
+    lookup_datastore_tokens: int = Field(2_000_000, ge=0, description="cap on the datastore's size, in tokens")
+    mode: Literal["merge", "vote"] = Field("merge", description="default decoding of the export: merged trees "
+                                           "(SpecInfer) or weighted-majority vote (Minions)")
+    node_budget: int = Field(32, ge=1, description="tokens per merged tree (merge mode)")
+    tau_prompts: int = Field(16, ge=0, description="held-out prompts decoded after each stage to record tau")
+
+
 class LogSection(_Section):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     project: str = "draftlab"
@@ -171,13 +193,30 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     distributed: DistributedSection = DistributedSection()
     log: LogSection = LogSection()
+    ensemble: EnsembleSection | None = Field(None, description="train an ensemble of SSMs in stages (head.type: ssm)")
     output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
+
+    @model_validator(mode="after")
+    def _ensemble_members(self) -> "Recipe":
+        if self.ensemble is None:
+            return self
+        if self.head.type != "ssm":
+            raise ValueError("ensemble: trains SSMs; set head.type: ssm (head.ssm is every member's default)")
+        if len(self.ensemble.architectures) > self.ensemble.members:
+            raise ValueError(f"ensemble.architectures lists {len(self.ensemble.architectures)} members but "
+                             f"ensemble.members is {self.ensemble.members}")
+        for i, arch in enumerate(self.ensemble.architectures):
+            try:
+                SSMSection.model_validate({**self.head.ssm.model_dump(), **arch})
+            except ValidationError as e:
+                raise ValueError(f"ensemble.architectures[{i}] = {arch!r}: {e.errors()[0]['msg']}") from None
+        return self
 
 
 # Keys whose change does not make a different run: a resumed run may extend or re-log.
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
-                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir"}
+                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir", "ensemble.tau_prompts"}
 
 
 def _model_of(annotation):

@@ -238,11 +238,18 @@ def objective_num_heads(objective) -> int:
     return getattr(objective, "module", objective).draft.num_heads
 
 
-def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None) -> dict:
+def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None,
+          example_subset: list[int] | None = None) -> dict:
     """Run (or resume) the recipe; returns a summary with the export path and final eval figures.
 
     stop_after_steps ends this invocation early (after saving a checkpoint) to simulate preemption.
+    example_subset trains on those training examples only (a boost-tuning stage). A recipe with an
+    `ensemble` section trains its members in stages (draftlab.boost).
     """
+    if recipe.ensemble is not None and example_subset is None:
+        from .boost import train_ensemble
+
+        return train_ensemble(recipe, overwrite, stop_after_steps)
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -288,6 +295,10 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
                                   b.attn_implementation)
     with accelerator.main_process_first():
         train_ex, eval_ex, stats = load_examples(recipe.data, tok, seed=t.seed)
+    if example_subset is not None:
+        train_ex = [train_ex[i] for i in example_subset]
+        stats.train_examples, stats.train_tokens = len(train_ex), sum(len(e["input_ids"]) for e in train_ex)
+        stats.loss_tokens = sum(sum(e["loss_mask"]) for e in train_ex)
     pad_id = tok.pad_token_id
     H = base.config.hidden_size
     with outside_deepspeed(ds_plugin):  # built whole (and checked, initialised from the base); ZeRO-3 shards it later
