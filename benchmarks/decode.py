@@ -61,6 +61,7 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
         r = {"tokens_per_s": round(tps, 1), "speedup": round(tps / base_tps, 3), "new_tokens": s["tokens"],
              "identical_to_baseline": s["identical"] == len(prompts)}
         if s["steps"]:
+            r["steps"] = s["steps"]
             r["accept_length"] = round(s["committed"] / s["steps"], 3)  # as Result.accept_length
             r["ms_per_step"] = {k: round(1000 * v / s["steps"], 3) for k, v in s["split"].items()
                                 if k != "prefill"}

@@ -13,6 +13,7 @@ A Scheduler decides which members draft each step, so a useless member stops cos
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -153,6 +154,9 @@ class EnsembleDrafter(Drafter):
         self.vote = vote or VoteWeights()
         self.adaptive = adaptive if mode == "vote" else None
         self.hidden_layers = tuple(sorted({l for m in members for l in m.hidden_layers}))
+        # Seconds spent in the members' own proposals and commits, and in the ensemble's bookkeeping (merging,
+        # voting, weights, schedule): the latter is the ensemble's overhead.
+        self.time_s = {"members": 0.0, "ensemble": 0.0}
         if mode == "vote":  # every member drafts a chain: of the adaptive length, or of `length` tokens
             self._set_length(self.adaptive.s if self.adaptive is not None else length)
 
@@ -195,8 +199,10 @@ class EnsembleDrafter(Drafter):
 
     # --- proposals ----------------------------------------------------------------------------------------
     def propose(self, root: torch.Tensor) -> Proposal:
+        t0 = time.perf_counter()
         self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
         self.props = [m.propose(root) if on else None for m, on in zip(self.members, self.on)]
+        t1 = time.perf_counter()
         rows = [self._merge_row(b, int(root[b])) if self.mode == "merge" else self._vote_row(b, int(root[b]))
                 for b in range(root.shape[0])]
         self.owners = [r["owners"] for r in rows]
@@ -204,6 +210,8 @@ class EnsembleDrafter(Drafter):
         sampled = [p for p in self.props if p is not None and p.q is not None]
         if self.mode == "merge" and sampled:
             prop.q, prop.q_index = self._q_table(rows, prop.tokens.shape[1], root.device)
+        self.time_s["members"] += t1 - t0
+        self.time_s["ensemble"] += time.perf_counter() - t1
         return prop
 
     def _member_nodes(self, m: int, b: int) -> list[tuple[int, int, int]]:
@@ -282,11 +290,15 @@ class EnsembleDrafter(Drafter):
 
     # --- following the text -------------------------------------------------------------------------------
     def commit(self, step: StepResult) -> None:
+        t0 = time.perf_counter()
+        inside = 0.0
         gains: list[float | None] = [None] * len(self.members)
         for m, member in enumerate(self.members):
             committed = [[int(step.tokens[b, n]) for n in path] for b, path in enumerate(step.paths)]
             if self.props[m] is None:
+                t1 = time.perf_counter()
                 member.follow(committed)
+                inside += time.perf_counter() - t1
                 continue
             paths, extra = [], []
             for b, path in enumerate(step.paths):
@@ -297,13 +309,17 @@ class EnsembleDrafter(Drafter):
                     own.append(self.owners[b][n][m])
                 paths.append(own)
                 extra.append(committed[b][len(own):])
+            t1 = time.perf_counter()
             member.commit(replace(step, tokens=self.props[m].tokens, paths=paths, extra=extra))
+            inside += time.perf_counter() - t1
             live = [b for b in range(len(paths)) if bool(step.live[b])] or list(range(len(paths)))
             gains[m] = sum(len(paths[b]) - 1 for b in live) / len(live)
         if self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
             self._after_vote(step)
+        self.time_s["members"] += inside
+        self.time_s["ensemble"] += time.perf_counter() - t0 - inside
 
     def _after_vote(self, step: StepResult) -> None:
         rows = [b for b in range(len(step.paths)) if bool(step.live[b])] or [0]
