@@ -198,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(s.add_subparsers(dest="eval_cmd", required=True, metavar="{mt-bench,compare}"))
     s.set_defaults(func=eval_command)
 
+    from .simulate import add_simulate_args, simulate_command
+
+    s = sub.add_parser("simulate", help="expected latency of non-SI, SI and DSI (speculation parallelism) for a pair")
+    add_simulate_args(s)
+    s.set_defaults(func=simulate_command)
+
     from .generate import add_generate_args
 
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")

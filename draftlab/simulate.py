@@ -1,0 +1,196 @@
+"""Expected latency of non-speculative inference (non-SI), speculative inference (SI) and distributed speculative
+inference (DSI, Timor et al.), offline: `draftlab simulate`.
+
+The model (times in any unit, per forward):
+- t_target: one target forward (a verification of any number of drafted tokens costs one forward);
+  t_draft: one drafter forward (one drafted token); acceptance: every drafted token is accepted with
+  probability `acceptance`, independently (i.i.d. geometric acceptance); the first token comes from the
+  prefill, so TTFT = t_prefill (default t_target) for all three and TPOT covers the remaining tokens.
+- non-SI: one target forward per token.
+- SI with lookahead k: draft k tokens (k t_draft), verify them (t_target); commit the accepted ones and the
+  target's own next token. Expected time per token (1 - a) (k t_draft + t_target) / (1 - a^(k+1)). Its best
+  lookahead is chosen per configuration (the fair baseline).
+- DSI with lookahead k and SP degree n: the drafter never waits. From the last verified token on, a
+  verification task is sent to a free target server at once (0 drafts: it yields the target's next token, as
+  non-SI would) and again after every k drafted tokens (verifying all drafts so far); the drafter keeps
+  drafting as if everything is accepted. When a task finishes and finds the first rejected draft (or confirms
+  all its drafts, its own next token then being the correction of the first later rejection), every task and
+  draft built past that point is preempted and drafting restarts from the corrected token. With J accepted
+  drafts before the first rejection, the deciding task is the one sent after ceil(J / k) blocks, so with enough
+  servers the expected time per token is (1 - a) (a k t_draft / (1 - a^k) + t_target). Tasks are sent every
+  k t_draft and last t_target, so ceil(t_target / (k t_draft)) of them overlap: the smallest lookahead with which
+  a task never waits for a server is k = ceil(t_target / (n t_draft)) (`min_lookahead`).
+
+This formalisation is draftlab's reading of the DSI paper's algorithm (drafting never blocks on verification,
+preemption on rejection, a target-only task at every restart so DSI is never slower than non-SI); the Monte Carlo
+simulator implements it event by event, with a finite server pool, and the closed forms are its infinite-pool
+expectations (tested against each other).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+
+def si_time_per_token(a: float, k: int, t_draft: float, t_target: float) -> float:
+    """Expected SI time per generated token (after the first) with lookahead k."""
+    if a >= 1:
+        return (k * t_draft + t_target) / (k + 1)
+    return (1 - a) * (k * t_draft + t_target) / (1 - a ** (k + 1))
+
+
+def best_si_lookahead(a: float, t_draft: float, t_target: float, max_k: int = 64) -> int:
+    """SI's best lookahead for this configuration (k = 0 is non-SI)."""
+    return min(range(0, max_k + 1), key=lambda k: si_time_per_token(a, k, t_draft, t_target))
+
+
+def dsi_time_per_token(a: float, k: int, t_draft: float, t_target: float) -> float:
+    """Expected DSI time per generated token with lookahead k and enough target servers (see the module doc)."""
+    if a >= 1:
+        return t_draft
+    if a <= 0:
+        return t_target
+    return (1 - a) * (a * k * t_draft / (1 - a ** k) + t_target)
+
+
+def min_lookahead(t_draft: float, t_target: float, sp: int) -> int:
+    """The smallest lookahead with which no DSI verification task waits for one of `sp` target servers."""
+    return max(1, math.ceil(t_target / (sp * t_draft) - 1e-12))
+
+
+def simulate_si(n_tokens: int, a: float, k: int, t_draft: float, t_target: float, rng: random.Random,
+                t_prefill: float | None = None) -> float:
+    """Total time of one SI run of n_tokens tokens (Monte Carlo)."""
+    t, done = (t_target if t_prefill is None else t_prefill), 1
+    while done < n_tokens:
+        j = 0
+        while j < k and rng.random() < a:
+            j += 1
+        t += k * t_draft + t_target
+        done += j + 1
+    return t
+
+
+def simulate_dsi(n_tokens: int, a: float, k: int, t_draft: float, t_target: float, sp: int, rng: random.Random,
+                 t_prefill: float | None = None) -> dict:
+    """One DSI run of n_tokens tokens, event by event with `sp` target servers (Monte Carlo). Returns the total
+    time and how long verification tasks waited for a free server in all."""
+    t, done, waited = (t_target if t_prefill is None else t_prefill), 1, 0.0
+    servers = [t] * sp  # when each server is next free
+    heapq.heapify(servers)
+    while done < n_tokens:
+        # Accepted drafts before the first rejection on this stretch (drafts the text no longer needs don't matter).
+        j, cap = 0, n_tokens - done
+        while j < cap and rng.random() < a:
+            j += 1
+        # Tasks go out at t + m k t_draft (m = 0, 1, ...); task m decides this stretch when m k >= j (or when the
+        # text is complete). Earlier tasks occupy servers meanwhile.
+        m_decide = math.ceil(j / k)
+        finish = t
+        for m in range(m_decide + 1):
+            ready = t + m * k * t_draft
+            free = heapq.heappop(servers)
+            start = max(ready, free)
+            waited += start - ready
+            end = start + t_target
+            heapq.heappush(servers, end)
+            finish = end
+        # Tasks past the decision are preempted then: every server is free from `finish` on.
+        servers = [finish] * sp
+        t = finish
+        done += j + 1
+    return {"time": t, "waited": waited}
+
+
+@dataclass
+class Config:
+    t_target: float
+    t_draft: float
+    acceptance: float
+    lookahead: int
+    sp: int
+    n_tokens: int
+    t_prefill: float | None = None
+
+
+def expected(c: Config) -> dict:
+    """Closed-form expected TTFT / TPOT / total of non-SI, SI (its best lookahead) and DSI (given lookahead;
+    enough servers assumed, and whether `sp` is enough), with the pairwise speedups."""
+    ttft = c.t_target if c.t_prefill is None else c.t_prefill
+    k_si = best_si_lookahead(c.acceptance, c.t_draft, c.t_target)
+    tpot = {"non_si": c.t_target, "si": si_time_per_token(c.acceptance, k_si, c.t_draft, c.t_target),
+            "dsi": dsi_time_per_token(c.acceptance, c.lookahead, c.t_draft, c.t_target)}
+    total = {m: ttft + (c.n_tokens - 1) * v for m, v in tpot.items()}
+    k_min = min_lookahead(c.t_draft, c.t_target, c.sp)
+    return {"ttft": ttft, "tpot": tpot, "total": total, "si_lookahead": k_si, "dsi_min_lookahead": k_min,
+            "sp_sufficient": c.lookahead >= k_min,
+            "speedup": {"dsi_vs_si": total["si"] / total["dsi"], "dsi_vs_non_si": total["non_si"] / total["dsi"],
+                        "si_vs_non_si": total["non_si"] / total["si"]}}
+
+
+def monte_carlo(c: Config, runs: int = 200, seed: int = 0) -> dict:
+    """Mean totals of simulated runs (SI at its best lookahead, DSI with the finite server pool)."""
+    rng = random.Random(seed)
+    k_si = best_si_lookahead(c.acceptance, c.t_draft, c.t_target)
+    si = [simulate_si(c.n_tokens, c.acceptance, k_si, c.t_draft, c.t_target, rng, c.t_prefill) for _ in range(runs)]
+    dsi = [simulate_dsi(c.n_tokens, c.acceptance, c.lookahead, c.t_draft, c.t_target, c.sp, rng, c.t_prefill)
+           for _ in range(runs)]
+    non = (c.t_target if c.t_prefill is None else c.t_prefill) + (c.n_tokens - 1) * c.t_target
+    mean = lambda xs: sum(xs) / len(xs)
+    return {"total": {"non_si": non, "si": mean(si), "dsi": mean([d["time"] for d in dsi])},
+            "dsi_wait": mean([d["waited"] for d in dsi])}
+
+
+def heatmaps(t_target: float, sp: int, n_tokens: int, out: str, ratios=None, acceptances=None) -> dict:
+    """The three pairwise speedup heatmaps over drafter latency (as a fraction of the target's) x acceptance rate,
+    DSI at its smallest sufficient lookahead for `sp` servers, SI at its best lookahead. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    ratios = ratios or [round(0.02 * i, 2) for i in range(1, 51)]
+    acceptances = acceptances or [round(0.02 * i, 2) for i in range(0, 50)]
+    grids = {k: [[0.0] * len(ratios) for _ in acceptances] for k in ("dsi_vs_si", "dsi_vs_non_si", "si_vs_non_si")}
+    for i, a in enumerate(acceptances):
+        for j, r in enumerate(ratios):
+            td = r * t_target
+            e = expected(Config(t_target, td, a, min_lookahead(td, t_target, sp), sp, n_tokens))
+            for key in grids:
+                grids[key][i][j] = e["speedup"][key]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, g) in zip(axes, grids.items()):
+        lo, hi = min(map(min, g)), max(map(max, g))  # red below 1 (slower), green above
+        norm = TwoSlopeNorm(vmin=min(lo, 0.99), vcenter=1.0, vmax=max(hi, 1.01))
+        im = ax.imshow(g, origin="lower", aspect="auto", cmap="RdYlGn", norm=norm,
+                       extent=[ratios[0], ratios[-1], acceptances[0], acceptances[-1]])
+        ax.set_title(key.replace("_", " ").replace("vs", "vs.") + " (speedup)")
+        ax.set_xlabel("drafter latency / target latency")
+        ax.set_ylabel("acceptance rate")
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"expected speedups, {sp} target servers, {n_tokens} tokens (DSI at its smallest sufficient lookahead)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return {"png": out, "ratios": ratios, "acceptances": acceptances, "grids": grids}
+
+
+def from_generate(report: dict) -> dict:
+    """Simulator inputs from a `draftlab generate --json` (or eval) report: per-forward latencies from its time
+    split and the i.i.d. acceptance rate that explains its accept length for its tree depth."""
+    steps = max(report["steps"], 1)
+    split = report.get("time_split_s", {})
+    depth = max(int((report.get("drafter") or {}).get("depth", 1)), 1)
+    t_target = split.get("verify", 0.0) / steps
+    t_draft = split.get("draft", 0.0) / steps / depth
+    tau = report["accept_length"]  # E = (1 - a^(depth+1)) / (1 - a); solve for a by bisection
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        e = depth + 1 if mid >= 1 else (1 - mid ** (depth + 1)) / (1 - mid)
+        lo, hi = (mid, hi) if e < tau else (lo, mid)
+    return {"t_target": t_target, "t_draft": t_draft, "acceptance": round(lo, 4), "depth": depth}
