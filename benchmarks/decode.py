@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--trees", nargs="*", default=["chain", "default"], help="'chain', 'default', or tree files")
     ap.add_argument("--name", default="decode")
     a = ap.parse_args()
-    from draftlab.decode.cli import encode_prompt, load_decoder, resolve_tree
+    from draftlab.decode.generate import encode_prompt, load_decoder, resolve_tree
     from draftlab.decode.decoder import SpeculativeDecoder
 
     decoder, tok, meta = load_decoder(a.export)

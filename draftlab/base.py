@@ -107,6 +107,30 @@ def base_hidden(model, input_ids, attention_mask=None, **kwargs):
     return out.hidden_states[-1]
 
 
+def base_states(model, input_ids, attention_mask=None, layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The base's residual stream entering each decoder layer in `layers`, and its final (normalised) state,
+    stacked as [B, S, len(layers) + 1, H].
+
+    Indexing follows Hugging Face's `output_hidden_states`: layer id i is hidden_states[i], the input of decoder
+    layer i (0 = the token embeddings), which is what vLLM and SGLang hand an EAGLE-3 drafter for its layer ids.
+    Captured with forward pre-hooks, so only these layers are kept, not all of them."""
+    blocks = model.base_model.layers
+    caught: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i in layers:
+        if not 0 <= i < len(blocks):
+            raise BaseModelError(f"base layer id {i}: the base has decoder layers 0..{len(blocks) - 1}")
+        hooks.append(blocks[i].register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: caught.__setitem__(i, kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True))
+    try:
+        final = base_hidden(model, input_ids, attention_mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([caught[i] for i in layers] + [final], dim=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # llama2.c import
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -56,10 +56,30 @@ class SSMSection(_Section):
     trust_remote_code: bool = False
 
 
+class EagleSection(_Section):
+    layers: list[int] | None = Field(
+        None, description="base layer ids whose input states are fused (Hugging Face output_hidden_states "
+        "indexing: id i = hidden_states[i], the input of decoder layer i, 0 = embeddings); unset: EAGLE-3's "
+        "(2, L // 2, L - 3) for a base of L >= 6 layers, (1, L // 2, L - 1) below", examples=[[2, 16, 29]])
+    draft_vocab_size: int | None = Field(
+        None, ge=2, description="size of the draft vocabulary (the most frequent tokens of the training data); "
+        "unset: the base's whole vocabulary", examples=[32000])
+    ttt_steps: int = Field(7, ge=1, le=16, description="training-time test: steps the layer is unrolled on its own "
+                           "outputs")
+    step_decay: float = Field(0.8, gt=0, le=1, description="step k's loss is weighted step_decay^k")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        if v is not None and (len(v) != 3 or min(v) < 0):
+            raise ValueError("head.eagle.layers: three base layer ids >= 0 (low, middle, high)")
+        return v
+
+
 class HeadSection(_Section):
-    type: Literal["medusa", "hydra", "ssm"] = Field(
-        "medusa", description="the draft model: medusa / hydra heads on the base's hidden state, or ssm (a small "
-        "causal LM, see head.ssm)")
+    type: Literal["medusa", "hydra", "ssm", "eagle3"] = Field(
+        "medusa", description="the draft model: medusa / hydra heads on the base's hidden state, ssm (a small "
+        "causal LM, see head.ssm) or eagle3 (one decoder layer over three base layers, see head.eagle)")
     num_heads: int = Field(4, ge=1, le=16, description="draft heads; head k predicts k+1 tokens past the base")
     num_layers: int = Field(
         1, ge=0, le=8, description="residual blocks per Medusa head / hidden layers per Hydra MLP"
@@ -68,12 +88,15 @@ class HeadSection(_Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Hydra heads: dropout on each head's input, between its "
                            "blocks and before its lm_head, in training (Hydra++'s reference script: 0.2)")
     ssm: SSMSection | None = Field(None, description="the small LM, for head.type: ssm")
+    eagle: EagleSection | None = Field(None, description="the EAGLE-3-style drafter, for head.type: eagle3")
 
     @model_validator(mode="before")
     @classmethod
-    def _ssm_defaults(cls, data):
-        if isinstance(data, dict) and data.get("type") == "ssm" and data.get("ssm") is None:
-            data = {**data, "ssm": {}}
+    def _section_defaults(cls, data):
+        """head.type ssm / eagle3 without its section: the section's defaults."""
+        section = {"ssm": "ssm", "eagle3": "eagle"}.get(data.get("type")) if isinstance(data, dict) else None
+        if section and data.get(section) is None:
+            data = {**data, section: {}}
         return data
 
     @model_validator(mode="after")
@@ -84,6 +107,8 @@ class HeadSection(_Section):
             raise ValueError("head.dropout is a Hydra option; set head.type=hydra or head.dropout=0")
         if self.ssm is not None and self.type != "ssm":
             raise ValueError("head.ssm configures a small draft LM; set head.type: ssm or remove head.ssm")
+        if self.eagle is not None and self.type != "eagle3":
+            raise ValueError("head.eagle configures an EAGLE-3 drafter; set head.type: eagle3 or remove head.eagle")
         return self
 
 
@@ -179,6 +204,25 @@ class EnsembleSection(_Section):
     tau_prompts: int = Field(16, ge=0, description="held-out prompts decoded after each stage to record tau")
 
 
+class LoraSection(_Section):
+    """Medusa-2: the heads trained together with a LoRA adapter on the base (peft)."""
+
+    r: int = Field(8, ge=1, description="LoRA rank")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="names of the base's linear layers that get an adapter")
+    lr: float | None = Field(None, gt=0, description="the adapter's learning rate; unset: train.lr / 4 (the Medusa-2 "
+                             "code gives the heads 4x the base's learning rate)")
+    heads_weight: float = Field(0.2, gt=0, description="lambda_0 of Medusa-2's combined loss: base loss + "
+                                "heads_weight * heads loss (the Medusa-2 code's medusa_heads_coefficient)")
+    heads_warmup_steps: int = Field(0, ge=0, description="first steps train the heads only (base loss off, "
+                                    "adapter frozen), then both")
+    self_distill: bool = Field(True, description="base loss = KL from the original base (the adapter disabled in "
+                               "the same step) to the adapted one, which keeps it close to the original; false: "
+                               "CE on the data tokens")
+
+
 class LogSection(_Section):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     project: str = "draftlab"
@@ -194,10 +238,22 @@ class Recipe(_Section):
     distributed: DistributedSection = DistributedSection()
     log: LogSection = LogSection()
     ensemble: EnsembleSection | None = Field(None, description="train an ensemble of SSMs in stages (head.type: ssm)")
+    lora: LoraSection | None = Field(None, description="Medusa-2: also train a LoRA adapter on the base (head.type: "
+                                     "medusa)")
     output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
 
     @model_validator(mode="after")
     def _ensemble_members(self) -> "Recipe":
+        if self.lora is not None:
+            if self.head.type != "medusa":
+                raise ValueError("lora (Medusa-2 joint training) trains Medusa heads with the adapter; set head.type: "
+                                 "medusa or remove the lora section")
+            if self.train.cache_hidden:
+                raise ValueError("lora: the adapted base changes every step, so its hidden states cannot be cached; "
+                                 "set train.cache_hidden: false")
+            if self.distributed.strategy == "fsdp":
+                raise ValueError("lora: joint training runs the base inside the trained module; use "
+                                 "distributed.strategy ddp or deepspeed, not fsdp")
         if self.ensemble is None:
             return self
         if self.head.type != "ssm":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from .base import base_identity
 
 FORMAT_VERSION = 1
 META = "draftlab.json"
+ADAPTER_DIR = "adapter"
 
 
 class ExportError(ValueError):
@@ -36,8 +38,10 @@ def read_safetensors(path: Path) -> dict:
 
 
 def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: list | None = None,
-                extra: dict | None = None, tokenizer=None) -> Path:
-    """Write the draft module's files and draftlab.json (last, atomically: its presence marks a complete export)."""
+                extra: dict | None = None, tokenizer=None, adapter=None) -> Path:
+    """Write the draft module's files and draftlab.json (last, atomically: its presence marks a complete export).
+    adapter: a peft model whose adapter (Medusa-2's LoRA) goes to ADAPTER_DIR in peft's own format; the export then
+    decodes against the base with that adapter."""
     from .drafters import kind_of
 
     out = Path(out_dir)
@@ -53,6 +57,10 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
             tokenizer.save_pretrained(d)
     meta = {"format_version": FORMAT_VERSION, "head": draft.config(), "base": base_identity(base, base_name),
             "default_tree": default_tree, "files": files, **(extra or {})}
+    if adapter is not None:
+        shutil.rmtree(out / ADAPTER_DIR, ignore_errors=True)
+        adapter.save_pretrained(out / ADAPTER_DIR)
+        meta["adapter"] = ADAPTER_DIR
     (out / (META + ".tmp")).write_text(json.dumps(meta, indent=2))
     os.replace(out / (META + ".tmp"), out / META)
     return out
@@ -79,6 +87,20 @@ def read_meta(export_dir: str | Path) -> dict:
     if missing:
         raise ExportError(f"{d}: incomplete {kind} export, missing {', '.join(missing)}; export again from the run")
     return meta
+
+
+def apply_adapter(base, export_dir: str | Path, meta: dict):
+    """The base an export decodes against: with a Medusa-2 adapter in the export, base + adapter merged (the
+    adapted base, whose greedy output the decoder then reproduces, not the original base's); else base."""
+    if not meta.get("adapter"):
+        return base
+    from peft import PeftModel
+
+    d = Path(export_dir) / meta["adapter"]
+    if not (d / "adapter_config.json").is_file():
+        raise ExportError(f"{export_dir}: draftlab.json names the adapter directory {meta['adapter']!r}, which holds no "
+                          "adapter_config.json; export again from the run")
+    return PeftModel.from_pretrained(base, d).merge_and_unload().eval()
 
 
 def check_base(meta: dict, base, where: str = "export") -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from .progress import progress
 
-from .base import base_hidden, load_base, set_seed
+from .base import base_hidden, base_states, load_base, set_seed
 from .config import RESUMABLE_KEYS, Recipe, dump_recipe, diff_recipes, build_recipe
 from .data import collate, load_examples
 from .export import save_export
@@ -89,12 +89,84 @@ class DraftObjective(nn.Module):
         self.loss_cfg = loss_cfg
 
     def forward(self, hidden, input_ids, loss_mask, attention_mask=None, base_weight=None):
+        if hasattr(self.draft, "objective"):  # drafters with their own training procedure (EAGLE-3's unrolled test)
+            B, S, _ = hidden.shape
+            return self.draft.objective(hidden.view(B, S, -1, self.draft.hidden_size), input_ids, loss_mask,
+                                        attention_mask, base_weight, self.loss_cfg)
         feats = self.draft.train_hidden(hidden, input_ids, attention_mask)
         c = self.loss_cfg
         return draft_losses(feats, [lm.weight for lm in self.draft.lm_heads], input_ids, loss_mask,
                             base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
                             distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
                             shifts=getattr(self.draft, "shifts", None), divergence=c.divergence)
+
+
+class JointObjective(DraftObjective):
+    """Medusa-2: the heads and a LoRA adapter on the base in one module (so DDP / DeepSpeed wrap both).
+
+    loss = base loss + heads_weight * heads loss, where the base loss is the KL from the original base (the
+    adapter disabled, same step, no gradient) to the adapted one (self_distill), or CE on the data tokens; the
+    heads read the adapted base's final state. While `heads_only` is set (the warm-up) the base runs without
+    gradient and only the heads' loss counts. Checkpoints hold the trainable tensors only, not the frozen base."""
+
+    def __init__(self, draft: nn.Module, loss_cfg, base, lora_cfg):
+        super().__init__(draft, loss_cfg)
+        self.base = base
+        self.lora_cfg = lora_cfg
+        self.heads_only = False
+        self._register_state_dict_hook(JointObjective._trainable_only)
+
+    @staticmethod
+    def _trainable_only(module, state, prefix, local_metadata):
+        frozen = {prefix + n for n, p in module.named_parameters() if not p.requires_grad}
+        for k in [k for k in state if k in frozen]:
+            del state[k]
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
+        frozen = {n for n, p in self.named_parameters() if not p.requires_grad}
+        real = [k for k in missing if k not in frozen]
+        if strict and (real or unexpected):
+            raise RuntimeError(f"checkpoint does not match the model: missing {real[:5]}, unexpected {unexpected[:5]}")
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        return _IncompatibleKeys(real, unexpected)  # the frozen base is not in checkpoints, by design
+
+    def forward(self, hidden, input_ids, loss_mask, attention_mask=None, base_weight=None):
+        from .losses import head_loss
+
+        c, lc = self.loss_cfg, self.lora_cfg
+        with torch.no_grad() if self.heads_only else nullcontext():
+            h = base_hidden(self.base, input_ids, attention_mask)  # the adapted base's final state [B, S, H]
+        w = self.base.get_output_embeddings().weight
+        heads = draft_losses(self.draft.train_hidden(h, input_ids, attention_mask), [lm.weight for lm in self.draft.lm_heads],
+                             input_ids, loss_mask, base_hidden=h.detach(), base_weight=w if base_weight is not None else None,
+                             head_decay=c.head_decay, distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
+                             divergence=c.divergence)
+        if self.heads_only:
+            return heads
+        sel = loss_mask[:, 1:].bool()  # the base predicts x_{t+1} at t
+        if lc.self_distill:
+            with torch.no_grad(), self.base.disable_adapter():
+                teacher = base_hidden(self.base, input_ids, attention_mask)[:, :-1][sel]
+        else:
+            teacher = None
+        own, _, _, _ = head_loss(h[:, :-1][sel], w, input_ids[:, 1:][sel], teacher, w, 1.0 if lc.self_distill else 0.0,
+                                 c.chunk_size, c.topk, "fkl")
+        base_loss = own / sel.sum().clamp(min=1)
+        heads["base_loss"] = base_loss.detach()
+        heads["loss"] = base_loss + lc.heads_weight * heads["loss"]
+        return heads
+
+
+def base_features(base, draft, input_ids, attention_mask=None) -> torch.Tensor:
+    """What the draft trains on: the base's final hidden state [B, S, H], or for drafters that read several
+    base layers (`draft.base_layers`) those layers' states and the final one, flattened to [B, S, (n+1) * H]."""
+    layers = getattr(draft, "base_layers", None)
+    if not layers:
+        return base_hidden(base, input_ids, attention_mask)
+    return base_states(base, input_ids, attention_mask, layers).flatten(2)
 
 
 def micro_batch_indices(n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int) -> list[list[int]]:
@@ -206,7 +278,7 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
 
 
 @torch.no_grad()
-def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_weight) -> dict:
+def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_weight, draft) -> dict:
     """Per-head loss, top-1 / top-k accuracy on the data tokens and top-1 agreement with the base (the draft's
     first choice equals the base's) on the held-out examples, sharded across ranks."""
     objective.eval()
@@ -220,7 +292,8 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
             base_hidden(base, torch.ones(1, 1, dtype=torch.long, device=accelerator.device))
             continue
         b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
-        h = base_hidden(base, b["input_ids"], b["attention_mask"])
+        joint = isinstance(getattr(objective, "module", objective), JointObjective)  # computes the base itself
+        h = None if joint else base_features(base, draft, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
             out = objective(h, b["input_ids"], b["loss_mask"], b["attention_mask"], base_weight)
         part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"], out["agree1"]])  # [5, K]
@@ -263,7 +336,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         # brings its own CPU backend and must not be turned off by it).
         cpu=not torch.cuda.is_available() and recipe.distributed.strategy != "deepspeed",
         mixed_precision=t.mixed_precision, log_with=recipe.log.trackers or None, project_dir=str(out_dir / "logs"),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+        # Medusa-2's warm-up leaves the adapter without gradients for a while.
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=recipe.lora is not None)],
         deepspeed_plugin=ds_plugin,
     )
     use_deepspeed = ds_plugin is not None
@@ -301,9 +375,22 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         stats.loss_tokens = sum(sum(e["loss_mask"]) for e in train_ex)
     pad_id = tok.pad_token_id
     H = base.config.hidden_size
+    if sharded and getattr(recipe.head, "type", None) == "eagle3":
+        raise ValueError("head.type eagle3 reads the base's token embeddings and rotary table outside its forward, "
+                         "which an FSDP-sharded base does not allow: use distributed.strategy ddp or deepspeed")
     with outside_deepspeed(ds_plugin):  # built whole (and checked, initialised from the base); ZeRO-3 shards it later
         draft = build_draft(recipe.head.model_dump(), base).float()
-    objective = DraftObjective(draft, recipe.loss)
+    if hasattr(draft, "fit_vocab"):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens
+        draft.fit_vocab(train_ex)
+    if recipe.lora is not None:  # Medusa-2: a LoRA adapter on the base, trained with the heads
+        from peft import LoraConfig, get_peft_model
+
+        lc = recipe.lora
+        base = get_peft_model(base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                               target_modules=list(lc.target_modules), bias="none"))
+        objective = JointObjective(draft, recipe.loss, base, lc)
+    else:
+        objective = DraftObjective(draft, recipe.loss)
     if use_deepspeed and recipe.distributed.zero_stage == 3:
         from deepspeed.runtime.zero import register_external_parameter
 
@@ -311,7 +398,10 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         for lm in draft.lm_heads:
             register_external_parameter(objective, lm.weight)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    groups = [{"params": [p for p in draft.parameters() if p.requires_grad]}]
+    if recipe.lora is not None:
+        groups.append({"params": [p for p in base.parameters() if p.requires_grad], "lr": recipe.lora.lr or t.lr / 4})
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
 
     micro_per_epoch = len(train_ex) // (t.batch_size * world)
     if micro_per_epoch == 0:
@@ -324,7 +414,8 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     # checkpoints it without Accelerate's per-process stepping.
     accelerator.register_for_checkpointing(scheduler)
     lm_weight = base.get_output_embeddings().weight  # the teacher's; evaluation always reports agreement with it
-    base_weight = lm_weight if recipe.loss.distill_weight > 0 else None
+    base_weight = lm_weight if recipe.loss.distill_weight > 0 or getattr(draft, "needs_teacher", False) else None
+    width = H * (len(getattr(draft, "base_layers", None) or ()) + 1)  # per-token features base_features returns
     cache = None
     if t.cache_hidden:
         from .hidden_cache import HiddenCache
@@ -332,7 +423,7 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         cache_dir = t.hidden_cache_dir or str(out_dir / "hidden_cache")
         dtype = next(base.parameters()).dtype
         with accelerator.main_process_first():  # the main process creates or validates the files first
-            cache = HiddenCache(cache_dir, train_ex, H, dtype, b.name_or_path, create=is_main)
+            cache = HiddenCache(cache_dir, train_ex, width, dtype, b.name_or_path, create=is_main)
 
     step = 0
     ckpt = latest_checkpoint(out_dir)
@@ -412,10 +503,12 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         sync = (micro + 1) % ga == 0
         hidden = cache.get(idx, batch["input_ids"].shape[1], accelerator.device) if cache else None
+        if recipe.lora is not None:  # the joint objective runs the (adapted) base itself
+            accelerator.unwrap_model(objective).heads_only = step < recipe.lora.heads_warmup_steps
         # A sharded base's forward is a collective: if any rank missed the cache, every rank runs it.
-        if any_rank(hidden is None, accelerator) if sharded else hidden is None:
+        elif any_rank(hidden is None, accelerator) if sharded else hidden is None:
             with torch.no_grad():
-                hidden = base_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, S, H]
+                hidden = base_features(base, draft, batch["input_ids"], batch["attention_mask"])  # [B, S, H or (n+1)H]
             if cache:
                 cache.put(idx, hidden)
         with nullcontext() if sync else accelerator.no_sync(objective):
@@ -443,13 +536,15 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
                    "tokens_per_s": window["tokens"] / dt, "train_top1": (out["top1"] / n).tolist()}
             if grad_norm is not None:
                 rec["grad_norm"] = float(grad_norm)
+            if "base_loss" in out:
+                rec["base_loss"] = float(out["base_loss"])
             if accelerator.device.type == "cuda":  # peak so far on this rank: what batch size / max_len cost
                 rec["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated(accelerator.device) / 2**30, 2)
             log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             window = {"loss": 0.0, "tokens": 0, "t0": time.perf_counter(), "n": 0}
         if eval_ex and (step % t.eval_every_steps == 0 or step == total_steps):
-            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight)
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight, draft)
             log({"step": step, "event": "eval", **last_eval})
         stopped = step < end_step and stopper.requested()
         if step % t.save_every_steps == 0 or step == end_step or stopped:
@@ -466,11 +561,12 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
                "stopped": stopped}
     if step >= total_steps:
         if last_eval is None and eval_ex:
-            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight)
+            last_eval = evaluate(objective, base, eval_ex, t.batch_size, pad_id, accelerator, lm_weight, draft)
         if is_main:
             export = save_export(accelerator.unwrap_model(objective).draft, base, out_dir / "export", b.name_or_path,
                                  extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
-                                                     "eval": last_eval}}, tokenizer=tok)
+                                                     "eval": last_eval}}, tokenizer=tok,
+                                 adapter=base if recipe.lora is not None else None)
             summary["export"] = str(export)
         summary["eval"] = last_eval
         if is_main and last_eval:

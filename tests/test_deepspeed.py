@@ -36,8 +36,7 @@ def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):
     assert z2["zero_optimization"]["stage"] == 2 and "offload_param" not in z2["zero_optimization"]
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ssm"])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind,stage", [("medusa", 2), ("medusa", 3), ("ssm", 2), ("ssm", 3), ("eagle3", 3), ("medusa2", 2)])
 def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kind):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"

@@ -114,3 +114,16 @@ def test_lookup_drafter_prompt_and_datastore():
     ids = torch.tensor([[0, 2]])
     d.begin(PromptState(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(2)[None]), Sampling(), None)
     assert d.propose(torch.tensor([3])).tokens[0].tolist() == [3, 4, 5, 6]
+
+
+def test_ensemble_options_reach_the_scheduler_vote_and_adaptive_length():
+    from draftlab.drafters.ensemble import ensemble_parts
+
+    sched, vote, adaptive = ensemble_parts({"min_share": "0.2", "reward_factor": "1.5", "decision_threshold": "4",
+                                            "metric": "verify"}, length=6)
+    assert sched.min_share == 0.2 and vote.reward_factor == 1.5
+    assert adaptive.decision_threshold == 4 and adaptive.metric == "verify" and adaptive.s == 6
+    with pytest.raises(ValueError, match="known options are .*punish_threshold"):
+        ensemble_parts({"reward": "1"})
+    with pytest.raises(ValueError, match="expected a int"):
+        ensemble_parts({"window": "many"})

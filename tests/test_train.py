@@ -17,7 +17,11 @@ MEDUSA = {"head": {"num_heads": 3, "num_layers": 1}}
 # A 1-layer, half-width SSM built from the base's config, distilled with reverse KL mixed with CE.
 SSM = {"head": {"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}},
        "loss": {"distill_weight": 0.7, "divergence": "rkl"}}
-KINDS = {"medusa": MEDUSA, "ssm": SSM}
+# EAGLE-3-style: three base layers, a 40-token draft vocabulary, the training-time test unrolled 3 steps.
+EAGLE3 = {"head": {"type": "eagle3", "eagle": {"draft_vocab_size": 40, "ttt_steps": 3}}}
+# Medusa-2: the heads with a LoRA adapter on the base (q/v projections), one heads-only warm-up step.
+MEDUSA2 = {**MEDUSA, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "heads_warmup_steps": 1}}
+KINDS = {"medusa": MEDUSA, "ssm": SSM, "eagle3": EAGLE3, "medusa2": MEDUSA2}
 
 
 def recipe(base_dir, data, out, kind="medusa", **train):
@@ -29,12 +33,17 @@ def recipe(base_dir, data, out, kind="medusa", **train):
 
 
 def weights(out: Path) -> dict:
-    """The exported draft's tensors (heads: draft.safetensors; an SSM: its HF model.safetensors)."""
+    """The exported draft's tensors (heads: draft.safetensors; an SSM: its HF model.safetensors), and a Medusa-2
+    export's adapter tensors (prefixed adapter.)."""
     heads = out / "export" / "draft.safetensors"
-    return load_file(heads if heads.is_file() else out / "export" / "model.safetensors")
+    w = load_file(heads if heads.is_file() else out / "export" / "model.safetensors")
+    adapter = out / "export" / "adapter" / "adapter_model.safetensors"
+    if adapter.is_file():
+        w.update({f"adapter.{k}": v for k, v in load_file(adapter).items()})
+    return w
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ssm"])
+@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2"])
 def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path, kind):
     straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind))
     assert straight["finished"] and straight["step"] == 4
@@ -115,7 +124,7 @@ def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_pa
         assert list(tmp_path.rglob("offline-run-*"))
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ssm"])
+@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2"])
 def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind):
     out = tmp_path / "ddp"
     cfg = tmp_path / "r.yaml"
@@ -135,18 +144,19 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
         assert len(list(tmp_path.rglob("offline-run-*"))) == 1
 
 
-def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])  # eagle3 caches three layers and the final state
+def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch, kind):
     import draftlab.train as train_mod
 
     calls = {"n": 0}
-    real = train_mod.base_hidden
+    real = train_mod.base_features
 
     def counting(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
-    monkeypatch.setattr(train_mod, "base_hidden", counting)
+    monkeypatch.setattr(train_mod, "base_features", counting)
     # 24 training examples (no held-out split), batch 2 -> 12 micro-batches per epoch; 3 epochs.
-    r = recipe(tiny_base_dir, data_file, tmp_path / "c", max_steps=None, epochs=3, eval_every_steps=1000,
+    r = recipe(tiny_base_dir, data_file, tmp_path / "c", kind, max_steps=None, epochs=3, eval_every_steps=1000,
                save_every_steps=1000, cache_hidden=True)
     r = build_recipe({**r.model_dump(mode="json"), "data": {**r.data.model_dump(), "eval_size": 0}})
     train(r)
@@ -159,4 +169,5 @@ def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_f
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
     meta = json.loads((tmp_path / "c" / "hidden_cache" / "meta.json").read_text())
-    assert (tmp_path / "c" / "hidden_cache" / "hidden.bin").stat().st_size == meta["tokens"] * 32 * 4  # fp32, H=32
+    width = 32 * (4 if kind == "eagle3" else 1)  # H = 32; eagle3: three layers and the final state
+    assert (tmp_path / "c" / "hidden_cache" / "hidden.bin").stat().st_size == meta["tokens"] * width * 4  # fp32

@@ -34,12 +34,22 @@ def add_generate_args(p) -> None:
     p.add_argument("--length", type=positive_int, default=None, help="ensemble exports, vote: chain length")
     p.add_argument("--adaptive", action="store_true", default=None,
                    help="ensemble exports, vote: adapt the chain length online (Minions)")
+    p.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="ensemble exports: a scheduler / vote / adaptive-length parameter, e.g. reward_factor=1.5 "
+                        "(repeatable; see the README for names and defaults)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def generate_command(a) -> int:
+    options = {}
+    for item in a.ensemble_option:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--ensemble-option {item!r}: expected NAME=VALUE, e.g. reward_factor=1.5")
+        options[name.strip()] = value.strip()
     decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device, mode=a.ensemble_mode,
-                                   node_budget=a.node_budget, length=a.length, adaptive=a.adaptive)
+                                   node_budget=a.node_budget, length=a.length, adaptive=a.adaptive,
+                                   options=options or None)
     sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)
     on_text = None
     if a.stream and not a.json:

@@ -1,4 +1,5 @@
-"""`draftlab search-tree`: the fastest static tree for an export, on this machine, at a batch size."""
+"""`draftlab search-tree`: the fastest tree for an export, on this machine, at a batch size (static trees for heads
+and SSMs; EAGLE-2 depth / top_k / total_tokens for eagle3 exports)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def search_command(a) -> int:
         return 0
     print("| tree | nodes | depth | expected accept | measured accept | tokens/s |\n|---|---|---|---|---|---|")
     for r in rep["sizes"]:
-        print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {r['expected_accept_length']:.3f} | "
+        expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
+        print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
               f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} |")
     print(f"\nchose {rep['tree_size']} nodes ({rep['tokens_per_s']:.1f} tokens/s at batch size {rep['batch_size']} on "
           f"{rep['hardware']}); wrote {rep['tree']}")

@@ -8,23 +8,29 @@ import torch
 
 from .acceptance import Sampling
 from .decoder import SpeculativeDecoder, sync_device
-from .tree import Tree, TreeError
+from .tree import DynamicTree, Tree, TreeError
 
 
-def resolve_tree(spec: str | None, meta: dict) -> Tree:
+def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's),
     'chain' (heads: one per head; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
-    (SpecInfer's expansion configuration), or a tree file / inline list (see Tree.parse)."""
+    (SpecInfer's expansion configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
+    exports), or a tree file / inline list (see Tree.parse)."""
     from ..drafters import SSM_DEFAULT_CHAIN, kind_of
 
     head = meta["head"]
     if spec in (None, "", "default"):
         if meta.get("default_tree"):
-            return Tree.from_paths(meta["default_tree"], {"name": "export default"})
+            d = meta["default_tree"]
+            if isinstance(d, str):  # a dynamic tree's settings, as search-tree writes them
+                return DynamicTree.parse(d.partition(":")[2])
+            return Tree.from_paths(d, {"name": "export default"})
         return kind_of(head["type"]).default_tree(_Shape(head))
     if spec == "chain":
         return Tree.chain(head["num_heads"] if head["type"] in ("medusa", "hydra") else SSM_DEFAULT_CHAIN)
     name, _, arg = spec.partition(":")
+    if name == "dynamic":
+        return DynamicTree.parse(arg) if arg else DynamicTree()
     if name == "chain" and arg.isdigit():
         return Tree.chain(int(arg))
     if name == "expansion" and arg:
@@ -50,7 +56,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
     from ..base import base_identity, load_base
     from ..drafters import LookupDraft, make_drafter
-    from ..export import load_export, read_meta
+    from ..export import apply_adapter, load_export, read_meta
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if export_dir.split(":")[0] == "lookup":
@@ -63,6 +69,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     meta = read_meta(export_dir)
     name = base or meta["base"]["name_or_path"]
     model, tok = load_base(name, dtype or meta["base"]["dtype"], device)
+    model = apply_adapter(model, export_dir, meta)  # Medusa-2: decode (and compare with) the adapted base
     draft, meta = load_export(export_dir, base=model, device=device, dtype=next(model.parameters()).dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
     return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options)), tok, meta

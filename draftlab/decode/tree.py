@@ -120,6 +120,8 @@ class Tree:
             return Tree.from_paths(_literal(text, str(p)), {"name": p.stem}, source=str(p))
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+            if isinstance(data, dict) and "dynamic" in data:
+                return DynamicTree.parse(str(data["dynamic"]).partition(":")[2])
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise TreeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
         if isinstance(data, dict):
@@ -160,6 +162,42 @@ class Tree:
         for p in self.paths:
             w[index.get(p[:-1], 0)] += 1
         return w
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree settings (the tree itself is rebuilt every step from the drafter's confidence):
+    `depth` draft levels, the `top_k` best nodes of a level expanded into their `top_k` children, and the
+    `total_tokens` most probable nodes (root included) kept for verification. Defaults: EAGLE-3's code."""
+
+    depth: int = 7
+    top_k: int = 10
+    total_tokens: int = 60
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise TreeError(f"dynamic tree {self.spec()}: needs depth >= 1, top_k >= 1 and total_tokens >= 2")
+
+    @staticmethod
+    def parse(arg: str) -> "DynamicTree":
+        """'DEPTH,TOP_K,TOTAL_TOKENS' (the part after `dynamic:`)."""
+        try:
+            depth, top_k, total = (int(x) for x in arg.split(","))
+        except ValueError:
+            raise TreeError(f"--tree dynamic:{arg}: expected dynamic:DEPTH,TOP_K,TOTAL_TOKENS, e.g. dynamic:7,10,60") \
+                from None
+        return DynamicTree(depth, top_k, total)
+
+    def spec(self) -> str:
+        return f"dynamic:{self.depth},{self.top_k},{self.total_tokens}"
+
+    def save(self, path: str | Path, metadata: dict | None = None) -> None:
+        """A tree file holding these settings (what search-tree writes for eagle3 exports)."""
+        Path(path).write_text(json.dumps({"dynamic": self.spec(), "metadata": metadata or {}}, indent=1))
+
+    @property
+    def size(self) -> int:
+        return self.total_tokens
 
 
 @dataclass

@@ -13,7 +13,7 @@ from ..progress import progress
 
 from .decoder import SpeculativeDecoder, sync_device
 from .search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
-from .tree import Tree
+from .tree import DynamicTree, Tree
 
 
 def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eos) -> list[list[int]]:
@@ -83,12 +83,13 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     from ..base import load_base
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
-    from ..export import load_export, read_meta
+    from ..export import apply_adapter, load_export, read_meta
     from .generate import encode_prompt
 
     meta = read_meta(export)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base, tok = load_base(meta["base"]["name_or_path"], meta["base"]["dtype"], device)
+    base = apply_adapter(base, export, meta)
     draft, meta = load_export(export, base=base, device=device, dtype=next(base.parameters()).dtype)
     eos = tok.eos_token_id
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
@@ -104,6 +105,9 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
     calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
 
+    if draft.kind == "eagle3":
+        return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
+                              calib_source=str(data))
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
     per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
     stats = RankStats(torch.cat(per_text), max_rank)
@@ -140,6 +144,35 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     if plot:
         report["plots"] = plot_search(rows, chosen, Path(out))
     return report
+
+
+DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (4, 10), "total_tokens": (16, 32, 60)}
+
+
+def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source) -> dict:
+    """EAGLE-2 dynamic trees have no static shape to grow: time every setting of DYNAMIC_GRID (total_tokens up to
+    max_nodes + 1) on the prompts and keep the fastest."""
+    from ..drafters import make_drafter
+
+    grid = [DynamicTree(d, k, n) for d in DYNAMIC_GRID["depth"] for k in DYNAMIC_GRID["top_k"]
+            for n in DYNAMIC_GRID["total_tokens"] if n <= max_nodes + 1]
+    if not grid:
+        raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
+    rows = []
+    for tree in progress(grid, desc="timing trees", unit="tree"):
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), prompts, batch_size, max_new_tokens, eos)
+        rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
+                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
+            "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
+            "hardware": hardware(), "date": datetime.date.today().isoformat(), "sizes_measured": rows,
+            **{k: best[k] for k in ("measured_accept_length", "tokens_per_s", "tree_size")}}
+    DynamicTree.parse(best["name"].partition(":")[2]).save(out, meta)
+    return {"tree": str(out), "dynamic": best["name"], "expected_accept_length": None,
+            "replayed_accept_length": None, "measured_accept_length": best["measured_accept_length"],
+            "tokens_per_s": best["tokens_per_s"], "tree_size": best["tree_size"], "batch_size": batch_size,
+            "hardware": hardware(), "sizes": [{**r, "expected_accept_length": None} for r in rows]}
 
 
 def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:

@@ -150,6 +150,64 @@ SSM_DEFAULT_CHAIN = 4
 SSM = DraftKind(_build_ssm, _save_ssm, _load_ssm, _ssm_drafter, lambda m: Tree.chain(SSM_DEFAULT_CHAIN),
                 ("config.json", "model.safetensors"), _ssm_ranks)
 
+# --- eagle3: the EAGLE-3 checkpoint layout (model.safetensors + config.json that vLLM / SGLang read) --------
+
+def _build_eagle(head: dict, base):
+    from .eagle import Eagle3Draft
+
+    module = Eagle3Draft(Eagle3Draft.settings(head, base), base)
+    module.fit_vocab([])  # the whole vocabulary, or a placeholder until the trainer counts its data
+    return module
+
+
+def _save_eagle(module, out: Path) -> list[str]:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    save_file(tensors, out / "model.safetensors.tmp", metadata={"format": "pt"})
+    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(module.engine_config(), indent=2) + "\n")
+    return ["config.json", "model.safetensors"]
+
+
+def _load_eagle(head: dict, export_dir: Path, base):
+    from ..export import ExportError, read_safetensors
+    from .eagle import Eagle3Draft
+
+    module = Eagle3Draft({k: v for k, v in head.items() if k != "type"}, base)
+    state = read_safetensors(export_dir / "model.safetensors")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{export_dir / 'model.safetensors'}: weights do not match the eagle3 config in "
+                          f"draftlab.json (missing {missing[:5]}, unexpected {unexpected[:5]}); re-export the run")
+    return module
+
+
+def _eagle_drafter(module, tree) -> Drafter:
+    from ..decode.tree import DynamicTree, TreeError
+    from .eagle import Eagle3Drafter
+
+    if not isinstance(tree, DynamicTree):
+        raise TreeError("an eagle3 drafter builds its tree every step: give --tree dynamic:DEPTH,TOP_K,TOTAL_TOKENS "
+                        "(default dynamic:7,10,60), not a static tree")
+    return Eagle3Drafter(module, tree.depth, tree.top_k, tree.total_tokens)
+
+
+@torch.no_grad()
+def _eagle_ranks(module, base, ids, depth):
+    raise ValueError("search-tree over static trees does not apply to eagle3 (dynamic trees); it searches "
+                     "depth / top_k / total_tokens by measured throughput instead")
+
+
+def _eagle_default(module):
+    from ..decode.tree import DynamicTree
+
+    return DynamicTree()
+
+
+EAGLE3 = DraftKind(_build_eagle, _save_eagle, _load_eagle, _eagle_drafter, _eagle_default,
+                   ("config.json", "model.safetensors"), _eagle_ranks)
+
 # --- lookup: prompt lookup / datastore retrieval, no weights ------------------------------------------
 
 class LookupDraft(torch.nn.Module):
@@ -244,22 +302,24 @@ def _load_ensemble(head: dict, export_dir: Path, base):
 
 def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
     """Members with their own default trees (or `tree` for every SSM member); mode and budget from the export,
-    overridable by keyword (mode, node_budget, length, adaptive, scheduler)."""
-    from .ensemble import AdaptiveLength, EnsembleDrafter, Scheduler
+    overridable by keyword (mode, node_budget, length, adaptive, scheduler, and `options`: a dict of Scheduler /
+    VoteWeights / AdaptiveLength parameters, see ensemble_parts)."""
+    from .ensemble import EnsembleDrafter, ensemble_parts
 
     d = {**module.decode, **{k: v for k, v in decode.items() if v is not None}}
     drafters = [kind_of(m.kind).drafter(m, tree if tree is not None and m.kind == "ssm" else
                                         kind_of(m.kind).default_tree(m)) for m in module.members]
-    adaptive = AdaptiveLength(s=d.get("length", 4)) if d.get("adaptive") else None
+    scheduler, vote, adaptive = ensemble_parts(d.get("options") or {}, length=d.get("length", 4))
     return EnsembleDrafter(drafters, module.names, mode=d["mode"], node_budget=d["node_budget"],
-                           scheduler=Scheduler() if d.get("scheduler", True) else None, adaptive=adaptive,
-                           length=d.get("length", 4))
+                           scheduler=scheduler if d.get("scheduler", True) else None, vote=vote,
+                           adaptive=adaptive if d.get("adaptive") else None, length=d.get("length", 4))
 
 
 ENSEMBLE = DraftKind(lambda head, base: None, _save_ensemble, _load_ensemble, _ensemble_drafter,
                      lambda m: None, (), _no_ranks)
 
-KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "lookup": LOOKUP, "ensemble": ENSEMBLE}
+KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "eagle3": EAGLE3, "lookup": LOOKUP,
+                               "ensemble": ENSEMBLE}
 
 
 def kind_of(name: str) -> DraftKind:

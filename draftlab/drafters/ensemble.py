@@ -138,6 +138,27 @@ class AdaptiveLength:
         self.since = 0
 
 
+def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
+    """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
+    them (min_share, decay, warmup, probe_every; reward_factor, punish_factor, reward_threshold,
+    punish_threshold; s_min, s_max, decision_threshold, window, s_reward, s_punish, metric), typed as its
+    default is. An unknown name is an error listing the known ones."""
+    from dataclasses import fields
+
+    parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
+    known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
+             if not isinstance(getattr(p, f.name), list) and f.name not in ("steps", "since", "s")}
+    for name, value in options.items():
+        if name not in known:
+            raise ValueError(f"ensemble option {name!r}: known options are {', '.join(sorted(known))}")
+        i, typ = known[name]
+        try:
+            setattr(parts[i], name, typ(value))
+        except ValueError:
+            raise ValueError(f"ensemble option {name}={value!r}: expected a {typ.__name__}") from None
+    return parts
+
+
 class EnsembleDrafter(Drafter):
     """Several drafters as one (see the module docstring for the two modes)."""
 

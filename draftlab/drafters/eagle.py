@@ -1,0 +1,456 @@
+"""EAGLE-3-style drafter: one decoder layer over features fused from three layers of the base.
+
+Architecture (parameter names are the EAGLE-3 checkpoint's, so an export is what vLLM / SGLang load):
+    g   = fc([h_low ; h_mid ; h_high])                  the base's residual stream entering three decoder layers
+    x   = [input_layernorm(embed(token)) ; hidden_norm(g)]          2H wide; embed is the base's (frozen)
+    a   = o_proj(attention(q_proj(x), k_proj(x), v_proj(x))) + g    RoPE at the token's position
+    out = mlp(post_attention_layernorm(a)) + a                      fed back as the next step's g
+    logits over the draft vocabulary = lm_head(norm(out)); draft id i is target id i + d2t[i]
+
+Layer ids follow Hugging Face's output_hidden_states: id i is hidden_states[i], the input of decoder layer i
+(what vLLM and SGLang capture as `hidden_states + residual` before layer i); the default (2, L // 2, L - 3).
+
+Training-time test (EAGLE-3): the layer is unrolled `ttt_steps` times. Step 0 reads the base's fused features at
+every position; step k reads step k-1's `out` at the same position and the embedding of the true token k
+further on, so position s at step k predicts x_{s+k+2} from the real prefix up to s and its own k drafted
+steps: it attends to step 0's keys at positions <= s and to its own keys of steps 1..k at slot s. Step k's
+loss is the soft cross-entropy against the base's distribution at position s+k+1 restricted to the draft
+vocabulary, weighted step_decay^k; positions whose base argmax is outside the draft vocabulary are masked.
+
+Decoding (EAGLE-2 dynamic trees): from the root, expand the top_k children of the top_k most probable nodes
+(cumulative draft log-probability) for `depth` levels, then keep the total_tokens most probable nodes. The
+draft's KV cache holds one entry per committed position, computed from the base's true features when a step
+is committed (tentative tree entries are dropped).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..decode.tree import TreeView
+from .base import Drafter, PromptState, Proposal, StepResult
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer (names as in its checkpoints' `midlayer.*`)."""
+
+    def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_layernorm, self.hidden_norm = RMSNorm(H, eps), RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * H, heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * H, kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * H, kv_heads * head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, H, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(H, inter, bias=False)
+        self.mlp.up_proj = nn.Linear(H, inter, bias=False)
+        self.mlp.down_proj = nn.Linear(inter, H, bias=False)
+
+    def qkv(self, embeds: torch.Tensor, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """[B, T, H] embeddings and features -> q [B, h, T, d], k and v [B, kv, T, d] (RoPE applied)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        B, T, _ = g.shape
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)
+        a = self.self_attn
+        q = a.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, attn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, h, T, d] and the step's input features g -> out [B, T, H] (pre-norm, fed back)."""
+        B, _, T, _ = attn.shape
+        a = self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1)) + g
+        m = self.mlp
+        y = self.post_attention_layernorm(a)
+        return m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y)) + a
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layer ids for a base of num_layers decoder layers: (2, L // 2, L - 3), what
+    the EAGLE-3 code, vLLM and SGLang use. Below six layers those are not distinct and (1, L // 2, L - 1) is used."""
+    L = num_layers
+    if L >= 6:
+        return [2, L // 2, L - 3]
+    return [min(1, L - 1), L // 2, L - 1]
+
+
+class Eagle3Draft(nn.Module):
+    """The trainable EAGLE-3 drafter (see the module docstring)."""
+
+    kind = "eagle3"
+    needs_teacher = True  # trained towards the base's distribution whatever loss.distill_weight says
+
+    def __init__(self, cfg: dict, base=None):
+        super().__init__()
+        self.cfg = dict(cfg)
+        H, V, Vd = cfg["hidden_size"], cfg["vocab_size"], cfg["draft_vocab_size"]
+        self.base_layers = tuple(cfg["layers"])
+        self.num_heads = cfg["ttt_steps"]  # metrics are per unrolled step
+        self.hidden_size, self.vocab_size = H, V
+        self.fc = nn.Linear(len(self.base_layers) * cfg.get("target_hidden_size", H), H, bias=False)
+        self.midlayer = Eagle3Layer(H, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                                    cfg["intermediate_size"], cfg["rms_norm_eps"])
+        self.norm = RMSNorm(H, cfg["rms_norm_eps"])
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # target id = draft id + d2t[draft id]
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self._base = None
+        if base is not None:
+            self.attach_base(base)
+
+    @staticmethod
+    def settings(head: dict, base) -> dict:
+        """Shape of an EAGLE-3 drafter for this base, from the recipe's head.eagle section."""
+        c, e = base.config, dict(head.get("eagle") or {})
+        heads = c.num_attention_heads
+        layers = e.get("layers") or default_layers(c.num_hidden_layers)
+        V = base.get_output_embeddings().weight.shape[0]
+        return {"hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size, "num_attention_heads": heads,
+                "num_key_value_heads": getattr(c, "num_key_value_heads", heads) or heads,
+                "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+                "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "vocab_size": V,
+                "draft_vocab_size": min(e.get("draft_vocab_size") or V, V), "layers": list(layers),
+                "ttt_steps": e.get("ttt_steps", 7), "step_decay": e.get("step_decay", 0.8),
+                "rope_parameters": dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or
+                                        {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}),
+                "max_position_embeddings": getattr(c, "max_position_embeddings", 4096)}
+
+    def engine_config(self) -> dict:
+        """config.json of the EAGLE-3 checkpoint layout, with the keys vLLM's and SGLang's loaders read: a
+        one-layer Llama (LlamaForCausalLMEagle3) with draft_vocab_size, target_hidden_size and the base layer
+        ids it reads (top level for vLLM, under eagle_config for SGLang). The base's RoPE settings are copied:
+        the draft layer rotates positions exactly as the base does."""
+        c = self.cfg
+        rope = dict(c["rope_parameters"])
+        ids = list(self.base_layers)
+        return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                "hidden_size": c["hidden_size"], "target_hidden_size": c["target_hidden_size"],
+                "intermediate_size": c["intermediate_size"], "num_attention_heads": c["num_attention_heads"],
+                "num_key_value_heads": c["num_key_value_heads"], "head_dim": c["head_dim"], "hidden_act": "silu",
+                "rms_norm_eps": c["rms_norm_eps"], "vocab_size": c["vocab_size"],
+                "draft_vocab_size": c["draft_vocab_size"], "max_position_embeddings": c["max_position_embeddings"],
+                "rope_theta": rope.get("rope_theta", 10000.0),
+                "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None,
+                "rope_parameters": rope, "tie_word_embeddings": False, "attention_bias": False,
+                "mlp_bias": False, "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+    def config(self) -> dict:
+        return {"type": "eagle3", **self.cfg}
+
+    @property
+    def lm_heads(self):
+        return [self.lm_head]
+
+    # --- the base it reads ----------------------------------------------------------------------------
+    def attach_base(self, base) -> None:
+        self._base = [base]
+
+    @property
+    def base(self):
+        if self._base is None:
+            raise ValueError("an EAGLE-3 drafter needs its base attached (load_export(..., base=model))")
+        return self._base[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.base.get_input_embeddings()(ids)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.base.base_model.rotary_emb(x, positions)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    @torch.no_grad()
+    def init_from_base(self, base) -> None:
+        """Attach the base; lm_head rows from the base's lm_head (for the draft vocabulary, once it is set)."""
+        self.attach_base(base)
+        self.lm_head.weight.copy_(base.get_output_embeddings().weight[self.draft_ids()].to(self.lm_head.weight.dtype))
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of each draft id [Vd]."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def fit_vocab(self, examples: list[dict]) -> None:
+        """Draft vocabulary: the draft_vocab_size most frequent tokens of the training examples (ties: lower id);
+        the full vocabulary when it is as large as the base's."""
+        V, Vd = self.vocab_size, self.d2t.numel()
+        if Vd == V:
+            ids = torch.arange(V)
+        else:
+            counts = torch.zeros(V, dtype=torch.long)
+            for e in examples:
+                counts += torch.bincount(torch.tensor(e["input_ids"]), minlength=V)[:V]
+            order = sorted(range(V), key=lambda i: (-int(counts[i]), i))[:Vd]
+            ids = torch.tensor(sorted(order))
+        self.d2t.copy_(ids - torch.arange(Vd))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        if self._base is not None:
+            self.init_from_base(self.base)
+
+    # --- training: the unrolled objective ---------------------------------------------------------------
+    def unroll(self, g: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int):
+        """The training-time test's forward: yields step k's outputs [B, S, H] for k = 0..steps-1, from fused
+        features g [B, S, H]. Step k at slot s reads the embedding of x_{s+k+1} at position s+k, attends to step
+        0's keys at slots <= s (the real prefix) and to its own keys of steps 1..k at slot s.
+
+        Written as one attention over step 0's keys and every later step's keys under a boolean mask (causal on
+        the first block, diagonal on the others), so the fused kernel never materialises [B, h, S, S] scores."""
+        B, S = input_ids.shape
+        layer = self.midlayer
+        ids_ext = torch.cat([input_ids, input_ids.new_zeros(B, steps + 1)], dim=1)
+        eye = torch.eye(S, dtype=torch.bool, device=g.device)
+        # The diagonal is always allowed, so a padded slot never has an empty row (its outputs are never used).
+        first = (torch.ones_like(eye).tril()[None] & valid[:, None, :]) | eye  # [B, S, S]
+        pos = torch.arange(S, device=g.device)[None].expand(B, S)
+        keys, vals = [], []
+        for k in range(steps):
+            e = self.embed(ids_ext[:, 1 + k: 1 + k + S]).to(g.dtype)
+            q, kk, vv = layer.qkv(e, g, *self.rope(g, pos + k))
+            keys.append(_expand_kv(kk, layer.heads))
+            vals.append(_expand_kv(vv, layer.heads))
+            mask = torch.cat([first] + [eye[None].expand(B, S, S)] * k, -1)[:, None]  # [B, 1, S, (k+1) S]
+            attn = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask)
+            g = layer.finish(attn, g)
+            yield g
+
+    def objective(self, states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  attention_mask: torch.Tensor | None, base_weight: torch.Tensor, loss_cfg) -> dict:
+        """Training-time test over states [B, S, n+1, H] (the n base layers and the final state): per step,
+        soft cross-entropy towards the base restricted to the draft vocabulary, chunked over positions."""
+        from ..losses import head_loss
+
+        B, S = input_ids.shape
+        n, steps = len(self.base_layers), self.cfg["ttt_steps"]
+        g = self.fc(states[:, :, :n].flatten(-2).to(self.fc.weight.dtype))  # [B, S, H]
+        final = states[:, :, n]  # the teacher's hidden state
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        rows = self.draft_ids()
+        w_teacher = base_weight[rows]  # the base's lm_head restricted to the draft vocabulary [Vd, H]
+        out = {key: [] for key in ("loss_sum", "count", "top1", "topk", "agree1")}
+        total = g.new_zeros((), dtype=torch.float32)
+        for k, o in enumerate(self.unroll(g, input_ids, valid, steps)):
+            shift = k + 2  # slot s at step k predicts x_{s+k+2}; its teacher is the base at position s+k+1
+            sel = (loss_mask[:, shift:].bool() & valid[:, shift:]) if S > shift else None
+            if sel is not None:
+                th = final[:, shift - 1: S - 1]
+                with torch.no_grad():  # the base's own argmax (over the full vocabulary) must be draftable
+                    full_top = torch.cat([(th[:, s:s + 256] @ base_weight.t().to(th.dtype)).argmax(-1)
+                                          for s in range(0, S - shift, 256)], dim=1)
+                sel = sel & self.t2d[full_top]
+            if sel is None or not bool(sel.any()):
+                total = total + 0.0 * (o.sum() + self.lm_head.weight.sum() + self.norm.weight.sum())
+                for key in out:
+                    out[key].append(total.new_zeros(()).detach())
+                continue
+            target = input_ids[:, shift:][sel]  # data tokens, as draft ids (-1: not in the draft vocabulary)
+            at = torch.searchsorted(rows, target).clamp(max=rows.numel() - 1)
+            target = torch.where(rows[at] == target, at, torch.full_like(at, -1))
+            ls, h1, hk, ag = head_loss(self.norm(o[:, : S - shift][sel]), self.lm_head.weight, target, th[sel],
+                                       w_teacher, 1.0, loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence)
+            nsel = sel.sum()
+            total = total + self.cfg["step_decay"] ** k * ls / nsel
+            for key, v in zip(out, (ls.detach(), nsel.float(), h1, hk, ag)):
+                out[key].append(v)
+        res = {key: torch.stack(v) for key, v in out.items()}
+        res["loss"] = total
+        return res
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-2 dynamic trees drafted by an EAGLE-3 module (see the module docstring). Deterministic drafts
+    (top-k), so sampling verification treats every node as a point mass: lossless."""
+
+    def __init__(self, module: Eagle3Draft, depth: int = 5, top_k: int = 8, total_tokens: int = 32):
+        if depth < 1 or top_k < 1 or total_tokens < 2:
+            raise ValueError("EAGLE trees need depth >= 1, top_k >= 1 and total_tokens >= 2")
+        self.m, self.depth, self.top_k, self.total = module, depth, top_k, total_tokens
+        self.hidden_layers = tuple(module.base_layers)
+        self.device = module.fc.weight.device
+        self.dtype = module.fc.weight.dtype
+        self.draft_rows = module.draft_ids()
+
+    @property
+    def max_nodes(self) -> int:
+        return self.total
+
+    def describe(self) -> dict:
+        return {"kind": "eagle3", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total}
+
+    # --- the draft's KV cache over committed positions -----------------------------------------------------
+    def _attend(self, q, k_new, v_new, allowed_new: torch.Tensor) -> torch.Tensor:
+        """Attention of new entries [B, h, T, d] over the committed cache (valid slots) and the new ones
+        (allowed_new [B, T, T]); the new keys are not added to the cache."""
+        h = self.m.midlayer.heads
+        k_new, v_new = _expand_kv(k_new, h), _expand_kv(v_new, h)
+        scale = 1.0 / math.sqrt(self.m.midlayer.head_dim)
+        if self.k is not None:
+            k = torch.cat([_expand_kv(self.k, h), k_new], 2)
+            v = torch.cat([_expand_kv(self.v, h), v_new], 2)
+            allowed = torch.cat([self.valid[:, None, :].expand(-1, q.shape[2], -1), allowed_new], -1)
+        else:
+            k, v, allowed = k_new, v_new, allowed_new
+        scores = (q @ k.transpose(-1, -2)) * scale
+        return torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1) @ v
+
+    def _step(self, g, tokens, positions, allowed_new):
+        """One layer pass for new entries: g [B, T, H] features, tokens [B, T] target ids, positions [B, T]."""
+        e = self.m.embed(tokens).to(self.dtype)
+        cos, sin = self.m.rope(g, positions)
+        q, k, v = self.m.midlayer.qkv(e, g, cos, sin)
+        return self.m.midlayer.finish(self._attend(q, k, v, allowed_new), g), k, v
+
+    def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor) -> None:
+        """Append committed entries (base features feats [B, T, n, H], the token after each [B, T]); keep each row's
+        last valid output as the state the next tree starts from."""
+        from ..decode.cache import causal_allowed
+
+        B, T = next_tokens.shape
+        g = self.m.fc(feats.flatten(-2).to(self.dtype))
+        pos = self.next_pos[:, None] + (ok.long().cumsum(-1) - 1).clamp(min=0)
+        out, k, v = self._step(g, next_tokens, pos, causal_allowed(ok))
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        self.valid = ok if self.valid is None else torch.cat([self.valid, ok], 1)
+        self.next_pos = self.next_pos + ok.sum(-1)
+        last = (ok.long() * torch.arange(1, T + 1, device=ok.device)).argmax(-1)  # each row's last valid entry
+        rows = torch.arange(B, device=ok.device)
+        take = ok.any(-1)
+        self.out = torch.where(take[:, None], out[rows, last], self.out if self.out is not None else out[rows, last])
+
+    # --- the interface ---------------------------------------------------------------------------------------
+    def begin(self, prompt: PromptState, sampling, generator) -> None:
+        self.k = self.v = self.valid = self.out = None
+        self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
+        self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
+
+    @torch.no_grad()
+    def propose(self, root: torch.Tensor) -> Proposal:
+        if self.pending is not None:  # the prompt's entries: (features at j, token j+1), the last one's token is the root
+            feats, ids, ok = self.pending
+            nxt = torch.cat([ids[:, 1:], root[:, None]], 1)
+            self._commit_entries(feats, nxt, ok)
+            self.pending = None
+        B, dev = root.shape[0], root.device
+        logp = torch.log_softmax(self.m.lm_head(self.m.norm(self.out)).float(), -1)  # [B, Vd] below the root
+        # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
+        score0, idx0 = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [B, k]
+        tok = [root[:, None], self.draft_rows[idx0]]
+        par = [torch.full((B, 1), -1, device=dev), torch.zeros_like(idx0)]
+        dep = [torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones_like(idx0)]
+        scr = [torch.zeros(B, 1, device=dev), score0]
+        frontier, f_score, f_out, f_pos = [1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1)], score0, \
+            None, None
+        n_nodes = 1 + idx0.shape[1]
+        anc = {}  # tree entries forwarded so far, for attention: node -> its forwarded ancestors' entries
+        kk = vv = None
+        ent_nodes = torch.zeros(B, 0, dtype=torch.long, device=dev)  # node id of each forwarded tree entry
+        ent_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # entry i may attend to entry j
+        parent_out = self.out[:, None]  # [B, 1, H] outputs keyed by entry; the root's is the committed state
+        for d in range(1, self.depth):
+            # Expand the top_k most probable nodes of depth d (the previous level's children).
+            nodes = frontier[-1]
+            k_exp = min(self.top_k, nodes.shape[1])
+            best = f_score.topk(k_exp, -1).indices  # [B, k_exp]
+            exp_nodes = nodes.gather(1, best)  # [B, k_exp] node ids to forward
+            all_par = torch.cat(par, 1)
+            all_tok = torch.cat(tok, 1)
+            parents = all_par.gather(1, exp_nodes)  # their parents (node ids)
+            # Their g: the parent's output (root's = committed state; others = their entry's output).
+            if d == 1:
+                g = self.out[:, None].expand(B, k_exp, -1)
+                anc_rows = torch.zeros(B, k_exp, ent_nodes.shape[1], dtype=torch.bool, device=dev)
+            else:
+                slot = (ent_nodes[:, None, :] == parents[:, :, None]).float().argmax(-1)  # parent's entry index
+                g = parent_out.gather(1, slot[..., None].expand(-1, -1, parent_out.shape[-1]))
+                anc_rows = ent_anc.gather(1, slot[..., None].expand(-1, -1, ent_anc.shape[-1])) | \
+                    torch.nn.functional.one_hot(slot, ent_anc.shape[-1]).bool()
+            T_prev = ent_nodes.shape[1]
+            allowed_new = torch.cat([anc_rows, torch.eye(k_exp, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)],
+                                    -1)  # [B, k_exp, T_prev + k_exp]
+            positions = self.next_pos[:, None] - 1 + d  # a depth-d node is the entry at (root position) - 1 + d
+            e_tokens = all_tok.gather(1, exp_nodes)
+            h = self.m.midlayer.heads
+            emb = self.m.embed(e_tokens).to(self.dtype)
+            cos, sin = self.m.rope(g, positions.expand(B, k_exp))
+            q, k_, v_ = self.m.midlayer.qkv(emb, g, cos, sin)
+            kk = k_ if kk is None else torch.cat([kk, k_], 2)
+            vv = v_ if vv is None else torch.cat([vv, v_], 2)
+            scale = 1.0 / math.sqrt(self.m.midlayer.head_dim)
+            keys = torch.cat([_expand_kv(self.k, h), _expand_kv(kk, h)], 2)
+            vals = torch.cat([_expand_kv(self.v, h), _expand_kv(vv, h)], 2)
+            allowed = torch.cat([self.valid[:, None, :].expand(-1, k_exp, -1), allowed_new], -1)
+            att = torch.softmax(((q @ keys.transpose(-1, -2)) * scale).masked_fill(~allowed[:, None], float("-inf")),
+                                -1) @ vals
+            o = self.m.midlayer.finish(att, g)  # [B, k_exp, H]
+            ent_nodes = torch.cat([ent_nodes, exp_nodes], 1)
+            pad = torch.zeros(B, T_prev, k_exp, dtype=torch.bool, device=dev)
+            ent_anc = torch.cat([torch.cat([ent_anc, pad], 2), allowed_new], 1)
+            parent_out = o if d == 1 else torch.cat([parent_out, o], 1)
+            # Children of each expanded node.
+            lp = torch.log_softmax(self.m.lm_head(self.m.norm(o)).float(), -1)  # [B, k_exp, Vd]
+            sc, ix = lp.topk(min(self.top_k, lp.shape[-1]), -1)  # [B, k_exp, k]
+            exp_score = torch.cat(scr, 1).gather(1, exp_nodes)
+            child_score = (exp_score[..., None] + sc).flatten(1)  # [B, k_exp * k]
+            child_tok = self.draft_rows[ix].flatten(1)
+            child_par = exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1)
+            tok.append(child_tok), par.append(child_par), scr.append(child_score)
+            dep.append(torch.full_like(child_tok, d + 1))
+            frontier.append(n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1))
+            f_score = child_score
+            n_nodes += child_tok.shape[1]
+        return self._rerank(torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1))
+
+    def _rerank(self, tok, par, dep, scr) -> Proposal:
+        """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed)."""
+        from .retrieval import padded_proposal
+
+        rows = []
+        for b in range(tok.shape[0]):
+            t, p, d, s = tok[b].tolist(), par[b].tolist(), dep[b].tolist(), scr[b].tolist()
+            keep = sorted(range(1, len(t)), key=lambda n: (-s[n], d[n], n))[: self.total - 1]
+            order = [0] + sorted(keep, key=lambda n: (d[n], n))
+            new = {n: i for i, n in enumerate(order)}
+            rows.append(([t[n] for n in order], [-1] + [new[p[n]] for n in order[1:]]))
+        return padded_proposal(rows, tok.device)
+
+    @torch.no_grad()
+    def commit(self, step: StepResult) -> None:
+        # Entries for the committed positions from the base's true features: (feature at node, next token), the
+        # last one's next token being the bonus. Tentative tree entries were never added to the cache.
+        B, M = step.keep.shape
+        feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
+        nxt = torch.zeros(B, M, dtype=torch.long, device=self.device)
+        for b, path in enumerate(step.paths):
+            toks = [int(step.tokens[b, n]) for n in path[1:]] + [int(step.bonus[b])]
+            nxt[b, : len(toks)] = torch.tensor(toks, device=self.device)
+        self._commit_entries(feats, nxt, step.keep_valid)

@@ -1,0 +1,80 @@
+"""Medusa-2: heads trained jointly with a LoRA adapter on the base (peft): the warm-up, the combined loss with
+self-distillation, checkpoints without the frozen base, the export's adapter and decoding against the adapted
+base (greedy output equals the adapted base's own), and the recipe errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_train import recipe
+from draftlab.config import ConfigError, build_recipe
+from draftlab.decode.acceptance import Sampling
+from draftlab.decode.generate import load_decoder, plain_generate
+from draftlab.export import read_meta
+from draftlab.train import train
+
+
+def medusa2(base, data, out, **lora):
+    r = recipe(base, data, out, "medusa2", max_steps=4, lr=3e-2)
+    raw = r.model_dump(mode="json")
+    raw["lora"] = {**raw["lora"], **lora}
+    return build_recipe(raw)
+
+
+def test_warm_up_then_joint_training_and_the_export(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "m2"
+    train(medusa2(tiny_base_dir, data_file, out, heads_warmup_steps=2))
+    logs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {l["step"]: l for l in logs if "loss" in l}
+    assert "base_loss" not in steps[1] and "base_loss" not in steps[2]  # warm-up: heads only
+    assert steps[3]["base_loss"] >= 0 and steps[4]["base_loss"] > 0  # KL to the original base, once it moved
+    meta = read_meta(out / "export")
+    assert meta["adapter"] == "adapter"
+    cfg = json.loads((out / "export" / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and set(cfg["target_modules"]) == {"q_proj", "v_proj"}
+    lora = load_file(out / "export" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # the adapter trained (B starts at 0)
+    # Checkpoints hold the heads and the adapter, not the frozen base.
+    ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
+    saved = load_file(next(ckpt.glob("model*.safetensors")))
+    assert any("lora_" in k for k in saved) and not any("embed_tokens" in k or "base_layer" in k for k in saved)
+
+
+def test_warm_up_leaves_the_adapter_untouched(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "w"
+    train(medusa2(tiny_base_dir, data_file, out, heads_warmup_steps=10))
+    lora = load_file(out / "export" / "adapter" / "adapter_model.safetensors")
+    assert all(v.abs().max() == 0 for k, v in lora.items() if "lora_B" in k)
+
+
+def test_decoding_follows_the_adapted_base(tiny_base_dir, data_file, tmp_path):
+    out = tmp_path / "d"
+    train(medusa2(tiny_base_dir, data_file, out, heads_warmup_steps=1, self_distill=False, lr=0.2))
+    decoder, tok, _ = load_decoder(str(out / "export"), device="cpu")
+    from draftlab.base import load_base
+    from peft import PeftModel
+
+    original, _ = load_base(str(tiny_base_dir), "float32")
+    adapted = PeftModel.from_pretrained(load_base(str(tiny_base_dir), "float32")[0], out / "export" / "adapter").merge_and_unload()
+    prompts = [[tok.bos_token_id] + tok("Once upon a time the cat").input_ids, [tok.bos_token_id, 5, 9]]
+    got = decoder.generate(prompts, 24).tokens
+    want, _ = plain_generate(adapted, prompts, 24, Sampling(), None)
+    assert got == want
+    for (name, p), (_, q) in zip(decoder.base.named_parameters(), adapted.named_parameters()):
+        torch.testing.assert_close(p, q)
+    # The adapter moved the base: some weight the LoRA targets differs from the original.
+    assert any(not torch.equal(p, q) for (n, p), (_, q) in zip(adapted.named_parameters(), original.named_parameters())
+               if "q_proj" in n or "v_proj" in n)
+
+
+@pytest.mark.parametrize("change,msg", [({"head": {"type": "ssm"}}, "set head.type: medusa"),
+                                        ({"train": {"cache_hidden": True}}, "cannot be cached"),
+                                        ({"distributed": {"strategy": "fsdp"}}, "not fsdp")])
+def test_recipe_errors(tiny_base_dir, data_file, tmp_path, change, msg):
+    raw = medusa2(tiny_base_dir, data_file, tmp_path).model_dump(mode="json")
+    for k, v in change.items():
+        raw[k] = {**raw[k], **v}
+    with pytest.raises(ConfigError, match=msg):
+        build_recipe(raw)
