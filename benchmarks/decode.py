@@ -31,13 +31,17 @@ def draftlab_method(decoder, eos: int, n: int):
     return lambda ids: decoder.generate([ids], n, eos_token_id=eos)
 
 
-def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_generate") -> dict:
-    """Run every method on every prompt (interleaved, after a warm-up); figures per method."""
+def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_generate",
+            references: dict | None = None) -> dict:
+    """Run every method on every prompt (interleaved, after a warm-up); figures per method. Speedup and identity
+    are against `reference`, or for the methods named in `references` against the method given there (a method
+    that decodes another base, e.g. Medusa-2's adapted one; references must come first in `methods`)."""
+    references = references or {}
     for fn in methods.values():
         fn(prompts[0][:8])
     stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "committed": 0, "split": {}, "identical": 0} for m in methods}
     for ids in prompts:
-        ref = None
+        got = {}
         for m, fn in methods.items():
             t0 = time.perf_counter()
             out = fn(ids)
@@ -51,15 +55,17 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
                 s["committed"] += sum(out.committed)  # tokens those forwards committed, bonus included
                 for k, v in out.time_s.items():
                     s["split"][k] = s["split"].get(k, 0.0) + v
-            ref = toks if m == reference else ref
+            got[m] = toks
             s["tokens"] += len(toks)
-            s["identical"] += int(toks == ref)
-    base_tps = stats[reference]["tokens"] / stats[reference]["time_s"]
+            s["identical"] += int(toks == got.get(references.get(m, reference)))
     out = {}
     for m, s in stats.items():
         tps = s["tokens"] / s["time_s"]
-        r = {"tokens_per_s": round(tps, 1), "speedup": round(tps / base_tps, 3), "new_tokens": s["tokens"],
-             "identical_to_baseline": s["identical"] == len(prompts)}
+        ref = stats[references.get(m, reference)]
+        r = {"tokens_per_s": round(tps, 1), "speedup": round(tps / (ref["tokens"] / ref["time_s"]), 3),
+             "new_tokens": s["tokens"], "identical_to_baseline": s["identical"] == len(prompts)}
+        if m in references:
+            r["baseline"] = references[m]
         if s["steps"]:
             r["steps"] = s["steps"]
             r["accept_length"] = round(s["committed"] / s["steps"], 3)  # as Result.accept_length

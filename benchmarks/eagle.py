@@ -1,12 +1,14 @@
-"""The EAGLE-3-style drafter next to Medusa, Hydra and Hydra++ on stories260K: same data, same optimizer steps,
-same verification budget (25 tokens: the heads' default tree; EAGLE-2 dynamic trees of 25 tokens), and EAGLE's
-own default (depth 7, top-k 10, 60 tokens).
+"""The EAGLE-3-style drafter and Medusa-2 next to Medusa, Hydra and Hydra++ on stories260K: same data, same
+optimizer steps, same verification budget (25 tokens: the heads' default tree; EAGLE-2 dynamic trees of 25
+tokens), and EAGLE's own default (depth 7, top-k 10, 60 tokens).
 
     python benchmarks/train_heads.py --recipe recipes/stories260k-eagle3.yaml --name stories260k-eagle3
+    python benchmarks/train_heads.py --recipe recipes/stories260k-medusa2.yaml --name stories260k-medusa2
     python benchmarks/eagle.py        # after the three head runs of benchmarks/heads.py
 
 Greedy decoding of 50 held-out prompts x 128 new tokens, all methods in one process, interleaved, after a warm-up;
-speedup against plain HF generate of the same base in the same run.
+speedup against plain HF generate of the same base in the same run. Medusa-2 decodes the adapted base (base +
+its LoRA), so its speedup and identity are against plain HF generate of that adapted base, also in the run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from common import EXPORTS, RESULTS, STORIES_EXPORTS, heldout_story_prompts, wri
 from decode import compare, draftlab_method, hf_method, print_table
 
 EAGLE = "stories260k-eagle3"
+MEDUSA2 = "stories260k-medusa2"
 EAGLE_TREES = {"eagle3": "dynamic:5,8,25", "eagle3_t60": "dynamic:7,10,60"}
 
 
@@ -33,6 +36,7 @@ def main() -> None:
         decoders[kind], tok, _ = load_decoder(str(EXPORTS / name), tree="default")
     for label, tree in EAGLE_TREES.items():
         decoders[label], _, _ = load_decoder(str(EXPORTS / EAGLE), tree=tree)
+    medusa2, _, _ = load_decoder(str(EXPORTS / MEDUSA2), tree="default")  # its own, adapted base
     base = decoders["medusa"].base
     for d in decoders.values():  # one base object for all, so every method runs the same weights
         d.base = base
@@ -40,12 +44,16 @@ def main() -> None:
             d.drafter.m.attach_base(base)
     eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
-    methods = {"hf_generate": hf_method(base, eos, N)}
+    methods = {"hf_generate": hf_method(base, eos, N), "hf_generate_adapted": hf_method(medusa2.base, eos, N)}
     methods.update({k: draftlab_method(d, eos, N) for k, d in decoders.items()})
-    results = compare(methods, prompts)
+    methods["medusa2"] = draftlab_method(medusa2, eos, N)
+    decoders["medusa2"] = medusa2
+    results = compare(methods, prompts, references={"medusa2": "hf_generate_adapted"})
     out = {"prompts": len(prompts), "max_new_tokens": N, "baseline_tokens_per_s": results["hf_generate"]["tokens_per_s"],
-           "trees": {**{k: "default (25 tokens)" for k in STORIES_EXPORTS}, **EAGLE_TREES}}
-    names = {**STORIES_EXPORTS, **{k: EAGLE for k in EAGLE_TREES}}
+           "adapted_baseline_tokens_per_s": results["hf_generate_adapted"]["tokens_per_s"],
+           "trees": {**{k: "default (25 tokens)" for k in STORIES_EXPORTS}, "medusa2": "default (25 tokens)",
+                     **EAGLE_TREES}}
+    names = {**STORIES_EXPORTS, "medusa2": MEDUSA2, **{k: EAGLE for k in EAGLE_TREES}}
     for kind, name in names.items():
         train = json.loads((RESULTS / ("train_heads.json" if kind == "medusa" else f"train_heads_{name}.json")).read_text())
         out[kind] = {**results[kind], "tree_size": decoders[kind].drafter.max_nodes, "train_steps": train["steps"],

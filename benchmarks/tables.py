@@ -113,6 +113,67 @@ def main() -> None:
                   f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {r.get('cost_ratio_c', '-')} | "
                   f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
         print()
+    if d := load("train_ensemble"):
+        print(f"### Boost-tuning an SSM ensemble (`benchmarks/train_ensemble.py`; recipes/stories260k-ensemble.yaml, "
+              f"5 one-layer members x 300 steps; {where(d)})\n")
+        print("| ensemble | stage | trained on examples | ensemble coverage (mean) | covered examples | tau (merged, "
+              "16 held-out prompts) |\n|---|---|---|---|---|---|")
+        for name in ("boost", "independent"):
+            for st in d[name]["stages"]:
+                print(f"| {name} | {st['stage']} | {st['trained_on_examples']} | {st['mean_coverage']:.3f} | "
+                      f"{st['covered_examples']} | {st['tau']:.3f} |")
+        print(f"\nwall: boost {d['boost']['wall_s']:.0f} s, independent {d['independent']['wall_s']:.0f} s; members' "
+              "held-out top-1 agreement: boost " + ", ".join(f"{x:.3f}" for x in d["boost"]["member_agree_top1"]) +
+              "; independent " + ", ".join(f"{x:.3f}" for x in d["independent"]["member_agree_top1"]) + "\n")
+    if d := load("ensemble"):
+        print(f"### Ensembles at decoding time (`benchmarks/ensemble.py`; {d['prompts']} held-out prompts x "
+              f"{d['max_new_tokens']} tokens, greedy, chains of {d['chain']} per member, merged trees of 32 tokens; "
+              f"{where(d)})\n")
+        print("| members | boost merge | boost vote | independent merge | independent vote |\n|---|---|---|---|---|")
+        z = d["sizes"]
+        for k in z["boost"]["merge"]:
+            print(f"| {k} | {z['boost']['merge'][k]:.3f} | {z['boost']['vote'][k]:.3f} | "
+                  f"{z['independent']['merge'][k]:.3f} | {z['independent']['vote'][k]:.3f} |")
+        print("\n(accept length: tokens committed per base forward; 1 member = that member alone)\n")
+        print(f"| method | accept length | tokens/s | speedup | identical | {phases(d['methods'].values())} | "
+              "ensemble bookkeeping ms/step (share) |\n|---|---|---|---|---|---|---|")
+        for m, r in d["methods"].items():
+            ov = (f"{r['ensemble_overhead_ms_per_step']:.2f} ({100 * r['ensemble_overhead_share']:.1f}%)"
+                  if "ensemble_overhead_ms_per_step" in r else "-")
+            print(f"| {m} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+                  f"{r['identical_to_baseline']} | {split(r)} | {ov} |")
+        sm = d["sampled"]
+        print(f"\nScheduler: the untrained member drafted in {100 * d['scheduler']['bad_member_active_share']:.0f}% of "
+              f"the steps after warm-up. Sampled (T = 0.8): plain HF {sm['hf_sample']['tokens_per_s']:.0f} tokens/s; "
+              f"one member {sm['single']['tokens_per_s']:.0f} tokens/s (accept {sm['single']['accept_length']}); "
+              f"boosted 5-member merge {sm['boost_merge5']['tokens_per_s']:.0f} tokens/s (accept "
+              f"{sm['boost_merge5']['accept_length']}).\n")
+    if d := load("eagle"):
+        print(f"### EAGLE-3-style drafter and Medusa-2 vs Medusa, Hydra, Hydra++ (`benchmarks/eagle.py`; same data and optimizer "
+              f"steps; {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens, greedy; {where(d)})\n")
+        print("| draft | tree | tokens per verification | accept length | tokens/s | speedup | identical | "
+              f"{phases([d[k] for k in d['trees']])} | train steps | train tokens/s | held-out top-1 agreement per "
+              "head / step |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for k, tree in d["trees"].items():
+            r = d[k]
+            print(f"| {k} | {tree} | {r['tree_size']} | {r['accept_length']} | {r['tokens_per_s']:.0f} | "
+                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} | {r['train_steps']} | "
+                  f"{r['train_tokens_per_s']:.0f} | {', '.join(f'{x:.2f}' for x in r['agree_top1'])} |")
+        print(f"\nplain HF generate in the same run: {d['baseline_tokens_per_s']:.0f} tokens/s; of Medusa-2's adapted base "
+              f"(its baseline): {d['adapted_baseline_tokens_per_s']:.0f} tokens/s\n")
+    if d := load("dsi"):
+        print(f"### DSI as processes with emulated latencies (`benchmarks/dsi.py`; stories260K base, oracle drafter with "
+              f"i.i.d. acceptance, {d['runs']} prompts x {d['tokens']} tokens; {where(d)})\n")
+        print("| target ms | drafter ms | acceptance | SP | lookahead (DSI / SI) | identical | measured s non-SI / SI / DSI | "
+              "expected s non-SI / SI / DSI | DSI vs SI measured (expected) | DSI vs non-SI measured (expected) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in d["configs"]:
+            m, e, ms, es = r["measured_s"], r["expected_s"], r["measured_speedup"], r["expected_speedup"]
+            print(f"| {1000 * r['t_target_s']:.1f} | {1000 * r['t_draft_s']:.1f} | {r['acceptance']} | {r['sp']} | "
+                  f"{r['lookahead']} / {r['si_lookahead']} | {r['identical_to_greedy']} | "
+                  f"{m['non_si']:.2f} / {m['si']:.2f} / {m['dsi']:.2f} | {e['non_si']:.2f} / {e['si']:.2f} / {e['dsi']:.2f} | "
+                  f"{ms['dsi_vs_si']:.2f} ({es['dsi_vs_si']:.2f}) | {ms['dsi_vs_non_si']:.2f} ({es['dsi_vs_non_si']:.2f}) |")
+        print()
     if d := load("refactor_check"):
         print(f"### The drafter interface against the decoder before it (`benchmarks/refactor_check.py`; before = "
               f"{d['before']}, same exports, base object and prompts, interleaved; {d['prompts']} prompts x "

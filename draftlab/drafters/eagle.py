@@ -368,20 +368,16 @@ class Eagle3Drafter(Drafter):
         par = [torch.full((B, 1), -1, device=dev), torch.zeros_like(idx0)]
         dep = [torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones_like(idx0)]
         scr = [torch.zeros(B, 1, device=dev), score0]
-        frontier, f_score, f_out, f_pos = [1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1)], score0, \
-            None, None
+        frontier, f_score = 1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1), score0  # last level
         n_nodes = 1 + idx0.shape[1]
-        anc = {}  # tree entries forwarded so far, for attention: node -> its forwarded ancestors' entries
-        kk = vv = None
+        kk = vv = None  # keys / values of the tree entries forwarded so far (never added to the cache)
         ent_nodes = torch.zeros(B, 0, dtype=torch.long, device=dev)  # node id of each forwarded tree entry
         ent_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # entry i may attend to entry j
-        parent_out = self.out[:, None]  # [B, 1, H] outputs keyed by entry; the root's is the committed state
+        parent_out = None  # outputs of the forwarded tree entries [B, T, H], in entry order
         for d in range(1, self.depth):
             # Expand the top_k most probable nodes of depth d (the previous level's children).
-            nodes = frontier[-1]
-            k_exp = min(self.top_k, nodes.shape[1])
-            best = f_score.topk(k_exp, -1).indices  # [B, k_exp]
-            exp_nodes = nodes.gather(1, best)  # [B, k_exp] node ids to forward
+            k_exp = min(self.top_k, frontier.shape[1])
+            exp_nodes = frontier.gather(1, f_score.topk(k_exp, -1).indices)  # [B, k_exp] node ids to forward
             all_par = torch.cat(par, 1)
             all_tok = torch.cat(tok, 1)
             parents = all_par.gather(1, exp_nodes)  # their parents (node ids)
@@ -398,20 +394,11 @@ class Eagle3Drafter(Drafter):
             allowed_new = torch.cat([anc_rows, torch.eye(k_exp, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)],
                                     -1)  # [B, k_exp, T_prev + k_exp]
             positions = self.next_pos[:, None] - 1 + d  # a depth-d node is the entry at (root position) - 1 + d
-            e_tokens = all_tok.gather(1, exp_nodes)
-            h = self.m.midlayer.heads
-            emb = self.m.embed(e_tokens).to(self.dtype)
-            cos, sin = self.m.rope(g, positions.expand(B, k_exp))
-            q, k_, v_ = self.m.midlayer.qkv(emb, g, cos, sin)
+            emb = self.m.embed(all_tok.gather(1, exp_nodes)).to(self.dtype)
+            q, k_, v_ = self.m.midlayer.qkv(emb, g, *self.m.rope(g, positions.expand(B, k_exp)))
             kk = k_ if kk is None else torch.cat([kk, k_], 2)
             vv = v_ if vv is None else torch.cat([vv, v_], 2)
-            scale = 1.0 / math.sqrt(self.m.midlayer.head_dim)
-            keys = torch.cat([_expand_kv(self.k, h), _expand_kv(kk, h)], 2)
-            vals = torch.cat([_expand_kv(self.v, h), _expand_kv(vv, h)], 2)
-            allowed = torch.cat([self.valid[:, None, :].expand(-1, k_exp, -1), allowed_new], -1)
-            att = torch.softmax(((q @ keys.transpose(-1, -2)) * scale).masked_fill(~allowed[:, None], float("-inf")),
-                                -1) @ vals
-            o = self.m.midlayer.finish(att, g)  # [B, k_exp, H]
+            o = self.m.midlayer.finish(self._attend(q, kk, vv, allowed_new), g)  # [B, k_exp, H]
             ent_nodes = torch.cat([ent_nodes, exp_nodes], 1)
             pad = torch.zeros(B, T_prev, k_exp, dtype=torch.bool, device=dev)
             ent_anc = torch.cat([torch.cat([ent_anc, pad], 2), allowed_new], 1)
@@ -425,7 +412,7 @@ class Eagle3Drafter(Drafter):
             child_par = exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1)
             tok.append(child_tok), par.append(child_par), scr.append(child_score)
             dep.append(torch.full_like(child_tok, d + 1))
-            frontier.append(n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1))
+            frontier = n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1)
             f_score = child_score
             n_nodes += child_tok.shape[1]
         return self._rerank(torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1))
