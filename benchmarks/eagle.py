@@ -36,7 +36,9 @@ def main() -> None:
         decoders[kind], tok, _ = load_decoder(str(EXPORTS / name), tree="default")
     for label, tree in EAGLE_TREES.items():
         decoders[label], _, _ = load_decoder(str(EXPORTS / EAGLE), tree=tree)
-    medusa2, _, _ = load_decoder(str(EXPORTS / MEDUSA2), tree="default")  # its own, adapted base
+    medusa2 = None
+    if (EXPORTS / MEDUSA2 / "draftlab.json").is_file():
+        medusa2, _, _ = load_decoder(str(EXPORTS / MEDUSA2), tree="default")  # its own, adapted base
     base = decoders["medusa"].base
     for d in decoders.values():  # one base object for all, so every method runs the same weights
         d.base = base
@@ -44,16 +46,18 @@ def main() -> None:
             d.drafter.m.attach_base(base)
     eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
-    methods = {"hf_generate": hf_method(base, eos, N), "hf_generate_adapted": hf_method(medusa2.base, eos, N)}
+    methods = {"hf_generate": hf_method(base, eos, N)}
+    if medusa2 is not None:
+        methods["hf_generate_adapted"] = hf_method(medusa2.base, eos, N)
     methods.update({k: draftlab_method(d, eos, N) for k, d in decoders.items()})
-    methods["medusa2"] = draftlab_method(medusa2, eos, N)
-    decoders["medusa2"] = medusa2
-    results = compare(methods, prompts, references={"medusa2": "hf_generate_adapted"})
+    trees = {**{k: "default (25 tokens)" for k in STORIES_EXPORTS}, **EAGLE_TREES}
+    names = {**STORIES_EXPORTS, **{k: EAGLE for k in EAGLE_TREES}}
+    if medusa2 is not None:
+        methods["medusa2"], decoders["medusa2"] = draftlab_method(medusa2, eos, N), medusa2
+        trees["medusa2"], names["medusa2"] = "default (25 tokens)", MEDUSA2
+    results = compare(methods, prompts, references={"medusa2": "hf_generate_adapted"} if medusa2 else None)
     out = {"prompts": len(prompts), "max_new_tokens": N, "baseline_tokens_per_s": results["hf_generate"]["tokens_per_s"],
-           "adapted_baseline_tokens_per_s": results["hf_generate_adapted"]["tokens_per_s"],
-           "trees": {**{k: "default (25 tokens)" for k in STORIES_EXPORTS}, "medusa2": "default (25 tokens)",
-                     **EAGLE_TREES}}
-    names = {**STORIES_EXPORTS, "medusa2": MEDUSA2, **{k: EAGLE for k in EAGLE_TREES}}
+           "adapted_baseline_tokens_per_s": results.get("hf_generate_adapted", {}).get("tokens_per_s"), "trees": trees}
     for kind, name in names.items():
         train = json.loads((RESULTS / ("train_heads.json" if kind == "medusa" else f"train_heads_{name}.json")).read_text())
         out[kind] = {**results[kind], "tree_size": decoders[kind].drafter.max_nodes, "train_steps": train["steps"],

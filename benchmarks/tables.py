@@ -159,8 +159,9 @@ def main() -> None:
             print(f"| {k} | {tree} | {r['tree_size']} | {r['accept_length']} | {r['tokens_per_s']:.0f} | "
                   f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} | {r['train_steps']} | "
                   f"{r['train_tokens_per_s']:.0f} | {', '.join(f'{x:.2f}' for x in r['agree_top1'])} |")
-        print(f"\nplain HF generate in the same run: {d['baseline_tokens_per_s']:.0f} tokens/s; of Medusa-2's adapted base "
-              f"(its baseline): {d['adapted_baseline_tokens_per_s']:.0f} tokens/s\n")
+        adapted = d.get("adapted_baseline_tokens_per_s")
+        print(f"\nplain HF generate in the same run: {d['baseline_tokens_per_s']:.0f} tokens/s" +
+              (f"; of Medusa-2's adapted base (its baseline): {adapted:.0f} tokens/s\n" if adapted else "\n"))
     if d := load("dsi"):
         print(f"### DSI as processes with emulated latencies (`benchmarks/dsi.py`; stories260K base, oracle drafter with "
               f"i.i.d. acceptance, {d['runs']} prompts x {d['tokens']} tokens; {where(d)})\n")
