@@ -105,19 +105,24 @@ class DSI:
             decided = None
             while decided is None:
                 # Send every task that is due, as servers allow.
-                while pending_send <= len(drafts) and len(committed) + pending_send < end + 1:
+                while True:
+                    # The last task of the text verifies up to its end, even off the lookahead grid.
+                    n_next = min(pending_send, end - len(committed))
+                    if n_next > len(drafts) or (sent and n_next <= sent[-1][1]):
+                        break
                     if not free:
                         stats["server_waits"] += 1
                         break
                     w = free.pop(0)
-                    self.tasks[w].put((next_id, self.epoch.value, committed, drafts[:pending_send]))
-                    sent.append((next_id, pending_send))
+                    self.tasks[w].put((next_id, self.epoch.value, committed, drafts[:n_next]))
+                    sent.append((next_id, n_next))
                     owner[next_id] = w
                     next_id += 1
                     stats["tasks"] += 1
                     pending_send += lookahead
                 # Read what has come back (without blocking while there is drafting to do).
                 block = len(committed) + len(drafts) >= end or (free == [] and pending_send <= len(drafts))
+                block = block and bool(owner)  # something is in flight to wait for
                 try:
                     item = self.results.get(timeout=0.5) if block else self.results.get_nowait()
                     while True:

@@ -40,3 +40,12 @@ def test_dsi_tokens_equal_plain_greedy(tiny_base_dir, setup):
             assert out["tokens"] == ref, (a, k)
         assert out["tasks"] > 0
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), lookahead=3)["tokens"] == ref
+
+
+def test_dsi_ends_off_the_lookahead_grid(tiny_base_dir, setup):
+    """Token counts that are not a multiple of the lookahead: the last task verifies up to the end."""
+    model, prompt, ref, V = setup
+    with DSI(str(tiny_base_dir), sp=3) as dsi:
+        for n, k in ((7, 4), (13, 5), (48, 7)):
+            out = dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
+            assert out["tokens"] == ref[:n], (n, k)
