@@ -116,8 +116,8 @@ def main() -> None:
             toks, committed, rows = toks + r.new_tokens, committed + sum(r.committed), rows + sum(r.rows_per_step)
         sampled[name] = {"tokens_per_s": round(toks / (time.perf_counter() - t0), 1),
                          "accept_length": round(committed / rows, 3)}
-    _, t_plain = plain_generate(base, prompts, N, s, eos)
-    base_toks = sum(len(x) for x in plain_generate(base, prompts, N, s, eos)[0])
+    plain, t_plain = plain_generate(base, prompts, N, s, eos)
+    base_toks = sum(len(x) for x in plain)
     sampled["hf_sample"] = {"tokens_per_s": round(base_toks / t_plain, 1)}
     for v in sampled.values():
         v["speedup"] = round(v["tokens_per_s"] / sampled["hf_sample"]["tokens_per_s"], 3)

@@ -254,6 +254,10 @@ class Recipe(_Section):
             if self.distributed.strategy == "fsdp":
                 raise ValueError("lora: joint training runs the base inside the trained module; use "
                                  "distributed.strategy ddp or deepspeed, not fsdp")
+        if self.head.type == "eagle3" and self.distributed.strategy == "fsdp":
+            raise ValueError("head.type eagle3 reads the base's token embeddings and rotary table outside the base's "
+                             "forward, which an FSDP-sharded base does not allow: use distributed.strategy ddp or "
+                             "deepspeed")
         if self.ensemble is None:
             return self
         if self.head.type != "ssm":

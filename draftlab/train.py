@@ -287,12 +287,12 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
     sums = None
     # Every rank takes as many base forwards as rank 0 (which has the most examples): with a sharded base
     # each forward is a collective, and a rank that ran out joins it with a one-token stand-in.
+    joint = isinstance(getattr(objective, "module", objective), JointObjective)  # it runs the (adapted) base itself
     for s in range(0, len(examples[0::world]), batch_size):
         if s >= len(mine):
             base_hidden(base, torch.ones(1, 1, dtype=torch.long, device=accelerator.device))
             continue
         b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
-        joint = isinstance(getattr(objective, "module", objective), JointObjective)  # computes the base itself
         h = None if joint else base_features(base, draft, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
             out = objective(h, b["input_ids"], b["loss_mask"], b["attention_mask"], base_weight)
@@ -375,9 +375,6 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
         stats.loss_tokens = sum(sum(e["loss_mask"]) for e in train_ex)
     pad_id = tok.pad_token_id
     H = base.config.hidden_size
-    if sharded and getattr(recipe.head, "type", None) == "eagle3":
-        raise ValueError("head.type eagle3 reads the base's token embeddings and rotary table outside its forward, "
-                         "which an FSDP-sharded base does not allow: use distributed.strategy ddp or deepspeed")
     with outside_deepspeed(ds_plugin):  # built whole (and checked, initialised from the base); ZeRO-3 shards it later
         draft = build_draft(recipe.head.model_dump(), base).float()
     if hasattr(draft, "fit_vocab"):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens

@@ -193,7 +193,6 @@ def _eagle_drafter(module, tree) -> Drafter:
     return Eagle3Drafter(module, tree.depth, tree.top_k, tree.total_tokens)
 
 
-@torch.no_grad()
 def _eagle_ranks(module, base, ids, depth):
     raise ValueError("search-tree over static trees does not apply to eagle3 (dynamic trees); it searches "
                      "depth / top_k / total_tokens by measured throughput instead")

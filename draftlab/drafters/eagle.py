@@ -256,17 +256,16 @@ class Eagle3Draft(nn.Module):
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         rows = self.draft_ids()
         w_teacher = base_weight[rows]  # the base's lm_head restricted to the draft vocabulary [Vd, H]
+        with torch.no_grad():  # the base's own argmax at every position, once: it must be draftable to be supervised
+            flat = final.reshape(-1, final.shape[-1])
+            draftable = torch.cat([self.t2d[(flat[s:s + 1024] @ base_weight.t().to(flat.dtype)).argmax(-1)]
+                                   for s in range(0, flat.shape[0], 1024)]).view(B, S)
         out = {key: [] for key in ("loss_sum", "count", "top1", "topk", "agree1")}
         total = g.new_zeros((), dtype=torch.float32)
         for k, o in enumerate(self.unroll(g, input_ids, valid, steps)):
             shift = k + 2  # slot s at step k predicts x_{s+k+2}; its teacher is the base at position s+k+1
-            sel = (loss_mask[:, shift:].bool() & valid[:, shift:]) if S > shift else None
-            if sel is not None:
-                th = final[:, shift - 1: S - 1]
-                with torch.no_grad():  # the base's own argmax (over the full vocabulary) must be draftable
-                    full_top = torch.cat([(th[:, s:s + 256] @ base_weight.t().to(th.dtype)).argmax(-1)
-                                          for s in range(0, S - shift, 256)], dim=1)
-                sel = sel & self.t2d[full_top]
+            sel = (loss_mask[:, shift:].bool() & valid[:, shift:] & draftable[:, shift - 1: S - 1]) if S > shift else None
+            th = final[:, shift - 1: S - 1]
             if sel is None or not bool(sel.any()):
                 total = total + 0.0 * (o.sum() + self.lm_head.weight.sum() + self.norm.weight.sum())
                 for key in out:
