@@ -103,3 +103,103 @@ def random_llama(shape: dict = SHAPE_7B, dtype: str = "bfloat16", device: str = 
         torch.set_default_dtype(before)
     model.generation_config.eos_token_id = None  # random weights: decode fixed lengths
     return model.requires_grad_(False).eval()
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms, synchronising the GPU."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(ts)
+
+
+def _oracle_class():
+    from draftlab.drafters import Drafter
+
+    class Oracle(Drafter):
+        """A drafter of controlled acceptance for random-weight bases: it knows the base's greedy continuation of
+        the committed text ("truth") and proposes each rank-0 token of the tree correctly with probability alpha
+        (other ranks: wrong tokens); drafting costs nothing. When bf16 rounding makes the decoder commit another
+        token than plain generate would (a near-tie), it re-derives truth from the committed text with plain
+        generate; that time is kept apart (excluded_s) and the events are counted (resyncs)."""
+
+        def __init__(self, base, prompt: list[int], truth: list[int], tree, alpha: float, seed: int = 0):
+            import random
+
+            from draftlab.decode.tree import TreeView
+
+            self.base, self.prompt, self.truth0 = base, prompt, truth
+            self.dev = base.get_output_embeddings().weight.device
+            self.tree, self.alpha, self.rng = tree, alpha, random.Random(seed)
+            self.buf = tree.buffers(self.dev)
+            self.view = TreeView.of_static(self.buf, 1)
+            self.depth, self.rank = self.buf.depth.tolist(), self.buf.rank.tolist()
+            self.V = base.config.vocab_size
+            self.excluded_s, self.resyncs = 0.0, 0
+
+        @property
+        def max_nodes(self):
+            return self.tree.size
+
+        def begin(self, prompt_state, sampling, generator):
+            self.text, self.truth, self.first = list(self.prompt), list(self.truth0), True
+
+        def propose(self, root):
+            import torch
+
+            from draftlab.drafters import Proposal
+
+            if self.first:  # the prefill's token
+                self._follow([int(root[0])])
+                self.first = False
+            j0 = len(self.text) - len(self.prompt)  # truth index of the token after the root
+            toks = [int(root[0])]
+            for n in range(1, self.tree.size):
+                j = j0 + self.depth[n] - 1
+                t = self.truth[j] if j < len(self.truth) else 0
+                right = self.rank[n] == 0 and self.rng.random() < self.alpha
+                toks.append(t if right else (t + 1 + self.rank[n]) % self.V)
+            return Proposal(torch.tensor([toks], device=self.dev), self.view)
+
+        def commit(self, step):
+            self._follow([int(step.tokens[0, n]) for n in step.paths[0][1:]] + [int(step.bonus[0])])
+
+        def _follow(self, new):
+            import time
+
+            import torch
+
+            start = len(self.text) - len(self.prompt)
+            self.text += new
+            if self.truth[start:start + len(new)] != new or len(self.truth) < start + len(new) + 16:
+                sync()
+                t0 = time.perf_counter()
+                self.resyncs += self.truth[start:start + len(new)] != new
+                ids = torch.tensor([self.text], device=self.dev)
+                cont = self.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                          temperature=None, top_p=None, top_k=None, pad_token_id=0)[0, ids.shape[1]:]
+                self.truth = self.text[len(self.prompt):] + cont.tolist()
+                sync()
+                self.excluded_s += time.perf_counter() - t0
+
+    return Oracle
+
+
+def Oracle(*args, **kwargs):  # noqa: N802 - a class built on first use (draftlab imports stay lazy here)
+    return _oracle_class()(*args, **kwargs)

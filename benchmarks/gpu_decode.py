@@ -22,37 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from common import ROOT, SHAPE_7B, random_llama
+from common import ROOT, SHAPE_7B, Oracle, random_llama, sync, timed
 
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             vocab_size=512, max_position_embeddings=2048)  # --tiny: a CPU smoke test of this script
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn() in ms, synchronising the GPU."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -72,7 +51,7 @@ def main() -> None:
     from draftlab.decode.cache import SlotCache
     from draftlab.decode.decoder import SpeculativeDecoder
     from draftlab.decode.tree import Tree, TreeView, default_tree
-    from draftlab.drafters import Drafter, Proposal, build_draft, make_drafter
+    from draftlab.drafters import build_draft, make_drafter
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shape, dtype = (TINY, "float32") if a.tiny else (SHAPE_7B, "bfloat16")
@@ -130,68 +109,16 @@ def main() -> None:
     res["verify"] = rows
 
     # 3. The decoder loop with an oracle drafter of per-token acceptance alpha.
-    class Oracle(Drafter):
-        """Knows the base's greedy continuation of the committed text ("truth"). When bf16 rounding makes the
-        decoder commit another token than plain generate would (a near-tie), it re-derives truth from the
-        committed text with plain generate; that time is kept apart (excluded_s) and the events are counted."""
-
-        def __init__(self, tree: Tree, alpha: float, seed: int = 0):
-            self.tree, self.alpha, self.rng = tree, alpha, random.Random(seed)
-            self.buf = tree.buffers(dev)
-            self.view = TreeView.of_static(self.buf, 1)
-            self.depth = self.buf.depth.tolist()
-            self.rank = self.buf.rank.tolist()
-            self.excluded_s, self.resyncs = 0.0, 0
-
-        @property
-        def max_nodes(self):
-            return self.tree.size
-
-        def begin(self, prompt_state, sampling, generator):
-            self.text = list(prompt)
-            self.truth = list(truth_plain)  # continuation of self.text[:len(prompt)]
-            self.first = True
-
-        def propose(self, root):
-            if self.first:  # the prefill's token
-                self._follow([int(root[0])])
-                self.first = False
-            j0 = len(self.text) - len(prompt)  # truth index of the token after the root
-            toks = [int(root[0])]
-            for n in range(1, self.tree.size):
-                j = j0 + self.depth[n] - 1
-                t = self.truth[j] if j < len(self.truth) else 0
-                right = self.rank[n] == 0 and self.rng.random() < self.alpha
-                toks.append(t if right else (t + 1 + self.rank[n]) % V)
-            return Proposal(torch.tensor([toks], device=dev), self.view)
-
-        def commit(self, step):
-            self._follow([int(step.tokens[0, n]) for n in step.paths[0][1:]] + [int(step.bonus[0])])
-
-        def _follow(self, new):
-            start = len(self.text) - len(prompt)
-            self.text += new
-            if self.truth[start:start + len(new)] != new or len(self.truth) < start + len(new) + 16:
-                sync()
-                t0 = time.perf_counter()
-                self.resyncs += self.truth[start:start + len(new)] != new
-                ids = torch.tensor([self.text], device=dev)
-                cont = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                     temperature=None, top_p=None, top_k=None, pad_token_id=0)[0, ids.shape[1]:]
-                self.truth = self.text[len(prompt):] + cont.tolist()
-                sync()
-                self.excluded_s += time.perf_counter() - t0
-
     loops = []
     trees = {"chain-1": Tree.chain(1), "chain-3": Tree.chain(3), "chain-5": Tree.chain(5), "chain-8": Tree.chain(8),
              "default-4h-25": default_tree(4, 24)}
     for alpha in a.alphas if "loop" in a.parts else []:
         for name in a.trees:
             tree = trees[name]
-            SpeculativeDecoder(base, Oracle(tree, alpha)).generate([prompt], max_new_tokens=8)  # warm-up
+            SpeculativeDecoder(base, Oracle(base, prompt, truth_plain, tree, alpha)).generate([prompt], max_new_tokens=8)
             runs = []
             for rep in range(a.reps):
-                drafter = Oracle(tree, alpha, seed=rep)
+                drafter = Oracle(base, prompt, truth_plain, tree, alpha, seed=rep)
                 dec = SpeculativeDecoder(base, drafter)
                 sync()
                 t0 = time.perf_counter()

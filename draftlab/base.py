@@ -64,8 +64,9 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
 
 def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.device | None = None,
               revision: str | None = None, trust_remote_code: bool = False,
-              attn_implementation: str | None = None):
-    """Frozen base causal LM in eval mode, and its tokenizer."""
+              attn_implementation: str | None = None, **placement):
+    """Frozen base causal LM in eval mode, and its tokenizer. placement: `distributed_config` (tensor parallel over a
+    torchrun launch) or `device_map` (layer-wise placement), passed to from_pretrained; `device` is then unused."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -74,6 +75,8 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
     kwargs = dict(dtype=DTYPES[dtype], revision=revision, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    placement = {k: v for k, v in placement.items() if v is not None}
+    kwargs.update(placement)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as e:
@@ -82,7 +85,7 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
             "checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR` first."
         ) from None
     model.requires_grad_(False).eval()
-    if device is not None:
+    if device is not None and not placement:
         model.to(device)
     return model, load_tokenizer(name_or_path, revision, trust_remote_code)
 

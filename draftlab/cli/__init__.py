@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .args import positive_int
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..export import ExportError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "tp", False) and int(os.environ.get("RANK", "0")) != 0:
+        sys.stdout = open(os.devnull, "w")  # tensor-parallel ranks other than 0 decode silently
     try:
         return args.func(args)
     except (ConfigError, DataError, ExportError, BaseModelError, ValueError, FileNotFoundError) as e:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..eval.mt_bench import compare_runs, run_mt_bench
-from .args import positive_int
+from .args import add_placement_args, positive_int
 
 
 def add_eval_args(sub) -> None:
@@ -29,6 +29,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--base", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default=None)
+    add_placement_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-id", default=None, help="model_id in the answer file")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
@@ -53,7 +54,8 @@ def eval_command(a) -> int:
     out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
     s = run_mt_bench(a.export, a.questions, out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
-                     a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots)
+                     a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
+                     device_map=a.device_map)
     if a.json:
         print(json.dumps(s))
         return 0

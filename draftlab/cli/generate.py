@@ -7,7 +7,7 @@ import sys
 
 from ..decode.acceptance import Sampling
 from ..decode.generate import load_decoder, run_generate
-from .args import positive_int
+from .args import add_placement_args, positive_int
 
 
 def add_generate_args(p) -> None:
@@ -37,6 +37,7 @@ def add_generate_args(p) -> None:
     p.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
                    help="ensemble exports: a scheduler / vote / adaptive-length parameter, e.g. reward_factor=1.5 "
                         "(repeatable; see the README for names and defaults)")
+    add_placement_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -47,7 +48,8 @@ def generate_command(a) -> int:
         if not eq:
             raise ValueError(f"--ensemble-option {item!r}: expected NAME=VALUE, e.g. reward_factor=1.5")
         options[name.strip()] = value.strip()
-    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device, mode=a.ensemble_mode,
+    decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device, a.tp, a.device_map,
+                                   mode=a.ensemble_mode,
                                    node_budget=a.node_budget, length=a.length, adaptive=a.adaptive,
                                    options=options or None)
     sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)

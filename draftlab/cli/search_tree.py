@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..decode.tree_search import search_tree
-from .args import positive_int
+from .args import add_placement_args, positive_int
 
 
 def add_search_args(p) -> None:
@@ -22,12 +22,14 @@ def add_search_args(p) -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
     p.add_argument("--plot", action="store_true", help="write OUT.sizes.png and OUT.tree.png")
+    add_placement_args(p)
     p.add_argument("--json", action="store_true")
 
 
 def search_command(a) -> int:
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
-                      a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth)
+                      a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
+                      tp=a.tp, device_map=a.device_map)
     if a.json:
         print(json.dumps(rep))
         return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import Drafter, PromptState, StepResult
+from ..drafters.base import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, typical_sample, warp
 from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
 
@@ -57,15 +57,150 @@ def _layers(out, layers) -> dict:
     return {l: out.hidden_states[l] for l in layers}
 
 
-class SpeculativeDecoder:
-    """Greedy, sampling and typical-acceptance decoding of a base with a drafter."""
+class Verifier:
+    """The base's side of decoding one batch: prefill, then per step verify a proposal (one base forward over
+    the tree), accept, keep the accepted path in the KV cache, emit tokens, and say what was decided.
 
-    def __init__(self, base, drafter: Drafter, check_base: bool = True):
+    The plain decoder alternates it with a drafter in one process; the pipelined decoder runs it in its own
+    process; under tensor parallelism every rank runs one and `sync` makes rank 0's proposal and decisions
+    everyone's."""
+
+    def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
+                 on_tokens=None, generator=None, hidden_layers=(), sync=None):
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("every prompt needs at least one token (e.g. BOS)")
+        self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
+        self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
+        self.device = base.get_output_embeddings().weight.device
+        self.res = Result(tokens=[[] for _ in prompts])
+        self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
+        self.prompts = prompts
+
+    def prefill(self) -> tuple[PromptState, torch.Tensor]:
+        """The prompts through the base (left-padded; each row's positions count its own tokens only): what the
+        drafter begins from, and the root [B] (the base's first token, already emitted)."""
+        t0 = time.perf_counter()
+        dev, B = self.device, len(self.prompts)
+        L = max(len(p) for p in self.prompts)
+        ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        for b, p in enumerate(self.prompts):
+            ids[b, L - len(p):] = torch.tensor(p, device=dev)
+            valid[b, L - len(p):] = True
+        self.target = SlotCache(self.base)
+        out, pos = self.target.prefill(ids, valid, hidden=bool(self.layers))
+        root = _pick_root(out.logits[:, -1], self.sampling, self.generator)  # [B]
+        if self.sync is not None:
+            root = self.sync.root(root)
+        for b in range(B):
+            self._emit(b, [int(root[b])])
+        sync_device(dev)
+        self.res.time_s["prefill"] += time.perf_counter() - t0
+        return PromptState(ids, valid, pos, _layers(out, self.layers)), root
+
+    def verify(self, prop: Proposal, draft_s: float = 0.0) -> StepResult:
+        """Verify one step's proposal and commit its accepted tokens; the StepResult says what was decided
+        (its bonus is the next root). draft_s: the drafting time of this step, for the report."""
+        dev, target, res, live, sampling, generator = (self.device, self.target, self.res, self.live, self.sampling,
+                                                       self.generator)
+        if self.sync is not None:
+            prop = self.sync.proposal(prop)
+        tokens, view = prop.tokens, prop.view  # [B, N]
+        B = tokens.shape[0]
+        t2 = time.perf_counter()
+        start, valid_before = target.length, target.valid
+        out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
+        sync_device(dev)
+        t3 = time.perf_counter()
+        if sampling.typical:
+            paths, bonus = accept_typical(tokens, out.logits, view, sampling, generator)
+        elif sampling.temperature > 0:
+            paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
+        else:
+            paths, bonus = accept_greedy(tokens, out.logits, view)
+        if self.sync is not None:
+            paths, bonus = self.sync.decision(paths, bonus)
+        # paths: per row, accepted node indices starting with 0 (the root, now committed to the cache).
+        M = max(len(p) for p in paths)
+        live_rows = live.tolist()
+        keep = torch.tensor([p + [0] * (M - len(p)) for p in paths], dtype=torch.long, device=dev)  # [B, M]
+        keep_valid = torch.tensor([[lv] * len(p) + [False] * (M - len(p)) for p, lv in zip(paths, live_rows)],
+                                  dtype=torch.bool, device=dev)
+        kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
+        # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
+        target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
+        res.steps += 1
+        res.rows_per_step.append(sum(live_rows))
+        res.tree_sizes.append(tokens.shape[1])
+        committed = 0
+        host_tokens, host_bonus = tokens.tolist(), bonus.tolist()  # one device-to-host copy per step
+        for b in range(B):
+            if live_rows[b]:
+                # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
+                committed += self._emit(b, [host_tokens[b][n] for n in paths[b][1:]] + [host_bonus[b]])
+        res.committed.append(committed)
+        hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
+                  for l, h in _layers(out, self.layers).items()}
+        last = torch.tensor([len(p) - 1 for p in paths], device=dev)
+        sync_device(dev)
+        t4 = time.perf_counter()
+        res.time_s["draft"] += draft_s
+        res.time_s["verify"] += t3 - t2
+        res.time_s["accept"] += t4 - t3
+        return StepResult(tokens, paths, keep, keep_valid, last, kept_pos, valid_before, bonus, live.clone(), hidden,
+                          time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3})
+
+    @property
+    def done(self) -> bool:
+        return not bool(self.live.any())
+
+    def _emit(self, b: int, new: list[int]) -> int:
+        """Append committed tokens to row b, ending the row at EOS, max_new_tokens or a stop match;
+        returns how many tokens row b gained."""
+        out = self.res.tokens[b]
+        before = len(out)
+        new = new[: self.max_new - before]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[: i + 1]
+                self.live[b] = False
+                break
+        out.extend(new)
+        if self.stop is not None:
+            cut = self.stop(b, out)
+            if cut is not None:
+                del out[max(cut, 0):]
+                self.live[b] = False
+        if len(out) >= self.max_new:
+            self.live[b] = False
+        if self.on_tokens is not None and len(out) > before:
+            self.on_tokens(b, out[before:])
+        return max(len(out) - before, 0)
+
+
+def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+    if sampling.temperature <= 0:
+        return logits.argmax(-1)
+    if sampling.typical:  # Medusa samples every token it emits from the typical-truncated distribution
+        return typical_sample(logits, sampling, generator)
+    probs = warp(logits, sampling)
+    return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
+
+
+def eos_set(eos_token_id) -> set:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+
+
+class SpeculativeDecoder:
+    """Greedy, sampling and typical-acceptance decoding of a base with a drafter. sync: a
+    draftlab.decode.parallel.RankSync when the base is tensor-parallel over several processes."""
+
+    def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None):
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
-        self.base, self.drafter = base, drafter
-        self.device = next(base.parameters()).device
+        self.base, self.drafter, self.sync = base, drafter, sync
+        self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)
 
@@ -76,114 +211,23 @@ class SpeculativeDecoder:
         """Decode a batch of prompt id lists. stop(row, tokens) -> cut index or None ends a row early;
         on_tokens(row, new_tokens) is called as tokens are committed (streaming)."""
         sampling = sampling or Sampling()
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        B = len(prompts)
-        res = Result(tokens=[[] for _ in range(B)])
-        dev, drafter = self.device, self.drafter
-        layers = drafter.hidden_layers
-
-        # Prefill: left-padded batch; each row's positions count its own tokens only.
+        drafter = self.drafter
+        verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
+                            generator, drafter.hidden_layers, self.sync)
         t0 = time.perf_counter()
-        if min(len(p) for p in prompts) == 0:
-            raise ValueError("every prompt needs at least one token (e.g. BOS)")
-        L = max(len(p) for p in prompts)
-        ids = torch.zeros(B, L, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-        for b, p in enumerate(prompts):
-            ids[b, L - len(p):] = torch.tensor(p, device=dev)
-            valid[b, L - len(p):] = True
-        target = SlotCache(self.base)
-        out, pos = target.prefill(ids, valid, hidden=bool(layers))
-        root = self._pick_root(out.logits[:, -1], sampling, generator)  # [B]
-        drafter.begin(PromptState(ids, valid, pos, _layers(out, layers)), sampling, generator)
-        sync_device(dev)
-        res.time_s["prefill"] += time.perf_counter() - t0
-
-        live = torch.ones(B, dtype=torch.bool, device=dev)
-        for b in range(B):
-            self._emit(res, b, [int(root[b])], live, max_new_tokens, eos, stop, on_tokens)
-        while bool(live.any()):
+        prompt, root = verifier.prefill()
+        drafter.begin(prompt, sampling, generator)
+        sync_device(self.device)
+        verifier.res.time_s["prefill"] = time.perf_counter() - t0  # the drafter's begin included
+        while not verifier.done:
             t1 = time.perf_counter()
             prop = drafter.propose(root)
-            tokens, view = prop.tokens, prop.view  # [B, N]
-            sync_device(dev)
-            t2 = time.perf_counter()
-            start, valid_before = target.length, target.valid
-            out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(layers))
-            sync_device(dev)
-            t3 = time.perf_counter()
-            if sampling.typical:
-                paths, bonus = accept_typical(tokens, out.logits, view, sampling, generator)
-            elif sampling.temperature > 0:
-                paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
-            else:
-                paths, bonus = accept_greedy(tokens, out.logits, view)
-            # paths: per row, accepted node indices starting with 0 (the root, now committed to the cache).
-            M = max(len(p) for p in paths)
-            rows = [p + [0] * (M - len(p)) for p in paths]
-            live_rows = live.tolist()
-            keep = torch.tensor(rows, dtype=torch.long, device=dev)  # [B, M]
-            keep_valid = torch.tensor([[lv] * len(p) + [False] * (M - len(p)) for p, lv in zip(paths, live_rows)],
-                                      dtype=torch.bool, device=dev)
-            kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
-            # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
-            target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
-            res.steps += 1
-            res.rows_per_step.append(sum(live_rows))
-            res.tree_sizes.append(tokens.shape[1])
-            committed = 0
-            host_tokens, host_bonus = tokens.tolist(), bonus.tolist()  # one device-to-host copy per step
-            for b in range(B):
-                if live_rows[b]:
-                    new = [host_tokens[b][n] for n in paths[b][1:]] + [host_bonus[b]]
-                    # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
-                    committed += self._emit(res, b, new, live, max_new_tokens, eos, stop, on_tokens)
-            res.committed.append(committed)
-            sync_device(dev)
+            sync_device(self.device)
+            step = verifier.verify(prop, time.perf_counter() - t1)
             t4 = time.perf_counter()
-            if bool(live.any()):
-                hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
-                          for l, h in _layers(out, layers).items()}
-                last = torch.tensor([len(p) - 1 for p in paths], device=dev)
-                drafter.commit(StepResult(tokens, paths, keep, keep_valid, last, kept_pos, valid_before, bonus,
-                                          live.clone(), hidden, time_s={"draft": t2 - t1, "verify": t3 - t2,
-                                                                        "accept": t4 - t3}))
-            root = bonus
-            sync_device(dev)
-            res.time_s["draft"] += t2 - t1
-            res.time_s["verify"] += t3 - t2
-            res.time_s["accept"] += t4 - t3
-            res.time_s["commit"] += time.perf_counter() - t4
-        return res
-
-    def _pick_root(self, logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
-        if sampling.temperature <= 0:
-            return logits.argmax(-1)
-        if sampling.typical:  # Medusa samples every token it emits from the typical-truncated distribution
-            return typical_sample(logits, sampling, generator)
-        probs = warp(logits, sampling)
-        return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
-
-    @staticmethod
-    def _emit(res: Result, b: int, new: list[int], live, max_new: int, eos: set, stop, on_tokens) -> int:
-        """Append committed tokens to row b, ending the row at EOS, max_new_tokens or a stop match;
-        returns how many tokens row b gained."""
-        out = res.tokens[b]
-        before = len(out)
-        new = new[: max_new - before]
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[: i + 1]
-                live[b] = False
-                break
-        out.extend(new)
-        if stop is not None:
-            cut = stop(b, out)
-            if cut is not None:
-                del out[max(cut, 0):]
-                live[b] = False
-        if len(out) >= max_new:
-            live[b] = False
-        if on_tokens is not None and len(out) > before:
-            on_tokens(b, out[before:])
-        return max(len(out) - before, 0)
+            if not verifier.done:
+                drafter.commit(step)
+            root = step.bonus
+            sync_device(self.device)
+            verifier.res.time_s["commit"] += time.perf_counter() - t4
+        return verifier.res

@@ -50,29 +50,53 @@ class _Shape:
 
 
 def load_decoder(export_dir: str, base: str | None = None, tree: str | None = None, dtype: str | None = None,
-                 device: str | None = None, **drafter_options):
+                 device: str | None = None, tp: bool = False, device_map: str | None = None, **drafter_options):
     """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names. `lookup` (or
     `lookup:N`, N tokens per continuation) instead of an export decodes with prompt lookup and needs `base`.
+    tp: split the base over the processes of this torchrun / accelerate launch (tensor parallel); device_map:
+    place its layers over the visible devices (e.g. 'auto'); see draftlab.decode.parallel.
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
-    from ..base import base_identity, load_base
     from ..drafters import LookupDraft, make_drafter
     from ..export import apply_adapter, load_export, read_meta
+    from .parallel import RankSync, check_launch
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_launch(tp)
     if export_dir.split(":")[0] == "lookup":
         if not base:
             raise ValueError("the lookup drafter needs --base (the model to decode)")
-        model, tok = load_base(base, dtype or "float32", device)
+        model, tok = _load_placed(base, dtype or "float32", device, tp, device_map)
         n = int(export_dir.split(":")[1]) if ":" in export_dir else 5
+        from ..base import base_identity
         meta = {"head": {"type": "lookup", "num_tokens": n}, "base": base_identity(model, base)}
-        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n))), tok, meta
+        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=RankSync() if tp else None), tok, meta
     meta = read_meta(export_dir)
     name = base or meta["base"]["name_or_path"]
-    model, tok = load_base(name, dtype or meta["base"]["dtype"], device)
+    model, tok = _load_placed(name, dtype or meta["base"]["dtype"], device, tp, device_map)
     model = apply_adapter(model, export_dir, meta)  # Medusa-2: decode (and compare with) the adapted base
-    draft, meta = load_export(export_dir, base=model, device=device, dtype=next(model.parameters()).dtype)
+    device = decoder_device(model)
+    draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
-    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options)), tok, meta
+    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options),
+                              sync=RankSync() if tp else None), tok, meta
+
+
+def _load_placed(name: str, dtype: str, device, tp: bool, device_map):
+    from ..base import load_base
+    from .parallel import load_tp_base
+
+    if tp:
+        if device_map:
+            raise ValueError("--tp and --device-map are two ways to split the base; pick one")
+        return load_tp_base(name, dtype)
+    if device_map:
+        return load_base(name, dtype, device_map=device_map)
+    return load_base(name, dtype, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def decoder_device(model) -> torch.device:
+    """Where the decoder keeps its tensors (and the drafter its weights): the device of the base's output layer
+    (under a device map, the last one; its outputs come back there)."""
+    return model.get_output_embeddings().weight.device
 
 
 def encode_prompt(tok, prompt, chat: bool) -> list[int]:

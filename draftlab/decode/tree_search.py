@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,23 +75,27 @@ def hardware() -> str:
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
-                max_depth: int = 8) -> dict:
+                max_depth: int = 8, tp: bool = False, device_map: str | None = None) -> dict:
     """The whole search; writes the tree file (and PNGs with plot) and returns a report.
 
     Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
     grows with depth (one forward per level) rather than with width, so chains of several lengths are
     timed beside the greedy trees."""
-    from ..base import load_base
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
     from ..export import apply_adapter, load_export, read_meta
-    from .generate import encode_prompt
+    from .generate import _load_placed, decoder_device, encode_prompt
+    from .parallel import RankSync, check_launch, is_main
 
+    check_launch(tp)
     meta = read_meta(export)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    base, tok = load_base(meta["base"]["name_or_path"], meta["base"]["dtype"], device)
+    base, tok = _load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
     base = apply_adapter(base, export, meta)
-    draft, meta = load_export(export, base=base, device=device, dtype=next(base.parameters()).dtype)
+    device = decoder_device(base)
+    draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)
+    sync = RankSync() if tp else None
+    if not is_main():  # tensor-parallel ranks time the same trees; rank 0 writes the tree file
+        out, plot = str(Path(tempfile.mkdtemp(prefix="draftlab-search-rank")) / Path(out).name), False
     eos = tok.eos_token_id
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
     prompts = []
@@ -107,7 +112,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
 
     if draft.kind == "eagle3":
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
-                              calib_source=str(data))
+                              calib_source=str(data), sync=sync)
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
     per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
     stats = RankStats(torch.cat(per_text), max_rank)
@@ -120,7 +125,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
     rows = []
     for tree in progress(candidates, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), timing, batch_size, max_new_tokens, eos)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync), timing, batch_size, max_new_tokens, eos)
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
@@ -149,7 +154,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
 DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (4, 10), "total_tokens": (16, 32, 60)}
 
 
-def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source) -> dict:
+def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source,
+                   sync=None) -> dict:
     """EAGLE-2 dynamic trees have no static shape to grow: time every setting of DYNAMIC_GRID (total_tokens up to
     max_nodes + 1) on the prompts and keep the fastest."""
     from ..drafters import make_drafter
@@ -160,7 +166,7 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
     for tree in progress(grid, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree)), prompts, batch_size, max_new_tokens, eos)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync), prompts, batch_size, max_new_tokens, eos)
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
     best = max(rows, key=lambda r: r["tokens_per_s"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 import zlib
@@ -24,6 +25,7 @@ from ..progress import progress as progress_bar
 from ..decode.acceptance import Sampling
 from ..decode.decoder import sync_device
 from ..decode.generate import encode_prompt, load_decoder, plain_generate
+from ..decode.parallel import agree, is_main
 from ..decode.tree_search import hardware
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
@@ -269,12 +271,16 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                  limit: int | None = None, categories: list[str] | None = None, base: str | None = None,
                  dtype: str | None = None, device: str | None = None, seed: int = 0, baseline: bool = True,
                  model_id: str | None = None, overwrite: bool = False, progress: bool = True,
-                 plots: bool = True) -> dict:
-    """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots."""
+                 plots: bool = True, tp: bool = False, device_map: str | None = None) -> dict:
+    """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots.
+    tp: every rank of the launch answers every question with its shard of the base; rank 0 writes --out, the
+    others a private scratch directory, and all follow rank 0's list of questions still to answer."""
     qs = load_questions(questions, categories, limit)
     if not qs:
         raise EvalError(f"{questions}: no questions selected")
-    decoder, tok, meta = load_decoder(export, base, tree, dtype, device)
+    decoder, tok, meta = load_decoder(export, base, tree, dtype, device, tp, device_map)
+    if not is_main():
+        out, progress, plots = tempfile.mkdtemp(prefix="draftlab-eval-rank"), False, False
     if tok.chat_template is None:
         raise EvalError(f"the tokenizer of {meta['base']['name_or_path']} has no chat template")
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
@@ -301,6 +307,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             del ans[qid]
         if stale:
             path.write_text("".join(json.dumps(r) + "\n" for r in ans.values()))
+    done = agree(done)  # the ranks of a tensor-parallel run answer the same questions
     todo = [q for q in qs if q["question_id"] not in done]
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)
     if todo:  # warm-up of both paths, not timed and not recorded

@@ -9,7 +9,6 @@ layer (the base's block type) run over the base's hidden states.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import nn
@@ -80,10 +79,7 @@ class HydraHeads(nn.Module):
             if layers is None or not hasattr(backbone, "rotary_emb"):
                 raise HydraError(f"{type(base).__name__}: prefix attention needs a Llama-style backbone "
                                  "(`.layers` and `.rotary_emb`); set head.prefix_attention=false for this base")
-            layer = copy.deepcopy(layers[-1])
-            layer.self_attn.layer_idx = 0  # its own one-layer KV cache
-            layer.requires_grad_(True)
-            self.prefix_layer = layer.float()
+            self.prefix_layer = replica_of(layers[-1], base.config).float().requires_grad_(True)
 
     @property
     def base(self):
@@ -149,3 +145,22 @@ class HydraHeads(nn.Module):
         ext = torch.cat([emb, pad], dim=1)
         shifted = [ext[:, 1 + j: 1 + j + S] for j in range(self.num_heads)]
         return [self.head_features(k, h, torch.stack(shifted[: k + 1], dim=2)) for k in range(self.num_heads)]
+
+
+def replica_of(layer, config):
+    """A plain copy of one of the base's decoder layers with its own one-layer KV cache (layer_idx 0): built fresh
+    from its class rather than deep-copied, so a tensor-parallel layer's DTensor shards (gathered whole here) and
+    a device map's hooks do not come along."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        fresh = type(layer)(config, 0)
+    except TypeError as e:
+        raise HydraError(f"cannot build a {type(layer).__name__}(config, layer_idx) for the prefix layer ({e}); set "
+                         "head.prefix_attention=false for this base") from None
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in layer.state_dict().items()}
+    ref = next(iter(state.values()))
+    if ref.device.type == "meta":  # offloaded by a device map: an export's weights will be loaded over it
+        return fresh.to(ref.dtype)
+    fresh.load_state_dict(state)
+    return fresh.to(device=ref.device, dtype=ref.dtype)

@@ -1,0 +1,139 @@
+"""A base too large for one device, under the same tree decoder.
+
+Tensor parallel (`--tp`): launch one process per GPU with `torchrun` or `accelerate launch`; every process
+loads the base with transformers' tensor-parallel plan (`DistributedConfig(tp_plan="auto")`: attention heads and MLP columns split
+over the ranks, one all-reduce after attention and one after the MLP, logits gathered), so each holds 1/N of
+the weights and 1/N of the KV cache (its own key/value heads). The tree decoder runs unchanged on every rank:
+the 4D tree mask, explicit positions and KV-cache compaction act per head, and attention heads are what TP
+splits. The drafter is replicated (it is small; heads read the base's hidden states, which every rank holds
+whole after the all-reduce), and rank 0 is authoritative: its proposal is broadcast before every verification
+(the ranks' shards must see one tree) and its acceptance decision after it, so the ranks' caches and outputs
+cannot drift even where a GPU kernel is not bitwise reproducible.
+
+Layer-wise placement (`--device-map auto`, one process): transformers/accelerate spread the decoder layers over
+the visible GPUs (and CPU/disk if they must); each layer's KV cache lives on its device. Simpler than TP, but
+the GPUs work one after another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..drafters.base import Proposal
+from .tree import TreeView
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def agree(obj):
+    """Rank 0's value of a small picklable object on every rank (itself outside a distributed launch)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_launch(tp: bool) -> None:
+    """Several processes without --tp would each decode everything; --tp in one process shards nothing."""
+    n = world_size()
+    if n > 1 and not tp:
+        raise ValueError(f"launched as {n} processes (WORLD_SIZE={n}) but --tp was not given: every process would "
+                         "decode the same prompts with a whole base. Pass --tp to split the base over them, or run "
+                         "one process (use --device-map auto to spread layers over GPUs)")
+    if tp and n == 1:
+        raise ValueError("--tp splits the base over the processes of `torchrun --nproc-per-node N` or `accelerate "
+                         "launch --num_processes N`; this is one process (WORLD_SIZE is unset or 1)")
+
+
+class RankSync:
+    """Makes rank `src`'s proposal and acceptance decisions every rank's (tensor-parallel decoding)."""
+
+    def __init__(self, src: int = 0):
+        import torch.distributed as dist
+
+        self.dist, self.src = dist, src
+
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        self.dist.broadcast(t, src=self.src)
+        return t
+
+    def root(self, root: torch.Tensor) -> torch.Tensor:
+        return self._bcast(root.contiguous())
+
+    def proposal(self, prop: Proposal) -> Proposal:
+        tokens = prop.tokens
+        shape = self._bcast(torch.tensor(tokens.shape, device=tokens.device))
+        if tuple(shape.tolist()) != tuple(tokens.shape):
+            raise RuntimeError(f"rank {rank()} drafted a tree of shape {tuple(tokens.shape)} but rank {self.src} one of "
+                               f"{tuple(shape.tolist())}: the replicated drafter is not deterministic across ranks")
+        tokens = self._bcast(tokens.contiguous())
+        view = prop.view
+        if view.static is None:  # a per-step tree (EAGLE dynamic trees, ensembles): rank src's shape
+            parents = self._bcast(view.parents.contiguous())
+            valid = self._bcast(view.valid.to(torch.uint8).contiguous()).bool()
+            view = TreeView.of_parents(parents, valid)
+        return Proposal(tokens, view, prop.q, prop.q_index)
+
+    def decision(self, paths: list[list[int]], bonus: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        B, M = len(paths), max(len(p) for p in paths)
+        M = int(self._bcast(torch.tensor([M], device=bonus.device)).item())
+        buf = torch.zeros(B, M + 2, dtype=torch.long, device=bonus.device)  # length, nodes..., bonus
+        for b, p in enumerate(paths):
+            buf[b, 0] = len(p)
+            buf[b, 1:1 + len(p)] = torch.tensor(p)
+        buf[:, -1] = bonus
+        rows = self._bcast(buf).tolist()
+        return [r[1:1 + r[0]] for r in rows], buf[:, -1].clone()
+
+
+def init_tp() -> torch.device:
+    """Join the process group of a torchrun / accelerate launch (gloo on CPU, NCCL on CUDA); this rank's device."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def load_tp_base(name_or_path: str, dtype: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The base with transformers' tensor-parallel plan over this launch's processes, and its tokenizer."""
+    from .. import base as base_mod
+
+    from transformers import DistributedConfig
+
+    init_tp()
+    model, tok = base_mod.load_base(name_or_path, dtype, None, revision, trust_remote_code,
+                                    distributed_config=DistributedConfig(tp_size=world_size(), tp_plan="auto"))
+    if getattr(model, "_tp_plan", None) in (None, {}) and not getattr(model.config, "base_model_tp_plan", None):
+        raise base_mod.BaseModelError(f"{type(model).__name__} has no tensor-parallel plan in transformers; use "
+                                      "--device-map auto (layer-wise placement) for this base")
+    return model, tok
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

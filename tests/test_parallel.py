@@ -1,0 +1,114 @@
+"""A base split over processes (tensor parallel, gloo on CPU) under the tree decoder: the same tokens as one
+process, for heads, Hydra++ and SSM drafters, greedy and seeded sampling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_decoder import noisy_heads
+from tp_worker import PROMPTS
+
+
+def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def exports(stories_dir, tmp_path_factory):
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+
+    base, tok = load_base(str(stories_dir), "float32")
+    d = tmp_path_factory.mktemp("tp_exports")
+    torch.manual_seed(0)
+    hydra = build_draft({"type": "hydra", "num_heads": 3, "num_layers": 1, "prefix_attention": True}, base)
+    for p in hydra.parameters():
+        p.data += 0.02 * torch.randn_like(p)
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)
+    return [str(save_export(noisy_heads(base, num_heads=3, noise=0.02), base, d / "medusa", str(stories_dir),
+                            tokenizer=tok)),
+            str(save_export(hydra, base, d / "hydra++", str(stories_dir), tokenizer=tok)),
+            str(save_export(ssm, base, d / "ssm", str(stories_dir), default_tree=[[0], [0, 0], [0, 0, 0], [1]],
+                            tokenizer=tok))]
+
+
+def single_process(exports) -> dict:
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.generate import load_decoder
+
+    runs = {}
+    for exp in exports:
+        decoder, _, _ = load_decoder(exp, dtype="float64", device="cpu")
+        for name, sampling in (("greedy", Sampling()), ("sampled", Sampling(temperature=0.8, top_p=0.95))):
+            res = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling,
+                                   generator=torch.Generator().manual_seed(7))
+            runs[f"{exp}|{name}"] = {"tokens": res.tokens, "steps": res.steps}
+    return runs
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_path, procs):
+    out = tmp_path / "tp.json"
+    p = torchrun(procs, str(REPO / "tests" / "tp_worker.py"), str(out), *exports)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"tp.json.rank{r}").read_text()) for r in range(procs)]
+    ref = single_process(exports)
+    for r in ranks:
+        # Each rank holds its share of the attention and MLP weights (embeddings and norms stay whole).
+        assert r["local_share"] < 1 - 0.5 * (1 - 1 / procs)
+        assert r["runs"] == ranks[0]["runs"]
+    for key, run in ref.items():
+        assert ranks[0]["runs"][key] == run, key
+        assert all(len(t) == 24 for t in run["tokens"])
+
+
+def test_tp_cli_generate_matches_one_process(exports, tmp_path):
+    from draftlab.cli import main
+
+    args = ["generate", exports[2], "--prompt", "Once upon a time", "--prompt", "The dog", "--max-new-tokens", "16",
+            "--dtype", "float64", "--json"]
+    p = torchrun(2, "-m", "draftlab.cli", *args, "--tp", "--compare")
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    assert len(lines) == 1  # rank 1 prints nothing
+    rep = json.loads(lines[0])
+    assert rep["identical_to_baseline"] is True
+    one = subprocess.run([sys.executable, "-m", "draftlab.cli", *args], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert json.loads(one.stdout.splitlines()[-1])["text"] == rep["text"]
+
+
+def test_layerwise_device_map_decodes_the_same_tokens(exports):
+    """--device-map: layers placed by accelerate's hooks. A CPU machine's only second 'device' is disk offload,
+    which runs the same hook path (weights moved in per forward); the last layer offloaded too (Hydra++ builds its
+    prefix layer's shape from it)."""
+    from draftlab.decode.generate import load_decoder
+
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+          **{f"model.layers.{i}": ("disk" if i in (1, 3, 4) else "cpu") for i in range(5)}}
+    ref = single_process(exports[1:])
+    for exp in exports[1:]:
+        decoder, _, _ = load_decoder(exp, dtype="float64", device_map=dm)
+        assert decoder.base.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
+        got = decoder.generate(PROMPTS, max_new_tokens=24, generator=torch.Generator().manual_seed(7)).tokens
+        assert got == ref[f"{exp}|greedy"]["tokens"]
+
+
+def test_launch_mistakes_are_named(monkeypatch):
+    from draftlab.decode.parallel import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="4 processes .* --tp was not given"):
+        check_launch(False)
+    check_launch(True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="--tp splits the base over the processes of `torchrun"):
+        check_launch(True)
