@@ -175,6 +175,36 @@ def main() -> None:
                   f"{m['non_si']:.2f} / {m['si']:.2f} / {m['dsi']:.2f} | {e['non_si']:.2f} / {e['si']:.2f} / {e['dsi']:.2f} | "
                   f"{ms['dsi_vs_si']:.2f} ({es['dsi_vs_si']:.2f}) | {ms['dsi_vs_non_si']:.2f} ({es['dsi_vs_non_si']:.2f}) |")
         print()
+    if d := load("pipeline"):
+        print(f"### Pipelined drafting and verification (`benchmarks/pipeline.py`; {d['prompts']} MT-Bench first turns x "
+              f"{d['max_new_tokens']} tokens, greedy, stories260K + the fkl SSM, {d['in_flight']} groups in flight, median "
+              f"of {d['reps']} interleaved runs; {d['machine']['cpu']}, {d['machine']['cores']} cores, torch "
+              f"{d['machine']['torch']}, {d['date']})\n")
+        print("| tree | verifier batch | method | tokens/s | vs sequential x1 | vs sequential x2 | accept length | "
+              "verifier waiting s | drafter paused / pool max | identical to plain greedy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        ref = {(r["tree"], r["batch_size"], r["method"]): r["tokens_per_s"] for r in d["rows"]}
+        for r in d["rows"]:
+            k = (r["tree"], r["batch_size"])
+            dr = r.get("drafter")
+            pool = f"{dr['paused']} / {dr['pool_max']}" if dr else "-"
+            print(f"| {r['tree']} | {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+                  f"{r['tokens_per_s'] / ref[k + ('sequential x1',)]:.2f}x | {r['tokens_per_s'] / ref[k + ('sequential x2',)]:.2f}x | "
+                  f"{r['accept_length']:.2f} | {r['verifier_wait_s']:.2f} | "
+                  f"{pool} | {r['identical_to_plain']} |")
+        print(f"\nplain HF greedy, one prompt at a time, 1 thread: {d['plain_tokens_per_s']:.0f} tokens/s\n")
+    if d := load("tp_decode"):
+        print(f"### Tensor-parallel decoding (`benchmarks/tp_decode.py`; {d['device']} x {d['processes']}, {d['base']}, "
+              f"{d['dtype']}, {d['context']}-token context; {d['date']})\n")
+        print("| tree tokens | verify ms | / plain step |\n|---|---|---|")
+        for r in d["verify"]:
+            print(f"| {r['tree_size']} | {r['verify_ms']:.2f} | {r['over_plain_step']:.2f} |")
+        print(f"\nplain generate over the shards: {d['plain']['tokens_per_s']:.1f} tokens/s\n")
+        print("| oracle alpha | tree | accept length | tokens/s | speedup | identical |\n|---|---|---|---|---|---|")
+        for r in d["oracle_loop"]:
+            print(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                  f"{r['identical_to_plain']} |")
+        print()
     if d := load("refactor_check"):
         print(f"### The drafter interface against the decoder before it (`benchmarks/refactor_check.py`; before = "
               f"{d['before']}, same exports, base object and prompts, interleaved; {d['prompts']} prompts x "

@@ -77,7 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.decode.cache import SlotCache
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import _load_placed
+    from draftlab.decode.generate import load_placed
     from draftlab.decode.parallel import RankSync, init_tp, is_main, shutdown, world_size
     from draftlab.decode.tree import Tree, TreeView, default_tree
 
@@ -87,7 +87,7 @@ def main() -> None:
         init_tp()
     dtype = a.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     path = a.base or str(random_checkpoint(a.shape, dtype, Path(a.scratch)))
-    base, _ = _load_placed(path, dtype, None, n > 1, None)
+    base, _ = load_placed(path, dtype, None, n > 1, None)
     dev = base.get_output_embeddings().weight.device
     sync_ranks = RankSync() if n > 1 else None
     V = base.config.vocab_size

@@ -12,8 +12,9 @@ committed token is the target's greedy token, so the output equals plain greedy 
 
 Latencies can be injected (`target_latency_s`, `draft_latency_s`: each forward then lasts at least that long),
 the way the DSI authors emulate a multi-GPU node on one machine; `draftlab simulate` predicts the same runs.
-Target servers here recompute the whole prefix each task (no KV cache): this module demonstrates the
-orchestration and its losslessness; on GPUs each server would hold its own cached base.
+Each target server is one process with its own copy of the base on its own device (GPUs 1..SP when there are
+more GPUs than servers, GPU 0 being the drafter's; else CPU) and its own KV cache, which keeps the longest common
+prefix of consecutive tasks (CachedGreedy).
 """
 
 from __future__ import annotations
@@ -24,14 +25,51 @@ import time
 from typing import Callable
 
 
-def _server(base_path: str, dtype: str, tasks, results, epoch, latency: float) -> None:
-    """A target server: greedy tokens for (prefix, drafts) tasks of the current epoch."""
+class CachedGreedy:
+    """A causal LM with a KV cache of the last sequence it saw: the greedy next tokens after a prefix and after
+    each of the drafts that follow it, computing only what the cache does not already hold (its longest common
+    prefix with the new sequence is kept; the rest is cropped and recomputed). DSI's target servers and drafter
+    see sequences that mostly extend, or branch just behind, the previous one."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device = model.get_output_embeddings().weight.device
+        self.tokens: list[int] = []
+        self.cache = None
+        self.computed = 0  # tokens run through the model (for tests and reports)
+
+    def next_tokens(self, prefix: list[int], drafts: list[int] = ()) -> list[int]:
+        """The greedy token after prefix + drafts[:i] for i = 0..len(drafts)."""
+        import torch
+        from transformers import DynamicCache
+
+        seq = list(prefix) + list(drafts)
+        keep = 0
+        for a, b in zip(self.tokens, seq):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prefix) - 1)  # the logits from position len(prefix) - 1 on are needed
+        if self.cache is None or keep == 0:
+            self.cache, keep = DynamicCache(config=self.model.config), 0
+        else:
+            self.cache.crop(keep - len(self.tokens))  # transformers' crop takes minus the tokens to drop
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([seq[keep:]], device=self.device), past_key_values=self.cache,
+                             use_cache=True)
+        self.tokens, self.computed = seq, self.computed + len(seq) - keep
+        return out.logits[0, len(prefix) - 1 - keep:].argmax(-1).tolist()
+
+
+def _server(base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float) -> None:
+    """A target server (one per device): greedy tokens for (prefix, drafts) tasks of the current epoch."""
     import torch
 
     from .base import load_base
 
     torch.set_num_threads(1)
-    model, _ = load_base(base_path, dtype)
+    model, _ = load_base(base_path, dtype, device)
+    target = CachedGreedy(model)
     while True:
         item = tasks.get()
         if item is None:
@@ -41,10 +79,7 @@ def _server(base_path: str, dtype: str, tasks, results, epoch, latency: float) -
             results.put((task_id, ep, None))
             continue
         t0 = time.perf_counter()
-        with torch.no_grad():
-            ids = torch.tensor([prefix + drafts])
-            logits = model(input_ids=ids).logits[0, len(prefix) - 1:]
-            toks = logits.argmax(-1).tolist()  # the target's token after prefix + drafts[:i], i = 0..len(drafts)
+        toks = target.next_tokens(prefix, drafts)  # the target's token after prefix + drafts[:i], i = 0..len(drafts)
         while time.perf_counter() - t0 < latency:  # the emulated forward; preemption cuts it short
             if ep != epoch.value:
                 break
@@ -52,16 +87,29 @@ def _server(base_path: str, dtype: str, tasks, results, epoch, latency: float) -
         results.put((task_id, ep, toks if ep == epoch.value else None))
 
 
+def server_devices(sp: int) -> list[str]:
+    """One device per target server: GPUs 1..sp when there are more than sp (GPU 0 is the drafter's), else CPU."""
+    import torch
+
+    n = torch.cuda.device_count()
+    return [f"cuda:{i + 1}" for i in range(sp)] if n > sp else ["cpu"] * sp
+
+
 class DSI:
     """`sp` target servers for one base; `generate` runs DSI with a drafter function."""
 
-    def __init__(self, base_path: str, sp: int, target_latency_s: float = 0.0, dtype: str = "float32"):
+    def __init__(self, base_path: str, sp: int, target_latency_s: float = 0.0, dtype: str = "float32",
+                 devices: list[str] | None = None):
+        devices = devices or server_devices(sp)
+        if len(devices) != sp:
+            raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
         ctx = mp.get_context("spawn")
         self.epoch = ctx.Value("i", 0)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(sp)]
-        self.procs = [ctx.Process(target=_server, args=(base_path, dtype, q, self.results, self.epoch,
-                                                          target_latency_s), daemon=True) for q in self.tasks]
+        self.procs = [ctx.Process(target=_server, args=(base_path, dtype, dev, q, self.results, self.epoch,
+                                                          target_latency_s), daemon=True)
+                      for q, dev in zip(self.tasks, devices)]
         for p in self.procs:
             p.start()
         self.sp = sp
@@ -168,12 +216,11 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
                 target_latency_s: float = 0.0, draft_latency_s: float = 0.0) -> dict:
     """Speculative inference with the same emulated latencies (draft `lookahead`, verify, repeat), greedy;
     lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process."""
-    import torch
-
     def wait(t0, latency):
         while time.perf_counter() - t0 < latency:
             time.sleep(max(0.0, latency - (time.perf_counter() - t0)))
 
+    target = CachedGreedy(model)
     t_start = time.perf_counter()
     committed, end = list(prompt), len(prompt) + max_new_tokens
     while len(committed) < end:
@@ -183,9 +230,78 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
             drafts.append(draft_next(committed + drafts))
             wait(t0, draft_latency_s)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            toks = model(input_ids=torch.tensor([committed + drafts])).logits[0, len(committed) - 1:].argmax(-1).tolist()
+        toks = target.next_tokens(committed, drafts)
         wait(t0, target_latency_s)
         bad = next((i for i in range(len(drafts)) if drafts[i] != toks[i]), len(drafts))
         committed += drafts[:bad] + [toks[bad]]
     return {"tokens": committed[len(prompt): end], "wall_s": time.perf_counter() - t_start}
+
+
+def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128, lookahead: int | None = None,
+            target_latency_ms: float = 0.0, draft_latency_ms: float = 0.0, compare: bool = False,
+            base: str | None = None, dtype: str | None = None, chat: bool = False) -> dict:
+    """`draftlab dsi`: DSI with an SSM export as the drafter (greedy, its own KV cache) and `sp` target servers of
+    its base; optionally SI and non-SI with the same latencies for comparison. The lookahead defaults to the
+    smallest with which no verification task waits for a server, from measured (or emulated) forward times."""
+    import math
+
+    from .base import load_base
+    from .decode.generate import encode_prompt
+    from .export import load_export, read_meta
+
+    meta = read_meta(export)
+    if meta["head"]["type"] != "ssm":
+        raise ValueError(f"draftlab dsi drafts with a small LM (an ssm export); {export} holds {meta['head']['type']} "
+                         "heads, which need the base's hidden states and so cannot draft ahead of verification")
+    name, dtype = base or meta["base"]["name_or_path"], dtype or meta["base"]["dtype"]
+    model, tok = load_base(name, dtype, "cpu")
+    draft, _ = load_export(export, base=model)
+    drafter = CachedGreedy(draft.lm)
+    draft_next = lambda toks: drafter.next_tokens(toks)[0]
+    ids = [encode_prompt(tok, p, chat) for p in prompts]
+    t_target = target_latency_ms / 1000 or _forward_s(model, ids[0])
+    t_draft = draft_latency_ms / 1000 or _forward_s(draft.lm, ids[0])
+    k = lookahead or max(1, math.ceil(t_target / (sp * t_draft)))
+    report = {"sp": sp, "lookahead": k, "t_target_ms": round(1000 * t_target, 3),
+              "t_draft_ms": round(1000 * t_draft, 3), "emulated": bool(target_latency_ms or draft_latency_ms),
+              "runs": []}
+    with DSI(name, sp, target_latency_ms / 1000, dtype) as dsi:
+        for p in ids:
+            r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000)
+            run = {"text": tok.decode(r["tokens"], skip_special_tokens=True), "tokens": r["tokens"],
+                   "dsi_s": round(r["wall_s"], 4), "tasks": r["tasks"], "preemptions": r["preemptions"],
+                   "server_waits": r["server_waits"]}
+            if compare:
+                kw = dict(target_latency_s=target_latency_ms / 1000, draft_latency_s=draft_latency_ms / 1000)
+                si = si_generate(model, p, max_new_tokens, draft_next, k, **kw)
+                plain = si_generate(model, p, max_new_tokens, draft_next, 0, **kw)
+                run.update(si_s=round(si["wall_s"], 4), non_si_s=round(plain["wall_s"], 4),
+                           identical_to_greedy=r["tokens"] == plain["tokens"] == si["tokens"])
+            report["runs"].append(run)
+    report["dsi_s"] = round(sum(r["dsi_s"] for r in report["runs"]), 4)
+    if compare:
+        report["si_s"] = round(sum(r["si_s"] for r in report["runs"]), 4)
+        report["non_si_s"] = round(sum(r["non_si_s"] for r in report["runs"]), 4)
+        report["dsi_vs_si"] = round(report["si_s"] / report["dsi_s"], 3)
+        report["dsi_vs_non_si"] = round(report["non_si_s"] / report["dsi_s"], 3)
+        report["identical_to_greedy"] = all(r["identical_to_greedy"] for r in report["runs"])
+    return report
+
+
+def _forward_s(model, ids: list[int], reps: int = 5) -> float:
+    """Median time of one cached single-token forward after the prompt (what a decoding step costs)."""
+    import statistics
+
+    import torch
+    from transformers import DynamicCache
+
+    times = []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model(input_ids=torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-1)
+    return statistics.median(times)

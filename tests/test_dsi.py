@@ -49,3 +49,55 @@ def test_dsi_ends_off_the_lookahead_grid(tiny_base_dir, setup):
         for n, k in ((7, 4), (13, 5), (48, 7)):
             out = dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
             assert out["tokens"] == ref[:n], (n, k)
+
+
+def test_cached_greedy_equals_recomputing_the_whole_sequence(setup):
+    """The servers' KV cache keeps the longest common prefix of consecutive tasks: extending, branching behind
+    the last sequence and going back to an earlier one all give the full recomputation's tokens."""
+    import torch
+
+    from draftlab.dsi import CachedGreedy
+
+    model, prompt, ref, V = setup
+    c = CachedGreedy(model)
+    rng = random.Random(0)
+    seq, total = prompt + ref[:10], 0
+    for _ in range(25):
+        cut = rng.randint(1, len(seq))  # a prefix of what the cache holds, then new tokens
+        prefix = seq[:cut] + [rng.randrange(V) for _ in range(rng.randint(0, 3))]
+        drafts = [rng.randrange(V) for _ in range(rng.randint(0, 4))]
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prefix + drafts])).logits[0, len(prefix) - 1:].argmax(-1).tolist()
+        assert c.next_tokens(prefix, drafts) == want
+        seq = prefix + drafts
+        total += len(seq)
+    assert c.computed < total  # it reused its cache
+    # A task extending the last one runs only its new tokens; one repeating it, only the last prefix token (whose
+    # logits it needs).
+    before = c.computed
+    c.next_tokens(seq + [5, 6], [7, 8, 9])
+    assert c.computed - before == 2 + 3
+    c.next_tokens(seq + [5, 6], [7, 8, 9])
+    assert c.computed - before == 2 + 3 + 4
+
+
+def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
+    import json
+
+    from draftlab.cli import main
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+
+    base, tok = load_base(str(stories_dir), "float32")
+    exp = save_export(build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base), base,
+                      tmp_path / "ssm", str(stories_dir), tokenizer=tok)
+    rc = main(["dsi", str(exp), "--prompt", "Once upon a time", "--sp", "2", "--max-new-tokens", "24", "--compare",
+               "--target-latency-ms", "20", "--draft-latency-ms", "4", "--json"])
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and rep["identical_to_greedy"] is True and rep["emulated"]
+    assert rep["lookahead"] == 3  # ceil(20 / (2 * 4)): the smallest with which no task waits for a server
+    assert len(rep["runs"][0]["tokens"]) == 24 and rep["runs"][0]["tasks"] > 0
+    heads = save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "m",
+                        str(stories_dir), tokenizer=tok)
+    assert main(["dsi", str(heads), "--prompt", "x"]) == 2
+    assert "cannot draft ahead of verification" in capsys.readouterr().err

@@ -54,7 +54,7 @@ def single_process(exports) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("procs", [2, 4])
+@pytest.mark.parametrize("procs", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_path, procs):
     out = tmp_path / "tp.json"
     p = torchrun(procs, str(REPO / "tests" / "tp_worker.py"), str(out), *exports)

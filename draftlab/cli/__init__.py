@@ -205,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_args(s)
     s.set_defaults(func=simulate_command)
 
+    from .dsi import add_dsi_args, dsi_command
+
+    s = sub.add_parser("dsi", help="distributed speculative inference: an SSM drafting ahead of SP target servers",
+                       description="DSI (Timor et al.): the drafter never waits for verification; tasks go to SP "
+                                   "target-server processes, rejected work is preempted. Greedy, lossless.")
+    add_dsi_args(s)
+    s.set_defaults(func=dsi_command)
+
     from .generate import add_generate_args
 
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")

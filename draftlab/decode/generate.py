@@ -56,31 +56,32 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     tp: split the base over the processes of this torchrun / accelerate launch (tensor parallel); device_map:
     place its layers over the visible devices (e.g. 'auto'); see draftlab.decode.parallel.
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
+    from ..base import base_identity
     from ..drafters import LookupDraft, make_drafter
     from ..export import apply_adapter, load_export, read_meta
     from .parallel import RankSync, check_launch
 
     check_launch(tp)
+    sync = RankSync() if tp else None
     if export_dir.split(":")[0] == "lookup":
         if not base:
             raise ValueError("the lookup drafter needs --base (the model to decode)")
-        model, tok = _load_placed(base, dtype or "float32", device, tp, device_map)
+        model, tok = load_placed(base, dtype or "float32", device, tp, device_map)
         n = int(export_dir.split(":")[1]) if ":" in export_dir else 5
-        from ..base import base_identity
         meta = {"head": {"type": "lookup", "num_tokens": n}, "base": base_identity(model, base)}
-        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=RankSync() if tp else None), tok, meta
+        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=sync), tok, meta
     meta = read_meta(export_dir)
     name = base or meta["base"]["name_or_path"]
-    model, tok = _load_placed(name, dtype or meta["base"]["dtype"], device, tp, device_map)
+    model, tok = load_placed(name, dtype or meta["base"]["dtype"], device, tp, device_map)
     model = apply_adapter(model, export_dir, meta)  # Medusa-2: decode (and compare with) the adapted base
     device = decoder_device(model)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
-    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options),
-                              sync=RankSync() if tp else None), tok, meta
+    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options), sync=sync), tok, meta
 
 
-def _load_placed(name: str, dtype: str, device, tp: bool, device_map):
+def load_placed(name: str, dtype: str, device, tp: bool, device_map):
+    """The base and its tokenizer: whole on `device`, tensor-parallel over this launch (tp), or by a device map."""
     from ..base import load_base
     from .parallel import load_tp_base
 

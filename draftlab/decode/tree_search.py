@@ -84,12 +84,12 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
     from ..export import apply_adapter, load_export, read_meta
-    from .generate import _load_placed, decoder_device, encode_prompt
+    from .generate import decoder_device, encode_prompt, load_placed
     from .parallel import RankSync, check_launch, is_main
 
     check_launch(tp)
     meta = read_meta(export)
-    base, tok = _load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
+    base, tok = load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
     base = apply_adapter(base, export, meta)
     device = decoder_device(base)
     draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)

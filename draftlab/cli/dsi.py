@@ -1,0 +1,47 @@
+"""`draftlab dsi`: distributed speculative inference (speculation parallelism) with an SSM export."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .args import positive_int
+
+
+def add_dsi_args(p) -> None:
+    p.add_argument("export", help="an ssm export (its base is the target)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several (decoded in turn)")
+    p.add_argument("--sp", type=positive_int, default=2,
+                   help="target servers (SP degree): processes each holding the base, one per GPU when there are "
+                        "more GPUs than servers (GPU 0 drafts), else on CPU")
+    p.add_argument("--lookahead", type=positive_int, default=None,
+                   help="drafts per verification task (default: the smallest with which no task waits for a server)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--target-latency-ms", type=float, default=0.0,
+                   help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
+                        "emulate a multi-GPU node)")
+    p.add_argument("--draft-latency-ms", type=float, default=0.0, help="emulate the drafter's forward time")
+    p.add_argument("--compare", action="store_true", help="also run SI and non-SI with the same latencies")
+    p.add_argument("--base", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+
+def dsi_command(a) -> int:
+    from ..dsi import run_dsi
+
+    rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
+                  a.compare, a.base, a.dtype, a.chat)
+    if a.json:
+        print(json.dumps(rep))
+        return 0
+    for r in rep["runs"]:
+        print(r["text"])
+    line = (f"\nDSI: SP {rep['sp']}, lookahead {rep['lookahead']} (target {rep['t_target_ms']} ms, drafter "
+            f"{rep['t_draft_ms']} ms per forward), {rep['dsi_s']:.2f} s")
+    if a.compare:
+        line += (f"; SI {rep['si_s']:.2f} s, non-SI {rep['non_si_s']:.2f} s; DSI vs SI {rep['dsi_vs_si']:.2f}x, vs non-SI "
+                 f"{rep['dsi_vs_non_si']:.2f}x; identical to greedy: {rep['identical_to_greedy']}")
+    print(line, file=sys.stderr)
+    return 0

@@ -1,0 +1,295 @@
+"""Pipelined drafting and verification of a request stream (Minions' pipeline), lossless.
+
+Two processes: the verifier (this one: the base) and a drafter worker (a small draft model: SSMs, SSM ensembles,
+lookup; on a GPU node it sits on its own GPU). Requests are decoded in groups of `batch_size` (the verifier's
+batch); `in_flight` groups are open at once, so while the base verifies one group's drafts the drafter drafts
+another's. A group's drafts wait in the intermediate result pool until the verifier takes them; the drafter
+pauses while the pool holds at least `batch_size` requests and resumes when the verifier takes a group (so
+drafted-but-unverified requests, and the KV memory they pin, stay bounded). When a group ends, the next
+`batch_size` requests of the stream open a new one.
+
+Each step of a group is exactly a step of the plain decoder (draftlab.decode.decoder.Verifier + the same
+Drafter), so greedy output equals plain greedy decoding and sampling keeps the target distribution.
+
+Deviation from Minions: there the verifier batches whichever drafted requests are in the pool; here a batch is a
+fixed group whose KV cache the verifier keeps as one batched cache (per-request caches would have to be
+re-batched every step), so the pool is counted in requests but taken a group at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import pickle
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import Sampling
+from .decoder import Verifier, eos_set, sync_device
+
+
+class PipelineError(RuntimeError):
+    """The drafter cannot run apart from the base, or the drafter worker failed."""
+
+
+def move(obj, device):
+    """Tensors inside (nested dataclasses / dicts / lists of) obj moved to device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: move(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (torch.Tensor, dict)):
+        return type(obj)(move(v, device) for v in obj)
+    return obj
+
+
+def pack_proposal(prop, sent: set):
+    """A proposal for the wire: a static tree's view (the same every step of a group) travels once per group and
+    batch shape; later steps name it by key."""
+    view = prop.view
+    if view.static is None:
+        return move(prop, "cpu"), None
+    key = (id(view.static), tuple(view.parents.shape))
+    light = dataclasses.replace(prop, view=None, tokens=prop.tokens.cpu(), q=move(prop.q, "cpu"),
+                                q_index=move(prop.q_index, "cpu"))
+    if key in sent:
+        return light, key
+    sent.add(key)
+    return (light, move(view, "cpu")), key
+
+
+def unpack_proposal(packed, key, views: dict, device):
+    if key is None:
+        return move(packed, device)
+    if isinstance(packed, tuple):
+        packed, views[key] = packed[0], move(packed[1], device)
+    return dataclasses.replace(move(packed, device), view=views[key])
+
+
+def _send(q, msg) -> None:
+    q.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))  # plain bytes: no shared-memory handles per tensor
+
+
+def _recv(q):
+    return pickle.loads(q.get())
+
+
+def _drafter_worker(export: str, tree, options: dict, device: str, threads: int, seed: int, inbox, pool) -> None:
+    """The drafter process: drafts for any open group with a root, while the pool is below its limit."""
+    try:
+        from ..drafters import make_drafter
+        from ..export import load_export
+        from .generate import resolve_tree
+
+        torch.set_num_threads(threads)
+        draft, meta = load_export(export, base=None, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        probe = make_drafter(draft, resolve_tree(tree, meta), **options)
+        if probe.hidden_layers:
+            raise PipelineError(f"a {meta['head']['type']} drafter reads the base's hidden states, so it cannot draft "
+                                "in a process apart from the base; pipelining is for separate draft models (ssm, "
+                                "ensembles of SSMs, lookup)")
+        _send(pool, ("ready",))
+        groups, ready, pool_size, limit, stats, sent = {}, [], 0, None, {}, set()
+        while True:
+            if ready and (limit is None or pool_size < limit):
+                g = ready.pop(0)
+                drafter, root, rows = groups[g]
+                t0 = time.perf_counter()
+                prop = drafter.propose(root)
+                sync_device(device)
+                draft_s = time.perf_counter() - t0
+                stats["draft_s"] += draft_s
+                pool_size += rows
+                stats["pool_max"] = max(stats["pool_max"], pool_size)
+                stats["drafts"] += 1
+                _send(pool, ("proposal", g, *pack_proposal(prop, sent), draft_s, rows))
+                continue
+            if ready:
+                stats["paused"] += 1  # the pool is full: wait for the verifier to take a group
+            t0 = time.perf_counter()
+            msg = _recv(inbox)
+            if stats:
+                stats["idle_s"] += time.perf_counter() - t0
+            kind = msg[0]
+            if kind == "taken":
+                pool_size -= msg[1]
+            elif kind == "begin":
+                _, g, prompt, root, sampling = msg
+                drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
+                drafter.begin(move(prompt, device), sampling, gen)
+                groups[g] = [drafter, root.to(device), root.shape[0]]
+                ready.append(g)
+            elif kind == "commit":
+                _, g, step = msg
+                step = move(step, device)
+                t1 = time.perf_counter()
+                groups[g][0].commit(step)
+                stats["commit_s"] += time.perf_counter() - t1
+                groups[g][1:] = [step.bonus, int(step.live.sum())]  # the next root; rows still decoding
+                ready.append(g)
+            elif kind == "end":
+                groups.pop(msg[1], None)
+            elif kind == "run":  # a new stream: its pool limit, fresh counters
+                limit, pool_size, ready, sent = msg[1], 0, [], set()
+                stats = {"paused": 0, "pool_max": 0, "drafts": 0, "idle_s": 0.0, "draft_s": 0.0, "commit_s": 0.0}
+            elif kind == "stats":
+                _send(pool, ("stats", stats))
+            elif kind == "stop":
+                return
+    except BaseException:  # noqa: BLE001 - reported to the verifier, which raises it
+        _send(pool, ("error", traceback.format_exc()))
+
+
+@dataclass
+class PipelineResult:
+    """Tokens per request (stream order) and what the run cost."""
+
+    tokens: list[list[int]]
+    wall_s: float = 0.0
+    steps: int = 0
+    committed: int = 0  # tokens committed over all verification steps
+    rows: int = 0  # request-steps verified
+    verify_s: float = 0.0  # the verifier's forwards + acceptance
+    verifier_wait_s: float = 0.0  # the verifier waiting for drafts (the pipeline's bubble)
+    drafter: dict = field(default_factory=dict)  # the drafter's paused / pool_max / drafts / idle_s
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def accept_length(self) -> float:
+        return self.committed / self.rows if self.rows else 0.0
+
+
+class DraftPipeline:
+    """The base here, the drafter of `export` in a worker process (started once, reused for every stream).
+
+        with DraftPipeline(base, "runs/ssm/export", tree="chain:3") as pipe:
+            res = pipe.run(prompts, batch_size=8)
+    """
+
+    def __init__(self, base, export: str, tree: str | None = None, drafter_options: dict | None = None,
+                 drafter_device: str | None = None, drafter_threads: int = 1, seed: int = 0,
+                 timeout_s: float = 600.0):
+        self.base, self.timeout_s, self.seed = base, timeout_s, seed
+        self.device = base.get_output_embeddings().weight.device
+        ctx = mp.get_context("spawn")
+        self.inbox, self.pool = ctx.Queue(), ctx.Queue()
+        self.worker = ctx.Process(target=_drafter_worker, daemon=True,
+                                  args=(export, tree, drafter_options or {}, drafter_device or str(self.device),
+                                        drafter_threads, seed, self.inbox, self.pool))
+        self.worker.start()
+        try:
+            self._receive()  # ("ready",): the drafter is loaded
+        except BaseException:
+            self.close()
+            raise
+
+    def _receive(self):
+        t0 = time.perf_counter()
+        while True:
+            try:
+                msg = pickle.loads(self.pool.get(timeout=1.0))
+                break
+            except queue.Empty:  # is the worker still alive?
+                if not self.worker.is_alive():
+                    raise PipelineError("the drafter worker died without a report") from None
+                if time.perf_counter() - t0 > self.timeout_s:
+                    raise PipelineError(f"no word from the drafter worker for {self.timeout_s:.0f} s") from None
+        if msg[0] == "error":
+            raise PipelineError("the drafter worker failed:\n" + msg[1])
+        return msg, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], batch_size: int = 8, in_flight: int = 2, max_new_tokens: int = 128,
+            sampling: Sampling | None = None, eos_token_id=None, pool_limit: int | None | str = "batch") -> PipelineResult:
+        """Decode a stream of prompts. batch_size: requests the verifier verifies per forward (one group);
+        in_flight: groups open at once (2 lets drafting and verification overlap); pool_limit: the drafter pauses
+        while the pool holds this many requests ('batch': batch_size, Minions' rule; None: it never pauses)."""
+        if batch_size < 1 or in_flight < 1:
+            raise ValueError("batch_size and in_flight must be >= 1")
+        sampling, dev = sampling or Sampling(), self.device
+        gen = torch.Generator(device=dev).manual_seed(self.seed)
+        eos = eos_set(eos_token_id)
+        res = PipelineResult(tokens=[[] for _ in prompts])
+        open_groups: dict[int, tuple[Verifier, list[int]]] = {}
+        views: dict = {}  # static tree views by the drafter's key
+        cursor = {"prompt": 0, "group": 0}
+
+        def open_group() -> None:
+            idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
+            cursor["prompt"] += len(idx)
+            v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen)
+            prompt, root = v.prefill()
+            g = cursor["group"]
+            open_groups[g] = (v, idx)
+            _send(self.inbox, ("begin", g, move(prompt, "cpu"), root.cpu(), sampling))
+            cursor["group"] += 1
+
+        t_start = time.perf_counter()
+        _send(self.inbox, ("run", batch_size if pool_limit == "batch" else pool_limit))
+        while cursor["prompt"] < len(prompts) and len(open_groups) < in_flight:
+            open_group()
+        while open_groups:
+            (_, g, packed, key, draft_s, rows), waited = self._receive()
+            res.verifier_wait_s += waited
+            _send(self.inbox, ("taken", rows))
+            v, idx = open_groups[g]
+            t0 = time.perf_counter()
+            step = v.verify(unpack_proposal(packed, key, views, dev), draft_s)
+            res.verify_s += time.perf_counter() - t0
+            if v.done:
+                _send(self.inbox, ("end", g))
+                del open_groups[g]
+                for i, toks in zip(idx, v.res.tokens):
+                    res.tokens[i] = toks
+                res.steps += v.res.steps
+                res.committed += sum(v.res.committed)
+                res.rows += sum(v.res.rows_per_step)
+                if cursor["prompt"] < len(prompts):
+                    open_group()
+            else:
+                _send(self.inbox, ("commit", g, move(step, "cpu")))
+        res.wall_s = time.perf_counter() - t_start
+        _send(self.inbox, ("stats",))
+        res.drafter = self._receive()[0][1]
+        return res
+
+    def close(self) -> None:
+        if self.worker.is_alive():
+            _send(self.inbox, ("stop",))
+            self.worker.join(timeout=10)
+        if self.worker.is_alive():
+            self.worker.terminate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def sequential_generate(decoder, prompts: list[list[int]], batch_size: int = 8, max_new_tokens: int = 128,
+                        sampling: Sampling | None = None, eos_token_id=None, seed: int = 0) -> PipelineResult:
+    """The same stream through the plain decoder, batch after batch in one process (the baseline)."""
+    gen = torch.Generator(device=decoder.device).manual_seed(seed)
+    res = PipelineResult(tokens=[])
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch_size):
+        r = decoder.generate(prompts[s:s + batch_size], max_new_tokens, sampling, eos_token_id, generator=gen)
+        res.tokens += r.tokens
+        res.steps += r.steps
+        res.committed += sum(r.committed)
+        res.rows += sum(r.rows_per_step)
+        res.verify_s += r.time_s["verify"] + r.time_s["accept"]
+    res.wall_s = time.perf_counter() - t0
+    return res
