@@ -52,11 +52,12 @@ def main() -> None:
         meas = {"dsi": 0.0, "si": 0.0, "non_si": 0.0}
         identical = True
         with DSI(str(base_dir), sp=sp, target_latency_s=tt) as dsi:
-            for p, ref in zip(prompts, refs):
-                rng = random.Random(0)
-                runs = {"dsi": dsi.generate(p, a.tokens, oracle(p, ref, acc, V, rng), k, td),
-                        "si": si_generate(model, p, a.tokens, oracle(p, ref, acc, V, rng), k_si, tt, td),
-                        "non_si": si_generate(model, p, a.tokens, oracle(p, ref, acc, V, rng), 0, tt, td)}
+            for j, (p, ref) in enumerate(zip(prompts, refs)):
+                # Each method its own draws from the same seed (a shared generator would hand SI whatever DSI's
+                # timing-dependent number of drafts left over).
+                runs = {"dsi": dsi.generate(p, a.tokens, oracle(p, ref, acc, V, random.Random(j)), k, td),
+                        "si": si_generate(model, p, a.tokens, oracle(p, ref, acc, V, random.Random(j)), k_si, tt, td),
+                        "non_si": si_generate(model, p, a.tokens, oracle(p, ref, acc, V, random.Random(j)), 0, tt, td)}
                 for m, r in runs.items():
                     meas[m] += r["wall_s"] / len(prompts)
                     identical &= r["tokens"] == ref
