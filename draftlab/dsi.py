@@ -1,5 +1,5 @@
 """Distributed speculative inference (DSI, Timor et al.) as processes: one drafter (this process) and `sp` target
-servers (worker processes), greedy, lossless.
+servers (worker processes), greedy or sampling, lossless.
 
 The drafter never waits for verification. From the last verified token on, a verification task goes to a free
 target server at once (no drafts: the target's own next token) and again after every `lookahead` drafted
@@ -8,7 +8,10 @@ read in the order the tasks were sent; the first one that finds a draft differen
 the target's token after its last draft, when the drafter has gone no further) decides: the drafts up to it and
 the target's token are committed, every task and draft built past it is preempted (servers drop work of an old
 epoch, including the one they are sleeping through), and drafting restarts from the corrected token. Every
-committed token is the target's greedy token, so the output equals plain greedy decoding.
+committed token is the target's greedy token, so the output equals plain greedy decoding. Sampling: the servers
+return the target's distributions and each drafted position is decided once, in order, by the speculative
+sampling rule against the distribution the drafter drew it from (`_decide_sampled`), so the output is a sample
+of the target's own distribution.
 
 Latencies can be injected (`target_latency_s`, `draft_latency_s`: each forward then lasts at least that long),
 the way the DSI authors emulate a multi-GPU node on one machine; `draftlab simulate` predicts the same runs.
@@ -40,6 +43,10 @@ class CachedGreedy:
 
     def next_tokens(self, prefix: list[int], drafts: list[int] = ()) -> list[int]:
         """The greedy token after prefix + drafts[:i] for i = 0..len(drafts)."""
+        return self.logits(prefix, drafts).argmax(-1).tolist()
+
+    def logits(self, prefix: list[int], drafts: list[int] = ()):
+        """The logits after prefix + drafts[:i] for i = 0..len(drafts), [len(drafts) + 1, V]."""
         import torch
         from transformers import DynamicCache
 
@@ -58,14 +65,16 @@ class CachedGreedy:
             out = self.model(input_ids=torch.tensor([seq[keep:]], device=self.device), past_key_values=self.cache,
                              use_cache=True)
         self.tokens, self.computed = seq, self.computed + len(seq) - keep
-        return out.logits[0, len(prefix) - 1 - keep:].argmax(-1).tolist()
+        return out.logits[0, len(prefix) - 1 - keep:]
 
 
-def _server(base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float) -> None:
-    """A target server (one per device): greedy tokens for (prefix, drafts) tasks of the current epoch."""
+def _server(base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float, sampling) -> None:
+    """A target server (one per device): for (prefix, drafts) tasks of the current epoch, the target's greedy tokens
+    or (sampling) its warped distributions after prefix + drafts[:i], i = 0..len(drafts)."""
     import torch
 
     from .base import load_base
+    from .decode.acceptance import warp
 
     torch.set_num_threads(1)
     model, _ = load_base(base_path, dtype, device)
@@ -79,7 +88,9 @@ def _server(base_path: str, dtype: str, device: str, tasks, results, epoch, late
             results.put((task_id, ep, None))
             continue
         t0 = time.perf_counter()
-        toks = target.next_tokens(prefix, drafts)  # the target's token after prefix + drafts[:i], i = 0..len(drafts)
+        with torch.no_grad():
+            logits = target.logits(prefix, drafts)
+            toks = warp(logits, sampling).cpu() if sampling is not None else logits.argmax(-1).tolist()
         while time.perf_counter() - t0 < latency:  # the emulated forward; preemption cuts it short
             if ep != epoch.value:
                 break
@@ -99,7 +110,9 @@ class DSI:
     """`sp` target servers for one base; `generate` runs DSI with a drafter function."""
 
     def __init__(self, base_path: str, sp: int, target_latency_s: float = 0.0, dtype: str = "float32",
-                 devices: list[str] | None = None):
+                 devices: list[str] | None = None, sampling=None):
+        """sampling: a draftlab Sampling with temperature > 0 makes the servers return the target's distributions
+        and `generate` sample losslessly (then draft_next returns (token, q)); None: greedy."""
         devices = devices or server_devices(sp)
         if len(devices) != sp:
             raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
@@ -107,8 +120,9 @@ class DSI:
         self.epoch = ctx.Value("i", 0)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(sp)]
+        self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
         self.procs = [ctx.Process(target=_server, args=(base_path, dtype, dev, q, self.results, self.epoch,
-                                                          target_latency_s), daemon=True)
+                                                          target_latency_s, self.sampling), daemon=True)
                       for q, dev in zip(self.tasks, devices)]
         for p in self.procs:
             p.start()
@@ -134,11 +148,16 @@ class DSI:
     def __exit__(self, *exc):
         self.close()
 
-    def generate(self, prompt: list[int], max_new_tokens: int, draft_next: Callable[[list[int]], int],
-                 lookahead: int, draft_latency_s: float = 0.0) -> dict:
-        """Greedy DSI; draft_next(tokens) -> the drafter's next token. Returns tokens, wall time and counts."""
+    def generate(self, prompt: list[int], max_new_tokens: int, draft_next: Callable, lookahead: int,
+                 draft_latency_s: float = 0.0, seed: int = 0) -> dict:
+        """DSI; draft_next(tokens) -> the drafter's next token (greedy), or (token, q [V]) with q the distribution
+        it was drawn from (sampling). Returns tokens, wall time and counts."""
+        import torch
+
         if lookahead < 1:
             raise ValueError("DSI needs lookahead >= 1")
+        sampling = self.sampling is not None
+        gen = torch.Generator().manual_seed(seed)
         t_start = time.perf_counter()
         committed = list(prompt)
         end = len(prompt) + max_new_tokens
@@ -147,6 +166,8 @@ class DSI:
         next_id, owner = 0, {}  # task id -> the server running it (freed when it reports, preempted or not)
         while len(committed) < end:
             drafts: list[int] = []
+            qs: list = []  # sampling: the distribution each draft was drawn from
+            checked = 0  # sampling: drafts of this stretch already accepted (each position is decided once)
             sent: list[tuple[int, int]] = []  # (task id, drafts it verifies) of this stretch, in send order
             got: dict[int, list[int] | None] = {}
             pending_send = 0  # drafts count at which the next task goes out
@@ -185,6 +206,12 @@ class DSI:
                 for tid, n in sent:
                     if tid not in got:
                         break
+                    if sampling:
+                        decided, checked = _decide_sampled(got[tid], n, drafts, qs, checked, gen,
+                                                           len(committed) + n + 1 >= end)
+                        if decided is not None or checked <= n:
+                            break
+                        continue
                     toks = got[tid]
                     bad = next((i for i in range(n) if drafts[i] != toks[i]), None)
                     if bad is not None:
@@ -198,7 +225,11 @@ class DSI:
                 # Draft one more token (the drafter never waits for verification).
                 if len(committed) + len(drafts) < end:
                     t0 = time.perf_counter()
-                    drafts.append(draft_next(committed + drafts))
+                    d = draft_next(committed + drafts)
+                    if sampling:
+                        d, q = d
+                        qs.append(q)
+                    drafts.append(d)
                     while time.perf_counter() - t0 < draft_latency_s:
                         time.sleep(max(0.0, draft_latency_s - (time.perf_counter() - t0)))
             with self.epoch.get_lock():
@@ -210,6 +241,27 @@ class DSI:
         while owner:  # preempted tasks still report back; collect them so the next call starts with free servers
             owner.pop(self.results.get(timeout=600)[0], None)
         return {"tokens": committed[len(prompt): end], "wall_s": wall, **stats}
+
+
+def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, at_end: bool):
+    """Speculative sampling over one task's result p [n+1, V] (the target's distributions after the committed
+    text + drafts[:i]): positions checked.. are decided once each, in order. A draft x drawn from q is accepted
+    with probability min(1, p(x)/q(x)); the first rejection commits a token from normalize(max(p - q, 0)). The
+    task also decides the position after its last verified draft: the drafter's token there if it has one (same
+    rule), else (or at the end of the text) a token drawn from p. Returns (committed tokens or None, checked)."""
+    import torch
+
+    from .decode.acceptance import residual
+
+    for i in range(checked, min(n + 1, len(drafts))):
+        x, q = drafts[i], qs[i]
+        if torch.rand((), generator=gen) * q[x] < p[i, x]:
+            checked = i + 1
+            continue
+        return drafts[:i] + [int(torch.multinomial(residual(p[i], q), 1, generator=gen))], checked
+    if checked == n + 1:  # every position this task covers accepted: the next task goes on (or the text ends)
+        return (drafts[:n + 1] if at_end else None), checked
+    return drafts + [int(torch.multinomial(p[n], 1, generator=gen))], checked  # no draft after the n verified
 
 
 def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, lookahead: int,
@@ -239,11 +291,17 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
 
 def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128, lookahead: int | None = None,
             target_latency_ms: float = 0.0, draft_latency_ms: float = 0.0, compare: bool = False,
-            base: str | None = None, dtype: str | None = None, chat: bool = False) -> dict:
-    """`draftlab dsi`: DSI with an SSM export as the drafter (greedy, its own KV cache) and `sp` target servers of
-    its base; optionally SI and non-SI with the same latencies for comparison. The lookahead defaults to the
-    smallest with which no verification task waits for a server, from measured (or emulated) forward times."""
+            base: str | None = None, dtype: str | None = None, chat: bool = False, sampling=None,
+            seed: int = 0) -> dict:
+    """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
+    base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies for comparison. The
+    lookahead defaults to the smallest with which no verification task waits for a server, from measured (or
+    emulated) forward times."""
     import math
+
+    import torch
+
+    from .decode.acceptance import warp
 
     from .base import load_base
     from .decode.generate import encode_prompt
@@ -256,8 +314,18 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
     name, dtype = base or meta["base"]["name_or_path"], dtype or meta["base"]["dtype"]
     model, tok = load_base(name, dtype, "cpu")
     draft, _ = load_export(export, base=model)
+    sampled = sampling is not None and sampling.temperature > 0
+    if sampled and compare:
+        raise ValueError("--compare runs SI and non-SI greedily; drop it or --temperature")
     drafter = CachedGreedy(draft.lm)
-    draft_next = lambda toks: drafter.next_tokens(toks)[0]
+    gen = torch.Generator().manual_seed(seed)
+
+    def draft_next(toks):
+        if not sampled:
+            return drafter.next_tokens(toks)[0]
+        with torch.no_grad():
+            q = warp(drafter.logits(toks)[0], sampling)
+        return int(torch.multinomial(q, 1, generator=gen)), q
     ids = [encode_prompt(tok, p, chat) for p in prompts]
     t_target = target_latency_ms / 1000 or _forward_s(model, ids[0])
     t_draft = draft_latency_ms / 1000 or _forward_s(draft.lm, ids[0])
@@ -265,9 +333,9 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
     report = {"sp": sp, "lookahead": k, "t_target_ms": round(1000 * t_target, 3),
               "t_draft_ms": round(1000 * t_draft, 3), "emulated": bool(target_latency_ms or draft_latency_ms),
               "runs": []}
-    with DSI(name, sp, target_latency_ms / 1000, dtype) as dsi:
-        for p in ids:
-            r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000)
+    with DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None) as dsi:
+        for j, p in enumerate(ids):
+            r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000, seed=seed + j)
             run = {"text": tok.decode(r["tokens"], skip_special_tokens=True), "tokens": r["tokens"],
                    "dsi_s": round(r["wall_s"], 4), "tasks": r["tasks"], "preemptions": r["preemptions"],
                    "server_waits": r["server_waits"]}

@@ -101,3 +101,45 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
                         str(stories_dir), tokenizer=tok)
     assert main(["dsi", str(heads), "--prompt", "x"]) == 2
     assert "cannot draft ahead of verification" in capsys.readouterr().err
+    # Sampling (its law is tested in test_dsi_sampling_is_the_targets_distribution): the text differs from greedy's.
+    assert main(["dsi", str(exp), "--prompt", "Once upon a time", "--sp", "2", "--max-new-tokens", "24",
+                 "--temperature", "1.0", "--json"]) == 0
+    sampled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]["tokens"]
+    assert len(sampled) == 24 and sampled != rep["runs"][0]["tokens"]
+
+
+@pytest.mark.slow  # 1500 multi-process generations, about a minute
+def test_dsi_sampling_is_the_targets_distribution(tmp_path):
+    """Sampled DSI: the joint law of the first two tokens equals the target's (chi-square), with a drafter whose
+    own law is far from it (the same check against the drafter's law fails)."""
+    import torch
+
+    from conftest import tiny_llama
+    from draftlab.decode.acceptance import warp
+    from draftlab.quickstart import build_tokenizer
+    from test_decoder import _joint_first_two, chi_square
+
+    s = Sampling(temperature=0.8, top_p=0.95)
+    target = tiny_llama(vocab=16, seed=4, dtype=torch.float32)
+    drafter = tiny_llama(vocab=16, seed=9, dtype=torch.float32)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)  # peaked laws give the test power with few samples
+        drafter.lm_head.weight.mul_(4)
+    build_tokenizer(["a b c"], tmp_path)  # the servers load a tokenizer beside the weights; it is never used
+    target.save_pretrained(tmp_path)
+    prompt = [1, 5]
+    g = torch.Generator().manual_seed(3)
+
+    def draft_next(tokens):
+        with torch.no_grad():
+            q = warp(drafter(torch.tensor([tokens])).logits[0, -1], s)
+        return int(torch.multinomial(q, 1, generator=g)), q
+    counts = torch.zeros(16, 16)
+    with DSI(str(tmp_path), sp=2, sampling=s) as dsi:
+        for i in range(1500):
+            toks = dsi.generate(prompt, 2, draft_next, lookahead=1 + i % 2, seed=i)["tokens"]
+            counts[toks[0], toks[1]] += 1
+    stat, df = chi_square(counts, _joint_first_two(target, prompt, s))
+    assert df >= 5 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)
+    wrong, df2 = chi_square(counts, _joint_first_two(drafter, prompt, s))
+    assert wrong > df2 + 4 * (2 * df2) ** 0.5

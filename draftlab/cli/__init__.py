@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("dsi", help="distributed speculative inference: an SSM drafting ahead of SP target servers",
                        description="DSI (Timor et al.): the drafter never waits for verification; tasks go to SP "
-                                   "target-server processes, rejected work is preempted. Greedy, lossless.")
+                                   "target-server processes, rejected work is preempted. Greedy or sampling, lossless.")
     add_dsi_args(s)
     s.set_defaults(func=dsi_command)
 

@@ -21,7 +21,11 @@ def add_dsi_args(p) -> None:
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
                         "emulate a multi-GPU node)")
     p.add_argument("--draft-latency-ms", type=float, default=0.0, help="emulate the drafter's forward time")
-    p.add_argument("--compare", action="store_true", help="also run SI and non-SI with the same latencies")
+    p.add_argument("--compare", action="store_true", help="also run SI and non-SI with the same latencies (greedy)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample (lossless) instead of greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--chat", action="store_true")
@@ -29,10 +33,11 @@ def add_dsi_args(p) -> None:
 
 
 def dsi_command(a) -> int:
+    from ..decode.acceptance import Sampling
     from ..dsi import run_dsi
 
     rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
-                  a.compare, a.base, a.dtype, a.chat)
+                  a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed)
     if a.json:
         print(json.dumps(rep))
         return 0
