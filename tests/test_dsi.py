@@ -81,6 +81,7 @@ def test_cached_greedy_equals_recomputing_the_whole_sequence(setup):
     assert c.computed - before == 2 + 3 + 4
 
 
+@pytest.mark.slow  # three server pools through the CLI (about 20 s)
 def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
     import json
 

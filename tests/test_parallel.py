@@ -70,6 +70,7 @@ def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_p
         assert all(len(t) == 24 for t in run["tokens"])
 
 
+@pytest.mark.slow  # two torchrun launches of the CLI; the decoding itself is covered by the worker test above
 def test_tp_cli_generate_matches_one_process(exports, tmp_path):
     from draftlab.cli import main
 
