@@ -297,15 +297,13 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
     base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies for comparison. The
     lookahead defaults to the smallest with which no verification task waits for a server, from measured (or
     emulated) forward times."""
-    import math
-
     import torch
 
-    from .decode.acceptance import warp
-
     from .base import load_base
+    from .decode.acceptance import warp
     from .decode.generate import encode_prompt
     from .export import load_export, read_meta
+    from .simulate import min_lookahead
 
     meta = read_meta(export)
     if meta["head"]["type"] != "ssm":
@@ -329,7 +327,7 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
     ids = [encode_prompt(tok, p, chat) for p in prompts]
     t_target = target_latency_ms / 1000 or _forward_s(model, ids[0])
     t_draft = draft_latency_ms / 1000 or _forward_s(draft.lm, ids[0])
-    k = lookahead or max(1, math.ceil(t_target / (sp * t_draft)))
+    k = lookahead or min_lookahead(t_draft, t_target, sp)
     report = {"sp": sp, "lookahead": k, "t_target_ms": round(1000 * t_target, 3),
               "t_draft_ms": round(1000 * t_draft, 3), "emulated": bool(target_latency_ms or draft_latency_ms),
               "runs": []}

@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO
 from test_decoder import noisy_heads
-from tp_worker import PROMPTS
+from tp_worker import PROMPTS, decode_all
 
 
 def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -41,17 +41,7 @@ def exports(stories_dir, tmp_path_factory):
 
 
 def single_process(exports) -> dict:
-    from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.generate import load_decoder
-
-    runs = {}
-    for exp in exports:
-        decoder, _, _ = load_decoder(exp, dtype="float64", device="cpu")
-        for name, sampling in (("greedy", Sampling()), ("sampled", Sampling(temperature=0.8, top_p=0.95))):
-            res = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling,
-                                   generator=torch.Generator().manual_seed(7))
-            runs[f"{exp}|{name}"] = {"tokens": res.tokens, "steps": res.steps}
-    return runs
+    return decode_all(exports, device="cpu")[0]
 
 
 @pytest.mark.parametrize("procs", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -23,17 +23,23 @@ def local_share(model) -> float:
     return local / sum(p.numel() for p in model.parameters())
 
 
-def main(out: str, exports: list[str]) -> None:
-    torch.set_num_threads(1)
+def decode_all(exports: list[str], **placement) -> tuple[dict, object]:
+    """Every export, greedy and seeded sampling, on PROMPTS: {export|mode: tokens and steps}, and the last base."""
     runs = {}
     for exp in exports:
-        decoder, _, _ = load_decoder(exp, dtype="float64", tp=True)
+        decoder, _, _ = load_decoder(exp, dtype="float64", **placement)
         for name, sampling in (("greedy", Sampling()), ("sampled", Sampling(temperature=0.8, top_p=0.95))):
-            gen = torch.Generator().manual_seed(7)
-            res = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling, generator=gen)
+            res = decoder.generate(PROMPTS, max_new_tokens=24, sampling=sampling,
+                                   generator=torch.Generator().manual_seed(7))
             runs[f"{exp}|{name}"] = {"tokens": res.tokens, "steps": res.steps}
+    return runs, decoder.base
+
+
+def main(out: str, exports: list[str]) -> None:
+    torch.set_num_threads(1)
+    runs, base = decode_all(exports, tp=True)
     with open(f"{out}.rank{rank()}", "w") as f:
-        json.dump({"runs": runs, "local_share": local_share(decoder.base)}, f)
+        json.dump({"runs": runs, "local_share": local_share(base)}, f)
     shutdown()
 
 
