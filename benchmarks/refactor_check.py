@@ -36,9 +36,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--commit", default=BEFORE)
+    ap.add_argument("--name", default="refactor_check", help="results/NAME.json")
     a = ap.parse_args()
     old_package(a.commit)
-    from draftlab_v0.decode.cli import load_decoder as load_before
+    try:
+        from draftlab_v0.decode.generate import load_decoder as load_before
+    except ImportError:  # 39ef22b kept it in decode/cli.py
+        from draftlab_v0.decode.cli import load_decoder as load_before
 
     from draftlab.decode.generate import encode_prompt, load_decoder
 
@@ -62,7 +66,7 @@ def main() -> None:
              for k in pairs}
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
-    write_result("refactor_check", {"before": a.commit, "prompts": len(prompts), "max_new_tokens": N,
+    write_result(a.name, {"before": a.commit, "prompts": len(prompts), "max_new_tokens": N,
                                     "methods": results, "after_over_before": ratio, "same_accept_length": same})
 
 
