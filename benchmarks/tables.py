@@ -1,11 +1,31 @@
-"""Print the README's benchmark tables from benchmarks/results/*.json (the only source of README figures)."""
+"""The documentation's figure tables, generated from benchmarks/results/*.json (their only source).
+
+    python benchmarks/tables.py            # print every table
+    python benchmarks/tables.py --write    # rewrite the tables in README.md and docs/*.md
+    python benchmarks/tables.py --check    # exit 1 if a table there disagrees with its JSON
+
+A table lives in a document between `<!-- tables:begin NAME -->` and `<!-- tables:end -->`; the text
+between the markers is this script's output for NAME and nothing else (write notes outside them).
+A results file with no block in any document is reported by --check; --write appends its block to
+docs/benchmarks.md.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import io
 import json
+import math
+import re
+import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
+BLOCK = re.compile(r"^<!-- tables:begin (?P<name>[\w.+-]+) -->\n(?P<body>.*?)^<!-- tables:end -->", re.S | re.M)
 
 
 def load(name: str) -> dict | None:
@@ -28,226 +48,449 @@ def split(r: dict) -> str:
     return " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
 
 
-def main() -> None:
-    if d := load("train_heads"):
-        print(f"### Training Medusa heads (`benchmarks/train_heads.py`; {where(d)})\n")
-        print(f"{d['steps']} steps, {d['train_tokens_per_s']:.0f} training tokens/s, {d['wall_s']:.0f} s wall; "
-              f"held-out positions: {d['eval_positions']}\n")
-        print("| head | top-1 | top-5 |\n|---|---|---|")
-        for k, (a, b) in enumerate(zip(d["head_top1"], d["head_top5"]), 1):
-            print(f"| {k} | {a:.3f} | {b:.3f} |")
-        print()
-    if d := load("decode"):
-        print(f"### Greedy decoding (`benchmarks/decode.py`; {d['prompts']} prompts x {d['max_new_tokens']} "
-              f"tokens; {where(d)})\n")
-        print("| method | tree size | accept length | tokens/s | speedup | identical to plain greedy | "
-              f"{phases(d['methods'].values())} |")
-        print("|---|---|---|---|---|---|---|")
-        for m, r in d["methods"].items():
-            print(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
-        print()
-    if d := load("heads"):
-        print(f"### Medusa vs Hydra vs Hydra++ (`benchmarks/heads.py`; same data and optimizer steps, default tree of "
-              f"{d['tree_size']} tokens, {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy; {where(d)})\n")
-        print(f"plain HF generate: {d['baseline_tokens_per_s']:.0f} tokens/s\n")
-        print(f"| heads | head top-1 (1..4) | accept length | tokens/s | speedup | identical | "
-              f"{phases(d[k] for k in ('medusa', 'hydra', 'hydra++'))} |")
-        print("|---|---|---|---|---|---|---|")
-        for k in ("medusa", "hydra", "hydra++"):
+def heading(p, title: str, setting: str) -> None:
+    p(f"## {title}\n")
+    p(f"{setting}.\n")
+
+
+def minutes(wall_s: float) -> str:
+    """A recipe's CPU wall time, rounded up to the half minute."""
+    return f"~{math.ceil(wall_s / 30) / 2:g} min"
+
+
+# --- tables kept outside docs/benchmarks.md ------------------------------------------------------------------
+
+
+def kinds(p) -> None:
+    """README: one row per drafter kind with its headline figures (stories260K on CPU, greedy)."""
+    e, s, en = load("eagle"), load("ssm"), load("ensemble")
+    if not (e and s and en):
+        return
+    p("| kind | what drafts | tree | accept length | speedup | recipe | benchmark |")
+    p("|---|---|---|---|---|---|---|")
+    bench = "[EAGLE-3 and Medusa-2 vs the heads](docs/benchmarks.md#eagle-3-style-drafter-and-medusa-2-vs-medusa-hydra-hydra)"
+    rows = [("Medusa", "medusa", "4 heads on the base's last hidden state", "stories260k-medusa"),
+            ("Hydra", "hydra", "4 heads, each also reading the tokens drafted before it", "stories260k-hydra"),
+            ("Hydra++", "hydra++", "Hydra with 4-layer heads, a prefix-attention layer, distillation",
+             "stories260k-hydra++"),
+            ("Medusa-2", "medusa2", "Medusa heads trained with a LoRA on the base", "stories260k-medusa2"),
+            ("EAGLE-3", "eagle3", "one decoder layer over three of the base's layers", "stories260k-eagle3"),
+            ("EAGLE-3", "eagle3_t60", "the same drafter, EAGLE's 60-token tree", "stories260k-eagle3")]
+    for kind, key, what, recipe in rows:
+        r = e[key]
+        p(f"| {kind} | {what} | {e['trees'][key]} | {r['accept_length']} | {r['speedup']:.2f}x | "
+          f"[{recipe}](recipes/{recipe}.yaml) | {bench} |")
+    r = s["methods"]["draftlab_ssm_tree3"]
+    p(f"| SSM | a 1-layer causal LM ({s['ssm_params'] / 1e3:.0f}K parameters) distilled from the base | "
+      f"expansion tree, 3 tokens | {r['accept_length']} | {r['speedup']:.2f}x | "
+      "[stories260k-ssm](recipes/stories260k-ssm.yaml) | "
+      "[SSM drafting](docs/benchmarks.md#ssm-drafting-vs-hf-assisted-generation-and-the-heads) |")
+    r = en["methods"]["boost_merge5"]
+    p(f"| ensemble | 5 boost-tuned SSMs, merged trees | 32 tokens | {r['accept_length']} | {r['speedup']:.2f}x | "
+      "[stories260k-ensemble](recipes/stories260k-ensemble.yaml) | "
+      "[ensembles at decoding time](docs/benchmarks.md#ensembles-at-decoding-time) |")
+    p("| lookup | continuations of the text's last n-gram found earlier in it (no model) | - | - | - | - | "
+      "not benchmarked on its own |")
+    p(f"\nPlain decoding of the same base in the same run is 1.00x: {e['baseline_tokens_per_s']:.0f} tokens/s in "
+      f"the EAGLE run ({e['prompts']} prompts), {s['methods']['hf_generate']['tokens_per_s']:.0f} in the SSM run "
+      f"({s['prompts']} prompts), {en['methods']['hf_generate']['tokens_per_s']:.0f} in the ensemble run "
+      f"({en['prompts']} prompts); {e['max_new_tokens']} new tokens each, greedy, every output identical to plain "
+      f"greedy; {where(e)}.")
+
+
+def recipes(p) -> None:
+    """docs/recipes.md: the shipped recipes, with CPU wall times from the training benchmarks."""
+    runs = {name: load(f"train_heads_stories260k-{name}") for name in ("hydra", "hydra++", "eagle3", "medusa2")}
+    runs["medusa"] = load("train_heads")
+    ssm, ens = load("train_ssm"), load("train_ensemble")
+
+    def cpu(d, note=""):
+        return f"CPU, {minutes(d['wall_s'])}{note}" if d else "CPU"
+
+    p("| recipe | base | hardware |\n|---|---|---|")
+    p(f"| `recipes/stories260k-medusa.yaml` | stories260K imported from `data/models/stories260K` | {cpu(runs['medusa'])} |")
+    p(f"| `recipes/stories260k-hydra.yaml` | same, Hydra heads | {cpu(runs['hydra'])} |")
+    p("| `recipes/stories260k-hydra++.yaml` | same, Hydra++ (4-layer heads, prefix attention, distillation, hidden "
+      f"cache) | {cpu(runs['hydra++'])} |")
+    p("| `recipes/stories260k-ssm.yaml` | same base, a 1-layer SSM distilled on the base's own continuations | "
+      f"{cpu(ssm and ssm['divergences']['fkl'])} |")
+    p("| `recipes/stories260k-ensemble.yaml` | same base, 5 one-layer SSMs boost-tuned in stages | "
+      f"{cpu(ens and ens['boost'])} |")
+    p("| `recipes/stories260k-eagle3.yaml` | same base, an EAGLE-3-style drafter | "
+      f"{cpu(runs['eagle3'], ' (measured while sharing the machine with the Medusa-2 run)')} |")
+    p("| `recipes/stories260k-medusa2.yaml` | same base, Medusa-2 (heads + a LoRA on the base) | "
+      f"{cpu(runs['medusa2'], ' (measured while sharing the machine with the EAGLE-3 run)')} |")
+    p("| `recipes/vicuna7b-medusa.yaml` | `lmsys/vicuna-7b-v1.3`, ShareGPT | 8 GPUs, bf16 |")
+    p("| `recipes/vicuna7b-hydra.yaml` | same, Hydra: lr 1e-3, 1 epoch (the paper's) | 8 GPUs, bf16 |")
+    p("| `recipes/vicuna7b-hydra++.yaml` | same, Hydra++ with the Hydra authors' settings (lr 5e-4, wd 0.1, cosine "
+      "to 0.33x, dropout 0.2, 10 epochs); its header lists where the architecture still differs | 8 GPUs, bf16 |")
+    p("| `recipes/llama3-8b-medusa.yaml` | `meta-llama/Meta-Llama-3-8B-Instruct`, ShareGPT | 8 GPUs, bf16 |")
+    p("| `recipes/llama2-70b-medusa-fsdp.yaml` | `meta-llama/Llama-2-70b-chat-hf`, ShareGPT, base sharded with FSDP | "
+      "8 x 80 GB GPUs, bf16 |")
+
+
+# --- docs/benchmarks.md -----------------------------------------------------------------------------------------
+
+
+def train_heads(p, d) -> None:
+    heading(p, "Training Medusa heads", f"`benchmarks/train_heads.py`; {where(d)}")
+    p(f"{d['steps']} steps, {d['train_tokens_per_s']:.0f} training tokens/s, {d['wall_s']:.0f} s wall; "
+      f"held-out positions: {d['eval_positions']}\n")
+    p("| head | top-1 | top-5 |\n|---|---|---|")
+    for k, (a, b) in enumerate(zip(d["head_top1"], d["head_top5"]), 1):
+        p(f"| {k} | {a:.3f} | {b:.3f} |")
+
+
+def decode(p, d) -> None:
+    heading(p, "Greedy decoding", f"`benchmarks/decode.py`; {d['prompts']} prompts x {d['max_new_tokens']} tokens; "
+            f"{where(d)}")
+    p("| method | tree size | accept length | tokens/s | speedup | identical to plain greedy | "
+      f"{phases(d['methods'].values())} |")
+    p("|---|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        p(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
+
+
+def heads(p, d) -> None:
+    heading(p, "Medusa vs Hydra vs Hydra++", f"`benchmarks/heads.py`; same data and optimizer steps, default tree of "
+            f"{d['tree_size']} tokens, {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy; {where(d)}")
+    p(f"plain HF generate: {d['baseline_tokens_per_s']:.0f} tokens/s\n")
+    p(f"| heads | head top-1 (1..4) | accept length | tokens/s | speedup | identical | "
+      f"{phases(d[k] for k in ('medusa', 'hydra', 'hydra++'))} |")
+    p("|---|---|---|---|---|---|---|")
+    for k in ("medusa", "hydra", "hydra++"):
+        r = d[k]
+        p(f"| {k} | {' '.join(f'{x:.3f}' for x in r['head_top1'])} | {r['accept_length']:.3f} | "
+          f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
+
+
+def hidden_cache(p, d) -> None:
+    on, off = d["cache_on"], d["cache_off"]
+    heading(p, "Hidden-state cache", f"`benchmarks/hidden_cache.py`; Hydra++ recipe, 2 epochs; {where(d)}")
+    p("| run | epoch 1 tokens/s | epoch 2 tokens/s | wall s |\n|---|---|---|---|")
+    p(f"| recompute the base | {off['epoch1']:.0f} | {off['epoch2']:.0f} | {off['wall_s']:.0f} |")
+    p(f"| `train.cache_hidden: true` | {on['epoch1']:.0f} | {on['epoch2']:.0f} | {on['wall_s']:.0f} |")
+    p(f"\nepoch-2 speed-up {d['epoch2_speedup']:.2f}x; cache size {d['cache_bytes'] / 2**20:.0f} MiB")
+
+
+def tree_search(p, d) -> None:
+    heading(p, "Tree search", f"`benchmarks/tree_search.py`; statistics from {d['calibration_prompts']} training "
+            f"stories, check on {d['heldout_prompts']} held-out prompts x {d['max_new_tokens']} tokens; {where(d)}")
+    p("| heads | chosen tree size | expected accept | replayed accept (calibration) | measured accept "
+      "(held-out) | error | chosen tokens/s | default tree size | default accept | default tokens/s | "
+      "plain tokens/s |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|")
+    for k in ("medusa", "hydra"):
+        if k in d:
             r = d[k]
-            print(f"| {k} | {' '.join(f'{x:.3f}' for x in r['head_top1'])} | {r['accept_length']:.3f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} |")
-        print()
-    if d := load("hidden_cache"):
-        on, off = d["cache_on"], d["cache_off"]
-        print(f"### Hidden-state cache (`benchmarks/hidden_cache.py`; Hydra++ recipe, 2 epochs; {where(d)})\n")
-        print("| run | epoch 1 tokens/s | epoch 2 tokens/s | wall s |\n|---|---|---|---|")
-        print(f"| recompute the base | {off['epoch1']:.0f} | {off['epoch2']:.0f} | {off['wall_s']:.0f} |")
-        print(f"| `train.cache_hidden: true` | {on['epoch1']:.0f} | {on['epoch2']:.0f} | {on['wall_s']:.0f} |")
-        print(f"\nepoch-2 speed-up {d['epoch2_speedup']:.2f}x; cache size {d['cache_bytes'] / 2**20:.0f} MiB\n")
-    if d := load("tree_search"):
-        print(f"### Tree search (`benchmarks/tree_search.py`; statistics from {d['calibration_prompts']} training "
-              f"stories, check on {d['heldout_prompts']} held-out prompts x {d['max_new_tokens']} tokens; {where(d)})\n")
-        print("| heads | chosen tree size | expected accept | replayed accept (calibration) | measured accept "
-              "(held-out) | error | chosen tokens/s | default tree size | default accept | default tokens/s | "
-              "plain tokens/s |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in ("medusa", "hydra"):
-            if k in d:
-                r = d[k]
-                print(f"| {k} | {r['tree_size']} | {r['expected_accept_length']:.3f} | "
-                      f"{r['replayed_accept_length']:.3f} | {r['measured_accept_length']:.3f} | "
-                      f"{100 * r['relative_error']:.1f}% | {r['tokens_per_s']:.0f} | {r['default_tree_size']} | "
-                      f"{r['default_accept_length']:.3f} | {r['default_tokens_per_s']:.0f} | "
-                      f"{r['baseline_tokens_per_s']:.0f} |")
-        print()
-    if d := load("mt_bench"):
-        print(f"### MT-Bench (`benchmarks/mt_bench.py`; {d['questions']} questions, 2 turns, max "
-              f"{d['max_new_tokens']} new tokens, greedy, default trees; {where(d)})\n")
-        cats = list(d["runs"]["medusa"]["categories"])
-        print("| heads | " + " | ".join(cats) + " | overall speedup | accept length | identical |")
-        print("|---" * (len(cats) + 4) + "|")
-        for k, r in d["runs"].items():
-            print(f"| {k} | " + " | ".join(f"{r['categories'][c]['speedup']:.2f}x" for c in cats) +
-                  f" | {r['overall']['speedup']:.2f}x | {r['overall']['accept_length']:.2f} | "
-                  f"{100 * r['overall']['identical_share']:.0f}% |")
-        print()
-    if d := load("train_ssm"):
-        print(f"### Distilling an SSM (`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
-              f"continuations of the training stories; {where(d)})\n")
-        print("| divergence | steps | wall s | training tokens/s | held-out top-1 (data token) | top-1 agreement with the base |")
-        print("|---|---|---|---|---|---|")
-        for div, r in d["divergences"].items():
-            print(f"| {div} | {r['steps']} | {r['wall_s']:.0f} | {r['train_tokens_per_s']:.0f} | {r['head_top1'][0]:.3f} | "
-                  f"{r['agree_top1'][0]:.3f} |")
-        print()
-    if d := load("ssm"):
-        print(f"### SSM drafting vs HF assisted generation and the heads (`benchmarks/ssm.py`; {d['prompts']} held-out "
-              f"prompts x {d['max_new_tokens']} tokens, greedy; SSM {d['ssm_params'] / 1e3:.0f}K parameters; {where(d)})\n")
-        print("| method | tokens per base forward | accept length | tokens/s | speedup | identical | c | predicted "
-              f"speedup | break-even c | {phases(d['methods'].values())} |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for m, r in d["methods"].items():
-            print(f"| {m} | {r['tokens_per_base_forward']:.2f} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {r.get('cost_ratio_c', '-')} | "
-                  f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
-        print()
-    if d := load("train_ensemble"):
-        print(f"### Boost-tuning an SSM ensemble (`benchmarks/train_ensemble.py`; recipes/stories260k-ensemble.yaml, "
-              f"5 one-layer members x 300 steps; {where(d)})\n")
-        print("| ensemble | stage | trained on examples | ensemble coverage (mean) | covered examples | tau (merged, "
-              "16 held-out prompts) |\n|---|---|---|---|---|---|")
-        for name in ("boost", "independent"):
-            for st in d[name]["stages"]:
-                print(f"| {name} | {st['stage']} | {st['trained_on_examples']} | {st['mean_coverage']:.3f} | "
-                      f"{st['covered_examples']} | {st['tau']:.3f} |")
-        print(f"\nwall: boost {d['boost']['wall_s']:.0f} s, independent {d['independent']['wall_s']:.0f} s; members' "
-              "held-out top-1 agreement: boost " + ", ".join(f"{x:.3f}" for x in d["boost"]["member_agree_top1"]) +
-              "; independent " + ", ".join(f"{x:.3f}" for x in d["independent"]["member_agree_top1"]) + "\n")
-    if d := load("ensemble"):
-        print(f"### Ensembles at decoding time (`benchmarks/ensemble.py`; {d['prompts']} held-out prompts x "
-              f"{d['max_new_tokens']} tokens, greedy, chains of {d['chain']} per member, merged trees of 32 tokens; "
-              f"{where(d)})\n")
-        print("| members | boost merge | boost vote | independent merge | independent vote |\n|---|---|---|---|---|")
-        z = d["sizes"]
-        for k in z["boost"]["merge"]:
-            print(f"| {k} | {z['boost']['merge'][k]:.3f} | {z['boost']['vote'][k]:.3f} | "
-                  f"{z['independent']['merge'][k]:.3f} | {z['independent']['vote'][k]:.3f} |")
-        print("\n(accept length: tokens committed per base forward; 1 member = that member alone)\n")
-        print(f"| method | accept length | tokens/s | speedup | identical | {phases(d['methods'].values())} | "
-              "ensemble bookkeeping ms/step (share) |\n|---|---|---|---|---|---|---|")
-        for m, r in d["methods"].items():
-            ov = (f"{r['ensemble_overhead_ms_per_step']:.2f} ({100 * r['ensemble_overhead_share']:.1f}%)"
-                  if "ensemble_overhead_ms_per_step" in r else "-")
-            print(f"| {m} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
-                  f"{r['identical_to_baseline']} | {split(r)} | {ov} |")
-        sm = d["sampled"]
-        print(f"\nScheduler: the untrained member drafted in {100 * d['scheduler']['bad_member_active_share']:.0f}% of "
-              f"the steps after warm-up. Sampled (T = 0.8): plain HF {sm['hf_sample']['tokens_per_s']:.0f} tokens/s; "
-              f"one member {sm['single']['tokens_per_s']:.0f} tokens/s (accept {sm['single']['accept_length']}); "
-              f"boosted 5-member merge {sm['boost_merge5']['tokens_per_s']:.0f} tokens/s (accept "
-              f"{sm['boost_merge5']['accept_length']}).\n")
-    if d := load("eagle"):
-        print(f"### EAGLE-3-style drafter and Medusa-2 vs Medusa, Hydra, Hydra++ (`benchmarks/eagle.py`; same data and optimizer "
-              f"steps; {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens, greedy; {where(d)})\n")
-        print("| draft | tree | tokens per verification | accept length | tokens/s | speedup | identical | "
-              f"{phases([d[k] for k in d['trees']])} | train steps | train tokens/s | held-out top-1 agreement per "
-              "head / step |\n|---|---|---|---|---|---|---|---|---|---|---|")
-        for k, tree in d["trees"].items():
-            r = d[k]
-            print(f"| {k} | {tree} | {r['tree_size']} | {r['accept_length']} | {r['tokens_per_s']:.0f} | "
-                  f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} | {r['train_steps']} | "
-                  f"{r['train_tokens_per_s']:.0f} | {', '.join(f'{x:.2f}' for x in r['agree_top1'])} |")
-        adapted = d.get("adapted_baseline_tokens_per_s")
-        print(f"\nplain HF generate in the same run: {d['baseline_tokens_per_s']:.0f} tokens/s" +
-              (f"; of Medusa-2's adapted base (its baseline): {adapted:.0f} tokens/s\n" if adapted else "\n"))
-    if d := load("dsi"):
-        print(f"### DSI as processes with emulated latencies (`benchmarks/dsi.py`; stories260K base, oracle drafter with "
-              f"i.i.d. acceptance, {d['runs']} prompts x {d['tokens']} tokens; {where(d)})\n")
-        print("| target ms | drafter ms | acceptance | SP | lookahead (DSI / SI) | identical | measured s non-SI / SI / DSI | "
-              "expected s non-SI / SI / DSI | DSI vs SI measured (expected) | DSI vs non-SI measured (expected) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in d["configs"]:
-            m, e, ms, es = r["measured_s"], r["expected_s"], r["measured_speedup"], r["expected_speedup"]
-            print(f"| {1000 * r['t_target_s']:.1f} | {1000 * r['t_draft_s']:.1f} | {r['acceptance']} | {r['sp']} | "
-                  f"{r['lookahead']} / {r['si_lookahead']} | {r['identical_to_greedy']} | "
-                  f"{m['non_si']:.2f} / {m['si']:.2f} / {m['dsi']:.2f} | {e['non_si']:.2f} / {e['si']:.2f} / {e['dsi']:.2f} | "
-                  f"{ms['dsi_vs_si']:.2f} ({es['dsi_vs_si']:.2f}) | {ms['dsi_vs_non_si']:.2f} ({es['dsi_vs_non_si']:.2f}) |")
-        print()
-    if d := load("pipeline"):
-        print(f"### Pipelined drafting and verification (`benchmarks/pipeline.py`; {d['prompts']} MT-Bench first turns x "
-              f"{d['max_new_tokens']} tokens, greedy, stories260K + the fkl SSM, {d['in_flight']} groups in flight, median "
-              f"of {d['reps']} interleaved runs; {d['machine']['cpu']}, {d['machine']['cores']} cores, torch "
-              f"{d['machine']['torch']}, {d['date']})\n")
-        print("| tree | verifier batch | method | tokens/s | vs sequential x1 | vs sequential x2 | accept length | "
-              "verifier waiting s | drafter paused / pool max | identical to plain greedy |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        ref = {(r["tree"], r["batch_size"], r["method"]): r["tokens_per_s"] for r in d["rows"]}
-        for r in d["rows"]:
-            k = (r["tree"], r["batch_size"])
-            dr = r.get("drafter")
-            pool = f"{dr['paused']} / {dr['pool_max']}" if dr else "-"
-            print(f"| {r['tree']} | {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.0f} | "
-                  f"{r['tokens_per_s'] / ref[k + ('sequential x1',)]:.2f}x | {r['tokens_per_s'] / ref[k + ('sequential x2',)]:.2f}x | "
-                  f"{r['accept_length']:.2f} | {r['verifier_wait_s']:.2f} | "
-                  f"{pool} | {r['identical_to_plain']} |")
-        print(f"\nplain HF greedy, one prompt at a time, 1 thread: {d['plain_tokens_per_s']:.0f} tokens/s\n")
-    if d := load("tp_decode"):
-        print(f"### Tensor-parallel decoding (`benchmarks/tp_decode.py`; {d['device']} x {d['processes']}, {d['base']}, "
-              f"{d['dtype']}, {d['context']}-token context; {d['date']})\n")
-        print("| tree tokens | verify ms | / plain step |\n|---|---|---|")
-        for r in d["verify"]:
-            print(f"| {r['tree_size']} | {r['verify_ms']:.2f} | {r['over_plain_step']:.2f} |")
-        print(f"\nplain generate over the shards: {d['plain']['tokens_per_s']:.1f} tokens/s\n")
-        print("| oracle alpha | tree | accept length | tokens/s | speedup | identical |\n|---|---|---|---|---|---|")
-        for r in d["oracle_loop"]:
-            print(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                  f"{r['identical_to_plain']} |")
-        print()
-    if d := load("refactor_check"):
-        print(f"### The drafter interface against the decoder before it (`benchmarks/refactor_check.py`; before = "
-              f"{d['before']}, same exports, base object and prompts, interleaved; {d['prompts']} prompts x "
-              f"{d['max_new_tokens']} tokens; {where(d)})\n")
-        print("| heads | accept length before / after | tokens/s before | tokens/s after | after / before |")
-        print("|---|---|---|---|---|")
-        for k, ratio in d["after_over_before"].items():
-            b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
-            print(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
-                  f"{ratio:.3f} |")
-        print(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s\n")
-    if d := load("gpu_decode"):
-        print(f"### The decoder on a GPU (`benchmarks/gpu_decode.py`; {d['device']}, torch {d['torch']}, transformers "
-              f"{d['transformers']}, {d['date']}; random-weight Llama-2-7B shape, {d['dtype']}, batch 1, "
-              f"{d['context']}-token context)\n")
-        print(f"Plain HF generate: {d['plain_call_a']['tokens_per_s']} tokens/s in one call, "
-              f"{d['plain_call_b']['tokens_per_s']} in the other.\n")
-        print("| tree size | " + " | ".join(str(r["tree_size"]) for r in d["verify"]) + " |")
-        print("|---" * (len(d["verify"]) + 1) + "|")
-        print("| verify forward ms | " + " | ".join(f"{r['verify_ms']:.1f}" for r in d["verify"]) + " |")
-        print("| over a plain step | " + " | ".join(f"{r['over_plain_step']:.2f}" for r in d["verify"]) + " |\n")
-        print("| drafter | tree size | " + phases(d["drafter_costs"]) + " | draft / verify | parameters |")
-        print("|---|---|---|---|---|")
-        for r in d["drafter_costs"]:
-            print(f"| {r['drafter']} ({r['tree']}) | {r['tree_size']} | {split(r)} | {r['draft_over_verify']:.3f} | "
-                  f"{r['params'] / 1e6:.0f}M |")
-        print("\n| oracle acceptance alpha | tree | accept length | tokens/s | speedup | "
-              f"{phases(d['oracle_loop'])} | bf16 re-syncs |")
-        print("|---|---|---|---|---|---|---|")
-        for r in d["oracle_loop"]:
-            print(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | "
-                  f"{r['speedup']:.2f}x | {split(r)} | {r['bf16_resyncs']} |")
-        print()
-    if d := load("gpu_train"):
-        print(f"### bf16 training steps on a GPU (`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
-              f"{d['date']}; random-weight Llama-2-7B shape in bfloat16, batch {d['batch_size']} x up to {d['max_len']} "
-              f"tokens of ShareGPT, {d['steps']} steps)\n")
-        print("| draft | trainable parameters | training tokens/s | peak GPU memory GiB | wall s |\n|---|---|---|---|---|")
-        for k, r in d["runs"].items():
-            print(f"| {k} | {r['draft_params'] / 1e6:.0f}M | {r['train_tokens_per_s']:.0f} | {r['peak_gpu_mem_gib']:.1f} | "
-                  f"{r['wall_s']:.0f} |")
-        print()
+            p(f"| {k} | {r['tree_size']} | {r['expected_accept_length']:.3f} | "
+              f"{r['replayed_accept_length']:.3f} | {r['measured_accept_length']:.3f} | "
+              f"{100 * r['relative_error']:.1f}% | {r['tokens_per_s']:.0f} | {r['default_tree_size']} | "
+              f"{r['default_accept_length']:.3f} | {r['default_tokens_per_s']:.0f} | "
+              f"{r['baseline_tokens_per_s']:.0f} |")
+
+
+def mt_bench(p, d) -> None:
+    heading(p, "MT-Bench", f"`benchmarks/mt_bench.py`; {d['questions']} questions, 2 turns, max "
+            f"{d['max_new_tokens']} new tokens, greedy, default trees; {where(d)}")
+    cats = list(d["runs"]["medusa"]["categories"])
+    p("| heads | " + " | ".join(cats) + " | overall speedup | accept length | identical |")
+    p("|---" * (len(cats) + 4) + "|")
+    for k, r in d["runs"].items():
+        p(f"| {k} | " + " | ".join(f"{r['categories'][c]['speedup']:.2f}x" for c in cats) +
+          f" | {r['overall']['speedup']:.2f}x | {r['overall']['accept_length']:.2f} | "
+          f"{100 * r['overall']['identical_share']:.0f}% |")
+
+
+def train_ssm(p, d) -> None:
+    heading(p, "Distilling an SSM", "`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
+            f"continuations of the training stories; {where(d)}")
+    p("| divergence | steps | wall s | training tokens/s | held-out top-1 (data token) | top-1 agreement with the base |")
+    p("|---|---|---|---|---|---|")
+    for div, r in d["divergences"].items():
+        p(f"| {div} | {r['steps']} | {r['wall_s']:.0f} | {r['train_tokens_per_s']:.0f} | {r['head_top1'][0]:.3f} | "
+          f"{r['agree_top1'][0]:.3f} |")
+
+
+def ssm(p, d) -> None:
+    heading(p, "SSM drafting vs HF assisted generation and the heads", f"`benchmarks/ssm.py`; {d['prompts']} held-out "
+            f"prompts x {d['max_new_tokens']} tokens, greedy; SSM {d['ssm_params'] / 1e3:.0f}K parameters; {where(d)}")
+    p("| method | tokens per base forward | accept length | tokens/s | speedup | identical | c | predicted "
+      f"speedup | break-even c | {phases(d['methods'].values())} |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        p(f"| {m} | {r['tokens_per_base_forward']:.2f} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {r.get('cost_ratio_c', '-')} | "
+          f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
+
+
+def refactor_check(p, d, title: str, setting: str) -> None:
+    heading(p, title, setting)
+    p("| heads | accept length before / after | tokens/s before | tokens/s after | after / before |")
+    p("|---|---|---|---|---|")
+    for k, ratio in d["after_over_before"].items():
+        b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
+        p(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
+          f"{ratio:.3f} |")
+    p(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s")
+
+
+def refactor_check_drafter(p, d) -> None:
+    refactor_check(p, d, "The drafter interface against the decoder before it",
+                   f"`benchmarks/refactor_check.py`; before = {d['before']}, same exports, base object and prompts, "
+                   f"interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; {where(d)}")
+
+
+def refactor_check_verifier(p, d) -> None:
+    refactor_check(p, d, "The Verifier split against the decoder before it",
+                   f"`benchmarks/refactor_check.py --commit {d['before']} --name refactor_check_verifier --prompts "
+                   f"{d['prompts']}`; results/refactor_check_verifier.json; before = {d['before']}, same exports, base "
+                   f"object and prompts, interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; {where(d)}")
+
+
+def gpu_decode(p, d) -> None:
+    heading(p, "The decoder on a GPU", f"`benchmarks/gpu_decode.py`; {d['device']}, torch {d['torch']}, transformers "
+            f"{d['transformers']}, {d['date']}; random-weight Llama-2-7B shape, {d['dtype']}, batch 1, "
+            f"{d['context']}-token context")
+    p(f"Plain HF generate: {d['plain_call_a']['tokens_per_s']} tokens/s in one call, "
+      f"{d['plain_call_b']['tokens_per_s']} in the other.\n")
+    p("| tree size | " + " | ".join(str(r["tree_size"]) for r in d["verify"]) + " |")
+    p("|---" * (len(d["verify"]) + 1) + "|")
+    p("| verify forward ms | " + " | ".join(f"{r['verify_ms']:.1f}" for r in d["verify"]) + " |")
+    p("| over a plain step | " + " | ".join(f"{r['over_plain_step']:.2f}" for r in d["verify"]) + " |\n")
+    p("| drafter | tree size | " + phases(d["drafter_costs"]) + " | draft / verify | parameters |")
+    p("|---|---|---|---|---|")
+    for r in d["drafter_costs"]:
+        p(f"| {r['drafter']} ({r['tree']}) | {r['tree_size']} | {split(r)} | {r['draft_over_verify']:.3f} | "
+          f"{r['params'] / 1e6:.0f}M |")
+    p("\n| oracle acceptance alpha | tree | accept length | tokens/s | speedup | "
+      f"{phases(d['oracle_loop'])} | bf16 re-syncs |")
+    p("|---|---|---|---|---|---|---|")
+    for r in d["oracle_loop"]:
+        p(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | "
+          f"{r['speedup']:.2f}x | {split(r)} | {r['bf16_resyncs']} |")
+
+
+def gpu_train(p, d) -> None:
+    heading(p, "bf16 training steps on a GPU", f"`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
+            f"{d['date']}; random-weight Llama-2-7B shape in bfloat16, batch {d['batch_size']} x up to {d['max_len']} "
+            f"tokens of ShareGPT, {d['steps']} steps")
+    p("| draft | trainable parameters | training tokens/s | peak GPU memory GiB | wall s |\n|---|---|---|---|---|")
+    for k, r in d["runs"].items():
+        p(f"| {k} | {r['draft_params'] / 1e6:.0f}M | {r['train_tokens_per_s']:.0f} | {r['peak_gpu_mem_gib']:.1f} | "
+          f"{r['wall_s']:.0f} |")
+
+
+def train_ensemble(p, d) -> None:
+    heading(p, "Boost-tuning an SSM ensemble", "`benchmarks/train_ensemble.py`; recipes/stories260k-ensemble.yaml, "
+            f"5 one-layer members x 300 steps; {where(d)}")
+    p("| ensemble | stage | trained on examples | ensemble coverage (mean) | covered examples | tau (merged, "
+      "16 held-out prompts) |\n|---|---|---|---|---|---|")
+    for name in ("boost", "independent"):
+        for st in d[name]["stages"]:
+            p(f"| {name} | {st['stage']} | {st['trained_on_examples']} | {st['mean_coverage']:.3f} | "
+              f"{st['covered_examples']} | {st['tau']:.3f} |")
+    p(f"\nwall: boost {d['boost']['wall_s']:.0f} s, independent {d['independent']['wall_s']:.0f} s; members' "
+      "held-out top-1 agreement: boost " + ", ".join(f"{x:.3f}" for x in d["boost"]["member_agree_top1"]) +
+      "; independent " + ", ".join(f"{x:.3f}" for x in d["independent"]["member_agree_top1"]))
+
+
+def ensemble(p, d) -> None:
+    heading(p, "Ensembles at decoding time", f"`benchmarks/ensemble.py`; {d['prompts']} held-out prompts x "
+            f"{d['max_new_tokens']} tokens, greedy, chains of {d['chain']} per member, merged trees of 32 tokens; "
+            f"{where(d)}")
+    p("| members | boost merge | boost vote | independent merge | independent vote |\n|---|---|---|---|---|")
+    z = d["sizes"]
+    for k in z["boost"]["merge"]:
+        p(f"| {k} | {z['boost']['merge'][k]:.3f} | {z['boost']['vote'][k]:.3f} | "
+          f"{z['independent']['merge'][k]:.3f} | {z['independent']['vote'][k]:.3f} |")
+    p("\n(accept length: tokens committed per base forward; 1 member = that member alone)\n")
+    p(f"| method | accept length | tokens/s | speedup | identical | {phases(d['methods'].values())} | "
+      "ensemble bookkeeping ms/step (share) |\n|---|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        ov = (f"{r['ensemble_overhead_ms_per_step']:.2f} ({100 * r['ensemble_overhead_share']:.1f}%)"
+              if "ensemble_overhead_ms_per_step" in r else "-")
+        p(f"| {m} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+          f"{r['identical_to_baseline']} | {split(r)} | {ov} |")
+    sm = d["sampled"]
+    p(f"\nScheduler: the untrained member drafted in {100 * d['scheduler']['bad_member_active_share']:.0f}% of "
+      f"the steps after warm-up. Sampled (T = 0.8): plain HF {sm['hf_sample']['tokens_per_s']:.0f} tokens/s; "
+      f"one member {sm['single']['tokens_per_s']:.0f} tokens/s (accept {sm['single']['accept_length']}); "
+      f"boosted 5-member merge {sm['boost_merge5']['tokens_per_s']:.0f} tokens/s (accept "
+      f"{sm['boost_merge5']['accept_length']}).")
+
+
+def eagle(p, d) -> None:
+    heading(p, "EAGLE-3-style drafter and Medusa-2 vs Medusa, Hydra, Hydra++", "`benchmarks/eagle.py`; same data and "
+            f"optimizer steps; {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens, greedy; {where(d)}")
+    p("| draft | tree | tokens per verification | accept length | tokens/s | speedup | identical | "
+      f"{phases([d[k] for k in d['trees']])} | train steps | train tokens/s | held-out top-1 agreement per "
+      "head / step |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, tree in d["trees"].items():
+        r = d[k]
+        p(f"| {k} | {tree} | {r['tree_size']} | {r['accept_length']} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['identical_to_baseline']} | {split(r)} | {r['train_steps']} | "
+          f"{r['train_tokens_per_s']:.0f} | {', '.join(f'{x:.2f}' for x in r['agree_top1'])} |")
+    adapted = d.get("adapted_baseline_tokens_per_s")
+    p(f"\nplain HF generate in the same run: {d['baseline_tokens_per_s']:.0f} tokens/s" +
+      (f"; of Medusa-2's adapted base (its baseline): {adapted:.0f} tokens/s" if adapted else ""))
+
+
+def dsi(p, d) -> None:
+    heading(p, "DSI as processes with emulated latencies", "`benchmarks/dsi.py`; stories260K base, oracle drafter "
+            f"with i.i.d. acceptance, {d['runs']} prompts x {d['tokens']} tokens; {where(d)}")
+    p("| target ms | drafter ms | acceptance | SP | lookahead (DSI / SI) | identical | measured s non-SI / SI / DSI | "
+      "expected s non-SI / SI / DSI | DSI vs SI measured (expected) | DSI vs non-SI measured (expected) |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["configs"]:
+        m, e, ms, es = r["measured_s"], r["expected_s"], r["measured_speedup"], r["expected_speedup"]
+        p(f"| {1000 * r['t_target_s']:.1f} | {1000 * r['t_draft_s']:.1f} | {r['acceptance']} | {r['sp']} | "
+          f"{r['lookahead']} / {r['si_lookahead']} | {r['identical_to_greedy']} | "
+          f"{m['non_si']:.2f} / {m['si']:.2f} / {m['dsi']:.2f} | {e['non_si']:.2f} / {e['si']:.2f} / {e['dsi']:.2f} | "
+          f"{ms['dsi_vs_si']:.2f} ({es['dsi_vs_si']:.2f}) | {ms['dsi_vs_non_si']:.2f} ({es['dsi_vs_non_si']:.2f}) |")
+
+
+def pipeline(p, d) -> None:
+    heading(p, "Pipelined drafting and verification", f"`benchmarks/pipeline.py`; {d['prompts']} MT-Bench first turns "
+            f"x {d['max_new_tokens']} tokens, greedy, stories260K + the fkl SSM, {d['in_flight']} groups in flight, "
+            f"median of {d['reps']} interleaved runs; {d['machine']['cpu']}, {d['machine']['cores']} cores, torch "
+            f"{d['machine']['torch']}, {d['date']}")
+    p("| tree | verifier batch | method | tokens/s | vs sequential x1 | vs sequential x2 | accept length | "
+      "verifier waiting s | drafter paused / pool max | identical to plain greedy |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    ref = {(r["tree"], r["batch_size"], r["method"]): r["tokens_per_s"] for r in d["rows"]}
+    for r in d["rows"]:
+        k = (r["tree"], r["batch_size"])
+        dr = r.get("drafter")
+        pool = f"{dr['paused']} / {dr['pool_max']}" if dr else "-"
+        p(f"| {r['tree']} | {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+          f"{r['tokens_per_s'] / ref[k + ('sequential x1',)]:.2f}x | "
+          f"{r['tokens_per_s'] / ref[k + ('sequential x2',)]:.2f}x | "
+          f"{r['accept_length']:.2f} | {r['verifier_wait_s']:.2f} | {pool} | {r['identical_to_plain']} |")
+    p(f"\nplain HF greedy, one prompt at a time, 1 thread: {d['plain_tokens_per_s']:.0f} tokens/s")
+
+
+def tp_decode(p, d) -> None:
+    heading(p, "Tensor-parallel decoding", f"`benchmarks/tp_decode.py`; {d['device']} x {d['processes']}, {d['base']}, "
+            f"{d['dtype']}, {d['context']}-token context; {d['date']}")
+    p("| tree tokens | verify ms | / plain step |\n|---|---|---|")
+    for r in d["verify"]:
+        p(f"| {r['tree_size']} | {r['verify_ms']:.2f} | {r['over_plain_step']:.2f} |")
+    p(f"\nplain generate over the shards: {d['plain']['tokens_per_s']:.1f} tokens/s\n")
+    p("| oracle alpha | tree | accept length | tokens/s | speedup | identical |\n|---|---|---|---|---|---|")
+    for r in d["oracle_loop"]:
+        p(f"| {r['alpha']} | {r['tree']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+          f"{r['identical_to_plain']} |")
+
+
+# block name -> (results file it reads, or None for a table over several, renderer), in docs/benchmarks.md order
+TABLES = {
+    "kinds": (None, kinds),
+    "recipes": (None, recipes),
+    "train_heads": ("train_heads", train_heads),
+    "decode": ("decode", decode),
+    "heads": ("heads", heads),
+    "hidden_cache": ("hidden_cache", hidden_cache),
+    "tree_search": ("tree_search", tree_search),
+    "mt_bench": ("mt_bench", mt_bench),
+    "train_ssm": ("train_ssm", train_ssm),
+    "ssm": ("ssm", ssm),
+    "refactor_check": ("refactor_check", refactor_check_drafter),
+    "refactor_check_verifier": ("refactor_check_verifier", refactor_check_verifier),
+    "gpu_decode": ("gpu_decode", gpu_decode),
+    "gpu_train": ("gpu_train", gpu_train),
+    "train_ensemble": ("train_ensemble", train_ensemble),
+    "ensemble": ("ensemble", ensemble),
+    "eagle": ("eagle", eagle),
+    "pipeline": ("pipeline", pipeline),
+    "dsi": ("dsi", dsi),
+    "tp_decode": ("tp_decode", tp_decode),
+}
+
+
+def tables() -> dict[str, str]:
+    """Every table whose results exist, as the Markdown that goes between its markers."""
+    out = {}
+    for name, (source, render) in TABLES.items():
+        buf = io.StringIO()
+        p = lambda *a: print(*a, file=buf)  # noqa: E731
+        if source is None:
+            render(p)
+        elif (d := load(source)) is not None:
+            render(p, d)
+        else:
+            continue
+        if text := buf.getvalue().strip("\n"):
+            out[name] = text + "\n\n"
+    return out
+
+
+def update(text: str, generated: dict[str, str], problems: list[str], where_: str) -> tuple[str, set[str]]:
+    """The document with each block replaced by its generated text; the names of the blocks it holds."""
+    seen = set()
+
+    def sub(m: re.Match) -> str:
+        name = m["name"]
+        seen.add(name)
+        if name not in generated:
+            problems.append(f"{where_}: block `{name}` has no table (unknown name, or its results file is missing)")
+            return m[0]
+        return f"<!-- tables:begin {name} -->\n{generated[name]}<!-- tables:end -->"
+
+    new = BLOCK.sub(sub, text)
+    if len(re.findall(r"^<!-- tables:(?:begin|end)", text, re.M)) != 2 * len(BLOCK.findall(text)):
+        problems.append(f"{where_}: a `<!-- tables:begin NAME -->` or `<!-- tables:end -->` line has no partner")
+    return new, seen
+
+
+def run(write: bool) -> list[str]:
+    """Check (or rewrite) every document; return the problems found (after --write: those left)."""
+    generated, problems, placed = tables(), [], set()
+    for doc in DOCS:
+        if not doc.is_file():
+            continue
+        text = doc.read_text()
+        rel = doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else str(doc)
+        new, seen = update(text, generated, problems, rel)
+        placed |= seen
+        if new != text:
+            if write:
+                doc.write_text(new)
+                print(f"rewrote the tables in {rel}")
+            else:
+                diff = difflib.unified_diff(text.splitlines(), new.splitlines(), f"{rel} (now)",
+                                            f"{rel} (from benchmarks/results)", n=0, lineterm="")
+                problems.append(f"{rel}: tables disagree with benchmarks/results/*.json; run "
+                                f"`python benchmarks/tables.py --write`\n" + "\n".join(list(diff)[:40]))
+    missing = [n for n in generated if n not in placed]
+    if missing and write and BENCHMARKS_DOC.is_file():
+        BENCHMARKS_DOC.write_text(BENCHMARKS_DOC.read_text().rstrip("\n") + "\n\n" + "".join(
+            f"<!-- tables:begin {n} -->\n{generated[n]}<!-- tables:end -->\n\n" for n in missing).rstrip("\n") + "\n")
+        print(f"appended {', '.join(missing)} to docs/benchmarks.md")
+    elif missing:
+        problems.append("tables with results but no place in the docs: " + ", ".join(missing) +
+                        " (add `<!-- tables:begin NAME -->` / `<!-- tables:end -->`, or run --write)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help="rewrite the tables in README.md and docs/*.md")
+    g.add_argument("--check", action="store_true", help="exit 1 if a table in the docs disagrees with its JSON")
+    args = ap.parse_args(argv)
+    if not (args.write or args.check):
+        for name, text in tables().items():
+            print(f"<!-- {name} -->\n{text}", end="")
+        return 0
+    problems = run(write=args.write)
+    for msg in problems:
+        print(msg, file=sys.stderr)
+    if args.check and not problems:
+        print(f"tables agree with benchmarks/results/*.json ({len(DOCS)} documents)")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
