@@ -66,36 +66,38 @@ def kinds(p) -> None:
     e, s, en = load("eagle"), load("ssm"), load("ensemble")
     if not (e and s and en):
         return
-    p("| kind | what drafts | tree | accept length | speedup | recipe | benchmark |")
-    p("|---|---|---|---|---|---|---|")
-    bench = "[EAGLE-3 and Medusa-2 vs the heads](docs/benchmarks.md#eagle-3-style-drafter-and-medusa-2-vs-medusa-hydra-hydra)"
+    p("| kind | what drafts | tree | accept length | speedup | identical to plain greedy | recipe | benchmark |")
+    p("|---|---|---|---|---|---|---|---|")
+    eagle_link = "[eagle.py](docs/benchmarks.md#eagle-3-style-drafter-and-medusa-2-vs-medusa-hydra-hydra)"
     rows = [("Medusa", "medusa", "4 heads on the base's last hidden state", "stories260k-medusa"),
             ("Hydra", "hydra", "4 heads, each also reading the tokens drafted before it", "stories260k-hydra"),
             ("Hydra++", "hydra++", "Hydra with 4-layer heads, a prefix-attention layer, distillation",
              "stories260k-hydra++"),
-            ("Medusa-2", "medusa2", "Medusa heads trained with a LoRA on the base", "stories260k-medusa2"),
+            ("Medusa-2", "medusa2", "Medusa heads trained with a LoRA on the base (speedup and identity against the adapted base)",
+             "stories260k-medusa2"),
             ("EAGLE-3", "eagle3", "one decoder layer over three of the base's layers", "stories260k-eagle3"),
             ("EAGLE-3", "eagle3_t60", "the same drafter, EAGLE's 60-token tree", "stories260k-eagle3")]
     for kind, key, what, recipe in rows:
         r = e[key]
         p(f"| {kind} | {what} | {e['trees'][key]} | {r['accept_length']} | {r['speedup']:.2f}x | "
-          f"[{recipe}](recipes/{recipe}.yaml) | {bench} |")
-    r = s["methods"]["draftlab_ssm_tree3"]
+          f"{r['identical_to_baseline']} | [{recipe}](recipes/{recipe}.yaml) | {eagle_link} |")
+    tree = f"draftlab_ssm_tree{len(s['tree']) + 1}"
+    r = s["methods"][tree]
     p(f"| SSM | a 1-layer causal LM ({s['ssm_params'] / 1e3:.0f}K parameters) distilled from the base | "
-      f"expansion tree, 3 tokens | {r['accept_length']} | {r['speedup']:.2f}x | "
-      "[stories260k-ssm](recipes/stories260k-ssm.yaml) | "
-      "[SSM drafting](docs/benchmarks.md#ssm-drafting-vs-hf-assisted-generation-and-the-heads) |")
+      f"searched, {len(s['tree']) + 1} tokens | {r['accept_length']} | {r['speedup']:.2f}x | "
+      f"{r['identical_to_baseline']} | [stories260k-ssm](recipes/stories260k-ssm.yaml) | "
+      "[ssm.py](docs/benchmarks.md#ssm-drafting-vs-hf-assisted-generation-and-the-heads) |")
     r = en["methods"]["boost_merge5"]
-    p(f"| ensemble | 5 boost-tuned SSMs, merged trees | 32 tokens | {r['accept_length']} | {r['speedup']:.2f}x | "
+    p(f"| ensemble | 5 boost-tuned SSMs, merged trees | chains of {en['chain']}, merged, up to 32 tokens | "
+      f"{r['accept_length']} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | "
       "[stories260k-ensemble](recipes/stories260k-ensemble.yaml) | "
-      "[ensembles at decoding time](docs/benchmarks.md#ensembles-at-decoding-time) |")
-    p("| lookup | continuations of the text's last n-gram found earlier in it (no model) | - | - | - | - | "
+      "[ensemble.py](docs/benchmarks.md#ensembles-at-decoding-time) |")
+    p("| lookup | continuations of the text's last n-gram found earlier in it (no model) | - | - | - | - | - | "
       "not benchmarked on its own |")
-    p(f"\nPlain decoding of the same base in the same run is 1.00x: {e['baseline_tokens_per_s']:.0f} tokens/s in "
-      f"the EAGLE run ({e['prompts']} prompts), {s['methods']['hf_generate']['tokens_per_s']:.0f} in the SSM run "
-      f"({s['prompts']} prompts), {en['methods']['hf_generate']['tokens_per_s']:.0f} in the ensemble run "
-      f"({en['prompts']} prompts); {e['max_new_tokens']} new tokens each, greedy, every output identical to plain "
-      f"greedy; {where(e)}.")
+    p(f"\nPlain decoding of the same base, in the same run: {e['baseline_tokens_per_s']:.0f} tokens/s in `eagle.py` "
+      f"({e['prompts']} prompts), {s['methods']['hf_generate']['tokens_per_s']:.0f} in `ssm.py` ({s['prompts']} prompts), "
+      f"{en['methods']['hf_generate']['tokens_per_s']:.0f} in `ensemble.py` ({en['prompts']} prompts); "
+      f"{e['max_new_tokens']} new tokens per prompt; {where(e)}.")
 
 
 def recipes(p) -> None:
