@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
-STORIES = SHARED / "models" / "stories260K"
-TINYSTORIES = SHARED / "tinystories" / "tinystories_sample.txt"
+DATA = ROOT / "data"  # the repository's data/ (data/README.md)
+STORIES = DATA / "models" / "stories260K"
+TINYSTORIES = DATA / "tinystories" / "tinystories_sample.txt"
 EXPORTS = ROOT / "benchmarks" / "exports"
 RESULTS = ROOT / "benchmarks" / "results"
 STORIES_BASE = ROOT / "runs" / "stories260k-base"
@@ -21,16 +21,10 @@ sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # recipes name paths relative to the repository root
 
 
-def require_shared() -> None:
-    if not STORIES.is_dir():
-        sys.exit(f"this benchmark needs {STORIES} (../shared/data beside the repository)")
-
-
 def stories_base() -> Path:
     """stories260K imported to runs/stories260k-base (once)."""
     from draftlab.base import import_llama2c
 
-    require_shared()
     if not (STORIES_BASE / "config.json").is_file():
         import_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", STORIES_BASE)
     return STORIES_BASE

@@ -8,7 +8,7 @@ in bf16 on a GPU at the real shapes, its training tokens/s and its peak GPU memo
     python benchmarks/gpu_train.py --assets gpu_assets --out $OUT      # on a GPU machine (needs ~20 GB disk)
 
 `--assets` is a folder with `tokenizer/` (a Llama-2 tokenizer saved by transformers) and `sharegpt.json`;
-`python benchmarks/gpu_train.py --make-assets gpu_assets` makes it from ../shared/data.
+`python benchmarks/gpu_train.py --make-assets gpu_assets` makes it from data/ (tokenizers/llama2, sharegpt).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from common import ROOT, SHAPE_7B, random_llama
+from common import DATA, ROOT, SHAPE_7B, random_llama
 
 DRAFTS = {
     "medusa": {"head": {"type": "medusa", "num_heads": 4, "num_layers": 1}},
@@ -32,17 +32,16 @@ DRAFTS = {
 
 
 def make_assets(out: Path) -> None:
-    """Llama-2 tokenizer and ShareGPT sample from ../shared/data, in a folder the GPU machine can receive."""
+    """Llama-2 tokenizer and ShareGPT sample from data/, in a folder the GPU machine can receive."""
     import shutil
 
     from transformers import LlamaTokenizer
 
-    shared = ROOT.parent / "shared" / "data"
     (out / "tokenizer").mkdir(parents=True, exist_ok=True)
     # transformers converts a SentencePiece model found as tokenizer.model in the folder it loads from.
-    shutil.copy(shared / "tokenizers" / "llama2" / "tokenizer.model", out / "tokenizer" / "tokenizer.model")
+    shutil.copy(DATA / "tokenizers" / "llama2" / "tokenizer.model", out / "tokenizer" / "tokenizer.model")
     LlamaTokenizer.from_pretrained(out / "tokenizer", legacy=False).save_pretrained(out / "tokenizer")
-    shutil.copy(shared / "sharegpt" / "sharegpt_sample.json", out / "sharegpt.json")
+    shutil.copy(DATA / "sharegpt" / "sharegpt_sample.json", out / "sharegpt.json")
 
 
 def random_base(path: Path, tokenizer_dir: Path, shape: dict, seed: int = 0) -> None:

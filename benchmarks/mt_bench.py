@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import EXPORTS, ROOT, SHARED, STORIES_EXPORTS as KINDS, write_result
-
+from common import DATA, EXPORTS, ROOT, STORIES_EXPORTS as KINDS, write_result
 
 
 def main() -> None:
@@ -20,9 +19,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
     a = ap.parse_args()
-    from draftlab.evaluation import compare_runs, run_mt_bench
+    from draftlab.eval.mt_bench import compare_runs, run_mt_bench
 
-    questions = SHARED / "mt_bench" / "question.jsonl"
+    questions = DATA / "mt_bench" / "question.jsonl"
     runs, dirs = {}, []
     for kind, name in KINDS.items():
         out = ROOT / "benchmarks" / "runs" / "mt_bench" / kind
@@ -35,7 +34,7 @@ def main() -> None:
     table, _ = compare_runs(dirs)
     print(table)
     write_result("mt_bench", {"questions": runs["medusa"]["overall"]["answers"], "max_new_tokens": a.max_new_tokens,
-                              "questions_file": "../shared/data/mt_bench/question.jsonl", "runs": runs})
+                              "questions_file": str(questions.relative_to(ROOT)), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from common import EXPORTS, SHARED, write_result
+from common import DATA, EXPORTS, write_result
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     decoders = {t: load_decoder(export, tree=t, device="cpu") for t in a.trees}
     _, tok, _ = decoders[a.trees[0]]
     base = decoders[a.trees[0]][0].base
-    qs = [json.loads(l) for l in open(SHARED / "mt_bench" / "question.jsonl")][: a.prompts]
+    qs = [json.loads(l) for l in open(DATA / "mt_bench" / "question.jsonl")][: a.prompts]
     prompts = []
     for q in qs:
         ids = encode_prompt(tok, q["turns"][0], chat=True)

@@ -16,10 +16,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-STORIES = SHARED / "models" / "stories260K"
-
-needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data (stories260K) is not beside this clone")
+DATA = REPO / "data"  # the repository's own data (data/README.md); nothing is read from outside the clone
+STORIES = DATA / "models" / "stories260K"
 
 STORY_TEXT = (
     "Once upon a time there was a little cat. The cat liked to play in the sun. "
@@ -56,9 +54,7 @@ def tiny_base_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def stories_dir(tmp_path_factory) -> Path:
-    """stories260K imported to a HF directory (skips without ../shared)."""
-    if not STORIES.is_dir():
-        pytest.skip("../shared/data/models/stories260K is not available")
+    """stories260K (data/models/stories260K) imported to a HF directory."""
     from draftlab.base import import_llama2c
 
     d = tmp_path_factory.mktemp("stories260k")

@@ -1,17 +1,16 @@
-"""The real pretrained base: importer reproduction and decoder exactness (skip without ../shared)."""
+"""The real pretrained base (data/models/stories260K): importer reproduction and decoder exactness."""
 
 import random
 
 import pytest
 import torch
 
-from conftest import STORIES, needs_shared
+from conftest import STORIES
 from test_decoder import noisy_heads, plain_greedy, random_tree
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.drafters import make_drafter
 from draftlab.decode.tree import Tree, default_tree
 
-pytestmark = needs_shared
 FIRST_TOKENS = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298]
 
 
