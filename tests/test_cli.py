@@ -8,7 +8,7 @@ from conftest import REPO
 from draftlab.cli import main
 
 COMMANDS = ["validate", "train", "import-llama2c", "import-medusa", "export", "quickstart", "generate", "distill-data",
-            "search-tree"]
+            "search-tree", "recipes"]
 
 
 def test_every_command_has_help(capsys):

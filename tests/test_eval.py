@@ -5,13 +5,12 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED, needs_shared
+from conftest import DATA
 from test_decoder import noisy_heads
 from draftlab.eval.mt_bench import EvalError, compare_runs, load_questions, run_mt_bench
 
-pytestmark = needs_shared
-MT = SHARED / "mt_bench" / "question.jsonl"
-SPEC = SHARED / "spec_bench" / "question.jsonl"
+MT = DATA / "mt_bench" / "question.jsonl"
+SPEC = DATA / "spec_bench" / "question.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +116,12 @@ def test_sampling_run_and_compare(export, tmp_path):
 def test_eval_cli_json(export, tmp_path, capsys):
     from draftlab.cli import main
 
-    rc = main(["eval", "mt-bench", export, "--questions", str(MT), "--limit", "1", "--max-new-tokens", "8",
+    # No --questions: the MT-Bench questions that ship with draftlab (data/mt_bench/question.jsonl in a checkout).
+    rc = main(["eval", "mt-bench", export, "--limit", "1", "--max-new-tokens", "8",
                "--out", str(tmp_path / "r"), "--category", "coding", "--json"])
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and s["overall"]["identical_share"] == 1.0 and list(s["categories"]) == ["coding"]
+    assert s["questions"] == str(MT)
     assert main(["eval", "compare", str(tmp_path / "r")]) == 0
     assert "coding" in capsys.readouterr().out
     assert main(["eval", "mt-bench", export, "--questions", str(MT), "--category", "poetry", "--json"]) == 2

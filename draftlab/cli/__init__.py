@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_dsi_args(s)
     s.set_defaults(func=dsi_command)
 
+    from .recipes import add_recipes_args, recipes_command
+
+    s = sub.add_parser("recipes", help="list the recipes that ship with draftlab, or copy one to edit",
+                       description="The shipped recipes (recipes/ in the repository; package data in an install).")
+    add_recipes_args(s.add_subparsers(dest="recipes_cmd", required=True, metavar="{list,copy}"))
+    s.set_defaults(func=recipes_command)
+
     from .generate import add_generate_args
 
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")

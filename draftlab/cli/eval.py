@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..eval.mt_bench import compare_runs, run_mt_bench
+from ..shipped import mt_bench_questions
 from .args import add_placement_args, positive_int
 
 
@@ -16,7 +17,9 @@ def add_eval_args(sub) -> None:
                                    "write FastChat answer files, summary.json, report.md and PNG plots. "
                                    "Resumable: answers already in --out are kept.")
     p.add_argument("export", help="export directory")
-    p.add_argument("--questions", required=True, help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id")
+    p.add_argument("--questions", default=None,
+                   help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id (default: the 80 MT-Bench "
+                        "questions that ship with draftlab, data/mt_bench/question.jsonl)")
     p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
     p.add_argument("--tree", default=None, help="tree file, 'chain' or 'default'")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -52,7 +55,7 @@ def eval_command(a) -> int:
             print(table)
         return 0
     out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
-    s = run_mt_bench(a.export, a.questions, out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
+    s = run_mt_bench(a.export, a.questions or str(mt_bench_questions()), out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
                      device_map=a.device_map)
