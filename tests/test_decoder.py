@@ -235,6 +235,59 @@ def test_a_wrong_rule_fails_the_same_check():
     assert 0.5 * (emp - p).abs().sum().item() > 0.1
 
 
+def test_sample_residual_draws_from_the_residual_and_from_p_when_it_is_empty():
+    """normalize(max(p - q, 0)) when it has mass; p itself when p == q (the rejection then had probability 0)."""
+    from draftlab.decode.acceptance import sample_residual
+
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.tensor([0.5, 0.5, 0.0, 0.0]), torch.tensor([0.5, 0.0, 0.5, 0.0])
+    assert {sample_residual(p, q, g) for _ in range(50)} == {1}
+    p = torch.tensor([0.0, 0.25, 0.0, 0.75])
+    draws = torch.tensor([sample_residual(p, p.clone(), g) for _ in range(2000)])
+    assert set(draws.tolist()) == {1, 3} and abs((draws == 3).float().mean().item() - 0.75) < 0.05
+    one = torch.tensor([0.0, 0.0, 1.0, 0.0])  # a deterministic proposal removing the only token p has
+    assert sample_residual(one, one, g) == 2
+
+
+def test_a_rejection_that_leaves_no_residual_does_not_raise():
+    """p <= q everywhere after rounding (here a q whose mass exceeds 1, exaggerated so that every other try is
+    rejected) leaves max(p - q, 0) empty: the bonus is then drawn from p instead of torch.multinomial raising."""
+    V, s = 4, Sampling(temperature=1.0)
+    tree = Tree.from_paths([[0]])
+    view = TreeView.of_static(tree.buffers(), 1)
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))[None, None].expand(1, 2, V).clone()
+    p = warp(logits[0, 0], s)
+    q = (2 * p)[None, None]  # [B, Q, V]
+    tokens, q_index = torch.tensor([[0, 3]]), torch.tensor([[-1, 0]])
+    g = torch.Generator().manual_seed(0)
+    counts, accepted, n = torch.zeros(V), 0, 2000
+    for _ in range(n):
+        paths, bonus = accept_sampling(tokens, logits, view, s, g, q, q_index)
+        if len(paths[0]) > 1:
+            accepted += 1
+        else:
+            counts[bonus[0]] += 1
+    assert abs(accepted / n - 0.5) < 0.05  # accepted with probability p(3) / q(3) = 1/2
+    assert 0.5 * (counts / counts.sum() - p).abs().sum().item() < 0.05  # after a rejection: p, unchanged
+
+
+def test_a_point_mass_child_rejected_with_nothing_left_keeps_p(monkeypatch):
+    """A deterministic child x whose removal leaves p empty (p(x) < 1 only through rounding; exaggerated here to
+    p = 0.5 one-hot(x)) keeps p as it was, so the bonus is x, instead of raising."""
+    from draftlab.decode import acceptance
+
+    V = 4
+    monkeypatch.setattr(acceptance, "warp", lambda logits, s: torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    view = TreeView.of_static(Tree.from_paths([[0]]).buffers(), 1)
+    tokens, logits = torch.tensor([[0, 2]]), torch.zeros(1, 2, V)
+    g = torch.Generator().manual_seed(0)
+    firsts = set()
+    for _ in range(40):
+        paths, bonus = acceptance.accept_sampling(tokens, logits, view, Sampling(temperature=1.0), g)
+        firsts.add(2 if len(paths[0]) > 1 else int(bonus[0]))
+    assert firsts == {2}
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
     """Pearson chi-square of counts against probs; cells expected below min_expected are pooled."""
     n = counts.sum()

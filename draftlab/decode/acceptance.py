@@ -74,6 +74,27 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp(min=0.0)
 
 
+def _after_rejection(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)), or p itself when that has no mass (see sample_residual for why that is sound)."""
+    rest = residual(p, q)
+    total = rest.sum()
+    return rest / total if total > 0 else p
+
+
+def sample_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """A token from normalize(max(p - q, 0)), p and q [V], after a draft from q was rejected; from p if that is empty.
+
+    With p and q both summing to 1, max(p - q, 0) has the same mass as max(q - p, 0), which is exactly the
+    probability that the rejection happened. So the residual is empty only when p == q up to rounding (or a
+    q whose mass exceeds 1 through rounding lies over p everywhere), and then the rejection had probability
+    ~0: whatever is drawn in its place moves the law of the output by at most that probability. Drawing
+    from p is the choice that is exact when p == q; raising (torch.multinomial on zeros) is not an option.
+    A deterministic proposal x is q = one-hot(x): the residual is p without x.
+    """
+    rest = _after_rejection(p.float(), q.float())
+    return int(torch.multinomial(rest, 1, generator=generator)[0])
+
+
 def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                     generator: torch.Generator | None = None, q: torch.Tensor | None = None,
                     q_index: torch.Tensor | None = None):
@@ -86,7 +107,8 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
     x, so it is accepted with probability p(x) and on rejection x is removed from p. When every child
     is rejected (or the node is a leaf) the bonus token is sampled from what remains of p. Each try
     is one exact rejection step towards the current p, so the committed tokens are distributed
-    exactly as sampling from the base.
+    exactly as sampling from the base. A rejection that leaves no mass (possible only through rounding,
+    with probability ~0) keeps p as it was, as `sample_residual` does.
     """
     B = tokens.shape[0]
     paths, bonus = [], torch.empty(B, dtype=torch.long, device=tokens.device)
@@ -105,17 +127,14 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
                     if p[x] > 0 and u < p[x]:
                         nxt = c
                         break
-                    p[x] = 0.0
+                    qd = torch.zeros_like(p)
+                    qd[x] = 1.0  # a point mass on x: the residual is p without x
                 else:
                     qd = q[b, j].float()
                     if p[x] > 0 and u * qd[x] < p[x]:  # u < p(x)/q(x), without dividing by q(x)
                         nxt = c
                         break
-                    p = residual(p, qd)
-                total = p.sum()
-                if total <= 0:  # p lies under q everywhere only if p == q, where x is always accepted
-                    break
-                p = p / total
+                p = _after_rejection(p, qd)
             if nxt is None:
                 bonus[b] = torch.multinomial(p, 1, generator=generator)[0]
                 break
