@@ -58,6 +58,30 @@ def test_ensemble_sampling_keeps_the_base_distribution(mode):
     assert df >= 5 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)
 
 
+def test_typical_acceptance_with_members_drafting_the_same_token():
+    """Typical mode shares equal tokens between members' sampled trees (one node, several owners); its rule uses
+    no q, so no q table is built (building one assumed a single owner per node and crashed)."""
+    lms = [tiny_llama(vocab=16, seed=4) for _ in range(3)]  # the base and two members equal to it
+    with torch.no_grad():
+        for lm in lms:
+            lm.lm_head.weight.mul_(6)  # peaked, so the members' independent draws are mostly the same token
+    base, twins = lms[0], [SSMDrafter(lm, Tree.expansion([2, 1])) for lm in lms[1:]]
+    drafter = EnsembleDrafter(twins, mode="merge")
+    shared, propose = [], drafter.propose
+
+    def spy(root):
+        prop = propose(root)
+        shared.append(sum(len(own) == 2 for own in drafter.owners[0][1:]))
+        return prop
+    drafter.propose = spy
+    s = Sampling(temperature=0.8, typical=True)
+    res = SpeculativeDecoder(base, drafter).generate([[1, 5]], max_new_tokens=12, sampling=s,
+                                                     generator=torch.Generator().manual_seed(0))
+    assert len(res.tokens[0]) == 12
+    assert sum(shared) > 0  # the case under test: nodes both members drafted
+    assert res.accept_length > 1.5  # the twins are the base: their shared drafts are accepted
+
+
 def test_vote_weights_reward_and_punish():
     v = VoteWeights(reward_factor=2.0, punish_factor=0.5, reward_threshold=0.6, punish_threshold=0.3)
     v.reset(3)

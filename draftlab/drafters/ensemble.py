@@ -229,11 +229,18 @@ class EnsembleDrafter(Drafter):
         self.owners = [r["owners"] for r in rows]
         prop = padded_proposal([(r["tokens"], r["parents"]) for r in rows], root.device)
         sampled = [p for p in self.props if p is not None and p.q is not None]
-        if self.mode == "merge" and sampled:
+        # Only lossless sampling reads q. Typical acceptance shares equal tokens between members (one node, several
+        # owners, so no single q), and its rule needs none.
+        if self.mode == "merge" and sampled and self._lossless_sampling:
             prop.q, prop.q_index = self._q_table(rows, prop.tokens.shape[1], root.device)
         self.time_s["members"] += t1 - t0
         self.time_s["ensemble"] += time.perf_counter() - t1
         return prop
+
+    @property
+    def _lossless_sampling(self) -> bool:
+        """Lossless speculative sampling (it needs each node's q, so sampled siblings are never shared)."""
+        return self.sampling.temperature > 0 and not self.sampling.typical
 
     def _member_nodes(self, m: int, b: int) -> list[tuple[int, int, int]]:
         """(node, parent, token) of member m's valid nodes in row b, in node order (root excluded)."""
@@ -243,7 +250,7 @@ class EnsembleDrafter(Drafter):
 
     def _merge_row(self, b: int, root: int) -> dict:
         tokens, parents, owners, depth = [root], [-1], [{m: 0 for m, on in enumerate(self.on) if on}], [0]
-        share = self.mode == "merge" and not (self.sampling.temperature > 0 and not self.sampling.typical)
+        share = self.mode == "merge" and not self._lossless_sampling
         child: dict = {}
         for m, p in enumerate(self.props):
             if p is None:
