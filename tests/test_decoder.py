@@ -376,7 +376,7 @@ def test_typical_acceptance_is_exact_greedy_at_temperature_zero():
 
 def test_typical_rule_at_positive_temperature_follows_medusa():
     """Thresholds min(eps, alpha exp(-H)) with H = -sum p log(p + 1e-5); ties in depth go to the most likely
-    path; the bonus comes from p with the tokens under the threshold removed."""
+    path; the bonus (the next step's first token) is the base's argmax, as in Medusa's default code."""
     from draftlab.decode.acceptance import accept_typical
 
     V = 6
@@ -386,13 +386,55 @@ def test_typical_rule_at_positive_temperature_follows_medusa():
     logits = torch.full((1, 5, V), -9.0)
     logits[0, 0, [2, 3]] = torch.tensor([2.0, 1.6])  # root: p(2) > p(3), both above the threshold
     logits[0, 1, 4], logits[0, 2, 5] = 3.0, 3.0  # below either child, the next token is likely
-    logits[0, 3, 1] = logits[0, 4, 1] = 5.0  # after either leaf: token 1 almost surely (others under the threshold)
+    logits[0, 3, [1, 0]] = logits[0, 4, [1, 0]] = torch.tensor([2.0, 1.9])  # after either leaf: tokens 1 and 0 both
+    # well above the threshold (a typical sample would often be 0), 1 the argmax
     tokens = torch.tensor([[0, 2, 3, 4, 5]])  # node 1 = 2, node 2 = 3, node 3 = 4 (below 2), node 4 = 5 (below 3)
-    g = torch.Generator().manual_seed(0)
-    paths, bonus = accept_typical(tokens, logits, view, s, g)
-    assert paths == [[0, 1, 3]]  # both paths reach depth 2; the one through the likelier token 2 wins
-    assert bonus.item() == 1
+    for seed in range(20):
+        paths, bonus = accept_typical(tokens, logits, view, s, torch.Generator().manual_seed(seed))
+        assert paths == [[0, 1, 3]]  # both paths reach depth 2; the one through the likelier token 2 wins
+        assert bonus.item() == 1
     low = logits.clone()
     low[0, 1, 4], low[0, 1, 0] = -9.0, 6.0  # after node 1 the base now wants token 0: node 3 is rejected, so only
     # the path through node 2 is complete (an accepted depth beats likelihood)
-    assert accept_typical(tokens, low, view, s, g)[0] == [[0, 2, 4]]
+    assert accept_typical(tokens, low, view, s)[0] == [[0, 2, 4]]
+
+
+def test_typical_mode_starts_every_step_with_the_base_argmax():
+    """Medusa decodes the first token of every step greedily: the token after the prompt is the argmax at T > 0
+    too (a near-uniform base, where a typical sample would almost never be it)."""
+    base = tiny_llama(seed=5)
+    dec = SpeculativeDecoder(base, make_drafter(noisy_heads(base), default_tree(3, 10)))
+    first = plain_greedy(base, [1, 2, 3], 1)[0]
+    s = Sampling(temperature=1.0, typical=True)
+    for seed in range(3):
+        res = dec.generate([[1, 2, 3]], max_new_tokens=4, sampling=s, generator=torch.Generator().manual_seed(seed))
+        assert res.tokens[0][0] == first
+
+
+def test_typical_epsilon_and_alpha_default_as_medusa_and_are_checked():
+    """epsilon 0.09 and alpha sqrt(epsilon) (0.3) by default; alpha follows epsilon unless set; bad values name the
+    option; the CLI flags reach the rule."""
+    from draftlab.cli import build_parser
+    from draftlab.cli.args import sampling_from_args
+    from draftlab.decode.acceptance import typical_threshold
+
+    assert (Sampling(typical=True).posterior_threshold, Sampling(typical=True).typical_alpha) == (0.09, 0.3)
+    assert Sampling(typical=True, posterior_threshold=0.04).typical_alpha == pytest.approx(0.2)
+    assert Sampling(typical=True, posterior_threshold=0.04, posterior_alpha=0.5).typical_alpha == 0.5
+    flat = torch.full((4,), 0.25)  # H = log 4 (nearly): alpha * exp(-H) = alpha / 4
+    assert typical_threshold(flat, Sampling(posterior_threshold=0.5, posterior_alpha=0.4)).item() == \
+        pytest.approx(0.1, rel=1e-3)
+    with pytest.raises(ValueError, match="posterior_threshold.* 0.09"):
+        Sampling(typical=True, posterior_threshold=0.0)
+    with pytest.raises(ValueError, match="posterior_alpha"):
+        Sampling(typical=True, posterior_alpha=-1.0)
+    parser = build_parser()
+    a = parser.parse_args(["generate", "x", "--prompt", "p", "--typical", "--temperature", "0.7",
+                           "--typical-epsilon", "0.16"])
+    s = sampling_from_args(a)
+    assert s.typical and s.temperature == 0.7 and s.posterior_threshold == 0.16 and s.typical_alpha == pytest.approx(0.4)
+    a = parser.parse_args(["generate", "x", "--prompt", "p", "--typical-alpha", "0.2"])
+    with pytest.raises(ValueError, match="add --typical"):
+        sampling_from_args(a)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--prompt", "p", "--typical", "--typical-epsilon", "1.5"])

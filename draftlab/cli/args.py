@@ -23,3 +23,47 @@ def add_placement_args(p) -> None:
                         "`accelerate launch --num_processes N` (one per GPU); rank 0 prints and writes")
     p.add_argument("--device-map", default=None, metavar="MAP",
                    help="layer-wise placement of the base over the visible devices, e.g. 'auto' (one process)")
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not > 0")
+    return value
+
+
+def add_typical_args(p) -> None:
+    """--typical and its threshold min(epsilon, alpha * exp(-H(p))), defaults as Medusa's (epsilon 0.09, alpha
+    sqrt(epsilon)); setting --typical-epsilon alone sweeps epsilon the way Hydra does (alpha follows)."""
+    p.add_argument("--typical", action="store_true",
+                   help="Medusa typical acceptance (lossy; at temperature 0 it is greedy and exact)")
+    p.add_argument("--typical-epsilon", type=probability, default=None, metavar="EPS",
+                   help="typical acceptance's epsilon, the posterior threshold (default 0.09, Medusa's)")
+    p.add_argument("--typical-alpha", type=positive_float, default=None, metavar="ALPHA",
+                   help="typical acceptance's alpha, the entropy-scaled threshold (default sqrt(epsilon))")
+
+
+def sampling_from_args(a):
+    """The Sampling that --temperature/--top-p/--top-k/--typical[-epsilon|-alpha] ask for."""
+    from ..decode.acceptance import Sampling
+
+    if not a.typical and (a.typical_epsilon is not None or a.typical_alpha is not None):
+        raise ValueError("--typical-epsilon / --typical-alpha set the typical acceptance rule: add --typical")
+    extra = {} if a.typical_epsilon is None else {"posterior_threshold": a.typical_epsilon}
+    return Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical,
+                    posterior_alpha=a.typical_alpha, **extra)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ..decode.acceptance import Sampling
 from ..decode.generate import load_decoder, run_generate
-from .args import add_placement_args, positive_int
+from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
 
 
 def add_generate_args(p) -> None:
@@ -21,7 +20,7 @@ def add_generate_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    add_typical_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
@@ -42,6 +41,7 @@ def add_generate_args(p) -> None:
 
 
 def generate_command(a) -> int:
+    sampling = sampling_from_args(a)  # before loading anything: a bad flag fails fast
     options = {}
     for item in a.ensemble_option:
         name, eq, value = item.partition("=")
@@ -52,7 +52,6 @@ def generate_command(a) -> int:
                                    mode=a.ensemble_mode,
                                    node_budget=a.node_budget, length=a.length, adaptive=a.adaptive,
                                    options=options or None)
-    sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical)
     on_text = None
     if a.stream and not a.json:
         on_text = lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())

@@ -17,18 +17,37 @@ from .tree import TreeView
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 = greedy. typical=True selects Medusa's typical acceptance (lossy, opt-in)."""
+    """temperature 0 = greedy. typical=True selects Medusa's typical acceptance (lossy, opt-in).
+
+    posterior_threshold (epsilon) and posterior_alpha (alpha) set typical acceptance's threshold
+    min(epsilon, alpha * exp(-H(p))). The defaults are Medusa's (FasterDecoding medusa_generate: epsilon 0.09,
+    alpha 0.3); alpha None means sqrt(epsilon), the relation Medusa recommends and Hydra's epsilon sweep keeps,
+    so sweeping epsilon alone reproduces it.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     typical: bool = False
     posterior_threshold: float = 0.09  # epsilon
-    posterior_alpha: float = 0.3  # alpha ~ sqrt(epsilon)
+    posterior_alpha: float | None = None  # alpha; None: sqrt(epsilon)
+
+    def __post_init__(self):
+        if not 0 < self.posterior_threshold <= 1:
+            raise ValueError(f"typical epsilon (posterior_threshold) = {self.posterior_threshold}: a probability "
+                             "threshold in (0, 1] is needed, e.g. Medusa's 0.09")
+        if self.posterior_alpha is not None and not self.posterior_alpha > 0:
+            raise ValueError(f"typical alpha (posterior_alpha) = {self.posterior_alpha}: must be > 0; leave it unset "
+                             "for sqrt(epsilon)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0 and not self.typical
+
+    @property
+    def typical_alpha(self) -> float:
+        """alpha of the typical threshold: posterior_alpha, or sqrt(epsilon) when unset."""
+        return self.posterior_threshold ** 0.5 if self.posterior_alpha is None else self.posterior_alpha
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -147,25 +166,20 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
 def typical_threshold(probs: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Medusa's acceptance threshold min(epsilon, alpha * exp(-H(p))), H(p) = -sum p log(p + 1e-5); probs [..., V]."""
     entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
-    return torch.minimum(torch.full_like(entropy, s.posterior_threshold), s.posterior_alpha * torch.exp(-entropy))
-
-
-def typical_sample(logits: torch.Tensor, s: Sampling, generator=None) -> torch.Tensor:
-    """A token from softmax(logits / T) with the tokens under the typical threshold removed (Medusa's
-    get_typical_one_token), for every row of logits [B, V]."""
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
-    probs = probs.masked_fill(probs < typical_threshold(probs, s)[..., None], 0.0)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+    return torch.minimum(torch.full_like(entropy, s.posterior_threshold), s.typical_alpha * torch.exp(-entropy))
 
 
 def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                    generator: torch.Generator | None = None):
-    """Medusa's typical acceptance (lossy, opt-in), as the FasterDecoding code implements it.
+    """Medusa's typical acceptance (lossy, opt-in), as the paper and FasterDecoding's default code define it.
 
     At temperature 0 it is greedy verification, exactly. At T > 0, with p = softmax(logits / T) (top-p and
     top-k do not enter this rule), a candidate x is accepted when p(x) > min(epsilon, alpha * exp(-H(p))),
     H(p) = -sum p log(p + 1e-5); of the deepest accepted paths the one with the largest sum of log p(x) is
-    taken; the bonus token is sampled from p with the tokens under that same threshold removed.
+    taken. The bonus token, which is the next step's first token (its root), is the base's argmax: Medusa
+    decodes the first token of every step greedily and accepts it unconditionally (medusa_generate's default
+    fast=True, whose generate_candidates takes the argmax), which guarantees one token per step. The generator
+    is unused: the rule is deterministic.
     """
     if s.temperature <= 0:
         return accept_greedy(tokens, logits, view)
@@ -181,8 +195,7 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s
     path_ll = (view.ancestors.float() * logp[:, None, :]).sum(-1)  # [B, N] log-likelihood of each root path
     depth = torch.where(full, view.depth, torch.full_like(view.depth, -1))
     deepest = full & (depth == depth.max(-1, keepdim=True).values)
-    best = torch.where(deepest, path_ll, torch.full_like(path_ll, float("-inf"))).argmax(-1).tolist()
-    paths = [view.path_to(b, n) for b, n in enumerate(best)]
+    best = torch.where(deepest, path_ll, torch.full_like(path_ll, float("-inf"))).argmax(-1)  # [B]
+    paths = [view.path_to(b, n) for b, n in enumerate(best.tolist())]
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    bonus = typical_sample(logits[rows, torch.tensor(best, device=tokens.device)], s, generator)
-    return paths, bonus
+    return paths, logits[rows, best].argmax(-1)

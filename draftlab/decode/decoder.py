@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters.base import Drafter, PromptState, Proposal, StepResult
-from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, typical_sample, warp
+from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
 from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
 
 
@@ -179,10 +179,10 @@ class Verifier:
 
 
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
-    if sampling.temperature <= 0:
+    """The base's first token after the prompt [B]: argmax when greedy, a sample from the warped p otherwise."""
+    if sampling.temperature <= 0 or sampling.typical:
+        # Typical acceptance: Medusa decodes the first token of every step greedily (see accept_typical).
         return logits.argmax(-1)
-    if sampling.typical:  # Medusa samples every token it emits from the typical-truncated distribution
-        return typical_sample(logits, sampling, generator)
     probs = warp(logits, sampling)
     return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
 
