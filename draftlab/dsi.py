@@ -13,6 +13,12 @@ return the target's distributions and each drafted position is decided once, in 
 sampling rule against the distribution the drafter drew it from (`_decide_sampled`), so the output is a sample
 of the target's own distribution.
 
+The text ends at EOS or a stop string (`eos_token_id`, `stop`), as `draftlab generate`'s does. Worker processes
+die with the drafter's process; a server that fails, dies or goes silent raises DSIError with its traceback and
+closes the pool; every run starts a new epoch and task ids never repeat, so nothing of an interrupted run is
+taken for the next run's. The drafter never blocks on a full server pool: a due task waits for a server while
+drafting goes on, and preemption frees the servers at once (both as `draftlab simulate`'s event simulator has it).
+
 Latencies can be injected (`target_latency_s`, `draft_latency_s`: each forward then lasts at least that long),
 the way the DSI authors emulate a multi-GPU node on one machine; `draftlab simulate` predicts the same runs.
 Each target server is one process with its own copy of the base on its own device (GPUs 1..SP when there are
@@ -68,34 +74,44 @@ class CachedGreedy:
         return out.logits[0, len(prefix) - 1 - keep:]
 
 
-def _server(base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float, sampling) -> None:
-    """A target server (one per device): for (prefix, drafts) tasks of the current epoch, the target's greedy tokens
-    or (sampling) its warped distributions after prefix + drafts[:i], i = 0..len(drafts)."""
-    import torch
+def _server(index: int, base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float,
+            sampling) -> None:
+    """A target server (one per device): for (task id, epoch, prefix, drafts) tasks of the current epoch, the
+    target's greedy tokens or (sampling) its warped distributions after prefix + drafts[:i], i = 0..len(drafts).
+    Replies ("result", index, task id, epoch, tokens or None when preempted); a failure replies ("error", ...)
+    with the traceback and ends the server."""
+    from .workers import die_with_parent, error_message
 
-    from .base import load_base
-    from .decode.acceptance import warp
+    die_with_parent()
+    try:
+        import torch
 
-    torch.set_num_threads(1)
-    model, _ = load_base(base_path, dtype, device)
-    target = CachedGreedy(model)
-    while True:
-        item = tasks.get()
-        if item is None:
-            return
-        task_id, ep, prefix, drafts = item
-        if ep != epoch.value:  # preempted while queued
-            results.put((task_id, ep, None))
-            continue
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            logits = target.logits(prefix, drafts)
-            toks = warp(logits, sampling).cpu() if sampling is not None else logits.argmax(-1).tolist()
-        while time.perf_counter() - t0 < latency:  # the emulated forward; preemption cuts it short
-            if ep != epoch.value:
-                break
-            time.sleep(min(0.002, max(0.0, latency - (time.perf_counter() - t0))))
-        results.put((task_id, ep, toks if ep == epoch.value else None))
+        from .base import load_base
+        from .decode.acceptance import warp
+
+        torch.set_num_threads(1)
+        model, _ = load_base(base_path, dtype, device)
+        target = CachedGreedy(model)
+        results.put(("ready", index))
+        while True:
+            item = tasks.get()
+            if item is None:
+                return
+            task_id, ep, prefix, drafts = item
+            if ep != epoch.value:  # preempted while queued
+                results.put(("result", index, task_id, ep, None))
+                continue
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                logits = target.logits(prefix, drafts)
+                toks = warp(logits, sampling).cpu() if sampling is not None else logits.argmax(-1).tolist()
+            while time.perf_counter() - t0 < latency:  # the emulated forward; preemption cuts it short
+                if ep != epoch.value:
+                    break
+                time.sleep(min(0.002, max(0.0, latency - (time.perf_counter() - t0))))
+            results.put(("result", index, task_id, ep, toks if ep == epoch.value else None))
+    except BaseException:  # noqa: BLE001 - reported to the drafter, which raises it
+        results.put(error_message(f"target server {index} ({device})"))
 
 
 def server_devices(sp: int) -> list[str]:
@@ -106,41 +122,77 @@ def server_devices(sp: int) -> list[str]:
     return [f"cuda:{i + 1}" for i in range(sp)] if n > sp else ["cpu"] * sp
 
 
+class DSIError(RuntimeError):
+    """A DSI target server failed or died (the message holds its traceback); the server pool is closed."""
+
+
 class DSI:
-    """`sp` target servers for one base; `generate` runs DSI with a drafter function."""
+    """`sp` target servers for one base; `generate` runs DSI with a drafter function.
+
+    Servers are worker processes that die with this one. A server that fails (its traceback is raised here as a
+    DSIError), dies or stays silent for `timeout_s` closes the pool. Task ids are unique over the object's life and
+    every run starts a new epoch, so a result left over from an interrupted run is never taken for a new task's."""
 
     def __init__(self, base_path: str, sp: int, target_latency_s: float = 0.0, dtype: str = "float32",
-                 devices: list[str] | None = None, sampling=None):
+                 devices: list[str] | None = None, sampling=None, timeout_s: float = 600.0):
         """sampling: a draftlab Sampling with temperature > 0 makes the servers return the target's distributions
         and `generate` sample losslessly (then draft_next returns (token, q)); None: greedy."""
         devices = devices or server_devices(sp)
         if len(devices) != sp:
             raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
         ctx = mp.get_context("spawn")
+        self.sp, self.timeout_s, self.next_id = sp, timeout_s, 0
         self.epoch = ctx.Value("i", 0)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(sp)]
         self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
-        self.procs = [ctx.Process(target=_server, args=(base_path, dtype, dev, q, self.results, self.epoch,
-                                                          target_latency_s, self.sampling), daemon=True)
-                      for q, dev in zip(self.tasks, devices)]
-        for p in self.procs:
-            p.start()
-        self.sp = sp
-        self._warm()
+        self.procs = [ctx.Process(target=_server, args=(i, base_path, dtype, dev, q, self.results, self.epoch,
+                                                          target_latency_s, self.sampling),
+                                  daemon=True, name=f"dsi-server-{i}")
+                      for i, (q, dev) in enumerate(zip(self.tasks, devices))]
+        try:
+            for p in self.procs:
+                p.start()
+            for _ in self.procs:  # every server has loaded the base
+                self._receive(self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
-    def _warm(self) -> None:
-        """Wait until every server has loaded the base (one tiny task each)."""
-        for i, q in enumerate(self.tasks):
-            q.put((-1 - i, self.epoch.value, [0, 0], []))
-        for _ in self.tasks:
-            self.results.get(timeout=600)
+    def _receive(self, timeout_s: float | None):
+        """The next server message; a failed, dead or silent server closes the pool and raises DSIError."""
+        from .workers import WorkerError, receive
+
+        try:
+            return receive(self.results, self.procs, timeout_s, "DSI")
+        except WorkerError as e:
+            self.close()
+            raise DSIError(str(e)) from None
+
+    def _poll(self):
+        """A server message if one is waiting, else None (errors as in _receive)."""
+        try:
+            msg = self.results.get_nowait()
+        except queue.Empty:
+            return None
+        if msg[0] == "error":
+            from .workers import raise_if_error
+
+            self.close()
+            try:
+                raise_if_error(msg, "DSI")
+            except RuntimeError as e:
+                raise DSIError(str(e)) from None
+        return msg
 
     def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
+        """Stop the servers (asked first, then terminated); safe to call twice."""
+        from .workers import stop_workers
+
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                q.put(None)
+        stop_workers(self.procs)
 
     def __enter__(self):
         return self
@@ -148,60 +200,73 @@ class DSI:
     def __exit__(self, *exc):
         self.close()
 
+    def _new_epoch(self) -> None:
+        with self.epoch.get_lock():
+            self.epoch.value += 1  # preempts every task and draft of the last epoch
+
     def generate(self, prompt: list[int], max_new_tokens: int, draft_next: Callable, lookahead: int,
-                 draft_latency_s: float = 0.0, seed: int = 0) -> dict:
+                 draft_latency_s: float = 0.0, seed: int = 0, eos_token_id=None, stop=None) -> dict:
         """DSI; draft_next(tokens) -> the drafter's next token (greedy), or (token, q [V]) with q the distribution
-        it was drawn from (sampling). Returns tokens, wall time and counts."""
-        import torch
+        it was drawn from (sampling; the drafter draws from its own random stream). The verifier's draws come from
+        role_generator(seed, "verifier"). The text ends at an EOS token (kept) or where stop(0, tokens) -> cut
+        index says, like `generate`. Returns tokens, wall time and counts: tasks sent, tasks preempted, tasks that
+        waited for a free server and the seconds they waited."""
+        from .decode.decoder import eos_set
+        from .decode.streams import role_generator
 
         if lookahead < 1:
             raise ValueError("DSI needs lookahead >= 1")
         sampling = self.sampling is not None
-        gen = torch.Generator().manual_seed(seed)
+        gen = role_generator(seed, "verifier")
+        eos = eos_set(eos_token_id)
         t_start = time.perf_counter()
+        self._new_epoch()  # anything left in flight by an interrupted run is stale from here on
         committed = list(prompt)
         end = len(prompt) + max_new_tokens
-        free = list(range(self.sp))
-        stats = {"tasks": 0, "preemptions": 0, "server_waits": 0}
-        next_id, owner = 0, {}  # task id -> the server running it (freed when it reports, preempted or not)
-        while len(committed) < end:
+        free = list(range(self.sp))  # servers still finishing preempted work take new tasks after it (FIFO)
+        stats = {"tasks": 0, "preemptions": 0, "server_waits": 0, "wait_s": 0.0, "drafts": 0}
+        owner: dict[int, int] = {}  # task id of this epoch in flight -> its server
+        finished = False
+        while len(committed) < end and not finished:
             drafts: list[int] = []
             qs: list = []  # sampling: the distribution each draft was drawn from
             checked = 0  # sampling: drafts of this stretch already accepted (each position is decided once)
             sent: list[tuple[int, int]] = []  # (task id, drafts it verifies) of this stretch, in send order
+            due: list[list] = []  # [drafts it verifies, when it became due, waited] of tasks not yet sent
             got: dict[int, list[int] | None] = {}
-            pending_send = 0  # drafts count at which the next task goes out
+            next_n = 0  # drafts count at which the next task becomes due
             decided = None
             while decided is None:
-                # Send every task that is due, as servers allow.
-                while True:
-                    # The last task of the text verifies up to its end, even off the lookahead grid.
-                    n_next = min(pending_send, end - len(committed))
-                    if n_next > len(drafts) or (sent and n_next <= sent[-1][1]):
-                        break
-                    if not free:
-                        stats["server_waits"] += 1
-                        break
+                # Tasks that are due: one at 0 drafts, then every `lookahead` drafts; the last one of the text
+                # verifies up to its end, even off the lookahead grid.
+                while next_n is not None and min(next_n, end - len(committed)) <= len(drafts):
+                    due.append([min(next_n, end - len(committed)), time.perf_counter(), False])
+                    next_n = next_n + lookahead if next_n < end - len(committed) else None
+                # Send them as servers free up; the drafter never waits for a server (a due task waits instead).
+                while due and free:
+                    n, t_due, waited = due.pop(0)
                     w = free.pop(0)
-                    self.tasks[w].put((next_id, self.epoch.value, committed, drafts[:n_next]))
-                    sent.append((next_id, n_next))
-                    owner[next_id] = w
-                    next_id += 1
+                    self.tasks[w].put((self.next_id, self.epoch.value, committed, drafts[:n]))
+                    if waited:
+                        stats["server_waits"] += 1
+                        stats["wait_s"] += time.perf_counter() - t_due
+                    sent.append((self.next_id, n))
+                    owner[self.next_id] = w
+                    self.next_id += 1
                     stats["tasks"] += 1
-                    pending_send += lookahead
-                # Read what has come back (without blocking while there is drafting to do).
-                block = len(committed) + len(drafts) >= end or (free == [] and pending_send <= len(drafts))
-                block = block and bool(owner)  # something is in flight to wait for
-                try:
-                    item = self.results.get(timeout=0.5) if block else self.results.get_nowait()
-                    while True:
-                        tid, ep, toks = item
-                        free.append(owner.pop(tid))
-                        if ep == self.epoch.value and toks is not None:
-                            got[tid] = toks
-                        item = self.results.get_nowait()
-                except queue.Empty:
-                    pass
+                for d in due:
+                    d[2] = True
+                # Read what has come back; block only when there is nothing left to draft.
+                block = len(committed) + len(drafts) >= end and bool(owner)
+                msg = self._receive(self.timeout_s) if block else self._poll()
+                while msg is not None:
+                    if msg[0] == "result":
+                        _, _, tid, ep, toks = msg
+                        if tid in owner:  # a task of this epoch (preempted ones were freed at the decision)
+                            free.append(owner.pop(tid))
+                            if toks is not None:
+                                got[tid] = toks
+                    msg = self._poll()
                 # Decide in send order.
                 for tid, n in sent:
                     if tid not in got:
@@ -230,17 +295,27 @@ class DSI:
                         d, q = d
                         qs.append(q)
                     drafts.append(d)
+                    stats["drafts"] += 1
                     while time.perf_counter() - t0 < draft_latency_s:
                         time.sleep(max(0.0, draft_latency_s - (time.perf_counter() - t0)))
-            with self.epoch.get_lock():
-                self.epoch.value += 1  # preempts every task and draft past the decision
-            stats["preemptions"] += sum(1 for tid, _ in sent if tid not in got)
-            committed += decided
-            # Servers still busy with preempted tasks report back with the old epoch and are freed then.
-        wall = time.perf_counter() - t_start
-        while owner:  # preempted tasks still report back; collect them so the next call starts with free servers
-            owner.pop(self.results.get(timeout=600)[0], None)
-        return {"tokens": committed[len(prompt): end], "wall_s": wall, **stats}
+            self._new_epoch()
+            # Preemption frees the servers at once, as the simulator has it: their preempted work is cut short and
+            # reported with the old epoch, which is ignored.
+            stats["preemptions"] += len(owner)
+            free += owner.values()
+            owner.clear()
+            new = decided[: end - len(committed)]
+            cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
+            if cut is not None:
+                new, finished = new[:cut], True
+            committed += new
+            if stop is not None:
+                c = stop(0, committed[len(prompt):])
+                if c is not None:
+                    del committed[len(prompt) + max(c, 0):]
+                    finished = True
+        stats["wait_s"] = round(stats["wait_s"], 6)
+        return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start, **stats}
 
 
 def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, at_end: bool):
@@ -251,28 +326,30 @@ def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, a
     rule), else (or at the end of the text) a token drawn from p. Returns (committed tokens or None, checked)."""
     import torch
 
-    from .decode.acceptance import residual
+    from .decode.acceptance import sample_residual
 
     for i in range(checked, min(n + 1, len(drafts))):
         x, q = drafts[i], qs[i]
         if torch.rand((), generator=gen) * q[x] < p[i, x]:
             checked = i + 1
             continue
-        return drafts[:i] + [int(torch.multinomial(residual(p[i], q), 1, generator=gen))], checked
+        return drafts[:i] + [sample_residual(p[i], q, gen)], checked
     if checked == n + 1:  # every position this task covers accepted: the next task goes on (or the text ends)
         return (drafts[:n + 1] if at_end else None), checked
     return drafts + [int(torch.multinomial(p[n], 1, generator=gen))], checked  # no draft after the n verified
 
 
 def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, lookahead: int,
-                target_latency_s: float = 0.0, draft_latency_s: float = 0.0) -> dict:
+                target_latency_s: float = 0.0, draft_latency_s: float = 0.0, eos_token_id=None, stop=None) -> dict:
     """Speculative inference with the same emulated latencies (draft `lookahead`, verify, repeat), greedy;
-    lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process."""
+    lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process; ends as DSI.generate does."""
+    from .decode.decoder import eos_set
+
     def wait(t0, latency):
         while time.perf_counter() - t0 < latency:
             time.sleep(max(0.0, latency - (time.perf_counter() - t0)))
 
-    target = CachedGreedy(model)
+    target, eos = CachedGreedy(model), eos_set(eos_token_id)
     t_start = time.perf_counter()
     committed, end = list(prompt), len(prompt) + max_new_tokens
     while len(committed) < end:
@@ -285,26 +362,41 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
         toks = target.next_tokens(committed, drafts)
         wait(t0, target_latency_s)
         bad = next((i for i in range(len(drafts)) if drafts[i] != toks[i]), len(drafts))
-        committed += drafts[:bad] + [toks[bad]]
-    return {"tokens": committed[len(prompt): end], "wall_s": time.perf_counter() - t_start}
+        new = (drafts[:bad] + [toks[bad]])[: end - len(committed)]
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
+        committed += new[:cut]
+        c = stop(0, committed[len(prompt):]) if stop is not None else None
+        if c is not None:
+            del committed[len(prompt) + max(c, 0):]
+        if cut is not None or c is not None:
+            break
+    return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start}
 
 
-def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128, lookahead: int | None = None,
+def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, lookahead: int | None = None,
             target_latency_ms: float = 0.0, draft_latency_ms: float = 0.0, compare: bool = False,
             base: str | None = None, dtype: str | None = None, chat: bool = False, sampling=None,
-            seed: int = 0) -> dict:
+            seed: int = 0, stops=(), eos: bool = True, pool: DSI | None = None) -> dict:
     """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
-    base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies for comparison. The
-    lookahead defaults to the smallest with which no verification task waits for a server, from measured (or
-    emulated) forward times."""
+    base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies, and HF `generate` as the
+    reference for the tokens. prompts: texts, or token id lists. The text ends at the tokenizer's EOS (unless
+    eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the drafter's from
+    role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j, "verifier"). The lookahead
+    defaults to the smallest with which no verification task waits for a server, from measured (or emulated)
+    forward times. pool: a running DSI server pool of the same base, latency and sampling to use (and leave
+    running) instead of starting one."""
+    import contextlib
+
     import torch
 
     from .base import load_base
-    from .decode.acceptance import warp
-    from .decode.generate import encode_prompt
+    from .decode.acceptance import Sampling, warp
+    from .decode.generate import encode_prompt, plain_generate, stop_fn
+    from .decode.streams import role_generator
     from .export import load_export, read_meta
     from .simulate import min_lookahead
 
+    sp = pool.sp if pool is not None else sp
     meta = read_meta(export)
     if meta["head"]["type"] != "ssm":
         raise ValueError(f"draftlab dsi drafts with a small LM (an ssm export); {export} holds {meta['head']['type']} "
@@ -316,7 +408,7 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
     if sampled and compare:
         raise ValueError("--compare runs SI and non-SI greedily; drop it or --temperature")
     drafter = CachedGreedy(draft.lm)
-    gen = torch.Generator().manual_seed(seed)
+    gen = role_generator(seed, "drafter")
 
     def draft_next(toks):
         if not sampled:
@@ -324,25 +416,35 @@ def run_dsi(export: str, prompts: list[str], sp: int, max_new_tokens: int = 128,
         with torch.no_grad():
             q = warp(drafter.logits(toks)[0], sampling)
         return int(torch.multinomial(q, 1, generator=gen)), q
-    ids = [encode_prompt(tok, p, chat) for p in prompts]
-    t_target = target_latency_ms / 1000 or _forward_s(model, ids[0])
-    t_draft = draft_latency_ms / 1000 or _forward_s(draft.lm, ids[0])
+    ids = [list(p) if isinstance(p, (list, tuple)) else encode_prompt(tok, p, chat) for p in prompts]
+    eos_id = tok.eos_token_id if eos else None
+    stop = stop_fn(tok, list(stops))
+    # Forward times are measured only when the lookahead is to be derived from them (None: not measured).
+    measure = lookahead is None
+    t_target = target_latency_ms / 1000 or (_forward_s(model, ids[0]) if measure else None)
+    t_draft = draft_latency_ms / 1000 or (_forward_s(draft.lm, ids[0]) if measure else None)
     k = lookahead or min_lookahead(t_draft, t_target, sp)
-    report = {"sp": sp, "lookahead": k, "t_target_ms": round(1000 * t_target, 3),
-              "t_draft_ms": round(1000 * t_draft, 3), "emulated": bool(target_latency_ms or draft_latency_ms),
-              "runs": []}
-    with DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None) as dsi:
+    ms = lambda t: None if t is None else round(1000 * t, 3)  # noqa: E731
+    report = {"sp": sp, "lookahead": k, "t_target_ms": ms(t_target), "t_draft_ms": ms(t_draft),
+              "emulated": bool(target_latency_ms or draft_latency_ms), "runs": []}
+    with (contextlib.nullcontext(pool) if pool is not None else
+          DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None)) as dsi:
         for j, p in enumerate(ids):
-            r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000, seed=seed + j)
+            r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000, seed=seed + j,
+                             eos_token_id=eos_id, stop=stop)
             run = {"text": tok.decode(r["tokens"], skip_special_tokens=True), "tokens": r["tokens"],
-                   "dsi_s": round(r["wall_s"], 4), "tasks": r["tasks"], "preemptions": r["preemptions"],
-                   "server_waits": r["server_waits"]}
+                   "dsi_s": round(r["wall_s"], 4), **{c: r[c] for c in ("tasks", "preemptions", "server_waits")}}
             if compare:
-                kw = dict(target_latency_s=target_latency_ms / 1000, draft_latency_s=draft_latency_ms / 1000)
+                kw = dict(target_latency_s=target_latency_ms / 1000, draft_latency_s=draft_latency_ms / 1000,
+                          eos_token_id=eos_id, stop=stop)
                 si = si_generate(model, p, max_new_tokens, draft_next, k, **kw)
                 plain = si_generate(model, p, max_new_tokens, draft_next, 0, **kw)
+                hf = plain_generate(model, [p], max_new_tokens, Sampling(), eos_id)[0][0]
+                if stop is not None:  # HF generate runs on past a stop string; `generate` cuts there, as DSI does
+                    c = stop(0, hf)
+                    hf = hf[:c] if c is not None else hf
                 run.update(si_s=round(si["wall_s"], 4), non_si_s=round(plain["wall_s"], 4),
-                           identical_to_greedy=r["tokens"] == plain["tokens"] == si["tokens"])
+                           identical_to_greedy=r["tokens"] == si["tokens"] == plain["tokens"] == hf)
             report["runs"].append(run)
     report["dsi_s"] = round(sum(r["dsi_s"] for r in report["runs"]), 4)
     if compare:

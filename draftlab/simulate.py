@@ -75,34 +75,49 @@ def simulate_si(n_tokens: int, a: float, k: int, t_draft: float, t_target: float
 
 
 def simulate_dsi(n_tokens: int, a: float, k: int, t_draft: float, t_target: float, sp: int, rng: random.Random,
-                 t_prefill: float | None = None) -> dict:
-    """One DSI run of n_tokens tokens, event by event with `sp` target servers (Monte Carlo). Returns the total
-    time and how long verification tasks waited for a free server in all."""
+                 t_prefill: float | None = None, accepts=None) -> dict:
+    """One DSI run of n_tokens tokens, event by event with `sp` target servers (Monte Carlo). accepts: the number
+    of drafts accepted before the first rejection on each stretch, in order, instead of draws with acceptance a
+    (to replay a run of the process runtime). Returns the total time, the tasks started (preempted ones included),
+    the tasks that waited for a free server and how long they waited in all."""
     t, done, waited = (t_target if t_prefill is None else t_prefill), 1, 0.0
+    tasks = waits = 0
+    accepts = iter(accepts) if accepts is not None else None
     servers = [t] * sp  # when each server is next free
     heapq.heapify(servers)
     while done < n_tokens:
         # Accepted drafts before the first rejection on this stretch (drafts the text no longer needs don't matter).
-        j, cap = 0, n_tokens - done
-        while j < cap and rng.random() < a:
-            j += 1
-        # Tasks go out at t + m k t_draft (m = 0, 1, ...); task m decides this stretch when m k >= j (or when the
-        # text is complete). Earlier tasks occupy servers meanwhile.
-        m_decide = math.ceil(j / k)
-        finish = t
-        for m in range(m_decide + 1):
+        cap = n_tokens - done
+        if accepts is not None:
+            j = min(next(accepts), cap)
+        else:
+            j = 0
+            while j < cap and rng.random() < a:
+                j += 1
+        # Tasks go out at t + m k t_draft (m = 0, 1, ...; the drafter never waits for a server, a task does), each
+        # verifying min(m k, cap) drafts; task m decides this stretch when m k >= j (or when the text is complete).
+        # Later tasks that start before the decision are preempted then.
+        m_decide, m_last = math.ceil(j / k), math.ceil(cap / k)
+        finish = None
+        for m in range(m_last + 1):
             ready = t + m * k * t_draft
+            if finish is not None and ready >= finish:
+                break
             free = heapq.heappop(servers)
             start = max(ready, free)
-            waited += start - ready
-            end = start + t_target
-            heapq.heappush(servers, end)
-            finish = end
-        # Tasks past the decision are preempted then: every server is free from `finish` on.
+            if finish is not None and start >= finish:  # still queued at the decision: never sent
+                heapq.heappush(servers, free)
+                break
+            late = start - ready if start - ready > 1e-9 * max(t_target, 1e-30) else 0.0  # not rounding noise
+            tasks, waits, waited = tasks + 1, waits + (late > 0), waited + late
+            heapq.heappush(servers, start + t_target)
+            if m == m_decide:
+                finish = start + t_target
+        # Preemption frees every server at `finish`.
         servers = [finish] * sp
         t = finish
         done += j + 1
-    return {"time": t, "waited": waited}
+    return {"time": t, "waited": waited, "tasks": tasks, "waits": waits}
 
 
 @dataclass

@@ -38,7 +38,11 @@ def test_dsi_tokens_equal_plain_greedy(tiny_base_dir, setup):
         for a, k in ((0.0, 1), (0.6, 2), (1.0, 3), (0.9, 5)):
             out = dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), lookahead=k)
             assert out["tokens"] == ref, (a, k)
-        assert out["tasks"] > 0
+            if a == 0.0:  # nothing accepted: every token is decided by a task of its own, and more are preempted
+                assert out["tasks"] >= 48 and out["tasks"] - out["preemptions"] >= 48
+            # A stretch's deciding task verified n drafts of the m * lookahead (m + 1 tasks sent), committing
+            # n + 1 <= (m + 1) * lookahead tokens.
+            assert 48 <= out["tasks"] * k
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), lookahead=3)["tokens"] == ref
 
 
@@ -97,7 +101,8 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and rep["identical_to_greedy"] is True and rep["emulated"]
     assert rep["lookahead"] == 3  # ceil(20 / (2 * 4)): the smallest with which no task waits for a server
-    assert len(rep["runs"][0]["tokens"]) == 24 and rep["runs"][0]["tasks"] > 0
+    run = rep["runs"][0]
+    assert len(run["tokens"]) == 24 and len(run["tokens"]) <= run["tasks"] * rep["lookahead"]
     heads = save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "m",
                         str(stories_dir), tokenizer=tok)
     assert main(["dsi", str(heads), "--prompt", "x"]) == 2
@@ -144,3 +149,183 @@ def test_dsi_sampling_is_the_targets_distribution(tmp_path):
     assert df >= 5 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)
     wrong, df2 = chi_square(counts, _joint_first_two(drafter, prompt, s))
     assert wrong > df2 + 4 * (2 * df2) ** 0.5
+
+
+def test_dsi_stops_at_eos_like_hf_generate(tiny_base_dir, setup):
+    """DSI ends the text at EOS (kept) as HF generate does, and at a stop match; SI likewise."""
+    model, prompt, ref, V = setup
+    eos = ref[5]  # pretend the 6th greedy token is the end of turn
+    want = plain_generate(model, [prompt], 48, Sampling(), eos)[0][0]
+    assert want == ref[:ref.index(eos) + 1]
+    with DSI(str(tiny_base_dir), sp=2) as dsi:
+        for a, k in ((0.0, 1), (1.0, 4)):
+            assert dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), k, eos_token_id=eos)["tokens"] == want
+        cut = dsi.generate(prompt, 48, oracle(prompt, ref, 1.0, V, seed=1), 4, stop=lambda _, t: 3 if len(t) >= 3 else None)
+        assert cut["tokens"] == ref[:3]
+    assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), 3, eos_token_id=eos)["tokens"] == want
+
+
+def test_dsi_reused_after_an_interrupted_run_takes_no_stale_result(tiny_base_dir, setup):
+    """A run interrupted with tasks in flight (the drafter raised) leaves results behind; the next run on the same
+    servers must not take them for its own tasks."""
+    model, prompt, ref, V = setup
+    other = [prompt[0]] + [(t + 7) % V for t in prompt[1:]]  # another text: its tasks' answers differ
+    other_ref = plain_generate(model, [other], 48, Sampling(), None)[0][0]
+
+    def failing(after):
+        calls = {"n": 0}
+        good = oracle(other, other_ref, 1.0, V, seed=0)
+
+        def draft_next(tokens):
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise KeyboardInterrupt
+            return good(tokens)
+        return draft_next
+    with DSI(str(tiny_base_dir), sp=3, target_latency_s=0.02) as dsi:
+        for after in (2, 5, 9):
+            with pytest.raises(KeyboardInterrupt):
+                dsi.generate(other, 48, failing(after), lookahead=1)
+            assert dsi.generate(prompt, 48, oracle(prompt, ref, 0.8, V, seed=after), lookahead=2)["tokens"] == ref
+
+
+def _alive(procs):
+    return [p for p in procs if p.is_alive()]
+
+
+def test_dsi_server_errors_reach_the_caller_and_the_pool_is_closed(tiny_base_dir, setup):
+    """A server that raises (a token outside the vocabulary) or is killed: DSIError with the server's traceback or
+    its death, no hang, and no server process left running."""
+    import os
+    import signal
+
+    from draftlab.dsi import DSIError
+
+    model, prompt, ref, V = setup
+    dsi = DSI(str(tiny_base_dir), sp=2)
+    with pytest.raises(DSIError, match="(?s)target server.*Traceback.*Error"):
+        dsi.generate(prompt + [V + 1000], 8, oracle(prompt, ref, 0.0, V, seed=0), lookahead=1)
+    assert not _alive(dsi.procs)
+
+    dsi = DSI(str(tiny_base_dir), sp=2, target_latency_s=0.05)
+    victim = dsi.procs[0]
+
+    def kill_then_draft(tokens, draft=oracle(prompt, ref, 0.5, V, seed=0)):
+        if victim.is_alive():
+            os.kill(victim.pid, signal.SIGKILL)
+        return draft(tokens)
+    with pytest.raises(DSIError, match="died"):
+        dsi.generate(prompt, 48, kill_then_draft, lookahead=1)
+    assert not _alive(dsi.procs)
+
+
+def test_dsi_failed_start_leaks_no_server(tmp_path):
+    """Servers that cannot load the base report why, and none stays behind."""
+    import multiprocessing as mp
+
+    from draftlab.dsi import DSIError
+
+    with pytest.raises(DSIError, match="(?s)target server.*Traceback"):
+        DSI(str(tmp_path / "no-such-model"), sp=2)
+    assert not [p for p in mp.active_children() if p.name.startswith("dsi-server")]
+
+
+def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(tiny_base_dir, setup):
+    """The process runtime and `draftlab simulate`'s event simulator on the same stretches (accepted drafts per
+    stretch replayed), emulated latencies: with too few servers for the lookahead tasks wait while the drafter goes
+    on drafting (it never blocks on the pool), and the task counts, waits and time agree; with enough servers no
+    task waits."""
+    from draftlab.simulate import min_lookahead, simulate_dsi
+
+    model, prompt, ref, V = setup
+    tt, td, n = 0.06, 0.01, 24
+    rng = random.Random(5)
+    accepts = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)]
+
+    def replay(accepts):
+        """Drafts the target's token for the first accepts[i] drafts of stretch i, then wrong ones."""
+        it, st = iter(accepts), {"prev": None, "start": 0, "j": 0}
+
+        def draft_next(tokens):
+            if tokens != st["prev"]:  # not the continuation of the last draft: a new stretch starts here
+                st["start"], st["j"] = len(tokens), next(it)
+            i = len(tokens) - len(prompt)
+            right = ref[i] if i < len(ref) else 0
+            d = right if len(tokens) - st["start"] < st["j"] else (right + 1) % V
+            st["prev"] = tokens + [d]
+            return d
+        return draft_next
+    with DSI(str(tiny_base_dir), sp=2, target_latency_s=tt) as dsi:
+        for k in (1, min_lookahead(td, tt, 2) + 1):
+            got = dsi.generate(prompt, n, replay(accepts), k, draft_latency_s=td)
+            sim = simulate_dsi(n + 1, 0.0, k, td, tt, 2, random.Random(0), t_prefill=0.0, accepts=accepts)
+            assert got["tokens"] == ref[:n]
+            # The simulator is the runtime without overheads: a lower bound it cannot beat, and close above it.
+            assert 0.97 * sim["time"] <= got["wall_s"] <= 1.5 * sim["time"], (k, got, sim)
+            assert got["tasks"] == pytest.approx(sim["tasks"], rel=0.25, abs=2), (k, got, sim)
+            if k == 1:  # tasks due every 10 ms, each holding a server 60 ms: most wait, and the drafter drafts on
+                assert sim["waits"] > 5 and got["server_waits"] == pytest.approx(sim["waits"], rel=0.35, abs=2)
+                assert got["wait_s"] == pytest.approx(sim["waited"], rel=0.35, abs=0.05)
+            else:
+                assert sim["waits"] == 0 and got["server_waits"] <= 1  # a margin of one draft (10 ms) per task
+
+
+@pytest.mark.parametrize("n", [150, pytest.param(1200, marks=pytest.mark.slow)])
+def test_run_dsi_sampling_keeps_the_base_law(tmp_path, n):
+    """Sampled DSI through `draftlab dsi`'s own entry point and drafting (run_dsi: its SSM drafter and random
+    streams), one prompt per run as a user's first prompt, on one server pool: every token of 4-token continuations
+    (several stretches, depth >= 2 decided in one task) follows the base's law. A context-free base makes a drafter
+    stream that repeats the verifier's draws plain to see."""
+    from test_pipeline import check_neighbours, small_vocab_ssm_export
+
+    from draftlab.dsi import run_dsi
+
+    export, base = small_vocab_ssm_export(tmp_path, context_free=True)
+    s = Sampling(temperature=0.9)
+    samples = []
+    with DSI(str(tmp_path / "base"), sp=2, sampling=s) as pool:
+        for seed in range(n):
+            rep = run_dsi(export, [[1, 5]], 2, max_new_tokens=4, lookahead=2, sampling=s, seed=seed, eos=False,
+                          pool=pool)
+            samples.append(rep["runs"][0]["tokens"])
+    law = check_neighbours(base, [[1, 5]] * n, samples, s)
+    assert law.ok, str(law)
+
+
+def test_run_dsi_draws_each_role_from_its_own_stream(tmp_path, monkeypatch):
+    """The drafter's stream and every prompt's verifier stream are distinct by construction (seeded alike, a
+    drafter's first draw would reuse the verifier's uniform), for any user seed."""
+    import draftlab.decode.streams as streams
+    from test_pipeline import small_vocab_ssm_export
+
+    from draftlab.dsi import run_dsi
+
+    made = []
+    real = streams.role_generator
+    monkeypatch.setattr(streams, "role_generator",
+                        lambda seed, role, device="cpu": made.append(streams.role_seed(seed, role)) or real(seed, role, device))
+    export, _ = small_vocab_ssm_export(tmp_path)
+    s = Sampling(temperature=1.0)
+    with DSI(str(tmp_path / "base"), sp=1, sampling=s) as pool:
+        run_dsi(export, [[1, 5], [1, 6], [1, 7]], 1, max_new_tokens=3, lookahead=1, sampling=s, seed=0, pool=pool)
+    assert len(made) == 4 and len(set(made)) == 4  # one drafter stream, three verifier streams
+    assert streams.role_seed(0, "drafter") != streams.role_seed(0, "verifier")
+
+
+def test_dsi_rejection_with_no_residual_mass_does_not_crash():
+    """A q lying over p everywhere (mass over 1 through rounding): a rejection leaves max(p - q, 0) empty, which
+    made torch.multinomial raise; the token then comes from p."""
+    import torch
+
+    from draftlab.dsi import _decide_sampled
+
+    p = torch.softmax(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)), -1)  # [n + 1, V], n = 1
+    q = p[0] * 1.5
+    gen = torch.Generator().manual_seed(1)
+    rejected = 0
+    for _ in range(200):
+        decided, _ = _decide_sampled(p, 1, [3], [q], 0, gen, at_end=False)
+        # Accepted: the draft and a token from p after it; rejected: one token in its place.
+        rejected += len(decided) == 1
+        assert all(0 <= t < 8 for t in decided) and (len(decided) == 1 or decided[0] == 3)
+    assert rejected > 20  # u * 1.5 p(x) >= p(x) a third of the time

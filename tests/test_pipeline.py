@@ -50,3 +50,109 @@ def test_drafters_that_read_the_base_are_refused(stories_dir, tmp_path):
                       str(stories_dir), tokenizer=tok)
     with pytest.raises(PipelineError, match="reads the base's hidden states"):
         DraftPipeline(base, str(exp))
+
+
+def small_vocab_ssm_export(d, vocab: int = 16, context_free: bool = False):
+    """A saved tiny base with a small, peaked vocabulary (so a law test has power with few samples) and an SSM
+    export of it whose law is close to, but not, the base's: (export path, base). context_free: every embedding
+    row equal, so the base's law (and the drafter's) is the same after every prefix; a draft drawn with the same
+    uniform as the token before it then repeats that token, which makes shared random streams plain to see."""
+    from conftest import tiny_llama
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+    from draftlab.quickstart import build_tokenizer
+
+    target = tiny_llama(vocab=vocab, seed=4, dtype=torch.float32)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)
+        if context_free:
+            target.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[3:4].expand(vocab, -1))  # not the zero pad row
+    tok = build_tokenizer(["a b c"], d / "base")  # loaded beside the weights; prompts are given as ids
+    target.save_pretrained(d / "base")
+    base, _ = load_base(str(d / "base"), "float32")
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)
+    return str(save_export(ssm, base, d / "ssm", str(d / "base"), tokenizer=tok)), base
+
+
+def pair_labels(samples, V: int):
+    """law_statistic labels [N, K, V]: cell (previous token, token), so the test sees the joint law of neighbours,
+    which per-position token counts of a context-free base cannot (label 0..V-1 at the first position)."""
+    x = torch.as_tensor(samples, dtype=torch.long)
+    prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1] + 1], 1)  # [N, K]; 0 marks the first position
+    return prev[..., None] * V + torch.arange(V)
+
+
+def check_neighbours(base, prompts, samples, sampling):
+    """check_law with cells (previous token, token)."""
+    from law import conditional_laws, law_statistic
+
+    probs = conditional_laws(base, prompts, samples, sampling)
+    return law_statistic(samples, probs, pair_labels(samples, probs.shape[-1]))
+
+
+def test_pipelined_sampling_keeps_the_base_law(tmp_path):
+    """Sampling through the pipeline (drafter and verifier in two processes, each with its own random stream):
+    every token of 4-token continuations, depth-2 accepts and later steps included, follows the base's law. With
+    the two streams seeded alike the first draft would follow the sampled root."""
+    from law import check_law
+
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.pipeline import DraftPipeline
+
+    s = Sampling(temperature=0.8, top_p=0.95)
+    prompts = [[1, 5]] * 600
+    for context_free, tree in ((False, "expansion:2,1,1"), (True, "chain:3")):
+        export, base = small_vocab_ssm_export(tmp_path / str(context_free), context_free=context_free)
+        with DraftPipeline(base, export, tree=tree, seed=0) as pipe:
+            res = pipe.run(prompts, batch_size=300, in_flight=2, max_new_tokens=4, sampling=s)
+        assert res.accept_length > 1.5  # drafts are accepted, at depth 2 too
+        law = (check_neighbours if context_free else check_law)(base, prompts, res.tokens, s)
+        assert law.ok, (context_free, str(law))
+
+
+def test_pipeline_reused_after_an_interrupted_run(ssm_export, monkeypatch):
+    """A run that fails mid-way leaves proposals in flight; the next run on the same worker takes none of them
+    (run ids), and a proposal whose root is not its rows' current root is refused."""
+    from draftlab.decode import pipeline as P
+
+    export, base = ssm_export
+    prompts = [[1, 50 + i, 7] for i in range(6)]
+    want = [plain_greedy(base, p, 12) for p in prompts]
+    real_verify = P.Verifier.verify
+    with P.DraftPipeline(base, export, tree="expansion:2,1,1") as pipe:
+        calls = {"n": 0}
+
+        def failing_verify(self, prop, draft_s=0.0):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("verifier failed")
+            return real_verify(self, prop, draft_s)
+        monkeypatch.setattr(P.Verifier, "verify", failing_verify)
+        with pytest.raises(RuntimeError, match="verifier failed"):
+            pipe.run(prompts[::-1], batch_size=2, in_flight=3, max_new_tokens=12)
+        monkeypatch.setattr(P.Verifier, "verify", real_verify)
+        assert pipe.run(prompts, batch_size=2, in_flight=3, max_new_tokens=12).tokens == want
+
+        real_receive = P.DraftPipeline._receive
+
+        def wrong_root(self, run=None):
+            msg, waited = real_receive(self, run)
+            if msg[0] == "proposal":
+                packed = msg[3][0] if isinstance(msg[3], tuple) else msg[3]
+                packed.tokens[:, 0] += 1
+            return msg, waited
+        monkeypatch.setattr(P.DraftPipeline, "_receive", wrong_root)
+        with pytest.raises(P.PipelineError, match="current root"):
+            pipe.run(prompts, batch_size=2, max_new_tokens=12)
+
+
+def test_pipeline_worker_failure_reaches_the_caller(ssm_export, tmp_path):
+    """The drafter worker's own failure (a tree it cannot build) arrives with its traceback; nothing stays behind."""
+    from draftlab.decode.pipeline import DraftPipeline, PipelineError
+
+    export, base = ssm_export
+    with pytest.raises(PipelineError, match="(?s)pipeline drafter.*Traceback"):
+        DraftPipeline(base, export, tree="no-such-tree:1")
+    import multiprocessing as mp
+    assert not [p for p in mp.active_children() if p.name == "pipeline-drafter"]

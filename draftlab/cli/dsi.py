@@ -21,7 +21,10 @@ def add_dsi_args(p) -> None:
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
                         "emulate a multi-GPU node)")
     p.add_argument("--draft-latency-ms", type=float, default=0.0, help="emulate the drafter's forward time")
-    p.add_argument("--compare", action="store_true", help="also run SI and non-SI with the same latencies (greedy)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run SI and non-SI with the same latencies (greedy), and check the tokens against HF "
+                        "generate's")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text also ends at EOS")
     p.add_argument("--temperature", type=float, default=0.0, help="sample (lossless) instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -37,14 +40,16 @@ def dsi_command(a) -> int:
     from ..dsi import run_dsi
 
     rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
-                  a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed)
+                  a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed,
+                  stops=a.stop)
     if a.json:
         print(json.dumps(rep))
         return 0
     for r in rep["runs"]:
         print(r["text"])
-    line = (f"\nDSI: SP {rep['sp']}, lookahead {rep['lookahead']} (target {rep['t_target_ms']} ms, drafter "
-            f"{rep['t_draft_ms']} ms per forward), {rep['dsi_s']:.2f} s")
+    times = (f" (target {rep['t_target_ms']} ms, drafter {rep['t_draft_ms']} ms per forward)"
+             if rep["t_target_ms"] is not None and rep["t_draft_ms"] is not None else "")
+    line = f"\nDSI: SP {rep['sp']}, lookahead {rep['lookahead']}{times}, {rep['dsi_s']:.2f} s"
     if a.compare:
         line += (f"; SI {rep['si_s']:.2f} s, non-SI {rep['non_si_s']:.2f} s; DSI vs SI {rep['dsi_vs_si']:.2f}x, vs non-SI "
                  f"{rep['dsi_vs_non_si']:.2f}x; identical to greedy: {rep['identical_to_greedy']}")

@@ -21,9 +21,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import pickle
-import queue
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -81,23 +79,27 @@ def _recv(q):
     return pickle.loads(q.get())
 
 
-def _drafter_worker(export: str, tree, options: dict, device: str, threads: int, seed: int, inbox, pool) -> None:
-    """The drafter process: drafts for any open group with a root, while the pool is below its limit."""
+def _drafter_worker(export: str, tree, options: dict, device: str, threads: int, inbox, pool) -> None:
+    """The drafter process: drafts for any open group of the current run with a root, while the pool is below its
+    limit. Every message names its run; a message of another run (left over from an interrupted one) is dropped."""
+    from ..workers import die_with_parent, error_message
+
+    die_with_parent()
     try:
         from ..drafters import make_drafter
         from ..export import load_export
         from .generate import resolve_tree
+        from .streams import role_generator
 
         torch.set_num_threads(threads)
         draft, meta = load_export(export, base=None, device=device)
-        gen = torch.Generator(device=device).manual_seed(seed)
         probe = make_drafter(draft, resolve_tree(tree, meta), **options)
         if probe.hidden_layers:
             raise PipelineError(f"a {meta['head']['type']} drafter reads the base's hidden states, so it cannot draft "
                                 "in a process apart from the base; pipelining is for separate draft models (ssm, "
                                 "ensembles of SSMs, lookup)")
         _send(pool, ("ready",))
-        groups, ready, pool_size, limit, stats, sent = {}, [], 0, None, {}, set()
+        run, groups, ready, pool_size, limit, stats, sent, gen = None, {}, [], 0, None, {}, set(), None
         while True:
             if ready and (limit is None or pool_size < limit):
                 g = ready.pop(0)
@@ -110,7 +112,7 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
                 pool_size += rows
                 stats["pool_max"] = max(stats["pool_max"], pool_size)
                 stats["drafts"] += 1
-                _send(pool, ("proposal", g, *pack_proposal(prop, sent), draft_s, rows))
+                _send(pool, ("proposal", run, g, *pack_proposal(prop, sent), draft_s, rows))
                 continue
             if ready:
                 stats["paused"] += 1  # the pool is full: wait for the verifier to take a group
@@ -119,16 +121,25 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
             if stats:
                 stats["idle_s"] += time.perf_counter() - t0
             kind = msg[0]
-            if kind == "taken":
-                pool_size -= msg[1]
+            if kind == "run":  # a new stream: its pool limit, random stream and fresh counters; old groups dropped
+                _, run, limit, seed = msg
+                groups, pool_size, ready, sent = {}, 0, [], set()
+                gen = role_generator(seed, "drafter", device)
+                stats = {"paused": 0, "pool_max": 0, "drafts": 0, "idle_s": 0.0, "draft_s": 0.0, "commit_s": 0.0}
+            elif kind == "stop":
+                return
+            elif msg[1] != run:
+                continue
+            elif kind == "taken":
+                pool_size -= msg[2]
             elif kind == "begin":
-                _, g, prompt, root, sampling = msg
+                _, _, g, prompt, root, sampling = msg
                 drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
                 drafter.begin(move(prompt, device), sampling, gen)
                 groups[g] = [drafter, root.to(device), root.shape[0]]
                 ready.append(g)
             elif kind == "commit":
-                _, g, step = msg
+                _, _, g, step = msg
                 step = move(step, device)
                 t1 = time.perf_counter()
                 groups[g][0].commit(step)
@@ -136,16 +147,11 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
                 groups[g][1:] = [step.bonus, int(step.live.sum())]  # the next root; rows still decoding
                 ready.append(g)
             elif kind == "end":
-                groups.pop(msg[1], None)
-            elif kind == "run":  # a new stream: its pool limit, fresh counters
-                limit, pool_size, ready, sent = msg[1], 0, [], set()
-                stats = {"paused": 0, "pool_max": 0, "drafts": 0, "idle_s": 0.0, "draft_s": 0.0, "commit_s": 0.0}
+                groups.pop(msg[2], None)
             elif kind == "stats":
-                _send(pool, ("stats", stats))
-            elif kind == "stop":
-                return
+                _send(pool, ("stats", run, stats))
     except BaseException:  # noqa: BLE001 - reported to the verifier, which raises it
-        _send(pool, ("error", traceback.format_exc()))
+        _send(pool, error_message("pipeline drafter"))
 
 
 @dataclass
@@ -175,18 +181,22 @@ class DraftPipeline:
 
         with DraftPipeline(base, "runs/ssm/export", tree="chain:3") as pipe:
             res = pipe.run(prompts, batch_size=8)
-    """
+
+    The worker dies with this process; its failures reach `run` as a PipelineError with the worker's traceback,
+    and a dead or silent worker is noticed within a second or `timeout_s`. Each run has its own id, which every
+    message carries: nothing left over from an interrupted run is taken for the next run's, and a proposal whose
+    root is not its rows' current root is refused."""
 
     def __init__(self, base, export: str, tree: str | None = None, drafter_options: dict | None = None,
                  drafter_device: str | None = None, drafter_threads: int = 1, seed: int = 0,
                  timeout_s: float = 600.0):
-        self.base, self.timeout_s, self.seed = base, timeout_s, seed
+        self.base, self.timeout_s, self.seed, self.runs = base, timeout_s, seed, 0
         self.device = base.get_output_embeddings().weight.device
         ctx = mp.get_context("spawn")
         self.inbox, self.pool = ctx.Queue(), ctx.Queue()
-        self.worker = ctx.Process(target=_drafter_worker, daemon=True,
+        self.worker = ctx.Process(target=_drafter_worker, daemon=True, name="pipeline-drafter",
                                   args=(export, tree, drafter_options or {}, drafter_device or str(self.device),
-                                        drafter_threads, seed, self.inbox, self.pool))
+                                        drafter_threads, self.inbox, self.pool))
         self.worker.start()
         try:
             self._receive()  # ("ready",): the drafter is loaded
@@ -194,34 +204,40 @@ class DraftPipeline:
             self.close()
             raise
 
-    def _receive(self):
+    def _receive(self, run=None):
+        """The next message of `run` from the worker (messages of other runs are dropped) and how long it took."""
+        from ..workers import WorkerError, receive
+
         t0 = time.perf_counter()
         while True:
             try:
-                msg = pickle.loads(self.pool.get(timeout=1.0))
-                break
-            except queue.Empty:  # is the worker still alive?
-                if not self.worker.is_alive():
-                    raise PipelineError("the drafter worker died without a report") from None
-                if time.perf_counter() - t0 > self.timeout_s:
-                    raise PipelineError(f"no word from the drafter worker for {self.timeout_s:.0f} s") from None
-        if msg[0] == "error":
-            raise PipelineError("the drafter worker failed:\n" + msg[1])
-        return msg, time.perf_counter() - t0
+                msg = receive(self.pool, [self.worker], self.timeout_s, "pipeline", loads=pickle.loads)
+            except WorkerError as e:
+                raise PipelineError(str(e)) from None
+            if run is None or msg[1] == run:
+                return msg, time.perf_counter() - t0
 
     @torch.no_grad()
     def run(self, prompts: list[list[int]], batch_size: int = 8, in_flight: int = 2, max_new_tokens: int = 128,
-            sampling: Sampling | None = None, eos_token_id=None, pool_limit: int | None | str = "batch") -> PipelineResult:
+            sampling: Sampling | None = None, eos_token_id=None, pool_limit: int | None | str = "batch",
+            seed: int | None = None) -> PipelineResult:
         """Decode a stream of prompts. batch_size: requests the verifier verifies per forward (one group);
         in_flight: groups open at once (2 lets drafting and verification overlap); pool_limit: the drafter pauses
-        while the pool holds this many requests ('batch': batch_size, Minions' rule; None: it never pauses)."""
+        while the pool holds this many requests ('batch': batch_size, Minions' rule; None: it never pauses);
+        seed (default: the pipeline's): the verifier draws from role_generator(seed, "verifier"), the drafter
+        from role_generator(seed, "drafter")."""
+        from .streams import role_generator
+
         if batch_size < 1 or in_flight < 1:
             raise ValueError("batch_size and in_flight must be >= 1")
         sampling, dev = sampling or Sampling(), self.device
-        gen = torch.Generator(device=dev).manual_seed(self.seed)
+        seed = self.seed if seed is None else seed
+        gen = role_generator(seed, "verifier", dev)
         eos = eos_set(eos_token_id)
+        self.runs += 1
+        run = self.runs
         res = PipelineResult(tokens=[[] for _ in prompts])
-        open_groups: dict[int, tuple[Verifier, list[int]]] = {}
+        open_groups: dict[int, tuple[Verifier, list[int], torch.Tensor]] = {}  # group -> verifier, requests, root
         views: dict = {}  # static tree views by the drafter's key
         cursor = {"prompt": 0, "group": 0}
 
@@ -231,45 +247,56 @@ class DraftPipeline:
             v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen)
             prompt, root = v.prefill()
             g = cursor["group"]
-            open_groups[g] = (v, idx)
-            _send(self.inbox, ("begin", g, move(prompt, "cpu"), root.cpu(), sampling))
+            open_groups[g] = (v, idx, root.cpu())
+            _send(self.inbox, ("begin", run, g, move(prompt, "cpu"), root.cpu(), sampling))
             cursor["group"] += 1
 
         t_start = time.perf_counter()
-        _send(self.inbox, ("run", batch_size if pool_limit == "batch" else pool_limit))
-        while cursor["prompt"] < len(prompts) and len(open_groups) < in_flight:
-            open_group()
-        while open_groups:
-            (_, g, packed, key, draft_s, rows), waited = self._receive()
-            res.verifier_wait_s += waited
-            _send(self.inbox, ("taken", rows))
-            v, idx = open_groups[g]
-            t0 = time.perf_counter()
-            step = v.verify(unpack_proposal(packed, key, views, dev), draft_s)
-            res.verify_s += time.perf_counter() - t0
-            if v.done:
-                _send(self.inbox, ("end", g))
-                del open_groups[g]
-                for i, toks in zip(idx, v.res.tokens):
-                    res.tokens[i] = toks
-                res.steps += v.res.steps
-                res.committed += sum(v.res.committed)
-                res.rows += sum(v.res.rows_per_step)
-                if cursor["prompt"] < len(prompts):
-                    open_group()
-            else:
-                _send(self.inbox, ("commit", g, move(step, "cpu")))
-        res.wall_s = time.perf_counter() - t_start
-        _send(self.inbox, ("stats",))
-        res.drafter = self._receive()[0][1]
+        _send(self.inbox, ("run", run, batch_size if pool_limit == "batch" else pool_limit, seed))
+        try:
+            while cursor["prompt"] < len(prompts) and len(open_groups) < in_flight:
+                open_group()
+            while open_groups:
+                (_, _, g, packed, key, draft_s, rows), waited = self._receive(run)
+                res.verifier_wait_s += waited
+                _send(self.inbox, ("taken", run, rows))
+                v, idx, root = open_groups[g]
+                tokens = (packed[0] if isinstance(packed, tuple) else packed).tokens
+                if not torch.equal(tokens[:, 0][v.live.cpu()], root[v.live.cpu()]):
+                    raise PipelineError(f"a proposal for group {g} does not start at its rows' current root (a stale "
+                                        "or misrouted message); refusing to verify it")
+                t0 = time.perf_counter()
+                step = v.verify(unpack_proposal(packed, key, views, dev), draft_s)
+                res.verify_s += time.perf_counter() - t0
+                if v.done:
+                    _send(self.inbox, ("end", run, g))
+                    del open_groups[g]
+                    for i, toks in zip(idx, v.res.tokens):
+                        res.tokens[i] = toks
+                    res.steps += v.res.steps
+                    res.committed += sum(v.res.committed)
+                    res.rows += sum(v.res.rows_per_step)
+                    if cursor["prompt"] < len(prompts):
+                        open_group()
+                else:
+                    open_groups[g] = (v, idx, step.bonus.cpu())
+                    _send(self.inbox, ("commit", run, g, move(step, "cpu")))
+            res.wall_s = time.perf_counter() - t_start
+            _send(self.inbox, ("stats", run))
+            res.drafter = self._receive(run)[0][2]
+        except BaseException:
+            if self.worker.is_alive():
+                _send(self.inbox, ("run", None, None, seed))  # the worker drops this run's groups
+            raise
         return res
 
     def close(self) -> None:
+        """Stop the worker (asked first, then terminated); safe to call twice."""
+        from ..workers import stop_workers
+
         if self.worker.is_alive():
             _send(self.inbox, ("stop",))
-            self.worker.join(timeout=10)
-        if self.worker.is_alive():
-            self.worker.terminate()
+        stop_workers([self.worker])
 
     def __enter__(self):
         return self
