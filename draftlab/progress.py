@@ -1,11 +1,34 @@
 """Progress reporting: a tqdm bar on a terminal; in logs and Slurm `.out` files, where a bar's redraws pile up as
-thousands of lines, one plain line every DRAFTLAB_PROGRESS_SECONDS (default 30) and one at the end."""
+thousands of lines, one plain line every DRAFTLAB_PROGRESS_SECONDS (default 30) and one at the end. Other
+libraries' bars and messages that say nothing to a draftlab user are kept out (quiet_libraries)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+
+# Library bars: loading / saving weights (transformers), downloads (huggingface_hub), dataset preparation
+# (datasets). Each library reads its variable when first imported; an explicit setting of the user's wins.
+LIBRARY_BARS_ENV = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+
+
+def _cpu_only_torch() -> bool:
+    import torch  # imported already by whoever logs the message
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+# Log messages that say nothing a user can act on: (logger name, text the message contains, condition or None).
+LIBRARY_NOISE = (
+    # accelerate's save_state writes safetensors, which keep one name per storage, so it drops the second name of
+    # a tied weight (an SSM's lm_head tied to its embeddings) and warns; load_state reads the file with
+    # safetensors' load_model, which restores the tie (the resume tests check it).
+    ("accelerate.utils.other", "Removed shared tensor", None),
+    # DeepSpeed imported with a CPU-only torch build: there is no GPU it could have failed to detect.
+    ("DeepSpeed", "Setting accelerator to CPU", _cpu_only_torch),
+)
 
 
 def _is_terminal(stream) -> bool:
@@ -86,3 +109,43 @@ class LineProgress:
         if not self.closed:
             self.closed = True
             self.refresh(force=True)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str, condition=None):
+        super().__init__()
+        self.text, self.condition = text, condition
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.text in record.getMessage() and (self.condition is None or self.condition()))
+
+
+def quiet_libraries(bars: bool | None = None) -> None:
+    """Keep other libraries' noise out of draftlab's output, process-wide: drop the LIBRARY_NOISE messages, and
+    turn off their progress bars when bars is False, or (bars None) when stderr is not a terminal, where a bar is
+    redraw debris in a log. On a terminal a long load or download keeps its bar."""
+    for name, text, condition in LIBRARY_NOISE:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.text == text for f in log.filters):
+            log.addFilter(_DropMessage(text, condition))
+    if bars is None:
+        bars = _is_terminal(sys.stderr)
+    if bars:
+        return
+    hub, datasets = LIBRARY_BARS_ENV
+    if hub not in os.environ:  # transformers' bars follow huggingface_hub's setting
+        os.environ[hub] = "1"  # for the libraries imported from now on, and child processes
+        if "transformers" in sys.modules:  # imported already: switch them off directly
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # huggingface_hub's too
+        elif "huggingface_hub" in sys.modules:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+    if datasets not in os.environ:
+        os.environ[datasets] = "1"
+        if "datasets" in sys.modules:
+            from datasets.utils import disable_progress_bars as disable_datasets_bars
+
+            disable_datasets_bars()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from .progress import progress
+from .progress import progress, quiet_libraries
 
 from .base import SIMPLE_CHAT_TEMPLATE, set_seed
 
@@ -108,6 +108,7 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
         bar.n = int(elapsed)
         bar.set_postfix(loss=f"{loss_ema:.3f}", steps=step)
         bar.refresh()
+    bar.n = bar.total  # the budget is spent (the last update was made before the last step)
     bar.close()
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
@@ -116,14 +117,53 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
             "tokens": int(len(data))}
 
 
+def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int):
+    """[3/4]: the opening of each held-out file (at most num_prompts) through each export's decoder and plain
+    decoding of the base, in turn. Returns per-export totals, plain tokens/s, the decoders and the prompt count."""
+    from .decode.acceptance import Sampling
+    from .decode.generate import encode_prompt, load_decoder, plain_generate
+
+    decoders = {}
+    for kind, export in exports.items():
+        decoders[kind], tok, _ = load_decoder(export)
+    base = next(iter(decoders.values())).base
+    for d in decoders.values():  # one base object, so every method runs the same weights
+        d.base = base
+    eos = tok.eos_token_id
+    prompts = [encode_prompt(tok, d[:200], chat=False) for d in held_out_docs[:num_prompts]]
+    which = ("each held-out file" if len(prompts) == len(held_out_docs)
+             else f"{len(prompts)} of the {len(held_out_docs)} held-out files")
+    print(f"\n[3/4] decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
+          "greedy), each draft and plain decoding in turn")
+    for d in decoders.values():  # warm-up outside the timed region
+        d.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
+    plain_generate(base, prompts[:1], 8, Sampling(), eos)
+    tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True} for k in decoders}
+    plain_t = plain_new = 0
+    for p in progress(prompts, desc="decode", unit="prompt"):
+        ref, t = plain_generate(base, [p], max_new_tokens, Sampling(), eos)
+        plain_t, plain_new = plain_t + t, plain_new + len(ref[0])
+        for kind, dec in decoders.items():
+            t0 = time.perf_counter()
+            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
+            row = tot[kind]
+            row["t"] += time.perf_counter() - t0
+            row["new"] += res.new_tokens
+            row["committed"] += sum(res.committed)
+            row["steps"] += res.steps
+            row["identical"] &= res.tokens[0] == ref[0]
+    return tot, plain_new / plain_t, decoders, len(prompts)
+
+
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
                num_prompts: int = 16, max_new_tokens: int = 96) -> dict:
     """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode; print tables and return the figures."""
     from .config import build_recipe
-    from .decode.acceptance import Sampling
-    from .decode.generate import encode_prompt, load_decoder, plain_generate
     from .train import train
 
+    # The bars transformers draws while loading and saving these small models (in milliseconds) and the
+    # libraries' save warnings would be all the log shows between draftlab's own lines.
+    quiet_libraries(bars=False)
     out_dir = Path(out)
     base_dir, data_dir = out_dir / "base", out_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +172,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     split = int(len(docs) * 0.9)
     summary: dict = {"corpus_files": len(docs)}
     if not (base_dir / "config.json").is_file():
-        print(f"[1/4] building a small base on {len(docs)} standard-library files ({minutes:g} min of pretraining)")
+        print(f"[1/4] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
+              f"{minutes:g} min of pretraining)")
         tok = build_tokenizer(docs[:split], base_dir)
         summary.update(pretrain_base(tok, docs[:split], base_dir, minutes, seed))
     else:
@@ -166,38 +207,12 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         agree = results[h]["eval"]["agree1"]
         print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
-    print(f"\n[3/4] decoding {num_prompts} held-out prompts ({max_new_tokens} new tokens, greedy), "
-          "each head type and plain decoding in turn")
-    decoders = {}
-    for kind in HEADS:
-        decoders[kind], tok, _ = load_decoder(results[kind]["export"])
-    base = decoders["medusa"].base
-    for d in decoders.values():  # one base object, so every method runs the same weights
-        d.base = base
-    eos = tok.eos_token_id
-    prompts = [encode_prompt(tok, d[:200], chat=False) for d in docs[split:][:num_prompts]]
-    for d in decoders.values():  # warm-up outside the timed region
-        d.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
-    plain_generate(base, prompts[:1], 8, Sampling(), eos)
-    tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True} for k in HEADS}
-    plain_t = plain_new = 0
-    for p in progress(prompts, desc="decode", unit="prompt"):
-        ref, t = plain_generate(base, [p], max_new_tokens, Sampling(), eos)
-        plain_t, plain_new = plain_t + t, plain_new + len(ref[0])
-        for kind, dec in decoders.items():
-            t0 = time.perf_counter()
-            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
-            row = tot[kind]
-            row["t"] += time.perf_counter() - t0
-            row["new"] += res.new_tokens
-            row["committed"] += sum(res.committed)
-            row["steps"] += res.steps
-            row["identical"] &= res.tokens[0] == ref[0]
-    btps = plain_new / plain_t
+    exports = {kind: results[kind]["export"] for kind in HEADS}
+    tot, btps, decoders, n_prompts = decode_held_out(exports, docs[split:], num_prompts, max_new_tokens)
     print("\n[4/4] speculative decoding vs plain decoding of the same base")
     print(f"plain decoding: {btps:.1f} tokens/s; each draft with its kind's default tree\n")
     print("| draft | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n|---|---|---|---|---|---|")
-    summary.update({"baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    summary.update({"prompts": n_prompts, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
     for kind, row in tot.items():
         accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
         size = decoders[kind].drafter.max_nodes

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -29,3 +30,8 @@ def test_quickstart_end_to_end_offline(tmp_path):
         assert h["accept_length"] > 1.2, kind
         assert len(h["head_top1"]) == (1 if kind == "ssm" else 4) and h["agree_top1"][0] > 0.05, kind
     assert "| draft | tree size | accept length |" in p.stdout and "| hydra++ |" in p.stdout and "| ssm |" in p.stdout
+    # Clean output: no library bars or empty warnings in the log, and the counts announced are those that ran.
+    for noise in ("Loading weights", "Writing model shards", "Removed shared tensor", "Setting accelerator to CPU"):
+        assert noise not in p.stdout + p.stderr, noise
+    n = int(re.search(r"decoding (\d+) held-out prompts", p.stdout).group(1))
+    assert summary["prompts"] == n and re.search(rf"^decode: {n}/{n} prompt \(100%\)", p.stderr, re.M)

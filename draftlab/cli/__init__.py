@@ -234,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..data import DataError
     from ..export import ExportError
 
+    from ..progress import quiet_libraries
+
     args = build_parser().parse_args(argv)
+    quiet_libraries()  # other libraries' bars only on a terminal; their noise never
     if getattr(args, "tp", False) and int(os.environ.get("RANK", "0")) != 0:
         sys.stdout = open(os.devnull, "w")  # tensor-parallel ranks other than 0 decode silently
     try:
