@@ -13,7 +13,8 @@ Under "the decoder keeps the base's law" its mean is at most df (equal for one f
 from sample to sample; positions are uncorrelated) and its spread is chi-square-like, so `LawCheck.ok` asks for a
 chi-square p-value of at least ALPHA = 1e-4 (the rule stat < df + 4 sqrt(2 df) would be a false alarm in 250 at
 df 4, in 2500 at df 55). Tokens the law gives probability 0 (cut by top-p or top-k) are counted apart: a single
-one fails the check.
+one fails the check. Samples may differ in length (rows that stopped at EOS): a position past a row's end counts
+nowhere, and whether a row is still alive at k depends on its past only, so the argument holds.
 
 per_position=False adds each label's counts over all positions first (df = cells - 1). Token cells then average
 out errors that push different tokens in different contexts; labels that line such an error up (tokens ranked by
@@ -34,28 +35,40 @@ import torch
 from draftlab.decode.acceptance import Sampling, warp
 
 
+def pad_samples(samples) -> torch.Tensor:
+    """Samples of any lengths (rows that stopped at EOS) as ids [N, K], -1 past each row's end."""
+    if isinstance(samples, torch.Tensor):
+        return samples.long().cpu()
+    K = max(len(t) for t in samples)
+    return torch.tensor([list(t) + [-1] * (K - len(t)) for t in samples], dtype=torch.long)
+
+
 @torch.no_grad()
-def conditional_laws(model, prompts: list[list[int]], samples: list[list[int]], sampling: Sampling,
-                     batch: int = 1024) -> torch.Tensor:
-    """p[n, k] = warp(model's logits after prompts[n] + samples[n][:k], sampling), [N, K, V] float64."""
-    K = len(samples[0])
-    if any(len(s) != K for s in samples):
-        raise ValueError("every sample needs the same number of tokens (generate without EOS)")
-    if len(prompts) != len(samples):
-        raise ValueError(f"{len(prompts)} prompts for {len(samples)} samples")
+def conditional_laws(model, prompts: list[list[int]], samples, sampling: Sampling, batch: int = 1024) -> torch.Tensor:
+    """p[n, k] = warp(model's logits after prompts[n] + samples[n][:k], sampling), [N, K, V] float64 (zero past the
+    end of a shorter sample)."""
+    x = pad_samples(samples)
+    N, K = x.shape
+    if len(prompts) != N:
+        raise ValueError(f"{len(prompts)} prompts for {N} samples")
+    lengths = (x >= 0).sum(-1).tolist()
     dev = model.get_output_embeddings().weight.device
     out = []
-    for i in range(0, len(samples), batch):
-        rows = [list(p) + list(s[:-1]) for p, s in zip(prompts[i: i + batch], samples[i: i + batch])]
+    for i in range(0, N, batch):
+        rows = [list(p) + x[n, : max(lengths[n] - 1, 0)].tolist() for n, p in enumerate(prompts[i: i + batch], i)]
         L = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), L, dtype=torch.long, device=dev)
         mask = torch.zeros(len(rows), L, dtype=torch.long, device=dev)
-        for b, r in enumerate(rows):  # left-padded; each row's positions count its own tokens only
-            ids[b, L - len(r):] = torch.tensor(r, device=dev)
-            mask[b, L - len(r):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -K:]  # [b, K, V]
-        out.append(warp(logits, sampling).double().cpu())
+        for b, r in enumerate(rows):  # right-padded: a causal model's real positions never see the padding
+            ids[b, : len(r)] = torch.tensor(r, device=dev)
+            mask[b, : len(r)] = 1
+        pos = torch.arange(L, device=dev)[None].expand(len(rows), L)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [b, L, V]
+        # Token k of sample n follows prompt + k tokens: the logits at index len(prompt) - 1 + k.
+        at = torch.tensor([len(p) - 1 for p in prompts[i: i + batch]], device=dev)[:, None] + torch.arange(K, device=dev)
+        law = warp(logits.gather(1, at.clamp(max=L - 1)[..., None].expand(-1, -1, logits.shape[-1])), sampling)
+        alive = x[i: i + batch] >= 0  # [b, K]
+        out.append(law.double().cpu() * alive[..., None])
     return torch.cat(out)
 
 
@@ -119,19 +132,22 @@ class LawCheck:
 
 def law_statistic(samples, probs: torch.Tensor, labels: torch.Tensor | None = None, per_position: bool = True,
                   min_expected: float = 5.0) -> LawCheck:
-    """The statistic of samples [N, K] (token ids) against their conditional laws probs [N, K, V], over cells
-    (position, label) with labels [N, K, V] (default: the token), or (label) summed over positions."""
-    x = torch.as_tensor(samples, dtype=torch.long).cpu()  # [N, K]
-    probs = probs.double().cpu()
+    """The statistic of samples [N, K] (token ids; ragged lists or -1 past a row's end) against their conditional
+    laws probs [N, K, V], over cells (position, label) with labels [N, K, V] (default: the token), or (label) summed
+    over positions."""
+    x = pad_samples(samples)  # [N, K], -1 past a row's end
+    alive = x >= 0
+    x = x.clamp(min=0)
+    probs = probs.double().cpu() * alive[..., None]  # a row that ended adds nothing
     N, K, V = probs.shape
     if x.shape != (N, K):
         raise ValueError(f"samples {tuple(x.shape)} and laws {tuple(probs.shape)} disagree")
     lab = torch.arange(V).expand(N, K, V) if labels is None else labels.long().cpu()
     C = int(lab.max()) + 1
     seen = lab.gather(2, x[..., None])[..., 0]  # [N, K] the cell each sampled token falls in
-    observed = torch.zeros(K, C, dtype=torch.float64).scatter_add_(1, seen.t(), torch.ones(K, N, dtype=torch.float64))
+    observed = torch.zeros(K, C, dtype=torch.float64).scatter_add_(1, seen.t(), alive.t().double())
     expected = torch.zeros(N, K, C, dtype=torch.float64).scatter_add_(2, lab, probs).sum(0)  # [K, C]
-    impossible = int((probs.gather(2, x[..., None])[..., 0] <= 0).sum())
+    impossible = int(((probs.gather(2, x[..., None])[..., 0] <= 0) & alive).sum())
     if not per_position:  # one group: every position's counts added up
         observed, expected = observed.sum(0, keepdim=True), expected.sum(0, keepdim=True)
     stat, cells = 0.0, 0
@@ -153,7 +169,7 @@ def law_statistic(samples, probs: torch.Tensor, labels: torch.Tensor | None = No
     return LawCheck(stat, cells - observed.shape[0], impossible, N)
 
 
-def check_law(model, prompts: list[list[int]], samples: list[list[int]], sampling: Sampling,
+def check_law(model, prompts: list[list[int]], samples, sampling: Sampling,
               labels: torch.Tensor | None = None, min_expected: float = 5.0) -> LawCheck:
     """law_statistic of samples against model's own conditional laws under sampling."""
     return law_statistic(samples, conditional_laws(model, prompts, samples, sampling), labels, min_expected)

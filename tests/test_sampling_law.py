@@ -3,8 +3,8 @@
 Each test draws hundreds of K-token continuations in one `generate` call (rows of two prompts of different
 lengths are independent samples), with trees deep enough that several tokens are accepted per step, and checks every
 position against the base's conditional law there (tests/law.py). Tokens accepted at depth >= 2 and tokens
-committed in the steps after a sampled commit are all covered. Each test also checks that multi-token accepts did
-happen, and that the same samples fail against a wrong law. Two tests inject a bug the old first-two-tokens tests
+committed in the steps after a sampled commit are all covered, and rows that stop at EOS while others go on.
+Each test also checks that multi-token accepts did happen, and that the same samples fail against a wrong law. Two tests inject a bug the old first-two-tokens tests
 cannot see (a rule wrong only below depth 1; a KV-cache compaction wrong only after a side branch is accepted)
 and check that it is caught.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from law import ALPHA, StepLog, conditional_laws, law_statistic, rank_labels, ratio_labels
+from law import ALPHA, StepLog, conditional_laws, law_statistic, pad_samples, rank_labels, ratio_labels
 from draftlab.decode import cache as cache_mod
 from draftlab.decode import decoder as decoder_mod
 from draftlab.decode.acceptance import Sampling, residual, warp
@@ -30,6 +30,16 @@ from draftlab.drafters.ssm import SSMDrafter
 
 V = 8  # a small vocabulary: few cells, each with many samples
 PROMPTS = ([1, 5], [7, 3, 2, 6])  # two lengths: rows are left-padded and their caches hold holes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread while these tests run: their tensors are tiny, and idle threads spinning on a busy
+    machine made them several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def peaked_base(layers: int = 2, seed: int = 4):
@@ -62,13 +72,14 @@ def prompts(n: int) -> list[list[int]]:
     return [list(PROMPTS[i % 2]) for i in range(n)]
 
 
-def sample(dec, n: int, k: int, s: Sampling, seed: int = 0):
-    """k-token continuations of prompts(n) from one generate call (independent rows): ids [n, k], Result, StepLog."""
+def sample(dec, n: int, k: int, s: Sampling, seed: int = 0, eos: int | None = None):
+    """k-token continuations of prompts(n) from one generate call (independent rows): ids [n, k] (-1 past a row
+    that stopped at eos), Result, StepLog."""
     log = StepLog()
     res = dec.generate(prompts(n), max_new_tokens=k, sampling=s, generator=torch.Generator().manual_seed(seed),
-                       on_tokens=log)
-    assert all(len(t) == k for t in res.tokens)
-    return torch.tensor(res.tokens), res, log
+                       on_tokens=log, eos_token_id=eos)
+    assert all(len(t) == k for t in res.tokens if eos not in t)
+    return pad_samples(res.tokens), res, log
 
 
 def assert_deep_accepts(res, log, min_length: float = 1.5, min_share: float = 0.15):
@@ -110,11 +121,10 @@ def ssm_setup():
     return base, near_copy(base, 0.3, seed=1, favour=(3, 7))
 
 
-def ssm_run(n: int, k: int, seed: int = 0, tree: Tree = SSM_TREE):
+def ssm_run(n: int, k: int, seed: int = 0, tree: Tree = SSM_TREE, eos: int | None = None):
     base, lm = ssm_setup()
-    x, res, log = sample(SpeculativeDecoder(base, SSMDrafter(lm, tree)), n, k, S_SSM, seed)
-    return x, res, log, base, lm, conditional_laws(base, prompts(n), x.tolist(), S_SSM), \
-        conditional_laws(lm, prompts(n), x.tolist(), S_SSM)
+    x, res, log = sample(SpeculativeDecoder(base, SSMDrafter(lm, tree)), n, k, S_SSM, seed, eos)
+    return x, res, log, base, lm, conditional_laws(base, prompts(n), x, S_SSM), conditional_laws(lm, prompts(n), x, S_SSM)
 
 
 def test_ssm_tree_sampling_keeps_the_law_over_several_steps():
@@ -123,7 +133,19 @@ def test_ssm_tree_sampling_keeps_the_law_over_several_steps():
     assert_fits(law_checks(x, p, q))
     # Power: the same samples against the drafter's law, and against the base at another temperature.
     assert_rejects(law_statistic(x, q))
-    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x.tolist(), Sampling(1.2, top_p=0.9))))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_p=0.9))))
+
+
+def test_rows_that_stop_at_eos_leave_the_others_their_law():
+    """With an EOS token the drafter favours (often accepted in the middle of a path, the rest of the path dropped),
+    rows end at different steps; every token up to each row's end keeps the base's law."""
+    eos = 7
+    x, res, log, base, lm, p, q = ssm_run(600, 10, eos=eos)
+    ended = sum(t[-1] == eos for t in res.tokens)
+    assert 0.3 * 600 < ended < 0.9 * 600 and all(eos not in t[:-1] for t in res.tokens), ended
+    assert_deep_accepts(res, log)
+    assert_fits(law_checks(x, p, q))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_p=0.9))))
 
 
 def accept_with_a_deep_bug(tokens, logits, view, s, generator=None, q=None, q_index=None):
@@ -131,7 +153,7 @@ def accept_with_a_deep_bug(tokens, logits, view, s, generator=None, q=None, q_in
     bonus is drawn from p itself instead of from what the rejections left of p. The first two tokens keep their law."""
     B = tokens.shape[0]
     paths, bonus = [], torch.empty(B, dtype=torch.long, device=tokens.device)
-    qi = q_index.tolist() if q_index is not None else None
+    qi = q_index if q_index is not None else None
     for b in range(B):
         children = view.children(b)
         node, path = 0, [0]
@@ -194,8 +216,8 @@ def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge"):
     members = [SSMDrafter(a, Tree.expansion([1, 2, 1])), SSMDrafter(b, Tree.expansion([2, 1])),
                LookupDrafter(num_tokens=2)]
     x, res, log = sample(SpeculativeDecoder(base, EnsembleDrafter(members, mode=mode, length=3)), n, k, S_ENS, seed)
-    p = conditional_laws(base, prompts(n), x.tolist(), S_ENS)
-    qa, qb = (conditional_laws(m, prompts(n), x.tolist(), S_ENS) for m in (a, b))
+    p = conditional_laws(base, prompts(n), x, S_ENS)
+    qa, qb = (conditional_laws(m, prompts(n), x, S_ENS) for m in (a, b))
     return x, res, log, base, p, qa, qb
 
 
@@ -205,7 +227,7 @@ def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
     assert_deep_accepts(res, log)
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     assert_rejects(law_statistic(x, qb))
-    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x.tolist(), Sampling(0.7, top_p=0.95))))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
 
 
 # --- EAGLE-3 over dynamic trees ----------------------------------------------------------------------------------
@@ -241,9 +263,9 @@ def test_eagle3_dynamic_tree_sampling_keeps_the_law_over_several_steps(eagle_pai
     base, d = eagle_pair
     x, res, log = sample(SpeculativeDecoder(base, make_drafter(d, DynamicTree(3, 3, 10))), 600, 8, S_EAGLE)
     assert_deep_accepts(res, log)
-    p = conditional_laws(base, prompts(600), x.tolist(), S_EAGLE)
+    p = conditional_laws(base, prompts(600), x, S_EAGLE)
     assert_fits(law_checks(x, p))
-    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x.tolist(), Sampling(1.2, top_k=5))))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_k=5))))
 
 
 # --- Medusa and Hydra heads over a static tree -------------------------------------------------------------------
@@ -264,9 +286,9 @@ def test_heads_tree_sampling_keeps_the_law_over_several_steps(kind):
     x, res, log = sample(SpeculativeDecoder(base, make_drafter(heads, HEADS_TREE)), 600, 8, S_HEADS)
     # Untrained heads (head k reads h_t, initialised to predict like the base's next token) reach depth 2 less often.
     assert_deep_accepts(res, log, min_share=0.1)
-    p = conditional_laws(base, prompts(600), x.tolist(), S_HEADS)
+    p = conditional_laws(base, prompts(600), x, S_HEADS)
     assert_fits(law_checks(x, p))
-    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x.tolist(), Sampling(1.2, top_k=5))))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_k=5))))
 
 
 # --- more samples, longer continuations --------------------------------------------------------------------------
