@@ -108,7 +108,7 @@ class LawCheck:
 
     @property
     def p_value(self) -> float:
-        """The statistic's chi-square tail probability (conservative: under the law it is at most chi-square-like)."""
+        """The statistic's chi-square tail probability (conservative: under the law the statistic's mean is <= df)."""
         return chi2_sf(self.stat, self.df)
 
     @property
@@ -169,10 +169,11 @@ def law_statistic(samples, probs: torch.Tensor, labels: torch.Tensor | None = No
     return LawCheck(stat, cells - observed.shape[0], impossible, N)
 
 
-def check_law(model, prompts: list[list[int]], samples, sampling: Sampling,
-              labels: torch.Tensor | None = None, min_expected: float = 5.0) -> LawCheck:
+def check_law(model, prompts: list[list[int]], samples, sampling: Sampling, labels: torch.Tensor | None = None,
+              per_position: bool = True, min_expected: float = 5.0) -> LawCheck:
     """law_statistic of samples against model's own conditional laws under sampling."""
-    return law_statistic(samples, conditional_laws(model, prompts, samples, sampling), labels, min_expected)
+    return law_statistic(samples, conditional_laws(model, prompts, samples, sampling), labels,
+                         per_position=per_position, min_expected=min_expected)
 
 
 class StepLog:
