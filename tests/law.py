@@ -65,7 +65,8 @@ def conditional_laws(model, prompts: list[list[int]], samples, sampling: Samplin
         pos = torch.arange(L, device=dev)[None].expand(len(rows), L)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [b, L, V]
         # Token k of sample n follows prompt + k tokens: the logits at index len(prompt) - 1 + k.
-        at = torch.tensor([len(p) - 1 for p in prompts[i: i + batch]], device=dev)[:, None] + torch.arange(K, device=dev)
+        first = torch.tensor([len(p) - 1 for p in prompts[i: i + batch]], device=dev)
+        at = first[:, None] + torch.arange(K, device=dev)  # [b, K]
         law = warp(logits.gather(1, at.clamp(max=L - 1)[..., None].expand(-1, -1, logits.shape[-1])), sampling)
         alive = x[i: i + batch] >= 0  # [b, K]
         out.append(law.double().cpu() * alive[..., None])

@@ -4,9 +4,9 @@ Each test draws hundreds of K-token continuations in one `generate` call (rows o
 lengths are independent samples), with trees deep enough that several tokens are accepted per step, and checks every
 position against the base's conditional law there (tests/law.py). Tokens accepted at depth >= 2 and tokens
 committed in the steps after a sampled commit are all covered, and rows that stop at EOS while others go on.
-Each test also checks that multi-token accepts did happen, and that the same samples fail against a wrong law. Two tests inject a bug the old first-two-tokens tests
-cannot see (a rule wrong only below depth 1; a KV-cache compaction wrong only after a side branch is accepted)
-and check that it is caught.
+Each test also checks that multi-token accepts did happen, and that the same samples fail against a wrong law.
+Two tests inject a bug the old first-two-tokens tests cannot see (a rule wrong only below depth 1; a KV-cache
+compaction wrong only after a side branch is accepted) and check that it is caught.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def ssm_setup():
 def ssm_run(n: int, k: int, seed: int = 0, tree: Tree = SSM_TREE, eos: int | None = None):
     base, lm = ssm_setup()
     x, res, log = sample(SpeculativeDecoder(base, SSMDrafter(lm, tree)), n, k, S_SSM, seed, eos)
-    return x, res, log, base, lm, conditional_laws(base, prompts(n), x, S_SSM), conditional_laws(lm, prompts(n), x, S_SSM)
+    laws = [conditional_laws(m, prompts(n), x, S_SSM) for m in (base, lm)]
+    return x, res, log, base, lm, *laws
 
 
 def test_ssm_tree_sampling_keeps_the_law_over_several_steps():
