@@ -247,8 +247,8 @@ def refactor_check_drafter(p, d) -> None:
 def refactor_check_verifier(p, d) -> None:
     refactor_check(p, d, "The Verifier split against the decoder before it",
                    f"`benchmarks/refactor_check.py --commit {d['before']} --name refactor_check_verifier --prompts "
-                   f"{d['prompts']}`; results/refactor_check_verifier.json; before = {d['before']}, same exports, base "
-                   f"object and prompts, interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; {where(d)}")
+                   f"{d['prompts']}`; before = {d['before']}, same exports, base object and prompts, "
+                   f"interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; {where(d)}")
 
 
 def gpu_decode(p, d) -> None:
