@@ -93,9 +93,8 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp(min=0.0)
 
 
-def _after_rejection(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(p - q, 0)), or p itself when that has no mass (see sample_residual for why that is sound)."""
-    rest = residual(p, q)
+def _renormalised(rest: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """rest normalised, or p itself when rest has no mass (see sample_residual for why that is sound)."""
     total = rest.sum()
     return rest / total if total > 0 else p
 
@@ -110,8 +109,8 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
     from p is the choice that is exact when p == q; raising (torch.multinomial on zeros) is not an option.
     A deterministic proposal x is q = one-hot(x): the residual is p without x.
     """
-    rest = _after_rejection(p.float(), q.float())
-    return int(torch.multinomial(rest, 1, generator=generator)[0])
+    p = p.float()
+    return int(torch.multinomial(_renormalised(residual(p, q.float()), p), 1, generator=generator)[0])
 
 
 def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
@@ -146,14 +145,15 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
                     if p[x] > 0 and u < p[x]:
                         nxt = c
                         break
-                    qd = torch.zeros_like(p)
-                    qd[x] = 1.0  # a point mass on x: the residual is p without x
+                    rest = p.clone()
+                    rest[x] = 0.0  # q is a point mass on x: the residual is p without x
                 else:
                     qd = q[b, j].float()
                     if p[x] > 0 and u * qd[x] < p[x]:  # u < p(x)/q(x), without dividing by q(x)
                         nxt = c
                         break
-                p = _after_rejection(p, qd)
+                    rest = residual(p, qd)
+                p = _renormalised(rest, p)
             if nxt is None:
                 bonus[b] = torch.multinomial(p, 1, generator=generator)[0]
                 break
