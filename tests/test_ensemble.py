@@ -85,28 +85,76 @@ def test_typical_acceptance_with_members_drafting_the_same_token():
 def test_vote_weights_reward_and_punish():
     v = VoteWeights(reward_factor=2.0, punish_factor=0.5, reward_threshold=0.6, punish_threshold=0.3)
     v.reset(3)
-    v.update([0], 1.0)  # member 0 won with everything accepted: ACR 1.0 > 0.6
+    v.update({0: (4, 4)})  # member 0 won with everything accepted: ratio 1.0 > 0.6
     assert v.weights[0] > v.weights[1] == v.weights[2] and sum(v.weights) == pytest.approx(3)
-    v.update([1], 0.0)  # member 1 won and nothing was accepted: ACR 0 < 0.3
+    v.update({1: (0, 4)})  # member 1 won and nothing was accepted: ratio 0 < 0.3
     assert v.weights[1] < v.weights[2] < v.weights[0]
     before = list(v.weights)
-    v.update([2], 0.5)  # between the thresholds: no change but renormalisation
+    v.update({2: (2, 4)})  # between the thresholds: no change but renormalisation
     assert v.weights == pytest.approx(before)
+    v.update({0: (1, 8), 2: (8, 8)})  # the batch's ratio, not a running mean: member 0 is punished now
+    assert v.weights[0] / v.weights[2] == pytest.approx(before[0] / before[2] * 0.5 / 2.0)
+    assert v.winner([0, 2]) == 2 and v.winner([0, 1]) == 0  # of members with equal chains, the heaviest
+    fresh = VoteWeights()
+    fresh.reset(3)
+    assert fresh.winner([2, 1]) == 1  # at equal weights, the first
 
 
-def test_adaptive_length_finds_the_cheapest_length():
-    """Cost per token with its minimum at s = 6 (plus noise): the rule settles around it from s = 2."""
+def _vote_ensemble(lms, length=3, **kw):
+    return EnsembleDrafter([SSMDrafter(lm, Tree.chain(length)) for lm in lms], mode="vote", length=length, **kw)
+
+
+def test_vote_weights_move_once_per_verified_batch():
+    """A batch of 16 rows is one verification: a weight moves by at most one reward or punish factor per step
+    (16 updates per step multiplied it by 1.2 ** 16 and locked one member in)."""
+    base = tiny_llama(seed=3)
+    drafter = _vote_ensemble([tiny_llama(seed=3), small_lm(seed=30)])  # the base itself wins every row
     rng = random.Random(0)
-    a = AdaptiveLength(s=2, s_min=1, s_max=12, decision_threshold=6, window=18)
-    for _ in range(600):
-        cost = 1.0 + 0.02 * (a.s - 6) ** 2 + rng.gauss(0, 0.01)
-        a.record({"draft": cost, "verify": 0.0}, 1.0)
-    late = a.history[-300:]
-    assert 4.5 <= sum(late) / len(late) <= 7.5 and a.history[0] == 2
-    flat = AdaptiveLength(s=4, decision_threshold=2, s_max=6)
+    prompts = [[rng.randrange(64) for _ in range(4)] for _ in range(16)]
+    res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=13)
+    w = drafter.vote.weights
+    # Every step but the last (no commit after it) rewarded member 0 once; member 1 never won a row.
+    assert res.steps >= 3 and w[0] / w[1] == pytest.approx(1.2 ** (res.steps - 1))
+    assert drafter.vote.updates == res.steps - 1
+
+
+def test_one_member_wins_each_vote():
+    """Two members drafting the same chain: one wins (the first, at equal weights) and only it is rewarded."""
+    base = tiny_llama(seed=3)
+    drafter = _vote_ensemble([tiny_llama(seed=3), tiny_llama(seed=3)])
+    SpeculativeDecoder(base, drafter).generate([[5, 6, 7]], max_new_tokens=9)
+    assert drafter.vote.weights[0] > drafter.vote.weights[1] and drafter.winners == [0]
+
+
+@pytest.mark.parametrize("rule", ["trend", "regression"])
+def test_adaptive_length_finds_the_cheapest_length(rule):
+    """Cost per token with its minimum at s = 6 (plus noise): either rule settles around it, from below and above."""
+    for start in (2, 12):
+        rng = random.Random(0)
+        a = AdaptiveLength(s=start, s_min=1, s_max=12, decision_threshold=6, window=18, rule=rule)
+        for _ in range(600):
+            cost = 1.0 + 0.02 * (a.s - 6) ** 2 + rng.gauss(0, 0.01)
+            a.record({"draft": cost, "verify": 0.0}, 1.0)
+        late = a.history[-300:]
+        assert 5 <= sum(late) / len(late) <= 7 and a.history[0] == start, (rule, start, sum(late) / len(late))
+    flat = AdaptiveLength(s=4, decision_threshold=2, s_max=6, rule=rule)
     for _ in range(10):
         flat.record({"verify": 1.0}, 1.0)
-    assert flat.s in range(1, 7)
+    assert flat.history == [4, 4] + [5] * 8  # one exploring step, then no evidence to move on
+
+
+def test_minions_trend_rule_follows_the_cost_over_time():
+    """The trend rule: the first decision explores upwards; cost falling since the last move -> the same way
+    again; rising -> back the other way; the cost is the verification time over the verified length (metric
+    verify, as in a pipeline)."""
+    a = AdaptiveLength(s=4, decision_threshold=2, metric="verify")
+    for cost in [2.0, 2.0, 1.0, 1.0, 0.5, 0.5, 0.8, 0.8, 0.6, 0.6]:  # per period: 2 -> 1 -> 0.5 -> 0.8 -> 0.6
+        a.record({"draft": 5.0, "verify": 3 * cost}, 3.0)  # drafting time does not count under metric verify
+    assert a.history == [4, 4, 5, 5, 6, 6, 7, 7, 6, 6] and a.s == 5  # up, up, up, back down, on down
+    with pytest.raises(ValueError, match="rule='slope'.*trend, regression"):
+        AdaptiveLength(rule="slope")
+    with pytest.raises(ValueError, match="metric='wall'"):
+        AdaptiveLength(metric="wall")
 
 
 def test_scheduler_pauses_a_useless_member_and_probes_it():
@@ -144,9 +192,12 @@ def test_ensemble_options_reach_the_scheduler_vote_and_adaptive_length():
     from draftlab.drafters.ensemble import ensemble_parts
 
     sched, vote, adaptive = ensemble_parts({"min_share": "0.2", "reward_factor": "1.5", "decision_threshold": "4",
-                                            "metric": "verify"}, length=6)
+                                            "metric": "verify", "rule": "regression"}, length=6)
     assert sched.min_share == 0.2 and vote.reward_factor == 1.5
     assert adaptive.decision_threshold == 4 and adaptive.metric == "verify" and adaptive.s == 6
+    assert adaptive.rule == "regression" and ensemble_parts({})[2].rule == "trend"
+    with pytest.raises(ValueError, match="rule='newest'"):
+        ensemble_parts({"rule": "newest"})
     with pytest.raises(ValueError, match="known options are .*punish_threshold"):
         ensemble_parts({"reward": "1"})
     with pytest.raises(ValueError, match="expected a int"):

@@ -60,45 +60,73 @@ class Scheduler:
 
 @dataclass
 class VoteWeights:
-    """Minions' member weights: after a step, each member whose chain the chosen sequence followed to its end
-    ("won") updates its average acceptance rate over the steps it won (ACR, accepted drafted tokens / drafted);
-    its weight is multiplied by `reward_factor` when ACR > `reward_threshold` and by `punish_factor` when
-    ACR < `punish_threshold`, and the weights are renormalised to sum to the number of members."""
+    """Minions' member weights (weighted majority), updated once per verified batch.
+
+    Each row's vote has one winner: the member whose chain the chosen sequence is (of members with equal chains,
+    the heaviest, then the first). After the batch is verified, every member that won at least one row gets its
+    acceptance ratio over the rows it won in this batch (accepted drafted tokens / drafted tokens); its weight is
+    multiplied by `reward_factor` when the ratio > `reward_threshold` and by `punish_factor` when it is <
+    `punish_threshold`, once per batch whatever the number of rows; then the weights are renormalised to sum to the
+    number of members. Reading of the paper: the ratio is the batch's, not a running mean (a running mean would let
+    old batches decide today's reward), and a batch of B rows is one verification, not B of them (B updates per
+    step multiplied a weight by reward_factor**B and locked one member in).
+    """
 
     reward_factor: float = 1.2
     punish_factor: float = 0.8
     reward_threshold: float = 0.6
     punish_threshold: float = 0.3
     weights: list[float] = field(default_factory=list)
-    acr_sum: list[float] = field(default_factory=list)
-    wins: list[int] = field(default_factory=list)
+    updates: int = 0  # verified batches seen
 
     def reset(self, n: int) -> None:
         if len(self.weights) != n:
-            self.weights, self.acr_sum, self.wins = [1.0] * n, [0.0] * n, [0] * n
+            self.weights, self.updates = [1.0] * n, 0
 
-    def update(self, winners: list[int], rate: float) -> None:
-        for m in winners:
-            self.acr_sum[m] += rate
-            self.wins[m] += 1
-            acr = self.acr_sum[m] / self.wins[m]
-            if acr > self.reward_threshold:
+    def winner(self, members: list[int]) -> int:
+        """The one winner among members whose chains are all the chosen sequence: the heaviest, then the first."""
+        return max(members, key=lambda m: (self.weights[m], -m))
+
+    def update(self, won: dict[int, tuple[int, int]]) -> None:
+        """One verified batch: won[m] = (accepted, drafted) tokens summed over the rows member m won."""
+        self.updates += 1
+        for m, (accepted, drafted) in won.items():
+            if drafted <= 0:
+                continue
+            rate = accepted / drafted
+            if rate > self.reward_threshold:
                 self.weights[m] *= self.reward_factor
-            elif acr < self.punish_threshold:
+            elif rate < self.punish_threshold:
                 self.weights[m] *= self.punish_factor
         total = sum(self.weights)
         self.weights = [w * len(self.weights) / total for w in self.weights]
 
 
+ADAPTIVE_RULES = ("trend", "regression")
+ADAPTIVE_METRICS = ("step", "verify")
+
+
 @dataclass
 class AdaptiveLength:
-    """Minions' adaptive speculation length. Each verification records cost = time per verified token (with
-    `metric` "step": drafting + verification + acceptance time over the tokens the step committed, for decoders
-    that draft and verify in turn; "verify": the verification alone, the paper's t_LLM / vl, for a pipeline that
-    hides drafting). Every `decision_threshold` records since the last change, a line cost = a + b * s is fitted
-    over the last `window` records (which span the recent lengths): b > 0 -> s -= s_punish, b < 0 ->
-    s += s_reward, within [s_min, s_max]. While the window holds one length only there is no slope; s then steps
-    up by s_reward (down at s_max) to get a second point."""
+    """Minions' adaptive speculation length s.
+
+    Each verification records a cost: the time per verified token (`metric` "verify": the verification alone, the
+    paper's t_LLM / vl, for a pipeline that hides drafting; "step": drafting + verification + acceptance over the
+    tokens the step committed, for decoders that draft and verify in turn, the default of the plain loop). Every
+    `decision_threshold` records s may move by one decision, within [s_min, s_max]:
+
+    rule "trend" (default, Minions): the trend of the cost over time, the least-squares slope against the
+    verification index of the records since the previous decision and of the period before it. Cost falling since
+    s last moved: s moves again the same way (by `s_reward`); rising: s moves back (by `s_punish`) and the direction
+    turns; flat: s stays. The first decision has nothing to compare with and moves up by `s_reward`; at a bound the
+    direction turns. Reading of the paper, which names the trend of t_LLM / vl over time and the reward / punish
+    steps but not the direction: a rule "falling -> longer, rising -> shorter" whatever the last move was cannot come
+    down to an optimum below s (at s above it, moving up costs more, moving back down then looks like an improvement
+    and sends s up again), so the last move's direction is kept.
+    rule "regression" (draftlab's earlier rule): a line cost = a + b * s fitted over the last `window` records
+    (which span the recent lengths): b > 0 -> s -= s_punish, b < 0 -> s += s_reward; while the window holds one
+    length only there is no slope, and s steps up by s_reward (down at s_max) to get a second point.
+    """
 
     s: int = 4
     s_min: int = 1
@@ -108,34 +136,76 @@ class AdaptiveLength:
     s_reward: int = 1
     s_punish: int = 1
     metric: str = "step"
-    records: list[tuple[int, float]] = field(default_factory=list)
+    rule: str = "trend"
+    records: list[tuple[int, float]] = field(default_factory=list)  # (s, cost) per verification, oldest first
     since: int = 0
+    direction: int = 1  # the trend rule's last move: +1 up, -1 down
+    period: int = 0  # the trend rule: records of the period before the current one (0: none yet)
     history: list[int] = field(default_factory=list)  # s per step
 
+    def __post_init__(self):
+        if self.rule not in ADAPTIVE_RULES:
+            raise ValueError(f"ensemble option rule={self.rule!r}: use one of {', '.join(ADAPTIVE_RULES)} "
+                             "(trend is Minions' rule)")
+        if self.metric not in ADAPTIVE_METRICS:
+            raise ValueError(f"ensemble option metric={self.metric!r}: use step (draft + verify time, the plain loop) "
+                             "or verify (the verification alone, a pipeline)")
+        if not 1 <= self.s_min <= self.s_max:
+            raise ValueError(f"ensemble options s_min={self.s_min}, s_max={self.s_max}: need 1 <= s_min <= s_max")
+        if self.decision_threshold < 2:
+            raise ValueError(f"ensemble option decision_threshold={self.decision_threshold}: needs >= 2 records per "
+                             "decision (a trend needs two points)")
+
     def record(self, time_s: dict, committed: float) -> None:
+        """One verification: its seconds per phase and the tokens it verified (mean per row, the bonus included)."""
         t = time_s.get("verify", 0.0) if self.metric == "verify" else sum(time_s.values())
-        self.records = (self.records + [(self.s, t / max(committed, 1e-9))])[-self.window:]
+        keep = max(self.window, 2 * self.decision_threshold)
+        self.records = (self.records + [(self.s, t / max(committed, 1e-9))])[-keep:]
         self.since += 1
         self.history.append(self.s)
         if self.since >= self.decision_threshold:
             self.decide()
 
     def slope(self) -> float | None:
-        xs = [s for s, _ in self.records]
+        """The regression rule's b in cost = a + b * s over the last `window` records; None for a single length."""
+        recs = self.records[-self.window:]
+        xs = [s for s, _ in recs]
         if len(set(xs)) < 2:
             return None
-        ys = [c for _, c in self.records]
+        ys = [c for _, c in recs]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
+    def trend(self) -> float | None:
+        """The trend rule's slope of cost against time over this period and the one before; None before a move."""
+        if not self.period:
+            return None
+        ys = [c for _, c in self.records[-(self.since + self.period):]]
+        n = len(ys)
+        mx, my = (n - 1) / 2, sum(ys) / n
+        return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sum((x - mx) ** 2 for x in range(n))
+
     def decide(self) -> None:
-        b = self.slope()
-        if b is None:
-            step = self.s_reward if self.s < self.s_max else -self.s_punish
+        """Move s by the rule (see the class docstring) and start a new period."""
+        if self.rule == "regression":
+            b = self.slope()
+            if b is None:
+                step = self.s_reward if self.s < self.s_max else -self.s_punish
+            else:
+                step = -self.s_punish if b > 0 else self.s_reward if b < 0 else 0
         else:
-            step = -self.s_punish if b > 0 else self.s_reward if b < 0 else 0
+            b = self.trend()
+            if b is not None and b > 0:
+                self.direction = -self.direction  # the last move made it worse: go back
+            if b is not None and b == 0:
+                step = 0
+            else:
+                step = self.direction * (self.s_punish if b is not None and b > 0 else self.s_reward)
+                if not self.s_min <= self.s + step <= self.s_max:  # at a bound: the other way
+                    self.direction = -self.direction
+                    step = -step
         self.s = min(self.s_max, max(self.s_min, self.s + step))
-        self.since = 0
+        self.period, self.since = self.since, 0  # the trend compares the next period with this one
 
 
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
@@ -146,8 +216,9 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
+    state = ("steps", "since", "s", "updates", "direction", "period")  # running state, not options
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
-             if not isinstance(getattr(p, f.name), list) and f.name not in ("steps", "since", "s")}
+             if not isinstance(getattr(p, f.name), list) and f.name not in state}
     for name, value in options.items():
         if name not in known:
             raise ValueError(f"ensemble option {name!r}: known options are {', '.join(sorted(known))}")
@@ -156,6 +227,7 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
             setattr(parts[i], name, typ(value))
         except ValueError:
             raise ValueError(f"ensemble option {name}={value!r}: expected a {typ.__name__}") from None
+    parts[2].__post_init__()  # the adaptive length's choices (rule, metric, bounds) checked as set
     return parts
 
 
@@ -227,6 +299,7 @@ class EnsembleDrafter(Drafter):
         rows = [self._merge_row(b, int(root[b])) if self.mode == "merge" else self._vote_row(b, int(root[b]))
                 for b in range(root.shape[0])]
         self.owners = [r["owners"] for r in rows]
+        self.winners = [r.get("winner") for r in rows]
         prop = padded_proposal([(r["tokens"], r["parents"]) for r in rows], root.device)
         sampled = [p for p in self.props if p is not None and p.q is not None]
         # Only lossless sampling reads q. Typical acceptance shares equal tokens between members (one node, several
@@ -298,7 +371,10 @@ class EnsembleDrafter(Drafter):
             alive = {m: c for m, c in alive.items() if depth < len(c) and c[depth] == pick}
             tokens.append(pick), parents.append(len(tokens) - 2), owners.append({m: depth + 1 for m in alive})
             depth += 1
-        return {"tokens": tokens, "parents": parents, "owners": owners}
+        # The chosen sequence is the chain of every member still alive (it ends where their chains end); one of
+        # them wins the vote.
+        winner = self.vote.winner(list(owners[-1])) if len(tokens) > 1 else None
+        return {"tokens": tokens, "parents": parents, "owners": owners, "winner": winner}
 
     def _q_table(self, rows: list[dict], N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Members' q rows side by side [B, sum Q_m, V]; a merged node points at its (single) owner's row."""
@@ -350,14 +426,19 @@ class EnsembleDrafter(Drafter):
         self.time_s["ensemble"] += time.perf_counter() - t0 - inside
 
     def _after_vote(self, step: StepResult) -> None:
-        rows = [b for b in range(len(step.paths)) if bool(step.live[b])] or [0]
+        """Once per verified batch: the winners' weights (VoteWeights) and the adaptive length."""
+        rows = [b for b in range(len(step.paths)) if bool(step.keep_valid[b, 0])]  # rows verified in this step
+        if not rows:
+            return
+        won: dict[int, tuple[int, int]] = {}
         for b in rows:
-            drafted = len(self.owners[b]) - 1
-            if drafted:
-                winners = list(self.owners[b][-1])
-                self.vote.update(winners, (len(step.paths[b]) - 1) / drafted)
+            drafted, m = len(self.owners[b]) - 1, self.winners[b]
+            if drafted and m is not None:
+                a, d = won.get(m, (0, 0))
+                won[m] = (a + len(step.paths[b]) - 1, d + drafted)
+        self.vote.update(won)
         if self.adaptive is not None:
-            committed = sum(len(step.paths[b]) for b in rows) / len(rows)  # accepted drafted tokens + the bonus
+            committed = sum(len(step.paths[b]) for b in rows) / len(rows)  # the verified length: accepted + bonus
             before = self.adaptive.s
             self.adaptive.record(step.time_s, committed)
             if self.adaptive.s != before:
