@@ -1,14 +1,20 @@
 """Collective boost-tuning of an SSM ensemble (SpecInfer): members are trained one after another, each stage a run
 of the one training loop, stage i on the training examples that members 1..i-1 do not yet cover.
 
-An example's score is the share of its supervised positions where some member's top-1 token is the base's
-top-1 token (how often the ensemble would have the base's greedy token among its drafts); examples scoring at
-least ensemble.threshold are covered and dropped (or kept at the ensemble.downweight rate) for later stages.
-Each stage lives in OUTPUT_DIR/stages/memberN (its own checkpoints, metrics.jsonl and export, plus
-examples.json: the examples it trains on), so a run killed in stage 3 resumes in stage 3 with stages 1-2
-untouched. After each stage, OUTPUT_DIR/metrics.jsonl gets the ensemble's coverage, the examples left for the
-next stage and tau (the merged ensemble's accept length on held-out prompts). The ensemble export
-(OUTPUT_DIR/export) holds the members as Hugging Face directories and a draftlab.json that lists them.
+Whether the members so far cover an example is ensemble.score:
+- generation (default, SpecInfer's test: a sample is filtered out once an SSM generates the LLM's output): each
+  member generates greedily from the example's prompt part and the score is the longest share of the base's
+  greedy output (its first ensemble.match_tokens tokens, up to EOS) that some member reproduces from its start;
+  1.0 means a member's output is the base's. Batched greedy decoding with a KV cache, match_tokens steps per model.
+- coverage (draftlab's teacher-forced test): the share of the example's supervised positions where some member's
+  top-1 token is the base's top-1 token, one forward per model.
+Examples scoring at least ensemble.threshold (1.0 for generation, 0.8 for coverage unless set) are covered and
+dropped (or kept at the ensemble.downweight rate) for later stages. Each stage lives in OUTPUT_DIR/stages/memberN
+(its own checkpoints, metrics.jsonl and export, plus examples.json: the examples it trains on, those it dropped
+and the test that dropped them), so a run killed in stage 3 resumes in stage 3 with stages 1-2 untouched. After
+each stage, OUTPUT_DIR/metrics.jsonl gets how many examples the stage dropped, the ensemble's coverage, the
+examples left for the next stage and tau (the merged ensemble's accept length on held-out prompts). The ensemble
+export (OUTPUT_DIR/export) holds the members as Hugging Face directories and a draftlab.json that lists them.
 """
 
 from __future__ import annotations
@@ -67,6 +73,76 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
     return scores
 
 
+def prompt_length(example: dict) -> int:
+    """Tokens of an example's prompt part: those before its first supervised token (a chat example: everything
+    before the first assistant token); a fully supervised text block has none, so its first half (at most 32
+    tokens, as tau's prompts) stands in. At least one token, and one token left to compare."""
+    mask, n = example["loss_mask"], len(example["input_ids"])
+    first = next((t for t, m in enumerate(mask) if m), n)
+    if first == 0:
+        first = max(2, min(32, n // 2))
+    return max(1, min(first, n - 1))
+
+
+def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
+    """n greedy tokens [B, n] after left-padded prompts ids / att [B, P], batched, with the model's KV cache."""
+    head = lm.get_output_embeddings()
+    pos = (att.long().cumsum(-1) - 1).clamp(min=0)  # each row counts its own tokens only
+    out = lm.base_model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True)
+    tok = head(out.last_hidden_state[:, -1]).argmax(-1)  # [B]: logits at the last position only
+    toks, last = [tok], pos[:, -1:]
+    for _ in range(n - 1):
+        att, last = torch.cat([att, att.new_ones(att.shape[0], 1)], 1), last + 1
+        out = lm.base_model(input_ids=tok[:, None], attention_mask=att, position_ids=last,
+                            past_key_values=out.past_key_values, use_cache=True)
+        tok = head(out.last_hidden_state[:, -1]).argmax(-1)
+        toks.append(tok)
+    return torch.stack(toks, 1)
+
+
+@torch.no_grad()
+def generation_scores(base, members: list, examples: list[dict], pad_id: int | None, eos_id: int | None,
+                      match_tokens: int = 32, batch_size: int = 8,
+                      indices: list[int] | None = None) -> dict[int, float]:
+    """Per example index: the longest share of the base's greedy output after the example's prompt part (its first
+    match_tokens tokens, fewer when the example continues for fewer, cut after EOS) that some member's own greedy
+    output reproduces from the start (SpecInfer's test; 1.0: the outputs match)."""
+    dev = next(base.parameters()).device
+    idx = list(range(len(examples))) if indices is None else indices
+    scores = {}
+    for s in range(0, len(idx), batch_size):
+        part = idx[s:s + batch_size]
+        plen = [prompt_length(examples[i]) for i in part]
+        want = [min(match_tokens, len(examples[i]["input_ids"]) - p) for i, p in zip(part, plen)]
+        P, n = max(plen), max(want)
+        ids = torch.full((len(part), P), pad_id or 0, dtype=torch.long, device=dev)  # pads are masked out
+        att = torch.zeros(len(part), P, dtype=torch.long, device=dev)
+        for r, (i, p) in enumerate(zip(part, plen)):  # left-padded, so every row's next token is at the end
+            ids[r, P - p:] = torch.tensor(examples[i]["input_ids"][:p], device=dev)
+            att[r, P - p:] = 1
+        ref = _greedy(base, ids, att, n)  # [B, n]
+        length = torch.tensor(want, device=dev)
+        if eos_id is not None:  # the base's output ends at its EOS (included)
+            at_eos = (ref == eos_id).int()
+            ends = torch.where(at_eos.any(-1), at_eos.argmax(-1) + 1, torch.full_like(length, n))
+            length = torch.minimum(length, ends)
+        best = torch.zeros_like(length)
+        for m in members:
+            same = (_greedy(m.lm, ids, att, n) == ref).int().cumprod(-1).sum(-1)  # [B] matching prefix
+            best = torch.maximum(best, torch.minimum(same, length))
+        scores.update(zip(part, (best.float() / length.float()).tolist()))
+    return scores
+
+
+def example_scores(e, base, members: list, examples: list[dict], tok, batch_size: int,
+                   indices: list[int] | None = None) -> dict[int, float]:
+    """The scores of ensemble.score (generation or coverage) for the examples at indices."""
+    if e.score == "generation":
+        return generation_scores(base, members, examples, tok.pad_token_id, tok.eos_token_id, e.match_tokens,
+                                 batch_size, indices)
+    return coverage_scores(base, members, examples, tok.pad_token_id, batch_size, indices)
+
+
 def _gather(scores: dict, world: int) -> dict:
     if world == 1 or not torch.distributed.is_initialized():
         return scores
@@ -120,6 +196,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     b = recipe.base
     base = tok = train_ex = eval_ex = None
     members, stages = [], []
+    scored: dict = {}  # number of members -> every training example's score under them
     for i in range(e.members):
         sr = stage_recipe(recipe, i)
         sdir = Path(sr.output_dir)
@@ -131,7 +208,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                     if base is None:
                         base, tok = load_base(b.name_or_path, b.dtype, state.device)
                         train_ex, eval_ex, _ = load_examples(recipe.data, tok, seed=recipe.train.seed)
-                    subset = _next_examples(recipe, members, base, tok, train_ex, i, state)
+                    subset = _next_examples(recipe, members, base, tok, train_ex, i, state, scored)
                     if main:
                         sdir.mkdir(parents=True, exist_ok=True)
                         subset_file.with_suffix(".tmp").write_text(json.dumps(subset))
@@ -147,7 +224,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
             if base is None:
                 base, tok = load_base(b.name_or_path, b.dtype, state.device)
                 train_ex, eval_ex, _ = load_examples(recipe.data, tok, seed=recipe.train.seed)
-            rec = _stage_record(recipe, members, base, tok, train_ex, eval_ex, i, subset_file, state)
+            rec = _stage_record(recipe, members, base, tok, train_ex, eval_ex, i, subset_file, state, scored)
             if main:
                 with open(metrics, "a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -176,15 +253,24 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     return summary
 
 
-def _next_examples(recipe: Recipe, members: list, base, tok, train_ex: list, i: int, state) -> dict:
+def _scores(recipe: Recipe, members: list, base, tok, train_ex: list, state, cache: dict) -> dict:
+    """Every training example's score under members, scored in shards across processes; the same member set is
+    scored once (a stage's record and the next stage's selection share it)."""
+    if len(members) not in cache:
+        dev = next(base.parameters()).device
+        for m in members:
+            m.to(dev)
+        mine = list(range(state.process_index, len(train_ex), state.num_processes))
+        cache[len(members)] = _gather(example_scores(recipe.ensemble, base, members, train_ex, tok,
+                                                     recipe.train.batch_size, mine), state.num_processes)
+    return cache[len(members)]
+
+
+def _next_examples(recipe: Recipe, members: list, base, tok, train_ex: list, i: int, state, cache: dict) -> dict:
     """The examples stage i trains on: those the first i members do not cover, and covered ones at the downweight
-    rate; scored in shards across processes."""
+    rate; with the covered examples it dropped and the test that decided."""
     e = recipe.ensemble
-    mine = list(range(state.process_index, len(train_ex), state.num_processes))
-    for m in members:
-        m.to(next(base.parameters()).device)
-    scores = _gather(coverage_scores(base, members, train_ex, tok.pad_token_id, recipe.train.batch_size, mine),
-                     state.num_processes)
+    scores = _scores(recipe, members, base, tok, train_ex, state, cache)
     covered = [j for j in range(len(train_ex)) if scores[j] >= e.threshold]
     kept = [j for j in range(len(train_ex)) if scores[j] < e.threshold]
     if e.weighting == "downweight" and covered:
@@ -192,25 +278,26 @@ def _next_examples(recipe: Recipe, members: list, base, tok, train_ex: list, i: 
         kept += rng.sample(covered, max(1, round(e.downweight * len(covered))))
     if not kept:  # everything is covered: the stage still trains, on everything
         kept = list(range(len(train_ex)))
-    return {"kept": sorted(kept), "covered": len(covered), "examples": len(train_ex),
-            "mean_score": sum(scores.values()) / len(scores)}
+    dropped = sorted(set(range(len(train_ex))) - set(kept))
+    return {"kept": sorted(kept), "dropped": dropped, "covered": len(covered), "examples": len(train_ex),
+            "score": e.score, "threshold": e.threshold, "mean_score": sum(scores.values()) / len(scores)}
 
 
 def _stage_record(recipe: Recipe, members: list, base, tok, train_ex, eval_ex, i: int, subset_file: Path,
-                  state) -> dict:
-    """Coverage of the ensemble after stage i, what the next stage would train on, and tau."""
+                  state, cache: dict) -> dict:
+    """What stage i dropped and trained on, the coverage of the ensemble after it (what the next stage would drop),
+    and tau."""
     e = recipe.ensemble
-    dev = next(base.parameters()).device
-    for m in members:
-        m.to(dev)
-    mine = list(range(state.process_index, len(train_ex), state.num_processes))
-    scores = _gather(coverage_scores(base, members, train_ex, tok.pad_token_id, recipe.train.batch_size, mine),
-                     state.num_processes)
+    scores = _scores(recipe, members, base, tok, train_ex, state, cache)
     covered = sum(s >= e.threshold for s in scores.values())
-    trained_on = json.loads(subset_file.read_text())["kept"] if subset_file.is_file() else list(range(len(train_ex)))
+    subset = json.loads(subset_file.read_text()) if subset_file.is_file() else {}
+    trained_on = subset.get("kept", list(range(len(train_ex))))
     prompts = [ex["input_ids"][: max(2, min(32, len(ex["input_ids"]) // 2))] for ex in eval_ex[: e.tau_prompts]]
     tau = ensemble_tau(base, members, prompts, tok.eos_token_id, e.node_budget) if state.is_main_process else None
     return {"stage": i + 1, "event": "stage", "member": f"member{i + 1}", "trained_on_examples": len(trained_on),
-            "examples": len(train_ex), "mean_coverage": round(sum(scores.values()) / len(scores), 4),
+            "dropped_examples": len(train_ex) - len(trained_on),
+            "examples_file": str(subset_file) if subset_file.is_file() else None,
+            "examples": len(train_ex), "score": e.score, "threshold": e.threshold,
+            "mean_coverage": round(sum(scores.values()) / len(scores), 4),
             "covered_examples": covered, "remaining_examples": len(train_ex) - covered,
             "tau": round(tau, 4) if tau is not None else None, "boost": e.boost}

@@ -189,10 +189,20 @@ class EnsembleSection(_Section):
         "head.ssm as it is), e.g. [{num_layers: 1}, {num_layers: 2, hidden_size: 32}]")
     boost: bool = Field(True, description="collective boost-tuning: stage i trains on the examples members 1..i-1 "
                         "do not cover; false: every member trains on all data (an independent ensemble)")
-    score: Literal["coverage"] = Field(
-        "coverage", description="an example's score: the share of its supervised positions where some member's "
-        "top-1 token is the base's top-1 token")
-    threshold: float = Field(0.8, gt=0, le=1, description="examples scoring at least this are covered")
+    score: Literal["generation", "coverage"] = Field(
+        "generation", description="the test of whether the members already cover an example. generation "
+        "(SpecInfer's): every member generates greedily from the example's prompt part (text blocks: their first "
+        "half, at most 32 tokens) and the score is the longest share of the base's greedy output (its first "
+        "match_tokens tokens, up to EOS) that some member reproduces from the start; 1.0 = the member's output "
+        "is the base's. coverage (draftlab's, teacher-forced): the share of the example's supervised positions "
+        "where some member's top-1 token is the base's top-1 token")
+    threshold: float | None = Field(
+        None, gt=0, le=1, description="examples scoring at least this are covered; unset: 1.0 with score "
+        "generation (SpecInfer: the output matches), 0.8 with score coverage")
+    match_tokens: int = Field(
+        32, ge=1, le=4096, description="score generation: tokens of the base's greedy output compared (fewer when "
+        "the example's own continuation is shorter); the paper compares whole outputs, the cap bounds the cost "
+        "at match_tokens batched greedy steps per model")
     weighting: Literal["remove", "downweight"] = Field(
         "remove", description="covered examples are dropped for the next stages, or kept at the downweight rate")
     downweight: float = Field(0.25, gt=0, lt=1, description="share of covered examples kept (weighting: downweight)")
@@ -202,6 +212,14 @@ class EnsembleSection(_Section):
                                            "(SpecInfer) or weighted-majority vote (Minions)")
     node_budget: int = Field(32, ge=1, description="tokens per merged tree (merge mode)")
     tau_prompts: int = Field(16, ge=0, description="held-out prompts decoded after each stage to record tau")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_threshold(cls, data):
+        # The threshold's default depends on the test: an exact match for SpecInfer's, 80% for the per-position one.
+        if isinstance(data, dict) and data.get("threshold") is None:
+            data = {**data, "threshold": 0.8 if data.get("score") == "coverage" else 1.0}
+        return data
 
 
 class LoraSection(_Section):

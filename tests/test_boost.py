@@ -30,7 +30,7 @@ def member_weights(out):
 
 def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     from draftlab.base import load_base
-    from draftlab.boost import coverage_scores
+    from draftlab.boost import example_scores
     from draftlab.data import load_examples
     from draftlab.export import load_export
 
@@ -42,15 +42,21 @@ def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     base, tok = load_base(str(tiny_base_dir), "float32")
     train_ex, _, _ = load_examples(r.data, tok, seed=0)
     m1, _ = load_export(straight / "stages" / "member1" / "export")
-    scores = coverage_scores(base, [m1], train_ex, tok.pad_token_id)
-    kept = json.loads((straight / "stages" / "member2" / "examples.json").read_text())["kept"]
+    scores = example_scores(r.ensemble, base, [m1], train_ex, tok, batch_size=5)
+    sel = json.loads((straight / "stages" / "member2" / "examples.json").read_text())
+    kept = sel["kept"]
+    assert (sel["score"], sel["threshold"]) == ("generation", 0.5)  # SpecInfer's test by default
     assert kept == [j for j in range(len(train_ex)) if scores[j] < 0.5] or (
         len(kept) == len(train_ex) and all(v >= 0.5 for v in scores.values()))
+    assert sel["dropped"] == sorted(set(range(len(train_ex))) - set(kept))
     start = json.loads((straight / "stages" / "member2" / "metrics.jsonl").read_text().splitlines()[0])
     assert start["train_examples"] == len(kept)
     recs = [json.loads(l) for l in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [x["stage"] for x in recs] == [1, 2, 3] and all(x["tau"] >= 1 for x in recs)
+    # tau counts the bonus token, so it is >= 1 by construction: > 1 says some drafted token was accepted.
+    assert [x["stage"] for x in recs] == [1, 2, 3] and all(x["tau"] > 1 for x in recs)
     assert recs[1]["trained_on_examples"] == len(kept) and recs[0]["trained_on_examples"] == len(train_ex)
+    assert [x["dropped_examples"] for x in recs[:2]] == [0, len(train_ex) - len(kept)]
+    assert all(x["score"] == "generation" for x in recs)
     # Killed (stopped) in every stage: resumes stage by stage to the same weights, finished stages untouched.
     out = tmp_path / "stopped"
     stage1 = None
@@ -67,6 +73,74 @@ def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     meta = json.loads((out / "export" / "draftlab.json").read_text())
     assert [m["name"] for m in meta["head"]["members"]] == ["member1", "member2", "member3"]
     assert meta["head"]["members"][1]["head"]["num_layers"] == 2 and len(meta["training"]["stages"]) == 3
+
+
+def _greedy_unbatched(lm, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):  # no cache, no padding: the plainest greedy decoding there is
+        ids.append(int(lm(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_generation_scores_are_spec_infers_test_batched():
+    """SpecInfer's test: the share of the base's greedy output (after the prompt part, up to match_tokens, cut
+    after EOS) that a member's own greedy output reproduces from the start; batched and left-padded, it equals
+    plain one-by-one greedy decoding."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+    from draftlab.boost import generation_scores, prompt_length
+
+    def peaked(noise=0.0):  # the base, or a slightly perturbed copy that agrees with it for a while
+        lm = tiny_llama(seed=0)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in lm.parameters():
+                p.add_(noise * torch.randn_like(p))
+            lm.lm_head.weight.mul_(30)
+        return lm
+
+    base, twin, other = peaked(), SimpleNamespace(lm=peaked()), SimpleNamespace(lm=peaked(0.01))
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for p, r in [(3, 9), (8, 2), (5, 12), (1, 6)]:  # chat-like: a prompt part, then supervised tokens
+        ids = torch.randint(3, 64, (p + r,), generator=g).tolist()
+        examples.append({"input_ids": ids, "loss_mask": [0] * p + [1] * r})
+    examples.append({"input_ids": torch.randint(3, 64, (20,), generator=g).tolist(), "loss_mask": [1] * 20})  # text
+    assert [prompt_length(e) for e in examples] == [3, 8, 5, 1, 10]
+    twin_scores = generation_scores(base, [twin], examples, 0, None, match_tokens=6, batch_size=3)
+    assert twin_scores == {i: 1.0 for i in range(5)}
+    got = generation_scores(base, [other], examples, 0, None, match_tokens=6, batch_size=3)
+    want, eos_case = {}, {}
+    for i, e in enumerate(examples):
+        p = prompt_length(e)
+        n = min(6, len(e["input_ids"]) - p)
+        ref, out = _greedy_unbatched(base, e["input_ids"][:p], n), _greedy_unbatched(other.lm, e["input_ids"][:p], n)
+        same = next((k for k in range(n) if ref[k] != out[k]), n)
+        want[i] = same / n
+        eos_case[i] = (ref, same)
+    assert got == pytest.approx(want) and any(0 < v < 1 for v in want.values())  # partial matches counted
+    # An EOS in the base's output ends it: what follows is not compared, so a member that matched up to the EOS
+    # covers the example.
+    i = next(i for i, v in want.items() if 0 < v < 1)
+    ref, same = eos_case[i]
+    assert generation_scores(base, [other], examples[i:i + 1], 0, ref[same - 1], match_tokens=6)[0] == 1.0
+
+
+def test_a_stage_drops_the_covered_examples_and_says_which(tiny_base_dir, data_file, tmp_path):
+    """Examples scoring at least the threshold are dropped (or kept at the downweight rate); examples.json lists
+    the dropped ones and the test that dropped them."""
+    from draftlab.boost import _next_examples
+
+    scores = {0: 1.0, 1: 0.2, 2: 0.5, 3: 0.49, 4: 0.9}
+    train_ex = [{}] * 5  # the scores are given (as a finished stage's record leaves them), no model runs
+    sel = _next_examples(ensemble_recipe(tiny_base_dir, data_file, tmp_path), ["member1"], None, None, train_ex, 1,
+                         None, {1: scores})
+    assert (sel["kept"], sel["dropped"], sel["covered"]) == ([1, 3], [0, 2, 4], 3)
+    assert (sel["score"], sel["threshold"]) == ("generation", 0.5)
+    down = ensemble_recipe(tiny_base_dir, data_file, tmp_path, weighting="downweight", downweight=0.34)
+    sel = _next_examples(down, ["member1"], None, None, train_ex, 1, None, {1: scores})
+    assert len(sel["dropped"]) == 2 and set(sel["dropped"]) < {0, 2, 4} and sorted(sel["kept"] + sel["dropped"]) == [0, 1, 2, 3, 4]
 
 
 def test_ensemble_export_decodes_exactly(tiny_base_dir, data_file, tmp_path, capsys):

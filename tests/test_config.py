@@ -93,3 +93,17 @@ def test_distributed_section_golden():
         build_recipe(MIN, ["distributed.offload=cpu"])
     r = build_recipe(MIN, ["distributed.strategy=deepspeed", "distributed.zero_stage=3", "distributed.offload=cpu"])
     assert (r.distributed.strategy, r.distributed.zero_stage, r.distributed.offload) == ("deepspeed", 3, "cpu")
+
+
+def test_ensemble_covered_test_defaults_to_spec_infers_with_its_threshold():
+    """ensemble.score: generation (SpecInfer's output match, threshold 1.0 unless set) by default; coverage
+    (per-position agreement, 0.8) on request; a bad value names the key and the choices."""
+    ens = {**MIN, "head": {"type": "ssm"}}
+    e = build_recipe({**ens, "ensemble": {}}).ensemble
+    assert (e.score, e.threshold, e.match_tokens) == ("generation", 1.0, 32)
+    assert build_recipe({**ens, "ensemble": {"score": "coverage"}}).ensemble.threshold == 0.8
+    assert build_recipe(ens, ["ensemble.score=coverage", "ensemble.threshold=0.6"]).ensemble.threshold == 0.6
+    with pytest.raises(ConfigError, match=r"`ensemble.score` = 'match': use 'generation' or 'coverage'"):
+        build_recipe({**ens, "ensemble": {"score": "match"}})
+    with pytest.raises(ConfigError, match=r"`ensemble.match_tokens` = 0"):
+        build_recipe({**ens, "ensemble": {"match_tokens": 0}})
