@@ -432,7 +432,8 @@ def test_typical_epsilon_and_alpha_default_as_medusa_and_are_checked():
     a = parser.parse_args(["generate", "x", "--prompt", "p", "--typical", "--temperature", "0.7",
                            "--typical-epsilon", "0.16"])
     s = sampling_from_args(a)
-    assert s.typical and s.temperature == 0.7 and s.posterior_threshold == 0.16 and s.typical_alpha == pytest.approx(0.4)
+    assert (s.typical, s.temperature, s.posterior_threshold) == (True, 0.7, 0.16)
+    assert s.typical_alpha == pytest.approx(0.4)
     a = parser.parse_args(["generate", "x", "--prompt", "p", "--typical-alpha", "0.2"])
     with pytest.raises(ValueError, match="add --typical"):
         sampling_from_args(a)

@@ -81,12 +81,14 @@ def test_draft_losses_alignment_and_decay_on_hand_made_tensors():
 
 def test_a_head_with_nothing_to_supervise_still_backpropagates():
     """A micro-batch whose answer tokens were cut by max_len: zero loss, but a graph to every head's parameters."""
-    h = torch.randn(1, 4, 8, requires_grad=True)
-    w = torch.randn(11, 8, requires_grad=True)
+    h, h1 = torch.randn(1, 4, 8, requires_grad=True), torch.randn(1, 4, 8, requires_grad=True)
+    w, w1 = torch.randn(11, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
     ids = torch.randint(0, 11, (1, 4))
-    out = draft_losses([h, h], [w, w], ids, torch.tensor([[0, 0, 1, 0]]))  # head 0 (t+2) sees position 2, head 1 none
+    out = draft_losses([h, h1], [w, w1], ids, torch.tensor([[0, 0, 1, 0]]))  # head 0 (t+2) sees position 2, head 1 none
     out["loss"].backward()
-    assert out["count"].tolist() == [1.0, 0.0] and w.grad is not None
+    # Head 1 has its own parameters here, so its (zero) gradient exists only if its loss joined the graph.
+    assert out["count"].tolist() == [1.0, 0.0] and w1.grad is not None and h1.grad is not None
+    assert torch.count_nonzero(w1.grad) == 0 and torch.count_nonzero(w.grad) > 0
     h.grad = w.grad = None
     out = draft_losses([h], [w], ids, torch.zeros(1, 4, dtype=torch.long))
     assert out["loss"].item() == 0.0

@@ -125,10 +125,20 @@ def test_distill_data_is_batched_resumable_and_trainable(tiny_base_dir, tmp_path
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert sorted(r["source_index"] for r in recs) == [0, 1, 2, 3, 4]
     assert recs[0]["conversations"][0]["from"] == "human" and recs[0]["conversations"][-1]["from"] == "gpt"
-    # Greedy answers are the base's own continuation of the chat prompt.
-    tok = load_tokenizer(str(tiny_base_dir))
-    train, _, _ = load_examples(DataSection(path=str(out), eval_size=0), tok)
-    assert len(train) == 5 and all(sum(e["loss_mask"]) > 0 for e in train)
+    # Greedy answers are the base's own continuation of the chat prompt (here one prompt at a time, unpadded).
+    from draftlab.base import load_base
+
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    for r in recs:
+        text = tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        gen = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                            temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+        assert r["conversations"][-1]["value"] == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    # Every record trains (load_examples drops those whose answer has no token left after truncation).
+    train, _, _ = load_examples(DataSection(path=str(out), eval_size=0), load_tokenizer(str(tiny_base_dir)))
+    assert len(train) == 5
 
 
 def test_head_dropout_acts_in_training_only():
