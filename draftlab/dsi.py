@@ -159,31 +159,23 @@ class DSI:
             self.close()
             raise
 
-    def _receive(self, timeout_s: float | None):
-        """The next server message; a failed, dead or silent server closes the pool and raises DSIError."""
-        from .workers import WorkerError, receive
+    def _receive(self, timeout_s: float | None = None, block: bool = True):
+        """The next server message (None when not blocking and none is waiting); a failed, dead or silent server
+        closes the pool and raises DSIError."""
+        from .workers import WorkerError, raise_if_error, receive
 
         try:
-            return receive(self.results, self.procs, timeout_s, "DSI")
+            if block:
+                return receive(self.results, self.procs, timeout_s, "DSI")
+            try:
+                msg = self.results.get_nowait()
+            except queue.Empty:
+                return None
+            raise_if_error(msg, "DSI")
+            return msg
         except WorkerError as e:
             self.close()
             raise DSIError(str(e)) from None
-
-    def _poll(self):
-        """A server message if one is waiting, else None (errors as in _receive)."""
-        try:
-            msg = self.results.get_nowait()
-        except queue.Empty:
-            return None
-        if msg[0] == "error":
-            from .workers import raise_if_error
-
-            self.close()
-            try:
-                raise_if_error(msg, "DSI")
-            except RuntimeError as e:
-                raise DSIError(str(e)) from None
-        return msg
 
     def close(self) -> None:
         """Stop the servers (asked first, then terminated); safe to call twice."""
@@ -258,7 +250,7 @@ class DSI:
                     d[2] = True
                 # Read what has come back; block only when there is nothing left to draft.
                 block = len(committed) + len(drafts) >= end and bool(owner)
-                msg = self._receive(self.timeout_s) if block else self._poll()
+                msg = self._receive(self.timeout_s, block)
                 while msg is not None:
                     if msg[0] == "result":
                         _, _, tid, ep, toks = msg
@@ -266,7 +258,7 @@ class DSI:
                             free.append(owner.pop(tid))
                             if toks is not None:
                                 got[tid] = toks
-                    msg = self._poll()
+                    msg = self._receive(block=False)
                 # Decide in send order.
                 for tid, n in sent:
                     if tid not in got:
@@ -304,18 +296,20 @@ class DSI:
             stats["preemptions"] += len(owner)
             free += owner.values()
             owner.clear()
-            new = decided[: end - len(committed)]
-            cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
-            if cut is not None:
-                new, finished = new[:cut], True
-            committed += new
-            if stop is not None:
-                c = stop(0, committed[len(prompt):])
-                if c is not None:
-                    del committed[len(prompt) + max(c, 0):]
-                    finished = True
+            finished = _extend(committed, len(prompt), decided[: end - len(committed)], eos, stop)
         stats["wait_s"] = round(stats["wait_s"], 6)
         return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start, **stats}
+
+
+def _extend(committed: list[int], n_prompt: int, new: list[int], eos: set, stop) -> bool:
+    """Append decided tokens to the text, ending it at an EOS token (kept) or where stop(0, generated) -> cut
+    index says (as the decoder's Verifier does); True when the text has ended."""
+    cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
+    committed += new[:cut]
+    c = stop(0, committed[n_prompt:]) if stop is not None else None
+    if c is not None:
+        del committed[n_prompt + max(c, 0):]
+    return cut is not None or c is not None
 
 
 def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, at_end: bool):
@@ -362,13 +356,7 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
         toks = target.next_tokens(committed, drafts)
         wait(t0, target_latency_s)
         bad = next((i for i in range(len(drafts)) if drafts[i] != toks[i]), len(drafts))
-        new = (drafts[:bad] + [toks[bad]])[: end - len(committed)]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
-        committed += new[:cut]
-        c = stop(0, committed[len(prompt):]) if stop is not None else None
-        if c is not None:
-            del committed[len(prompt) + max(c, 0):]
-        if cut is not None or c is not None:
+        if _extend(committed, len(prompt), (drafts[:bad] + [toks[bad]])[: end - len(committed)], eos, stop):
             break
     return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start}
 

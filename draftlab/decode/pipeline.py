@@ -262,7 +262,8 @@ class DraftPipeline:
                 _send(self.inbox, ("taken", run, rows))
                 v, idx, root = open_groups[g]
                 tokens = (packed[0] if isinstance(packed, tuple) else packed).tokens
-                if not torch.equal(tokens[:, 0][v.live.cpu()], root[v.live.cpu()]):
+                live = v.live.cpu()
+                if not torch.equal(tokens[:, 0][live], root[live]):
                     raise PipelineError(f"a proposal for group {g} does not start at its rows' current root (a stale "
                                         "or misrouted message); refusing to verify it")
                 t0 = time.perf_counter()
