@@ -39,6 +39,28 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     assert unlimited.drafter["paused"] == 0 and unlimited.drafter["pool_max"] == 9
 
 
+def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_dir, tmp_path):
+    """Minions: the vote weights and the speculation length are learned over every verified batch of the stream,
+    whichever group it belongs to, and the length follows the verifier's time."""
+    from draftlab.decode.pipeline import DraftPipeline
+    from draftlab.drafters import EnsembleDraft, build_draft
+    from draftlab.export import save_export
+
+    _, base = ssm_export
+    members = [build_draft({"type": "ssm", "ssm": {"num_layers": n, "init": "truncate"}}, base) for n in (1, 2)]
+    exp = save_export(EnsembleDraft(members, ["one", "two"], {"mode": "vote", "length": 3, "adaptive": True}),
+                      base, tmp_path / "vote", str(stories_dir))
+    prompts = [[1, 5 + i, 40 + 3 * i] for i in range(6)]
+    with DraftPipeline(base, str(exp)) as pipe:
+        res = pipe.run(prompts, batch_size=2, in_flight=3, max_new_tokens=12)
+    for p, got in zip(prompts, res.tokens):
+        assert got == plain_greedy(base, p, 12)
+    state = res.drafter["state"]
+    # every group's steps, not one group's (a group's last step ends it: no commit reaches the drafter)
+    assert state["verified_batches"] == res.steps - 3
+    assert state["length_metric"] == "verify"
+
+
 def test_drafters_that_read_the_base_are_refused(stories_dir, tmp_path):
     from draftlab.base import load_base
     from draftlab.decode.pipeline import DraftPipeline, PipelineError

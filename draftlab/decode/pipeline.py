@@ -8,6 +8,10 @@ pauses while the pool holds at least `batch_size` requests and resumes when the 
 drafted-but-unverified requests, and the KV memory they pin, stay bounded). When a group ends, the next
 `batch_size` requests of the stream open a new one.
 
+The groups' drafters learn online as one: a vote ensemble's weights, schedule and adaptive length are shared
+by every group, and the adaptive length follows the verifier's time per verified token (Minions' t_LLM; the
+`metric: verify` ensemble option, set here unless the caller sets another).
+
 Each step of a group is exactly a step of the plain decoder (draftlab.decode.decoder.Verifier + the same
 Drafter), so greedy output equals plain greedy decoding and sampling keeps the target distribution.
 
@@ -93,6 +97,8 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
 
         torch.set_num_threads(threads)
         draft, meta = load_export(export, base=None, device=device)
+        if meta["head"]["type"] == "ensemble":  # Minions: the adaptive length follows the verifier's time alone
+            options = {**options, "options": {"metric": "verify", **(options.get("options") or {})}}
         probe = make_drafter(draft, resolve_tree(tree, meta), **options)
         if probe.hidden_layers:
             raise PipelineError(f"a {meta['head']['type']} drafter reads the base's hidden states, so it cannot draft "
@@ -135,6 +141,7 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
             elif kind == "begin":
                 _, _, g, prompt, root, sampling = msg
                 drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
+                drafter.share_state(probe)  # one vote / schedule / adaptive length learned over all groups
                 drafter.begin(move(prompt, device), sampling, gen)
                 groups[g] = [drafter, root.to(device), root.shape[0]]
                 ready.append(g)
@@ -148,8 +155,8 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
                 ready.append(g)
             elif kind == "end":
                 groups.pop(msg[2], None)
-            elif kind == "stats":
-                _send(pool, ("stats", run, stats))
+            elif kind == "stats":  # with what the drafters learned together (an ensemble's weights and length)
+                _send(pool, ("stats", run, {**stats, "state": probe.describe()}))
     except BaseException:  # noqa: BLE001 - reported to the verifier, which raises it
         _send(pool, error_message("pipeline drafter"))
 

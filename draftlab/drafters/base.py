@@ -102,6 +102,11 @@ class Drafter(ABC):
         hidden states cannot skip a step and do not implement this."""
         raise NotImplementedError(f"{type(self).__name__} cannot skip a step")
 
+    def share_state(self, other: "Drafter") -> None:
+        """Learn online together with `other`, a drafter of the same draft module decoding another batch at the
+        same time (the pipeline's groups): what it adapts across steps (an ensemble's vote weights, schedule and
+        speculation length) becomes one state both update. Drafters that learn nothing online ignore it."""
+
     def describe(self) -> dict:
         """What a report says about this drafter (kind, tree size, ...)."""
         return {"kind": type(self).__name__, "max_nodes": self.max_nodes}

@@ -263,9 +263,9 @@ class EnsembleDrafter(Drafter):
         d = {"kind": "ensemble", "mode": self.mode, "members": [m.describe() for m in self.members],
              "max_nodes": self.max_nodes}
         if self.mode == "vote":
-            d["weights"] = [round(w, 3) for w in self.vote.weights]
+            d.update(weights=[round(w, 3) for w in self.vote.weights], verified_batches=self.vote.updates)
         if self.adaptive is not None:
-            d["speculation_length"] = self.adaptive.s
+            d.update(speculation_length=self.adaptive.s, length_metric=self.adaptive.metric)
         return d
 
     # --- state --------------------------------------------------------------------------------------------
@@ -278,6 +278,12 @@ class EnsembleDrafter(Drafter):
         if self.scheduler is not None:
             self.scheduler.reset(n)
         self.vote.reset(n)
+
+    def share_state(self, other: Drafter) -> None:
+        if isinstance(other, EnsembleDrafter):
+            self.scheduler, self.vote, self.adaptive = other.scheduler, other.vote, other.adaptive
+            if self.mode == "vote" and self.adaptive is not None:
+                self._set_length(self.adaptive.s)
 
     def _set_length(self, s: int) -> None:
         self.length = s
@@ -293,6 +299,8 @@ class EnsembleDrafter(Drafter):
     # --- proposals ----------------------------------------------------------------------------------------
     def propose(self, root: torch.Tensor) -> Proposal:
         t0 = time.perf_counter()
+        if self.adaptive is not None and self.length != self.adaptive.s:  # moved by a step of a sharing drafter
+            self._set_length(self.adaptive.s)
         self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
         self.props = [m.propose(root) if on else None for m, on in zip(self.members, self.on)]
         t1 = time.perf_counter()
@@ -439,7 +447,4 @@ class EnsembleDrafter(Drafter):
         self.vote.update(won)
         if self.adaptive is not None:
             committed = sum(len(step.paths[b]) for b in rows) / len(rows)  # the verified length: accepted + bonus
-            before = self.adaptive.s
-            self.adaptive.record(step.time_s, committed)
-            if self.adaptive.s != before:
-                self._set_length(self.adaptive.s)
+            self.adaptive.record(step.time_s, committed)  # the next proposal drafts at the new length
