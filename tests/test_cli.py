@@ -47,7 +47,9 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("text", "new_tokens", "steps", "accept_length", "tokens_per_s", "baseline_tokens_per_s", "speedup"):
         assert key in rep
-    assert rep["identical_to_baseline"] is True and rep["new_tokens"] == 12 and rep["accept_length"] >= 1
+    assert rep["identical_to_baseline"] is True and rep["new_tokens"] == 12
+    assert rep["new_tokens"] == 1 + round(rep["steps"] * rep["accept_length"])  # the prefill's token, then the steps'
+    assert rep["speedup"] == pytest.approx(rep["tokens_per_s"] / rep["baseline_tokens_per_s"], rel=1e-2)
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "x", "--tree", "chain", "--temperature", "0.7",
                  "--top-p", "0.9", "--json"]) == 0
     assert main(["generate", str(tmp_path), "--prompt", "x", "--json"]) == 2

@@ -3,6 +3,8 @@ self-distillation, checkpoints without the frozen base, the export's adapter and
 base (greedy output equals the adapted base's own), and the recipe errors."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +31,10 @@ def test_warm_up_then_joint_training_and_the_export(tiny_base_dir, data_file, tm
     logs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {l["step"]: l for l in logs if "loss" in l}
     assert "base_loss" not in steps[1] and "base_loss" not in steps[2]  # warm-up: heads only
-    assert steps[3]["base_loss"] >= 0 and steps[4]["base_loss"] > 0  # KL to the original base, once it moved
+    # The cross-entropy to the original base: before LoRA's first update (its B starts at zero) it is that base's
+    # own entropy, so at most log(vocab); a loss summed over positions or against the wrong target would exceed it.
+    vocab = json.loads((Path(tiny_base_dir) / "config.json").read_text())["vocab_size"]
+    assert 0 < steps[3]["base_loss"] <= math.log(vocab) and steps[4]["base_loss"] > 0
     meta = read_meta(out / "export")
     assert meta["adapter"] == "adapter"
     cfg = json.loads((out / "export" / "adapter" / "adapter_config.json").read_text())

@@ -70,7 +70,7 @@ def test_metrics_config_and_eval_are_written(tiny_base_dir, data_file, tmp_path)
     train_lines = [l for l in lines if "loss" in l]
     assert [l["step"] for l in train_lines] == [1, 2, 3, 4]
     evals = [l for l in lines if l.get("event") == "eval"]
-    assert len(evals) == 2 and len(evals[0]["top1"]) == 3 and all(0 <= a <= 1 for a in evals[-1]["topk"])
+    assert len(evals) == 2 and len(evals[0]["top1"]) == 3 and all(t1 <= tk <= 1 for t1, tk in zip(evals[-1]["top1"], evals[-1]["topk"]))
     assert (out / "config.yaml").read_text() == dump_recipe(recipe(tiny_base_dir, data_file, out))
     assert summary["eval"]["top1"] == evals[-1]["top1"]
     # keep_checkpoints=2 by default: steps 2 and 4 remain

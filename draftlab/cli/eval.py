@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..eval.mt_bench import compare_runs, run_mt_bench
 from ..shipped import mt_bench_questions
-from .args import add_placement_args, positive_int
+from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
 
 
 def add_eval_args(sub) -> None:
@@ -25,7 +25,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    add_typical_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=1024)
     p.add_argument("--limit", type=int, default=None, help="first N selected questions")
     p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
@@ -54,11 +54,12 @@ def eval_command(a) -> int:
         else:
             print(table)
         return 0
+    sampling_from_args(a)  # a bad flag fails before anything loads
     out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
     s = run_mt_bench(a.export, a.questions or str(mt_bench_questions()), out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
-                     device_map=a.device_map)
+                     device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha)
     if a.json:
         print(json.dumps(s))
         return 0

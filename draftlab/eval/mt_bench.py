@@ -28,8 +28,8 @@ from ..decode.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.parallel import agree, is_main
 from ..decode.tree_search import hardware
 
-RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "max_new_tokens",
-            "seed", "baseline")
+RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
+            "typical_alpha", "max_new_tokens", "seed", "baseline")
 
 
 class EvalError(ValueError):
@@ -271,7 +271,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                  limit: int | None = None, categories: list[str] | None = None, base: str | None = None,
                  dtype: str | None = None, device: str | None = None, seed: int = 0, baseline: bool = True,
                  model_id: str | None = None, overwrite: bool = False, progress: bool = True,
-                 plots: bool = True, tp: bool = False, device_map: str | None = None) -> dict:
+                 plots: bool = True, tp: bool = False, device_map: str | None = None,
+                 typical_epsilon: float | None = None, typical_alpha: float | None = None) -> dict:
     """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots.
     tp: every rank of the launch answers every question with its shard of the base; rank 0 writes --out, the
     others a private scratch directory, and all follow rank 0's list of questions still to answer."""
@@ -283,14 +284,18 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
         out, progress, plots = tempfile.mkdtemp(prefix="draftlab-eval-rank"), False, False
     if tok.chat_template is None:
         raise EvalError(f"the tokenizer of {meta['base']['name_or_path']} has no chat template")
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical,
+                        posterior_alpha=typical_alpha,
+                        **({} if typical_epsilon is None else {"posterior_threshold": typical_epsilon}))
     greedy = temperature <= 0 and not typical
     base_name = base or meta["base"]["name_or_path"]
     short = Path(base_name.rstrip("/")).name
     model_id = model_id or f"{short}-draftlab-{meta['head']['type']}"
     settings = {"export": str(export), "base": base_name, "questions": str(questions), "tree": tree,
                 "tree_size": decoder.drafter.max_nodes, "head": meta["head"]["type"], "temperature": temperature,
-                "top_p": top_p, "top_k": top_k, "typical": typical, "greedy": greedy,
+                "top_p": top_p, "top_k": top_k, "typical": typical,
+                "typical_epsilon": sampling.posterior_threshold if typical else None,
+                "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain"}
     outp = Path(out)
