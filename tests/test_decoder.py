@@ -335,6 +335,22 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     assert stat < df + 4 * (2 * df) ** 0.5, (stat, df)
 
 
+def test_the_drafter_draws_from_a_stream_of_its_own():
+    """One generator handed to generate(): the verifier draws from it, the drafter from a stream derived from it,
+    so the first draft and the sampled root never share a uniform (the pipeline / DSI collision, by construction)."""
+    from draftlab.drafters.ssm import SSMDrafter
+
+    base = tiny_llama(vocab=16, seed=4)
+    drafter = SSMDrafter(tiny_llama(vocab=16, seed=4), Tree.chain(2))
+    got, begin = [], drafter.begin
+    drafter.begin = lambda prompt, sampling, gen: (got.append(gen), begin(prompt, sampling, gen))
+    g = torch.Generator().manual_seed(0)
+    SpeculativeDecoder(base, drafter).generate([[1, 5]], max_new_tokens=3, sampling=Sampling(temperature=0.8), generator=g)
+    assert got[0] is not None and got[0] is not g
+    first = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(torch.rand(4, generator=got[0]), first)  # not a copy of the verifier's stream
+
+
 def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
     """The same check fails when acceptance ignores p (accepting every drafted child with p(x) > 0)."""
     import draftlab.decode.decoder as decoder_mod

@@ -20,6 +20,7 @@ import torch
 from ..drafters.base import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
 from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
+from .streams import derived_generator
 
 
 @dataclass
@@ -209,14 +210,16 @@ class SpeculativeDecoder:
                  eos_token_id: int | list[int] | None = None, stop=None, on_tokens=None,
                  generator: torch.Generator | None = None) -> Result:
         """Decode a batch of prompt id lists. stop(row, tokens) -> cut index or None ends a row early;
-        on_tokens(row, new_tokens) is called as tokens are committed (streaming)."""
+        on_tokens(row, new_tokens) is called as tokens are committed (streaming). generator: the verifier draws
+        from it; the drafter from a stream of its own, seeded by the generator's first draw (see streams)."""
         sampling = sampling or Sampling()
         drafter = self.drafter
+        drafter_gen = None if generator is None else derived_generator(generator, "drafter")
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
-        drafter.begin(prompt, sampling, generator)
+        drafter.begin(prompt, sampling, drafter_gen)
         sync_device(self.device)
         verifier.res.time_s["prefill"] = time.perf_counter() - t0  # the drafter's begin included
         while not verifier.done:

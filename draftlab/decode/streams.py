@@ -22,3 +22,10 @@ def role_seed(seed: int, role: str) -> int:
 def role_generator(seed: int, role: str, device="cpu") -> torch.Generator:
     """A torch.Generator on `device` for `role`'s draws in a run seeded with `seed`."""
     return torch.Generator(device=device).manual_seed(role_seed(seed, role))
+
+
+def derived_generator(parent: torch.Generator, role: str) -> torch.Generator:
+    """A generator for `role` seeded from one draw of `parent` (on parent's device): a caller that hands over one
+    generator still gets a separate stream for each role."""
+    seed = int(torch.randint(0, 1 << 62, (1,), generator=parent, device=parent.device))
+    return role_generator(seed, role, parent.device)
