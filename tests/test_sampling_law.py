@@ -121,9 +121,9 @@ def ssm_setup():
     return base, near_copy(base, 0.3, seed=1, favour=(3, 7))
 
 
-def ssm_run(n: int, k: int, seed: int = 0, tree: Tree = SSM_TREE, eos: int | None = None):
+def ssm_run(n: int, k: int, seed: int = 0, tree: Tree = SSM_TREE, eos: int | None = None, **decoder_options):
     base, lm = ssm_setup()
-    x, res, log = sample(SpeculativeDecoder(base, SSMDrafter(lm, tree)), n, k, S_SSM, seed, eos)
+    x, res, log = sample(SpeculativeDecoder(base, SSMDrafter(lm, tree), **decoder_options), n, k, S_SSM, seed, eos)
     laws = [conditional_laws(m, prompts(n), x, S_SSM) for m in (base, lm)]
     return x, res, log, base, lm, *laws
 
@@ -135,6 +135,13 @@ def test_ssm_tree_sampling_keeps_the_law_over_several_steps():
     # Power: the same samples against the drafter's law, and against the base at another temperature.
     assert_rejects(law_statistic(x, q))
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_p=0.9))))
+
+
+def test_the_compiled_static_path_keeps_the_law():
+    """The same check through the static-shape path (static cache, padded trees, torch.compile's graph capture)."""
+    x, res, log, base, lm, p, q = ssm_run(600, 8, compile="eager")
+    assert_deep_accepts(res, log)
+    assert_fits(law_checks(x, p, q))
 
 
 def test_rows_that_stop_at_eos_leave_the_others_their_law():

@@ -27,6 +27,8 @@ def add_eval_args(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     add_typical_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=1024)
+    p.add_argument("--compile", action="store_true",
+                   help="the static-shape, compiled decode path (see generate --compile); same answers")
     p.add_argument("--limit", type=int, default=None, help="first N selected questions")
     p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
     p.add_argument("--base", default=None)
@@ -59,7 +61,8 @@ def eval_command(a) -> int:
     s = run_mt_bench(a.export, a.questions or str(mt_bench_questions()), out, a.tree, a.temperature, a.top_p, a.top_k, a.typical,
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
-                     device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha)
+                     device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha,
+                     compile=a.compile)
     if a.json:
         print(json.dumps(s))
         return 0

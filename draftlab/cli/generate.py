@@ -26,6 +26,10 @@ def add_generate_args(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--compare", action="store_true", help="also run plain decoding of the base and report speedup")
     p.add_argument("--stream", action="store_true", help="print text as it is committed (batch of one)")
+    p.add_argument("--compile", action="store_true",
+                   help="static-shape decoding (static KV cache, trees padded to the drafter's node budget) with "
+                        "torch.compile (CUDA graphs on a GPU); same tokens as the default eager path. The first "
+                        "call compiles (reported as compile_s); with --compare, also plain decoding compiled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ensemble-mode", choices=["merge", "vote"], default=None,
                    help="ensemble exports: merged trees (SpecInfer) or weighted-majority vote (Minions)")
@@ -51,7 +55,7 @@ def generate_command(a) -> int:
     decoder, tok, _ = load_decoder(a.export, a.base, a.tree, a.dtype, a.device, a.tp, a.device_map,
                                    mode=a.ensemble_mode,
                                    node_budget=a.node_budget, length=a.length, adaptive=a.adaptive,
-                                   options=options or None)
+                                   options=options or None, compile=a.compile)
     on_text = None
     if a.stream and not a.json:
         on_text = lambda b, delta: (sys.stdout.write(delta), sys.stdout.flush())

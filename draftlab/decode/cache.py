@@ -147,3 +147,112 @@ def check_tree_support(model) -> None:
                                    f"({model.config._attn_implementation!r}) may build its own mask. Try "
                                    "attn_implementation='eager' or 'sdpa'.")
     _CHECKED[id(model)] = True
+
+
+class StaticSlotCache:
+    """SlotCache's contract on preallocated buffers, so every verify forward has one shape.
+
+    The KV cache is transformers' StaticCache of `max_len` slots per row; `valid` [B, max_len] marks the slots
+    a row may attend to (committed tokens; the rest are holes or not yet written). A forward over N tree tokens
+    writes slots [length, length + N) in place and attends through a [B, 1, N, max_len] mask, so its shapes
+    depend on (B, N, max_len) only, never on how far decoding got: one compiled graph (and on a GPU one CUDA
+    graph) serves every step. `keep` moves the accepted slots into place inside the buffers (a gather and a
+    write of at most N slots per layer) and rewinds the write pointer.
+
+    forward: the callable that runs the model's verify forwards (the model itself, or a torch.compile of it);
+    the prefill (one varying shape per batch) always runs the model eagerly.
+    """
+
+    def __init__(self, model, batch: int, max_len: int, forward=None):
+        from transformers import StaticCache
+
+        self.model, self.max_len = model, max_len
+        self.run = forward or model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.slots = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)  # valid slots
+        self.n = 0  # slots committed (holes included); tentative slots start here
+        self.tentative = 0  # slots written since the last keep
+        self.next_pos: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.n
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.slots[:, : self.n]
+
+    def _layers(self):
+        return [l for l in self.cache.layers if getattr(l, "is_initialized", False)]
+
+    def _check_room(self, n: int) -> None:
+        if self.n + self.tentative + n > self.max_len and self.tentative == 0:
+            self._defragment()
+        if self.n + self.tentative + n > self.max_len:
+            raise ValueError(f"static KV cache of {self.max_len} slots is full ({self.n} committed, "
+                             f"{self.tentative} tentative, {n} more asked); size it for prompt + max_new_tokens "
+                             "+ the tree's nodes")
+
+    def _defragment(self) -> None:
+        """Rows of a batch leave holes where another row accepted more; when the buffers fill up, move every
+        row's valid slots to its front (positions are explicit, so a slot's place does not matter). After it
+        the cache holds at most the longest row's prompt and output."""
+        order = torch.sort((~self.slots).to(torch.int8), dim=1, stable=True).indices  # valid slots first
+        for layer in self._layers():
+            for t in (layer.keys, layer.values):
+                t.copy_(t.gather(2, order[:, None, :, None].expand_as(t)))
+        counts = self.slots.sum(-1)
+        self.n = int(counts.max())
+        self.slots = torch.arange(self.max_len, device=self.device)[None] < counts[:, None]
+        for layer in self._layers():
+            layer.cumulative_length.fill_(self.n)
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """allowed [B, N, T] over the tentative slots (the T last written, these N included) -> the additive
+        [B, 1, N, max_len] mask: committed valid slots, the allowed tentative ones, nothing else."""
+        B, N, T = allowed.shape
+        full = torch.zeros(B, N, self.max_len, dtype=torch.bool, device=self.device)
+        full[:, :, : self.n] = self.slots[:, None, : self.n]
+        full[:, :, self.n: self.n + T] = allowed
+        mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~full, torch.finfo(self.dtype).min)[:, None]
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+        self._check_room(ids.shape[1])
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        self.tentative = ids.shape[1]
+        out = self.model(input_ids=ids, attention_mask=self._mask(causal_allowed(valid)), position_ids=pos,
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        L = ids.shape[1]
+        self.slots[:, :L] = valid.bool()
+        self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)
+        return out, pos
+
+    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
+        N = tokens.shape[1]
+        self._check_room(N)
+        self.tentative += N
+        return self.run(input_ids=tokens, attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
+                        past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+
+    def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
+        m = keep.shape[1]
+        if not in_place:
+            for layer in self._layers():
+                for t in (layer.keys, layer.values):  # [B, kv_heads, max_len, d]
+                    idx = (start + keep)[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
+                    t[:, :, start:start + m] = t.gather(2, idx)
+        for layer in self._layers():
+            layer.cumulative_length.fill_(start + m)
+        self.slots[:, start:start + m] = keep_valid
+        self.slots[:, start + m:] = False
+        self.n, self.tentative = start + m, 0
+        self.next_pos = self.next_pos + keep_valid.sum(-1)
+
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+        out = self.forward(tokens, causal_allowed(valid), (valid.long().cumsum(-1) - 1).clamp(min=0), hidden)
+        self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),
+                  valid.bool(), in_place=True)
+        return out

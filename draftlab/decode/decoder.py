@@ -12,6 +12,7 @@ masked-out holes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +20,9 @@ import torch
 
 from ..drafters.base import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
-from .cache import SlotCache, UnsupportedBaseError, cache_layers, check_tree_support, compact_cache  # noqa: F401
+from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
+                    compact_cache)
+from .tree import TreeView
 from .streams import derived_generator
 
 
@@ -67,10 +70,14 @@ class Verifier:
     everyone's."""
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
-                 on_tokens=None, generator=None, hidden_layers=(), sync=None):
+                 on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
+                 forward=None):
+        """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
+        (the drafter's max_nodes); forward: what runs those verify forwards (a CompiledForward, or the base)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
+        self.static_nodes, self.forward = static_nodes, forward
         self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
         self.device = base.get_output_embeddings().weight.device
         self.res = Result(tokens=[[] for _ in prompts])
@@ -88,7 +95,12 @@ class Verifier:
         for b, p in enumerate(self.prompts):
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
-        self.target = SlotCache(self.base)
+        if self.static_nodes:  # room for the prompt, the output and one tree; holes are defragmented away
+            # rounded up to 256 slots, so prompts of similar length share one compiled shape
+            size = -(-(L + self.max_new + 2 * self.static_nodes) // 256) * 256
+            self.target = StaticSlotCache(self.base, B, size, self.forward)
+        else:
+            self.target = SlotCache(self.base)
         out, pos = self.target.prefill(ids, valid, hidden=bool(self.layers))
         root = _pick_root(out.logits[:, -1], self.sampling, self.generator)  # [B]
         if self.sync is not None:
@@ -106,6 +118,8 @@ class Verifier:
                                                        self.generator)
         if self.sync is not None:
             prop = self.sync.proposal(prop)
+        if self.static_nodes:
+            prop = pad_proposal(prop, self.static_nodes)
         tokens, view = prop.tokens, prop.view  # [B, N]
         B = tokens.shape[0]
         t2 = time.perf_counter()
@@ -179,6 +193,51 @@ class Verifier:
         return max(len(out) - before, 0)
 
 
+class NoDraft(Drafter):
+    """Drafts nothing: every step verifies the root alone, so the decoder is plain decoding on the same path
+    (static cache, compiled forward) as speculation; the fair baseline for a compiled speculative decoder."""
+
+    max_nodes = 1
+
+    def begin(self, prompt, sampling, generator) -> None:
+        self.view = None
+
+    def propose(self, root: torch.Tensor) -> Proposal:
+        B = root.shape[0]
+        if self.view is None or self.view.size != 1 or self.view.parents.shape[0] != B:
+            one = torch.ones(B, 1, dtype=torch.bool, device=root.device)
+            self.view = TreeView(torch.full((B, 1), -1, device=root.device), torch.zeros(B, 1, dtype=torch.long,
+                                 device=root.device), one, one[:, :, None].clone())
+        return Proposal(root[:, None], self.view)
+
+    def commit(self, step: StepResult) -> None:
+        pass
+
+    def follow(self, committed) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"kind": "none (plain decoding)", "max_nodes": 1}
+
+
+def pad_proposal(prop: Proposal, n: int) -> Proposal:
+    """The proposal with n nodes per row: padded nodes (token 0, valid False, attending to themselves only) are
+    never accepted, so acceptance reads the same tree; every verify forward then has one shape."""
+    B, N = prop.tokens.shape
+    if N == n:
+        return prop
+    if N > n:
+        raise ValueError(f"a proposal of {N} nodes exceeds the drafter's max_nodes ({n})")
+    v, dev = prop.view, prop.tokens.device
+    pad = lambda t, value: torch.cat([t, torch.full((B, n - N, *t.shape[2:]), value, dtype=t.dtype, device=dev)], 1)
+    anc = torch.zeros(B, n, n, dtype=torch.bool, device=dev)
+    anc[:, :N, :N] = v.ancestors
+    anc[:, N:, N:] = torch.eye(n - N, dtype=torch.bool, device=dev)
+    view = TreeView(pad(v.parents, -1), pad(v.depth, 0), pad(v.valid, False), anc)
+    q_index = None if prop.q_index is None else pad(prop.q_index, -1)
+    return Proposal(pad(prop.tokens, 0), view, prop.q, q_index)
+
+
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
     """The base's first token after the prompt [B]: argmax when greedy, a sample from the warped p otherwise."""
     if sampling.temperature <= 0 or sampling.typical:
@@ -196,7 +255,12 @@ class SpeculativeDecoder:
     """Greedy, sampling and typical-acceptance decoding of a base with a drafter. sync: a
     draftlab.decode.parallel.RankSync when the base is tensor-parallel over several processes."""
 
-    def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None):
+    def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None, compile: bool | str = False,
+                 static: bool | None = None):
+        """compile: the fast path, verify forwards of one shape (static KV cache, trees padded to the drafter's
+        max_nodes) through torch.compile (CUDA graphs on a GPU); True is the inductor backend (or the one
+        DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static shapes without compiling (default: as compile). The
+        eager path (both False) is the reference; all give the same tokens."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -204,6 +268,20 @@ class SpeculativeDecoder:
         self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)
+        self.static = compile if static is None else static
+        if compile and not self.static:
+            raise ValueError("compile needs the static-shape path (static=True)")
+        self.forward = None
+        if compile:
+            from .compiled import compiled_forward
+
+            backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
+            self.forward = compiled_forward(base, backend)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compiled forwards spent compiling so far (0 on the eager path)."""
+        return self.forward.warmup_s if self.forward is not None else 0.0
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,
@@ -216,7 +294,8 @@ class SpeculativeDecoder:
         drafter = self.drafter
         drafter_gen = None if generator is None else derived_generator(generator, "drafter")
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
-                            generator, drafter.hidden_layers, self.sync)
+                            generator, drafter.hidden_layers, self.sync,
+                            static_nodes=drafter.max_nodes if self.static else None, forward=self.forward)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)

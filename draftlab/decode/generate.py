@@ -7,7 +7,7 @@ import time
 import torch
 
 from .acceptance import Sampling
-from .decoder import SpeculativeDecoder, sync_device
+from .decoder import NoDraft, SpeculativeDecoder, sync_device
 from .tree import DynamicTree, Tree, TreeError
 
 
@@ -50,11 +50,13 @@ class _Shape:
 
 
 def load_decoder(export_dir: str, base: str | None = None, tree: str | None = None, dtype: str | None = None,
-                 device: str | None = None, tp: bool = False, device_map: str | None = None, **drafter_options):
+                 device: str | None = None, tp: bool = False, device_map: str | None = None, compile: bool = False,
+                 **drafter_options):
     """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names. `lookup` (or
     `lookup:N`, N tokens per continuation) instead of an export decodes with prompt lookup and needs `base`.
     tp: split the base over the processes of this torchrun / accelerate launch (tensor parallel); device_map:
     place its layers over the visible devices (e.g. 'auto'); see draftlab.decode.parallel.
+    compile: the static-shape, compiled decode path (SpeculativeDecoder's compile).
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
     from ..base import base_identity
     from ..drafters import LookupDraft, make_drafter
@@ -69,7 +71,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
         model, tok = load_placed(base, dtype or "float32", device, tp, device_map)
         n = int(export_dir.split(":")[1]) if ":" in export_dir else 5
         meta = {"head": {"type": "lookup", "num_tokens": n}, "base": base_identity(model, base)}
-        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=sync), tok, meta
+        return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=sync, compile=compile), tok, meta
     meta = read_meta(export_dir)
     name = base or meta["base"]["name_or_path"]
     model, tok = load_placed(name, dtype or meta["base"]["dtype"], device, tp, device_map)
@@ -77,7 +79,8 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     device = decoder_device(model)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
-    return SpeculativeDecoder(model, make_drafter(draft, resolve_tree(tree, meta), **options), sync=sync), tok, meta
+    drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
+    return SpeculativeDecoder(model, drafter, sync=sync, compile=compile), tok, meta
 
 
 def load_placed(name: str, dtype: str, device, tp: bool, device_map):
@@ -155,8 +158,13 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
     ids = [encode_prompt(tok, p, chat) for p in prompts]
     eos = tok.eos_token_id
     gen = torch.Generator(device=decoder.device).manual_seed(seed)
-    # Warm-up (allocator, kernels) outside the timed region.
-    decoder.generate(ids[:1], max_new_tokens=4, sampling=sampling, eos_token_id=eos, generator=gen)
+    # Warm-up (allocator, kernels) outside the timed region; a compiled decoder compiles for these shapes here.
+    t0 = time.perf_counter()
+    if decoder.forward is not None:
+        decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
+    else:
+        decoder.generate(ids[:1], max_new_tokens=4, sampling=sampling, eos_token_id=eos, generator=gen)
+    warmup = time.perf_counter() - t0
     res_tokens = [[] for _ in ids]
     seen = [""] * len(ids)
 
@@ -183,7 +191,12 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         "tree_size": decoder.drafter.max_nodes,
         "drafter": decoder.drafter.describe(),
         "batch_size": len(ids),
+        "compiled": decoder.forward is not None,
+        "warmup_s": round(warmup, 3),
     }
+    if decoder.forward is not None:
+        report["compile_s"] = round(decoder.compile_s, 3)
+        report["compile_failed"] = decoder.forward.failed
     if compare:
         plain_generate(decoder.base, ids[:1], 4, sampling, eos, seed)  # warm-up
         base_tokens, base_t = plain_generate(decoder.base, ids, max_new_tokens, sampling, eos, seed)
@@ -193,5 +206,15 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         if sampling.temperature <= 0 and not sampling.typical:
             same = [a == b[: len(a)] if stops else a == b for a, b in zip(res.tokens, base_tokens)]
             report["identical_to_baseline"] = all(same)
+        if decoder.forward is not None:  # the fair baseline: plain decoding on the same compiled path
+            plain = SpeculativeDecoder(decoder.base, NoDraft(), check_base=False, sync=decoder.sync,
+                                       compile=decoder.forward.backend)
+            plain.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
+            t0 = time.perf_counter()
+            r = plain.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
+                               stop=stop_fn(tok, list(stops)), generator=gen)
+            sync_device(decoder.device)
+            report["compiled_plain_tokens_per_s"] = round(r.new_tokens / (time.perf_counter() - t0), 2)
+            report["speedup_vs_compiled_plain"] = round(report["tokens_per_s"] / report["compiled_plain_tokens_per_s"], 4)
     report["tokens"] = res.tokens
     return report

@@ -272,14 +272,15 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                  dtype: str | None = None, device: str | None = None, seed: int = 0, baseline: bool = True,
                  model_id: str | None = None, overwrite: bool = False, progress: bool = True,
                  plots: bool = True, tp: bool = False, device_map: str | None = None,
-                 typical_epsilon: float | None = None, typical_alpha: float | None = None) -> dict:
+                 typical_epsilon: float | None = None, typical_alpha: float | None = None,
+                 compile: bool = False) -> dict:
     """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots.
     tp: every rank of the launch answers every question with its shard of the base; rank 0 writes --out, the
     others a private scratch directory, and all follow rank 0's list of questions still to answer."""
     qs = load_questions(questions, categories, limit)
     if not qs:
         raise EvalError(f"{questions}: no questions selected")
-    decoder, tok, meta = load_decoder(export, base, tree, dtype, device, tp, device_map)
+    decoder, tok, meta = load_decoder(export, base, tree, dtype, device, tp, device_map, compile=compile)
     if not is_main():
         out, progress, plots = tempfile.mkdtemp(prefix="draftlab-eval-rank"), False, False
     if tok.chat_template is None:
@@ -295,7 +296,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "tree_size": decoder.drafter.max_nodes, "head": meta["head"]["type"], "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "typical": typical,
                 "typical_epsilon": sampling.posterior_threshold if typical else None,
-                "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy,
+                "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy, "compiled": compile,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain"}
     outp = Path(out)

@@ -52,6 +52,7 @@ class HeadsDrafter(Drafter):
         from transformers import DynamicCache
 
         self.cache = DynamicCache()
+        self.valid = prompt.valid.bool()  # the prefix layer's own cache slots: the base's committed text
         self.hidden = self.heads.prefix(hidden, causal_allowed(prompt.valid), prompt.positions, self.cache)[:, -1]
 
     def commit(self, step: StepResult) -> None:
@@ -59,9 +60,10 @@ class HeadsDrafter(Drafter):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         if self.prefix:
             B, M, _ = hidden.shape
-            vb = step.valid_before
+            vb = self.valid
             allowed = torch.cat([vb[:, None, :].expand(B, M, vb.shape[1]), causal_allowed(step.keep_valid)], dim=2)
             hidden = self.heads.prefix(hidden, allowed, step.positions, self.cache)
+            self.valid = torch.cat([vb, step.keep_valid], dim=1)
         self.hidden = hidden[rows, step.last]
 
     # --- proposals ---------------------------------------------------------------------------------

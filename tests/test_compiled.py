@@ -1,0 +1,139 @@
+"""The static-shape decode path (static KV cache, trees padded to the drafter's node budget, torch.compile) gives
+the eager path's tokens for every drafter kind; its cache keeps, compacts and defragments as the eager one does.
+
+The compiled runs here use torch.compile's "eager" backend (dynamo's graph capture without code generation, a
+few seconds): what they check is that the static path traces and gives the same tokens. The inductor backend,
+which generates code (about 40 s per shape on 2 CPU cores), is checked in one slow test."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftlab.decode.cache import SlotCache, StaticSlotCache
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.decode.tree import DynamicTree, Tree, TreeView
+from draftlab.drafters import build_draft, make_drafter
+from draftlab.drafters.ensemble import EnsembleDrafter
+from draftlab.drafters.retrieval import LookupDrafter
+from draftlab.drafters.ssm import SSMDrafter
+
+
+def peaked(layers=2, seed=4, dtype=torch.float64):
+    base = tiny_llama(vocab=32, layers=layers, seed=seed, dtype=dtype)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(4)  # wide top-2 margins, and drafts close to it accepted several tokens deep
+    return base
+
+
+def near(base, noise=0.2, seed=1):
+    lm = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return lm.eval()
+
+
+def drafter(kind: str, base):
+    torch.manual_seed(0)
+    if kind in ("medusa", "hydra", "hydra++"):
+        head = {"type": "hydra" if kind == "hydra++" else kind, "num_heads": 3, "num_layers": 1,
+                "prefix_attention": kind == "hydra++"}
+        heads = build_draft(head, base).to(base.dtype).eval()
+        return make_drafter(heads, Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
+    if kind == "ssm":
+        return SSMDrafter(near(base), Tree.expansion([2, 2, 1]))
+    if kind == "eagle3":
+        return make_drafter(build_draft({"type": "eagle3", "eagle": {}}, base).to(base.dtype).eval(),
+                            DynamicTree(3, 2, 6))
+    if kind == "ensemble":
+        return EnsembleDrafter([SSMDrafter(near(base), Tree.expansion([1, 2])), SSMDrafter(near(base, 0.4, 2),
+                                Tree.chain(3)), LookupDrafter(num_tokens=2)], mode="merge", node_budget=8)
+    return LookupDrafter(num_tokens=3)
+
+
+KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "lookup"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]  # uneven, left-padded
+    eager = SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21)
+    eos = eager.tokens[0][9]  # a token the first row emits mid-run (often mid-tree): EOS ends rows there
+    ref = SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21, eos_token_id=eos)
+    assert eager.accept_length > 1.0 or kind in ("medusa", "hydra", "hydra++", "eagle3")  # untrained heads
+    for opts in ({"static": True}, {"compile": "eager"}):
+        dec = SpeculativeDecoder(base, drafter(kind, base), **opts)
+        for e, r in ((None, eager), (eos, ref)):
+            got = dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
+            assert got.tokens == r.tokens, (kind, opts, e)
+            assert got.steps == r.steps
+
+
+def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation():
+    """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal
+    the dynamic cache's at every step, also after its buffers filled and the rows' slots were moved together."""
+    base = tiny_llama(vocab=32, seed=2)
+    B, L = 3, 5
+    ids = torch.randint(0, 32, (B, L), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[1, :2] = False
+    dyn, st = SlotCache(base), StaticSlotCache(base, B, 32)
+    with torch.no_grad():
+        a, _ = dyn.prefill(ids, valid)
+        b, _ = st.prefill(ids, valid)
+        assert torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
+        defragmented = False
+        for step in range(10):
+            tree = Tree.expansion([2, 1])
+            view = TreeView.of_static(tree.buffers(), B)
+            tokens = torch.randint(0, 32, (B, tree.size), generator=torch.Generator().manual_seed(step))
+            n_before = st.length
+            a = dyn.forward(tokens, view.ancestors, view.depth).logits
+            b = st.forward(tokens, view.ancestors, view.depth).logits
+            defragmented |= st.length < n_before
+            assert torch.allclose(a, b, atol=1e-10), step
+            paths = [[0, 2, 4] if b == step % B else [0] for b in range(B)]  # one row takes a side branch
+            M = max(len(p) for p in paths)
+            keep = torch.tensor([p + [0] * (M - len(p)) for p in paths])
+            kv = torch.tensor([[True] * len(p) + [False] * (M - len(p)) for p in paths])
+            start = dyn.length
+            dyn.keep(start, keep, kv)
+            st.keep(st.length, keep, kv)
+            assert torch.equal(dyn.next_pos, st.next_pos)
+        assert defragmented  # 5 + 10 steps x 3 slots do not fit in 32 without moving the holes out
+
+
+@pytest.mark.slow
+def test_inductor_compiled_decoding_gives_the_eager_tokens():
+    base = peaked(dtype=torch.float32)
+    prompts = [[1, 5, 7, 9], [1, 3, 8]]
+    ref = SpeculativeDecoder(base, drafter("ssm", base)).generate(prompts, max_new_tokens=24)
+    dec = SpeculativeDecoder(base, drafter("ssm", base), compile=True)
+    assert dec.generate(prompts, max_new_tokens=24).tokens == ref.tokens
+    assert dec.forward.failed is None and dec.compile_s > 0
+
+
+def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, capsys, monkeypatch):
+    """`generate --compile --compare`: the same tokens as plain greedy, and beside HF generate the fair baseline,
+    plain decoding on the same compiled path, with the compile time reported."""
+    import json
+
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.export import save_export
+
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
+                str(tiny_base_dir))
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--prompt", "A cat",
+                 "--max-new-tokens", "12", "--compare", "--compile", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["compiled"] is True and rep["identical_to_baseline"] is True and rep["compile_failed"] is None
+    assert rep["compile_s"] > 0 and rep["compiled_plain_tokens_per_s"] > 0
+    assert rep["speedup_vs_compiled_plain"] == pytest.approx(rep["tokens_per_s"] / rep["compiled_plain_tokens_per_s"],
+                                                             rel=1e-2)
