@@ -37,9 +37,9 @@ def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):
 
 
 # One ZeRO run in the default suite; the rest of the matrix (about 40 s more) runs with the slow tests.
-@pytest.mark.parametrize("kind,stage", [("medusa", 2)] + [pytest.param(k, s, marks=pytest.mark.slow) for k, s in
-                                                          [("medusa", 3), ("ssm", 2), ("ssm", 3), ("eagle3", 3),
-                                                           ("medusa2", 2)]])
+@pytest.mark.slow  # whole training runs; CI runs the slow tests
+@pytest.mark.parametrize("kind,stage", [("medusa", 2), ("medusa", 3), ("ssm", 2), ("ssm", 3), ("eagle3", 3),
+                                        ("medusa2", 2)])
 def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kind):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"

@@ -270,7 +270,8 @@ def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(tiny_base_dir, set
                 assert sim["waits"] == 0 and got["server_waits"] <= 1  # a margin of one draft (10 ms) per task
 
 
-@pytest.mark.parametrize("n", [150, pytest.param(1200, marks=pytest.mark.slow)])
+@pytest.mark.slow  # multi-process; test_run_dsi_draws_each_role_from_its_own_stream stays in the default run
+@pytest.mark.parametrize("n", [150, 1200])
 def test_run_dsi_sampling_keeps_the_base_law(tmp_path, n):
     """Sampled DSI through `draftlab dsi`'s own entry point and drafting (run_dsi: its SSM drafter and random
     streams), one prompt per run as a user's first prompt, on one server pool: every token of 4-token continuations

@@ -123,6 +123,7 @@ def test_greedy_over_dynamic_trees_equals_plain_greedy(seed):
                 assert got == plain_greedy(base, p, 20), (tree, p)
 
 
+@pytest.mark.slow  # one sample per call; test_sampling_law checks EAGLE-3's law batched in the default run
 @pytest.mark.parametrize("tree", [DynamicTree(2, 2, 4), DynamicTree(3, 3, 8)])
 def test_dynamic_tree_sampling_keeps_the_base_distribution(tree):
     base = tiny_llama(vocab=16, layers=3, seed=4)

@@ -42,6 +42,7 @@ def test_ensembles_are_exact(seed, mode, budget):
             assert max(res.tree_sizes) <= 6
 
 
+@pytest.mark.slow  # one sample per call; test_sampling_law checks both modes' law batched in the default run
 @pytest.mark.parametrize("mode", ["merge", "vote"])
 def test_ensemble_sampling_keeps_the_base_distribution(mode):
     base = tiny_llama(vocab=16, seed=4)

@@ -31,7 +31,8 @@ def hydra_pp_recipe(base_dir, data, out, strategy, draft=None):
         "distributed": {"strategy": strategy}, "output_dir": str(out)})
 
 
-@pytest.mark.parametrize("kind", ["hydra++", pytest.param("ssm", marks=pytest.mark.slow)])  # ssm: with the slow tests
+@pytest.mark.slow  # multi-process training runs; CI runs the slow tests
+@pytest.mark.parametrize("kind", ["hydra++", "ssm"])
 def test_fsdp_sharded_base_trains_the_same_heads_as_ddp(tiny_base_dir, data_file, tmp_path, kind):
     runs, local = {}, {}
     for strategy in ("ddp", "fsdp"):

@@ -44,7 +44,8 @@ def single_process(exports) -> dict:
     return decode_all(exports, device="cpu")[0]
 
 
-@pytest.mark.parametrize("procs", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # multi-process (gloo); CI runs the slow tests
+@pytest.mark.parametrize("procs", [2, 4])
 def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_path, procs):
     out = tmp_path / "tp.json"
     p = torchrun(procs, str(REPO / "tests" / "tp_worker.py"), str(out), *exports)

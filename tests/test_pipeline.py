@@ -113,6 +113,7 @@ def check_neighbours(base, prompts, samples, sampling):
     return law_statistic(samples, probs, pair_labels(samples, probs.shape[-1]))
 
 
+@pytest.mark.slow  # 600 pipelined runs; the greedy and failure-path pipeline tests stay in the default run
 def test_pipelined_sampling_keeps_the_base_law(tmp_path):
     """Sampling through the pipeline (drafter and verifier in two processes, each with its own random stream):
     every token of 4-token continuations, depth-2 accepts and later steps included, follows the base's law. With

@@ -238,6 +238,14 @@ def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
 
 
+def test_ensemble_vote_sampling_keeps_the_law_over_several_steps():
+    """Minions' vote: one chain chosen by the members' weighted vote, verified as deterministic drafts."""
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode="vote")
+    assert_deep_accepts(res, log, 1.1, 0.01)  # deterministic drafts are accepted with probability p(x) only
+    assert_fits(law_checks(x, p, (qa + qb) / 2))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
+
+
 # --- EAGLE-3 over dynamic trees ----------------------------------------------------------------------------------
 
 S_EAGLE = Sampling(temperature=0.7, top_k=5)

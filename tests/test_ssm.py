@@ -147,6 +147,7 @@ def test_a_wrong_residual_fails_the_same_check(monkeypatch):
     assert stat > df + 4 * (2 * df) ** 0.5, (stat, df)
 
 
+@pytest.mark.slow  # one sample per call; test_sampling_law checks SSM trees' law batched in the default run
 @pytest.mark.parametrize("tree", [Tree.chain(3), Tree.expansion([2, 2])])
 def test_ssm_speculative_sampling_matches_plain_sampling_end_to_end(tree):
     base = tiny_llama(vocab=16, seed=4)

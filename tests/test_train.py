@@ -124,8 +124,8 @@ def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_pa
         assert list(tmp_path.rglob("offline-run-*"))
 
 
-# One two-process launch in the default suite; the other kinds run with the slow tests.
-@pytest.mark.parametrize("kind", ["medusa"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("ssm", "eagle3", "medusa2")])
+@pytest.mark.slow  # two-process launches; CI runs the slow tests
+@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2"])
 def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind):
     out = tmp_path / "ddp"
     cfg = tmp_path / "r.yaml"
