@@ -387,6 +387,23 @@ def tp_decode(p, d) -> None:
 
 
 # block name -> (results file it reads, or None for a table over several, renderer), in docs/benchmarks.md order
+def compiled(p, d) -> None:
+    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    heading(p, "Eager vs compiled decoding", f"`benchmarks/compiled.py`; {exports}; base `{d['base']}`; "
+            f"{d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1; {where(d)}")
+    p(f"fastest plain decoding in the run: {d['fastest_plain']}\n")
+    p("| method | tree size | accept length | tokens/s | vs HF generate | vs fastest plain | identical to HF | "
+      f"{phases(d['methods'].values())} | warm-up s (compile included) |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        if "tokens_per_s" not in r:
+            p(f"| {m} | failed: {r.get('error')} | | | | | | | |")
+            continue
+        p(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['speedup_vs_fastest_plain']:.2f}x | {r['identical_to_baseline']} | {split(r)} | "
+          f"{r.get('warmup_s', '-')} |")
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -408,6 +425,7 @@ TABLES = {
     "pipeline": ("pipeline", pipeline),
     "dsi": ("dsi", dsi),
     "tp_decode": ("tp_decode", tp_decode),
+    "compiled": ("compiled", compiled),
 }
 
 
