@@ -107,6 +107,36 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
         assert defragmented  # 5 + 10 steps x 3 slots do not fit in 32 without moving the holes out
 
 
+def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for():
+    """A drafter sizes its own cache from the prompt alone; past that the buffers double, contents kept."""
+    base = tiny_llama(vocab=32, seed=3)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    dyn, st = SlotCache(base), StaticSlotCache(base, 2, 8)
+    with torch.no_grad():
+        dyn.prefill(ids, valid)
+        st.prefill(ids, valid)
+        view = TreeView.of_static(Tree.chain(3).buffers(), 2)
+        for step in range(4):
+            tokens = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(10 + step))
+            a = dyn.forward(tokens, view.ancestors, view.depth).logits
+            b = st.forward(tokens, view.ancestors, view.depth).logits
+            assert torch.allclose(a, b, atol=1e-10), step
+            keep, kv = torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.ones(2, 3, dtype=torch.bool)
+            dyn.keep(dyn.length, keep, kv, in_place=True)
+            st.keep(st.length, keep, kv, in_place=True)
+    assert st.max_len >= 6 + 4 * 3 and st.cache.layers[0].keys.shape[2] == st.max_len
+
+
+def test_an_ssm_drafter_keeps_a_static_cache_on_the_compiled_path():
+    base = peaked()
+    d = drafter("ssm", base)
+    SpeculativeDecoder(base, d, compile="eager").generate([[1, 5, 7]], max_new_tokens=8)
+    assert isinstance(d.target, StaticSlotCache) and d.target.run is not d.lm  # compiled forward
+    SpeculativeDecoder(base, d).generate([[1, 5, 7]], max_new_tokens=8)
+    assert isinstance(d.target, SlotCache)  # the same drafter on the eager path: the eager cache
+
+
 @pytest.mark.slow
 def test_inductor_compiled_decoding_gives_the_eager_tokens():
     base = peaked(dtype=torch.float32)

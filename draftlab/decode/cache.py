@@ -149,6 +149,20 @@ def check_tree_support(model) -> None:
     _CHECKED[id(model)] = True
 
 
+def slot_cache(model, batch: int, length: int, path: dict | None):
+    """The KV cache a model decodes with on the decoder's path: a SlotCache on the eager path (path None or not
+    static); on the static-shape path a StaticSlotCache of `length` slots (rounded up to 256, grown if needed)
+    whose tree forwards run through the model's compiled forward when path["compile"] names a backend."""
+    if not path or not path.get("static"):
+        return SlotCache(model)
+    forward = None
+    if path.get("compile"):
+        from .compiled import compiled_forward
+
+        forward = compiled_forward(model, path["compile"])
+    return StaticSlotCache(model, batch, -(-length // 256) * 256, forward)
+
+
 class StaticSlotCache:
     """SlotCache's contract on preallocated buffers, so every verify forward has one shape.
 
@@ -191,9 +205,25 @@ class StaticSlotCache:
         if self.n + self.tentative + n > self.max_len and self.tentative == 0:
             self._defragment()
         if self.n + self.tentative + n > self.max_len:
-            raise ValueError(f"static KV cache of {self.max_len} slots is full ({self.n} committed, "
-                             f"{self.tentative} tentative, {n} more asked); size it for prompt + max_new_tokens "
-                             "+ the tree's nodes")
+            self._grow(self.n + self.tentative + n)
+
+    def _grow(self, need: int) -> None:
+        """Room for `need` slots: the buffers are reallocated at twice the size (rounded to 256) and copied. A
+        caller that sized the cache for its run never gets here; a drafter that cannot know the run's length
+        (it sees the prompt only) grows a few times per run, and each new size is one more compiled shape."""
+        size = max(2 * self.max_len, -(-need // 256) * 256)
+        for layer in self._layers():
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(*old.shape[:2], size, old.shape[3])
+                new[:, :, : self.max_len] = old
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(new)
+                setattr(layer, name, new)
+            layer.max_cache_len = size
+        self.cache.max_cache_len = size
+        self.slots = torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1)
+        self.max_len = size
 
     def _defragment(self) -> None:
         """Rows of a batch leave holes where another row accepted more; when the buffers fill up, move every

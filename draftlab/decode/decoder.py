@@ -294,6 +294,7 @@ class SpeculativeDecoder:
         from it; the drafter from a stream of its own, seeded by the generator's first draw (see streams)."""
         sampling = sampling or Sampling()
         drafter = self.drafter
+        drafter.decode_path = {"static": self.static, "compile": self.forward.backend if self.forward else None}
         drafter_gen = None if generator is None else derived_generator(generator, "drafter")
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,

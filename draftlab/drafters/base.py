@@ -75,6 +75,9 @@ class StepResult:
 class Drafter(ABC):
     """Proposes token trees for the base to verify, and follows the committed text."""
 
+    #: The decoder's path, set by SpeculativeDecoder before each begin: {"static": bool, "compile": backend or
+    #: None}. Drafters that keep a KV cache of their own use it (decode.cache.slot_cache); None: eager.
+    decode_path: dict | None = None
     #: Indices into the base's `hidden_states` tuple the drafter reads (-1: the final, normalised state).
     #: The decoder asks the base for them only when this is non-empty.
     hidden_layers: tuple[int, ...] = ()

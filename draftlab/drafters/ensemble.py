@@ -272,6 +272,7 @@ class EnsembleDrafter(Drafter):
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         self.sampling = sampling
         for m in self.members:
+            m.decode_path = self.decode_path
             sub = replace(prompt, hidden={l: prompt.hidden[l] for l in m.hidden_layers})
             m.begin(sub, sampling, generator)
         n = len(self.members)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, warp
-from ..decode.cache import SlotCache, check_tree_support
+from ..decode.cache import check_tree_support, slot_cache
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
 
@@ -207,7 +207,8 @@ class SSMDrafter(Drafter):
 
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
-        self.target = SlotCache(self.lm)
+        # On the static path: room for the prompt and 256 more slots (rounded up to 256), grown when needed.
+        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path)
         self.target.prefill(prompt.ids, prompt.valid)
         B = prompt.ids.shape[0]
         self.pending = [[] for _ in range(B)]  # committed tokens not yet in the SSM's cache, per row
