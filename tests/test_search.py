@@ -183,3 +183,27 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
         assert {"chain-2", "chain-4", "chain-8"} <= set(names) and max(r["tree_depth"] for r in rep["sizes"]) > 2
     else:
         assert not any(n.startswith("chain") for n in names)
+
+
+def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, capsys, monkeypatch):
+    """--compile: every candidate is timed on the static-shape compiled path, and the tree file says so."""
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.drafters import build_draft
+    from draftlab.export import save_export
+
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")  # graph capture without code generation: fast
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
+                str(tiny_base_dir), tokenizer=tok)
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
+    out = tmp_path / "tree.json"
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "4",
+                 "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--compile",
+                 "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["compiled"] is True and Tree.load(out).metadata["compiled"] is True
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "4",
+                 "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--json"]) == 0
+    assert Tree.load(out).metadata["compiled"] is False

@@ -22,6 +22,9 @@ def add_search_args(p) -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
     p.add_argument("--plot", action="store_true", help="write OUT.sizes.png and OUT.tree.png")
+    p.add_argument("--compile", action="store_true",
+                   help="time the trees on the static-shape compiled path (generate --compile), so the tree fits "
+                        "that path's costs; each tree size compiles once (tens of seconds on a CPU)")
     add_placement_args(p)
     p.add_argument("--json", action="store_true")
 
@@ -29,7 +32,7 @@ def add_search_args(p) -> None:
 def search_command(a) -> int:
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
-                      tp=a.tp, device_map=a.device_map)
+                      tp=a.tp, device_map=a.device_map, compile=a.compile)
     if a.json:
         print(json.dumps(rep))
         return 0
@@ -38,6 +41,7 @@ def search_command(a) -> int:
         expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
         print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
               f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} |")
+    path = "compiled" if rep["compiled"] else "eager"
     print(f"\nchose {rep['tree_size']} nodes ({rep['tokens_per_s']:.1f} tokens/s at batch size {rep['batch_size']} on "
-          f"{rep['hardware']}); wrote {rep['tree']}")
+          f"{rep['hardware']}, {path} decoding); wrote {rep['tree']}")
     return 0

@@ -52,8 +52,12 @@ def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int
 
 
 def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos) -> dict:
-    """Greedy tokens/s and accept length of the decoder on prompts, in batches of batch_size."""
-    decoder.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)  # warm-up
+    """Greedy tokens/s and accept length of the decoder on prompts, in batches of batch_size. The warm-up is
+    outside the timing; a compiled decoder compiles there, for the shapes the timed batches use."""
+    if decoder.forward is not None:
+        decoder.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, eos_token_id=eos)
+    else:
+        decoder.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
     tokens = committed = rows = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
@@ -75,12 +79,13 @@ def hardware() -> str:
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
-                max_depth: int = 8, tp: bool = False, device_map: str | None = None) -> dict:
+                max_depth: int = 8, tp: bool = False, device_map: str | None = None, compile: bool = False) -> dict:
     """The whole search; writes the tree file (and PNGs with plot) and returns a report.
 
     Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
     grows with depth (one forward per level) rather than with width, so chains of several lengths are
-    timed beside the greedy trees."""
+    timed beside the greedy trees. compile: time every tree on the static-shape compiled path (each tree size
+    compiles once, in its warm-up), so the tree is chosen by the costs of the path that will run it."""
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
     from ..export import apply_adapter, load_export, read_meta
@@ -112,7 +117,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
 
     if draft.kind == "eagle3":
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
-                              calib_source=str(data), sync=sync)
+                              calib_source=str(data), sync=sync, compile=compile)
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
     per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
     stats = RankStats(torch.cat(per_text), max_rank)
@@ -125,7 +130,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
     rows = []
     for tree in progress(candidates, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync), timing, batch_size, max_new_tokens, eos)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile), timing, batch_size,
+                    max_new_tokens, eos)
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
@@ -139,12 +145,13 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         "expected_accept_length": best["expected_accept_length"],
         "replayed_accept_length": best["replayed_accept_length"],
         "measured_accept_length": best["measured_accept_length"], "tokens_per_s": best["tokens_per_s"],
-        "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(),
+        "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(), "compiled": compile,
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
     report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "replayed_accept_length",
                                                                     "measured_accept_length",
-                                                                    "tokens_per_s", "tree_size", "batch_size", "hardware")},
+                                                                    "tokens_per_s", "tree_size", "batch_size", "hardware",
+                                                                    "compiled")},
               "sizes": rows}
     if plot:
         report["plots"] = plot_search(rows, chosen, Path(out))
@@ -155,7 +162,7 @@ DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (4, 10), "total_tokens": (16, 32, 6
 
 
 def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source,
-                   sync=None) -> dict:
+                   sync=None, compile: bool = False) -> dict:
     """EAGLE-2 dynamic trees have no static shape to grow: time every setting of DYNAMIC_GRID (total_tokens up to
     max_nodes + 1) on the prompts and keep the fastest."""
     from ..drafters import make_drafter
@@ -166,19 +173,21 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
     for tree in progress(grid, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync), prompts, batch_size, max_new_tokens, eos)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile), prompts, batch_size,
+                    max_new_tokens, eos)
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
             "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
-            "hardware": hardware(), "date": datetime.date.today().isoformat(), "sizes_measured": rows,
+            "hardware": hardware(), "compiled": compile, "date": datetime.date.today().isoformat(),
+            "sizes_measured": rows,
             **{k: best[k] for k in ("measured_accept_length", "tokens_per_s", "tree_size")}}
     DynamicTree.parse(best["name"].partition(":")[2]).save(out, meta)
     return {"tree": str(out), "dynamic": best["name"], "expected_accept_length": None,
             "replayed_accept_length": None, "measured_accept_length": best["measured_accept_length"],
             "tokens_per_s": best["tokens_per_s"], "tree_size": best["tree_size"], "batch_size": batch_size,
-            "hardware": hardware(), "sizes": [{**r, "expected_accept_length": None} for r in rows]}
+            "hardware": hardware(), "compiled": compile, "sizes": [{**r, "expected_accept_length": None} for r in rows]}
 
 
 def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:
