@@ -116,6 +116,7 @@ def job_state(job: str) -> str:
     return "UNKNOWN"
 
 
+@pytest.mark.slow  # a real cluster job, preempted and requeued: CI runs it with the slow tests
 @pytest.mark.skipif(not slurm_up(), reason="no Slurm cluster (start one with `bash slurm/local_cluster.sh start`)")
 def test_real_slurm_job_is_preempted_requeued_and_finishes(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "run"
