@@ -417,17 +417,23 @@ class Eagle3Drafter(Drafter):
         return self._rerank(torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1))
 
     def _rerank(self, tok, par, dep, scr) -> Proposal:
-        """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed)."""
-        from .retrieval import padded_proposal
-
-        rows = []
-        for b in range(tok.shape[0]):
-            t, p, d, s = tok[b].tolist(), par[b].tolist(), dep[b].tolist(), scr[b].tolist()
-            keep = sorted(range(1, len(t)), key=lambda n: (-s[n], d[n], n))[: self.total - 1]
-            order = [0] + sorted(keep, key=lambda n: (d[n], n))
-            new = {n: i for i, n in enumerate(order)}
-            rows.append(([t[n] for n in order], [-1] + [new[p[n]] for n in order[1:]]))
-        return padded_proposal(rows, tok.device)
+        """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed), in
+        (depth, node) order, on the device for all rows at once: ties go to the shallower, then the earlier node."""
+        B, n = tok.shape
+        keep = min(self.total, n) - 1
+        idx = torch.arange(1, n, device=tok.device)[None].expand(B, -1)  # drafted nodes, root excluded
+        # Stable sorts, least significant key first: node order, then depth, then score (descending).
+        o = torch.sort(dep[:, 1:], dim=1, stable=True).indices
+        o = o.gather(1, torch.sort(scr[:, 1:].gather(1, o), dim=1, descending=True, stable=True).indices)
+        chosen = idx.gather(1, o[:, :keep])  # [B, keep] node ids
+        rank = dep.gather(1, chosen) * n + chosen  # (depth, node) order of the chosen ones
+        chosen = chosen.gather(1, rank.sort(dim=1).indices)
+        order = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=tok.device), chosen], 1)  # [B, keep + 1]
+        new = torch.full((B, n), -1, dtype=torch.long, device=tok.device)
+        new.scatter_(1, order, torch.arange(keep + 1, device=tok.device)[None].expand(B, -1))
+        parents = new.gather(1, par.gather(1, order).clamp(min=0))
+        parents[:, 0] = -1
+        return Proposal(tok.gather(1, order), TreeView.of_parents(parents))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
@@ -435,8 +441,7 @@ class Eagle3Drafter(Drafter):
         # last one's next token being the bonus. Tentative tree entries were never added to the cache.
         B, M = step.keep.shape
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
-        nxt = torch.zeros(B, M, dtype=torch.long, device=self.device)
-        for b, path in enumerate(step.paths):
-            toks = [int(step.tokens[b, n]) for n in path[1:]] + [int(step.bonus[b])]
-            nxt[b, : len(toks)] = torch.tensor(toks, device=self.device)
+        # The token after kept node i is kept node i + 1's, and after the last one the bonus (on the device).
+        nxt = torch.cat([step.tokens.gather(1, step.keep[:, 1:]), step.bonus[:, None]], 1)
+        nxt[torch.arange(B, device=nxt.device), step.last] = step.bonus
         self._commit_entries(feats, nxt, step.keep_valid)
