@@ -297,6 +297,8 @@ class Eagle3Drafter(Drafter):
         self.device = module.fc.weight.device
         self.dtype = module.fc.weight.dtype
         self.draft_rows = module.draft_ids()
+        self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
+        self.n = 0
 
     @property
     def max_nodes(self) -> int:
@@ -308,18 +310,40 @@ class Eagle3Drafter(Drafter):
     # --- the draft's KV cache over committed positions -----------------------------------------------------
     def _attend(self, q, k_new, v_new, allowed_new: torch.Tensor) -> torch.Tensor:
         """Attention of new entries [B, h, T, d] over the committed cache (valid slots) and the new ones
-        (allowed_new [B, T, T]); the new keys are not added to the cache."""
-        h = self.m.midlayer.heads
-        k_new, v_new = _expand_kv(k_new, h), _expand_kv(v_new, h)
-        scale = 1.0 / math.sqrt(self.m.midlayer.head_dim)
-        if self.k is not None:
-            k = torch.cat([_expand_kv(self.k, h), k_new], 2)
-            v = torch.cat([_expand_kv(self.v, h), v_new], 2)
-            allowed = torch.cat([self.valid[:, None, :].expand(-1, q.shape[2], -1), allowed_new], -1)
-        else:
-            k, v, allowed = k_new, v_new, allowed_new
-        scores = (q @ k.transpose(-1, -2)) * scale
-        return torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1) @ v
+        (allowed_new [B, T, T]); the new keys are not added to the cache. The cache is read in place (no copy
+        of it per call): scores over both parts share one softmax, and grouped query heads read their kv head
+        by broadcasting instead of repeating it."""
+        B, h, T, d = q.shape
+        kvh = k_new.shape[1]
+        qg = q.reshape(B, kvh, h // kvh, T, d) * (1.0 / math.sqrt(d))  # query heads grouped by their kv head
+        scores = (qg @ k_new[:, :, None].transpose(-1, -2)).masked_fill(~allowed_new[:, None, None], float("-inf"))
+        n = self.n
+        if n:
+            cached = (qg @ self.k[:, :, None, :n].transpose(-1, -2)).masked_fill(
+                ~self.valid[:, None, None, None, :n], float("-inf"))
+            scores = torch.cat([cached, scores], -1)
+        p = torch.softmax(scores, -1)
+        out = p[..., n:] @ v_new[:, :, None]
+        if n:
+            out = out + p[..., :n] @ self.v[:, :, None, :n]
+        return out.reshape(B, h, T, d)
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
+        """Committed entries into the preallocated cache (doubled, in 256-slot steps, when full)."""
+        T = k.shape[2]
+        if self.k is None or self.n + T > self.k.shape[2]:
+            cap = max(2 * (0 if self.k is None else self.k.shape[2]), -(-(self.n + T) // 256) * 256)
+            grow = lambda old, t: torch.cat([old[..., : self.n, :] if old is not None else t[..., :0, :],  # noqa: E731
+                                             t.new_zeros(*t.shape[:2], cap - self.n, t.shape[3])], 2)
+            self.k, self.v = grow(self.k, k), grow(self.v, v)
+            valid = ok.new_zeros(ok.shape[0], cap)
+            if self.valid is not None:
+                valid[:, : self.n] = self.valid[:, : self.n]
+            self.valid = valid
+        self.k[:, :, self.n: self.n + T] = k
+        self.v[:, :, self.n: self.n + T] = v
+        self.valid[:, self.n: self.n + T] = ok
+        self.n += T
 
     def _step(self, g, tokens, positions, allowed_new):
         """One layer pass for new entries: g [B, T, H] features, tokens [B, T] target ids, positions [B, T]."""
@@ -337,9 +361,7 @@ class Eagle3Drafter(Drafter):
         g = self.m.fc(feats.flatten(-2).to(self.dtype))
         pos = self.next_pos[:, None] + (ok.long().cumsum(-1) - 1).clamp(min=0)
         out, k, v = self._step(g, next_tokens, pos, causal_allowed(ok))
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        self.valid = ok if self.valid is None else torch.cat([self.valid, ok], 1)
+        self._append(k, v, ok)
         self.next_pos = self.next_pos + ok.sum(-1)
         last = (ok.long() * torch.arange(1, T + 1, device=ok.device)).argmax(-1)  # each row's last valid entry
         rows = torch.arange(B, device=ok.device)
@@ -349,6 +371,7 @@ class Eagle3Drafter(Drafter):
     # --- the interface ---------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         self.k = self.v = self.valid = self.out = None
+        self.n = 0  # committed entries in the cache
         self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
         self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
 
