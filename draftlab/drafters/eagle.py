@@ -299,6 +299,7 @@ class Eagle3Drafter(Drafter):
         self.draft_rows = module.draft_ids()
         self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
         self.n = 0
+        self._compiled: dict = {}  # backend -> the compiled _draft
 
     @property
     def max_nodes(self) -> int:
@@ -308,16 +309,17 @@ class Eagle3Drafter(Drafter):
         return {"kind": "eagle3", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total}
 
     # --- the draft's KV cache over committed positions -----------------------------------------------------
-    def _attend(self, q, k_new, v_new, allowed_new: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q, k_new, v_new, allowed_new: torch.Tensor, full: bool = False) -> torch.Tensor:
         """Attention of new entries [B, h, T, d] over the committed cache (valid slots) and the new ones
         (allowed_new [B, T, T]); the new keys are not added to the cache. The cache is read in place (no copy
         of it per call): scores over both parts share one softmax, and grouped query heads read their kv head
-        by broadcasting instead of repeating it."""
+        by broadcasting instead of repeating it. full: read the whole preallocated buffer (slots past the
+        committed ones are not valid), so the shapes do not change from step to step (the compiled path)."""
         B, h, T, d = q.shape
         kvh = k_new.shape[1]
         qg = q.reshape(B, kvh, h // kvh, T, d) * (1.0 / math.sqrt(d))  # query heads grouped by their kv head
         scores = (qg @ k_new[:, :, None].transpose(-1, -2)).masked_fill(~allowed_new[:, None, None], float("-inf"))
-        n = self.n
+        n = self.k.shape[2] if full and self.k is not None else self.n
         if n:
             cached = (qg @ self.k[:, :, None, :n].transpose(-1, -2)).masked_fill(
                 ~self.valid[:, None, None, None, :n], float("-inf"))
@@ -382,6 +384,18 @@ class Eagle3Drafter(Drafter):
             nxt = torch.cat([ids[:, 1:], root[:, None]], 1)
             self._commit_entries(feats, nxt, ok)
             self.pending = None
+        draft = self._draft
+        path = self.decode_path or {}
+        if path.get("compile"):
+            if path["compile"] not in self._compiled:
+                self._compiled[path["compile"]] = torch.compile(self._draft, backend=path["compile"], dynamic=False)
+            draft = self._compiled[path["compile"]]
+        return self._rerank(*draft(root, full=bool(path.get("static"))))
+
+    def _draft(self, root: torch.Tensor, full: bool = False):
+        """The dynamic tree's candidates: (tokens, parents, depths, scores) [B, n] of every drafted node, root
+        first. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
+        buffer): on the compiled path this whole function is one graph."""
         B, dev = root.shape[0], root.device
         logp = torch.log_softmax(self.m.lm_head(self.m.norm(self.out)).float(), -1)  # [B, Vd] below the root
         # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
@@ -420,7 +434,7 @@ class Eagle3Drafter(Drafter):
             q, k_, v_ = self.m.midlayer.qkv(emb, g, *self.m.rope(g, positions.expand(B, k_exp)))
             kk = k_ if kk is None else torch.cat([kk, k_], 2)
             vv = v_ if vv is None else torch.cat([vv, v_], 2)
-            o = self.m.midlayer.finish(self._attend(q, kk, vv, allowed_new), g)  # [B, k_exp, H]
+            o = self.m.midlayer.finish(self._attend(q, kk, vv, allowed_new, full), g)  # [B, k_exp, H]
             ent_nodes = torch.cat([ent_nodes, exp_nodes], 1)
             pad = torch.zeros(B, T_prev, k_exp, dtype=torch.bool, device=dev)
             ent_anc = torch.cat([torch.cat([ent_anc, pad], 2), allowed_new], 1)
@@ -437,7 +451,7 @@ class Eagle3Drafter(Drafter):
             frontier = n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1)
             f_score = child_score
             n_nodes += child_tok.shape[1]
-        return self._rerank(torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1))
+        return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1)
 
     def _rerank(self, tok, par, dep, scr) -> Proposal:
         """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed), in
