@@ -404,6 +404,18 @@ def compiled(p, d) -> None:
           f"{r.get('warmup_s', '-')} |")
 
 
+def drafter_steps(p, d) -> None:
+    heading(p, "Per-step costs, eager vs compiled", f"`benchmarks/drafter_steps.py`; untrained drafters on "
+            f"{d['base']} (they accept little: the figures are costs per step, not speedups); {d['prompts']} prompts x "
+            f"{d['max_new_tokens']} tokens, greedy, batch 1; {where(d)}")
+    p(f"| drafter, path | accept length | tokens/s | {phases(d['methods'].values())} | identical to eager | "
+      "warm-up s |")
+    p("|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        p(f"| {m} | {r['accept_length']} | {r['tokens_per_s']:.0f} | {split(r)} | "
+          f"{r.get('identical_to_eager', '-')} | {r['warmup_s']} |")
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -426,6 +438,7 @@ TABLES = {
     "dsi": ("dsi", dsi),
     "tp_decode": ("tp_decode", tp_decode),
     "compiled": ("compiled", compiled),
+    "drafter_steps": ("drafter_steps", drafter_steps),
 }
 
 
