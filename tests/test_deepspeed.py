@@ -57,6 +57,7 @@ def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kin
     assert len(losses) == 2 and all(x == x for x in losses)
 
 
+@pytest.mark.slow  # a two-process launch importing DeepSpeed (about 40 s on 2 cores); CI runs the slow tests
 def test_multi_process_deepspeed_on_cpu_is_refused(tiny_base_dir, data_file, tmp_path):
     pytest.importorskip("deepspeed")
     cfg = tmp_path / "r.yaml"

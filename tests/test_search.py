@@ -154,12 +154,11 @@ def test_proposal_trees_are_nested_and_prefix_closed():
     assert geometric_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
-@pytest.mark.parametrize("kind", ["hydra", "ssm"])
-def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_path, capsys, kind):
+def search_inputs(tiny_base_dir, tmp_path, kind: str = "hydra"):
+    """An untrained export of `kind` (hydra or ssm) of the tiny base and 8 calibration texts: (export, data)."""
     from draftlab.base import load_base
-    from draftlab.cli import main
-    from draftlab.export import save_export
     from draftlab.drafters import build_draft
+    from draftlab.export import save_export
 
     base, tok = load_base(str(tiny_base_dir), "float32")
     head = {"type": "hydra", "num_heads": 2, "num_layers": 1} if kind == "hydra" else \
@@ -167,6 +166,14 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
     save_export(build_draft(head, base), base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
+    return tmp_path / "exp", data
+
+
+@pytest.mark.parametrize("kind", ["hydra", "ssm"])
+def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_path, capsys, kind):
+    from draftlab.cli import main
+
+    _, data = search_inputs(tiny_base_dir, tmp_path, kind)
     out = tmp_path / "tree.json"
     assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "6",
                  "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "12", "--plot",
@@ -187,17 +194,10 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
 
 def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, capsys, monkeypatch):
     """--compile: every candidate is timed on the static-shape compiled path, and the tree file says so."""
-    from draftlab.base import load_base
     from draftlab.cli import main
-    from draftlab.drafters import build_draft
-    from draftlab.export import save_export
 
     monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")  # graph capture without code generation: fast
-    base, tok = load_base(str(tiny_base_dir), "float32")
-    save_export(build_draft({"type": "hydra", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
-                str(tiny_base_dir), tokenizer=tok)
-    data = tmp_path / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
+    _, data = search_inputs(tiny_base_dir, tmp_path)
     out = tmp_path / "tree.json"
     assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "4",
                  "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--compile",
