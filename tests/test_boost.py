@@ -28,6 +28,7 @@ def member_weights(out):
     return [load_file(out / "export" / f"member{i}" / "model.safetensors") for i in (1, 2, 3)]
 
 
+@pytest.mark.slow  # three training stages, a killed run resumed, the export decoded: a whole pipeline
 def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     from draftlab.base import load_base
     from draftlab.boost import example_scores
