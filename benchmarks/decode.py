@@ -94,16 +94,19 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.decode.generate import encode_prompt, load_decoder, resolve_tree
     from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.drafters import make_drafter
+    from draftlab.export import load_export
 
     decoder, tok, meta = load_decoder(a.export)
     base, eos, N = decoder.base, tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods = {"hf_generate": hf_method(base, eos, N), "hf_prompt_lookup": hf_method(base, eos, N, prompt_lookup_num_tokens=4)}
     sizes = {}
+    draft, _ = load_export(a.export, base=base, device=decoder.device)
     for t in a.trees:
-        dec = SpeculativeDecoder(base, decoder.draft, resolve_tree(t, meta))
+        dec = SpeculativeDecoder(base, make_drafter(draft, resolve_tree(t, meta)))
         methods[f"draftlab_{t}"] = draftlab_method(dec, eos, N)
-        sizes[f"draftlab_{t}"] = dec.tree.size
+        sizes[f"draftlab_{t}"] = dec.drafter.max_nodes
     results = compare(methods, prompts)
     for m, size in sizes.items():
         results[m]["tree_size"] = size
