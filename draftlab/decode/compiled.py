@@ -40,7 +40,8 @@ class CompiledForward:
         t0 = time.perf_counter()
         try:
             out = self.fn(**kwargs)
-        except Exception as e:  # noqa: BLE001 - any compile failure: decode eagerly, as the reference does
+        except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
+            # error of the model such as out-of-memory, which is raised): decode eagerly, as the reference does
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             print(f"draftlab: {type(self.model).__name__} does not compile ({self.failed}); decoding eagerly",
                   file=sys.stderr)

@@ -22,8 +22,8 @@ from ..drafters.base import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
                     compact_cache)
-from .tree import TreeView
 from .streams import derived_generator
+from .tree import TreeView
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Verifier:
         for b, p in enumerate(self.prompts):
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
-        if self.static_nodes:  # room for the prompt, the output and one tree; holes are defragmented away
+        if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away),
             # rounded up to 256 slots, so prompts of similar length share one compiled shape
             size = -(-(L + self.max_new + 2 * self.static_nodes) // 256) * 256
             self.target = StaticSlotCache(self.base, B, size, self.forward)
@@ -259,8 +259,9 @@ class SpeculativeDecoder:
                  static: bool | None = None):
         """compile: the fast path, verify forwards of one shape (static KV cache, trees padded to the drafter's
         max_nodes) through torch.compile (CUDA graphs on a GPU); True is the inductor backend (or the one
-        DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static shapes without compiling (default: as compile). The
-        eager path (both False) is the reference; all give the same tokens."""
+        DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
+        shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
+        the same tokens."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -268,7 +269,7 @@ class SpeculativeDecoder:
         self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)
-        self.static = compile if static is None else static
+        self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
         if self.static and sync is not None:
