@@ -204,6 +204,18 @@ def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, c
                  "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["compiled"] is True and Tree.load(out).metadata["compiled"] is True
+    assert Tree.load(out).metadata["timing_rounds"] == 3  # each tree timed three times, interleaved
     assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "4",
                  "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--json"]) == 0
     assert Tree.load(out).metadata["compiled"] is False
+
+
+def test_trees_are_timed_in_interleaved_rounds_and_keep_their_fastest(monkeypatch):
+    from draftlab.decode import tree_search
+
+    calls, speeds = [], iter([10.0, 50.0, 30.0, 20.0, 5.0, 40.0])  # a, b, a, b, a, b
+    monkeypatch.setattr(tree_search, "measure", lambda dec, *a: calls.append(dec) or
+                        {"tokens_per_s": next(speeds), "accept_length": 1.5})
+    best = tree_search.time_trees(["a", "b"], [[1]], 1, 8, None, rounds=3)
+    assert calls == ["a", "b"] * 3  # round by round, every tree in each
+    assert [m["tokens_per_s"] for m in best] == [30.0, 50.0]

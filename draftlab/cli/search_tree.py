@@ -18,6 +18,9 @@ def add_search_args(p) -> None:
     p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
     p.add_argument("--calibration-prompts", type=int, default=64)
     p.add_argument("--timing-prompts", type=int, default=8)
+    p.add_argument("--timing-rounds", type=positive_int, default=3,
+                   help="times each tree is timed, interleaved with the others; its fastest round counts (a busy "
+                        "machine's slow spells then do not decide the choice)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
@@ -32,7 +35,7 @@ def add_search_args(p) -> None:
 def search_command(a) -> int:
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
-                      tp=a.tp, device_map=a.device_map, compile=a.compile)
+                      tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds)
     if a.json:
         print(json.dumps(rep))
         return 0

@@ -70,6 +70,23 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: i
     return {"tokens_per_s": tokens / dt, "accept_length": committed / max(rows, 1)}
 
 
+def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,
+               rounds: int) -> list[dict]:
+    """measure() of every decoder, `rounds` times interleaved (round 1 of every tree, then round 2, ...); each
+    tree keeps its fastest round. A shared or busy machine slows some rounds down: the fastest round of each is
+    the one least disturbed, and interleaving spreads a slow spell over all trees instead of one."""
+    best: list[dict | None] = [None] * len(decoders)
+    bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
+    for _ in range(rounds):
+        for i, dec in enumerate(decoders):
+            m = measure(dec, prompts, batch_size, max_new_tokens, eos)
+            if best[i] is None or m["tokens_per_s"] > best[i]["tokens_per_s"]:
+                best[i] = m
+            bar.update(1)
+    bar.close()
+    return best
+
+
 def hardware() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -79,13 +96,15 @@ def hardware() -> str:
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
-                max_depth: int = 8, tp: bool = False, device_map: str | None = None, compile: bool = False) -> dict:
+                max_depth: int = 8, tp: bool = False, device_map: str | None = None, compile: bool = False,
+                timing_rounds: int = 3) -> dict:
     """The whole search; writes the tree file (and PNGs with plot) and returns a report.
 
     Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
     grows with depth (one forward per level) rather than with width, so chains of several lengths are
     timed beside the greedy trees. compile: time every tree on the static-shape compiled path (each tree size
-    compiles once, in its warm-up), so the tree is chosen by the costs of the path that will run it."""
+    compiles once, in its warm-up), so the tree is chosen by the costs of the path that will run it.
+    timing_rounds: each tree is timed this many times, interleaved with the others; its fastest round counts."""
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
     from ..export import apply_adapter, load_export, read_meta
@@ -117,7 +136,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
 
     if draft.kind == "eagle3":
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
-                              calib_source=str(data), sync=sync, compile=compile)
+                              calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds)
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
     per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
     stats = RankStats(torch.cat(per_text), max_rank)
@@ -129,9 +148,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     if draft.kind == "ssm":
         candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
     rows = []
-    for tree in progress(candidates, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile), timing, batch_size,
-                    max_new_tokens, eos)
+    decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
+    for tree, m in zip(candidates, time_trees(decoders, timing, batch_size, max_new_tokens, eos, timing_rounds)):
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
@@ -146,6 +164,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         "replayed_accept_length": best["replayed_accept_length"],
         "measured_accept_length": best["measured_accept_length"], "tokens_per_s": best["tokens_per_s"],
         "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(), "compiled": compile,
+        "timing_rounds": timing_rounds,
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
     report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "replayed_accept_length",
@@ -162,7 +181,7 @@ DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (4, 10), "total_tokens": (16, 32, 6
 
 
 def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source,
-                   sync=None, compile: bool = False) -> dict:
+                   sync=None, compile: bool = False, rounds: int = 3) -> dict:
     """EAGLE-2 dynamic trees have no static shape to grow: time every setting of DYNAMIC_GRID (total_tokens up to
     max_nodes + 1) on the prompts and keep the fastest."""
     from ..drafters import make_drafter
@@ -172,9 +191,8 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
     if not grid:
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
-    for tree in progress(grid, desc="timing trees", unit="tree"):
-        m = measure(SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile), prompts, batch_size,
-                    max_new_tokens, eos)
+    decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in grid]
+    for tree, m in zip(grid, time_trees(decoders, prompts, batch_size, max_new_tokens, eos, rounds)):
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
