@@ -27,11 +27,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--name", default="compiled")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF generate with a static cache + compile")
+    ap.add_argument("--tree", default=None, help="tree for every export (a file, e.g. from search-tree --compile)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.generate import encode_prompt, load_decoder
 
-    first, tok, meta = load_decoder(a.exports[0])
+    first, tok, meta = load_decoder(a.exports[0], tree=a.tree)
     base, eos, N = first.base, tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods = {"hf_generate": hf_method(base, eos, N)}
@@ -64,7 +65,7 @@ def main() -> None:
     for e in a.exports:
         d, _, m = first, tok, meta
         if e != a.exports[0]:
-            d, _, m = load_decoder(e)
+            d, _, m = load_decoder(e, tree=a.tree)
         kind = m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
         kinds[kind] = e
         add(f"{kind}_eager", d.drafter, False)
@@ -106,7 +107,7 @@ def main() -> None:
               f"{r['speedup']:.2f}x | {r['speedup_vs_fastest_plain']:.2f}x | {r['identical_to_baseline']} | {split} | "
               f"{r.get('warmup_s', '-')} |")
     write_result(a.name, {"exports": {k: v.replace(str(ROOT) + "/", "") for k, v in kinds.items()},
-                          "prompts": len(prompts), "max_new_tokens": N, "fastest_plain": fastest,
+                          "prompts": len(prompts), "max_new_tokens": N, "fastest_plain": fastest, "tree": a.tree,
                           "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
                           "torch_threads": torch.get_num_threads(), "methods": results})
 

@@ -389,6 +389,8 @@ def tp_decode(p, d) -> None:
 # block name -> (results file it reads, or None for a table over several, renderer), in docs/benchmarks.md order
 def compiled(p, d) -> None:
     exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    if d.get("tree"):
+        exports += f", tree `{d['tree']}`"
     heading(p, "Eager vs compiled decoding", f"`benchmarks/compiled.py`; {exports}; base `{d['base']}`; "
             f"{d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1; {where(d)}")
     p(f"fastest plain decoding in the run: {d['fastest_plain']}\n")
@@ -439,6 +441,7 @@ TABLES = {
     "tp_decode": ("tp_decode", tp_decode),
     "compiled": ("compiled", compiled),
     "drafter_steps": ("drafter_steps", drafter_steps),
+    "compiled_searched": ("compiled_searched", compiled),
 }
 
 
