@@ -231,6 +231,10 @@ class SSMDrafter(Drafter):
         # left-padded.
         feed = [p + [int(r)] for p, r in zip(self.pending, root.tolist())]
         P = max(len(f) for f in feed)
+        if self.decode_path and self.decode_path.get("static"):
+            # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
+            # more (an ensemble's other members' tokens), so the compiled forward sees one shape, not one per width.
+            self.feed_width = P = max(P, getattr(self, "feed_width", 2))
         ids = torch.zeros(B, P, dtype=torch.long, device=dev)
         ok = torch.zeros(B, P, dtype=torch.bool, device=dev)
         for b, f in enumerate(feed):
