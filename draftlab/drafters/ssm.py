@@ -159,6 +159,7 @@ class SSMDrafter(Drafter):
         self.device = next(lm.parameters()).device
         check_tree_support(lm)
         self.shapes: dict = {}
+        self.feed_width = 2  # static path: tokens fed per step (see propose)
         self.set_tree(tree)
         self.target = None
 
@@ -234,7 +235,7 @@ class SSMDrafter(Drafter):
         if self.decode_path and self.decode_path.get("static"):
             # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
             # more (an ensemble's other members' tokens), so the compiled forward sees one shape, not one per width.
-            self.feed_width = P = max(P, getattr(self, "feed_width", 2))
+            self.feed_width = P = max(P, self.feed_width)
         ids = torch.zeros(B, P, dtype=torch.long, device=dev)
         ok = torch.zeros(B, P, dtype=torch.bool, device=dev)
         for b, f in enumerate(feed):
