@@ -214,7 +214,7 @@ def test_trees_are_timed_in_interleaved_rounds_and_keep_their_fastest(monkeypatc
     from draftlab.decode import tree_search
 
     calls, speeds = [], iter([10.0, 50.0, 30.0, 20.0, 5.0, 40.0])  # a, b, a, b, a, b
-    monkeypatch.setattr(tree_search, "measure", lambda dec, *a: calls.append(dec) or
+    monkeypatch.setattr(tree_search, "measure", lambda dec, *a, **kw: calls.append(dec) or
                         {"tokens_per_s": next(speeds), "accept_length": 1.5})
     best = tree_search.time_trees(["a", "b"], [[1]], 1, 8, None, rounds=3)
     assert calls == ["a", "b"] * 3  # round by round, every tree in each

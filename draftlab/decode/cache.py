@@ -149,6 +149,11 @@ def check_tree_support(model) -> None:
     _CHECKED[id(model)] = True
 
 
+def static_slots(n: int) -> int:
+    """A static buffer's size for n slots: rounded up to 256, so runs of similar length share compiled shapes."""
+    return -(-n // 256) * 256
+
+
 def slot_cache(model, batch: int, length: int, path: dict | None):
     """The KV cache a model decodes with on the decoder's path: a SlotCache on the eager path (path None or not
     static); on the static-shape path a StaticSlotCache of `length` slots (rounded up to 256, grown if needed)
@@ -160,7 +165,7 @@ def slot_cache(model, batch: int, length: int, path: dict | None):
         from .compiled import compiled_forward
 
         forward = compiled_forward(model, path["compile"])
-    return StaticSlotCache(model, batch, -(-length // 256) * 256, forward)
+    return StaticSlotCache(model, batch, static_slots(length), forward)
 
 
 class StaticSlotCache:
@@ -211,7 +216,7 @@ class StaticSlotCache:
         """Room for `need` slots: the buffers are reallocated at twice the size (rounded to 256) and copied. A
         caller that sized the cache for its run never gets here; a drafter that cannot know the run's length
         (it sees the prompt only) grows a few times per run, and each new size is one more compiled shape."""
-        size = max(2 * self.max_len, -(-need // 256) * 256)
+        size = max(2 * self.max_len, static_slots(need))
         for layer in self._layers():
             for name in ("keys", "values"):
                 old = getattr(layer, name)

@@ -21,7 +21,7 @@ import torch
 from ..drafters.base import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
-                    compact_cache)
+                    compact_cache, static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 
@@ -95,9 +95,8 @@ class Verifier:
         for b, p in enumerate(self.prompts):
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
-        if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away),
-            # rounded up to 256 slots, so prompts of similar length share one compiled shape
-            size = -(-(L + self.max_new + 2 * self.static_nodes) // 256) * 256
+        if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away)
+            size = static_slots(L + self.max_new + 2 * self.static_nodes)
             self.target = StaticSlotCache(self.base, B, size, self.forward)
         else:
             self.target = SlotCache(self.base)
@@ -280,6 +279,14 @@ class SpeculativeDecoder:
 
             backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
             self.forward = compiled_forward(base, backend)
+
+    def warm_up(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> None:
+        """A call outside any timing: a compiled decoder runs the real batch (it compiles for those shapes); an
+        eager one a short call on the first prompt (allocator, kernels). kwargs go to generate."""
+        if self.forward is not None:
+            self.generate(prompts, max_new_tokens=max_new_tokens, **kwargs)
+        else:
+            self.generate(prompts[:1], max_new_tokens=min(max_new_tokens, 8), **kwargs)
 
     @property
     def compile_s(self) -> float:

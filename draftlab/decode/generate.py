@@ -160,10 +160,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
     gen = torch.Generator(device=decoder.device).manual_seed(seed)
     # Warm-up (allocator, kernels) outside the timed region; a compiled decoder compiles for these shapes here.
     t0 = time.perf_counter()
-    if decoder.forward is not None:
-        decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
-    else:
-        decoder.generate(ids[:1], max_new_tokens=4, sampling=sampling, eos_token_id=eos, generator=gen)
+    decoder.warm_up(ids, max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
     warmup = time.perf_counter() - t0
     res_tokens = [[] for _ in ids]
     seen = [""] * len(ids)
@@ -209,7 +206,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         if decoder.forward is not None:  # the fair baseline: plain decoding on the same compiled path
             plain = SpeculativeDecoder(decoder.base, NoDraft(), check_base=False, sync=decoder.sync,
                                        compile=decoder.forward.backend)
-            plain.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
+            plain.warm_up(ids, max_new_tokens, sampling=sampling, eos_token_id=eos, generator=gen)
             t0 = time.perf_counter()
             r = plain.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
                                stop=stop_fn(tok, list(stops)), generator=gen)

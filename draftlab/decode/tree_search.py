@@ -51,13 +51,12 @@ def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int
     return rows
 
 
-def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos) -> dict:
-    """Greedy tokens/s and accept length of the decoder on prompts, in batches of batch_size. The warm-up is
-    outside the timing; a compiled decoder compiles there, for the shapes the timed batches use."""
-    if decoder.forward is not None:
-        decoder.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, eos_token_id=eos)
-    else:
-        decoder.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
+def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,
+            warm: bool = True) -> dict:
+    """Greedy tokens/s and accept length of the decoder on prompts, in batches of batch_size. The warm-up (warm)
+    is outside the timing; a compiled decoder compiles there, for the shapes the timed batches use."""
+    if warm:
+        decoder.warm_up(prompts[:batch_size], max_new_tokens, eos_token_id=eos)
     tokens = committed = rows = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
@@ -77,9 +76,9 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
     the one least disturbed, and interleaving spreads a slow spell over all trees instead of one."""
     best: list[dict | None] = [None] * len(decoders)
     bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, dec in enumerate(decoders):
-            m = measure(dec, prompts, batch_size, max_new_tokens, eos)
+            m = measure(dec, prompts, batch_size, max_new_tokens, eos, warm=r == 0)  # warmed up once
             if best[i] is None or m["tokens_per_s"] > best[i]["tokens_per_s"]:
                 best[i] = m
             bar.update(1)

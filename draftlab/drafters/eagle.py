@@ -334,10 +334,16 @@ class Eagle3Drafter(Drafter):
         """Committed entries into the preallocated cache (doubled, in 256-slot steps, when full)."""
         T = k.shape[2]
         if self.k is None or self.n + T > self.k.shape[2]:
-            cap = max(2 * (0 if self.k is None else self.k.shape[2]), -(-(self.n + T) // 256) * 256)
-            grow = lambda old, t: torch.cat([old[..., : self.n, :] if old is not None else t[..., :0, :],  # noqa: E731
-                                             t.new_zeros(*t.shape[:2], cap - self.n, t.shape[3])], 2)
-            self.k, self.v = grow(self.k, k), grow(self.v, v)
+            from ..decode.cache import static_slots
+
+            cap = max(2 * (0 if self.k is None else self.k.shape[2]), static_slots(self.n + T))
+
+            def grown(old, new):  # [B, kv_heads, cap, d] holding old's committed entries
+                buf = new.new_zeros(new.shape[0], new.shape[1], cap, new.shape[3])
+                if old is not None:
+                    buf[:, :, : self.n] = old[:, :, : self.n]
+                return buf
+            self.k, self.v = grown(self.k, k), grown(self.v, v)
             valid = ok.new_zeros(ok.shape[0], cap)
             if self.valid is not None:
                 valid[:, : self.n] = self.valid[:, : self.n]
