@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -218,6 +219,7 @@ def deepspeed_plugin(recipe: Recipe):
         raise RunDirError("distributed.strategy: deepspeed needs DeepSpeed: pip install -e '.[deepspeed]'") from None
     from accelerate.utils import DeepSpeedPlugin
 
+    _warn_stale_build_locks()
     zero: dict = {"stage": d.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
     if d.offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -233,6 +235,21 @@ def deepspeed_plugin(recipe: Recipe):
         "steps_per_print": 1 << 30,
     }
     return DeepSpeedPlugin(hf_ds_config=config)
+
+
+def _warn_stale_build_locks(older_than_s: float = 600.0) -> None:
+    """DeepSpeed JIT-builds its ops (on CPU its shared-memory communication op) under torch's extension folder,
+    guarded by a `lock` file; a build that was killed leaves the file behind and every later load waits on it
+    forever, without a word. Name such a lock so a hang has an explanation."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time()
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:  # ROOT/op/lock, or ROOT/py311_cpu/op/lock
+        age = now - lock.stat().st_mtime
+        if age > older_than_s:
+            print(f"warning: {lock} is {age / 60:.0f} min old; if no other process is building this op, delete it "
+                  "(a killed build leaves it, and DeepSpeed then waits on it forever)", file=sys.stderr)
 
 
 def lr_lambda(warmup: int, total: int, final: float = 0.0):

@@ -38,6 +38,43 @@ def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_extension_builds(tmp_path_factory):
+    """Ops that DeepSpeed JIT-builds in launched runs go to a folder of this session: a `lock` that a killed build
+    left in the user's torch-extensions cache would otherwise make every DeepSpeed run wait forever."""
+    old = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    yield
+    if old is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = old
+
+
+def run_cmd(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True) in a session of its own: on a timeout (or any error) the
+    whole process group is killed, so the workers a launcher started never outlive the test."""
+    import signal
+
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.communicate()
+            raise
+        finally:
+            try:  # a launcher that exited normally may still have left children in its group
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama + BPE tokenizer (with chat template), loadable by path like a hub model."""
@@ -73,7 +110,7 @@ def launch_train(cfg: Path, processes: int = 1, env: dict | None = None, json_ou
            *(["--multi_gpu"] if processes > 1 else []), "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), *(["--json"] if json_out else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+    return run_cmd(cmd, timeout, env=env, cwd=cwd)
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -36,7 +36,25 @@ def test_plugin_config_follows_the_recipe(tiny_base_dir, data_file, tmp_path):
     assert z2["zero_optimization"]["stage"] == 2 and "offload_param" not in z2["zero_optimization"]
 
 
-# One ZeRO run in the default suite; the rest of the matrix (about 40 s more) runs with the slow tests.
+def test_a_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
+    """A killed JIT build leaves torch's `lock` file and DeepSpeed then waits forever: the run names the file."""
+    import os
+    import time
+
+    from draftlab.train import _warn_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for f in (stale, fresh):
+        f.parent.mkdir()
+        f.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    _warn_stale_build_locks()
+    err = capsys.readouterr().err
+    assert f"warning: {stale} is 60 min old" in err and str(fresh) not in err
+
+
+# The ZeRO runs (each a launched training run, about 30 s on 2 cores) run with the slow tests.
 @pytest.mark.slow  # whole training runs; CI runs the slow tests
 @pytest.mark.parametrize("kind,stage", [("medusa", 2), ("medusa", 3), ("ssm", 2), ("ssm", 3), ("eagle3", 3),
                                         ("medusa2", 2)])

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_cmd
 from test_decoder import noisy_heads
 from tp_worker import PROMPTS, decode_all
 
@@ -17,7 +17,7 @@ from tp_worker import PROMPTS, decode_all
 def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    return run_cmd(cmd, timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,7 @@ def test_tp_cli_generate_matches_one_process(exports, tmp_path):
     assert len(lines) == 1  # rank 1 prints nothing
     rep = json.loads(lines[0])
     assert rep["identical_to_baseline"] is True
-    one = subprocess.run([sys.executable, "-m", "draftlab.cli", *args], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    one = run_cmd([sys.executable, "-m", "draftlab.cli", *args], 600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert json.loads(one.stdout.splitlines()[-1])["text"] == rep["text"]
 
 

@@ -1,11 +1,10 @@
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cmd
 
 
 def test_stdlib_corpus_is_found():
@@ -19,9 +18,8 @@ def test_stdlib_corpus_is_found():
 def test_quickstart_end_to_end_offline(tmp_path):
     """The whole pipeline as a new user runs it, with a short pretraining budget, in a fresh process."""
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
-    p = subprocess.run([sys.executable, "-m", "draftlab.cli", "quickstart", "--out", str(tmp_path / "qs"),
-                        "--minutes", "1", "--json"], capture_output=True, text=True, env=env, timeout=900,
-                       cwd=tmp_path)
+    p = run_cmd([sys.executable, "-m", "draftlab.cli", "quickstart", "--out", str(tmp_path / "qs"),
+                 "--minutes", "1", "--json"], 900, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(summary["heads"]) == {"medusa", "hydra", "hydra++", "ssm"}

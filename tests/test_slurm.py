@@ -104,12 +104,15 @@ def test_preemption_signal_stops_the_trainer_and_requeues(tiny_base_dir, data_fi
 def slurm_up() -> bool:
     if not shutil.which("sbatch") or not os.environ.get("SLURM_CONF"):
         return False
-    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
     return r.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in r.stdout.split())
 
 
 def job_state(job: str) -> str:
-    r = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True)
+    r = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=30)
     for tok in r.stdout.split():
         if tok.startswith("JobState="):
             return tok.split("=", 1)[1]
@@ -130,20 +133,23 @@ def test_real_slurm_job_is_preempted_requeued_and_finishes(tiny_base_dir, data_f
                          env=env, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
-    t0 = time.time()
-    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) > 20):
-        assert time.time() - t0 < 300 and job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), job_state(job)
-        time.sleep(0.5)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
-    while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or not (out / "export").exists():
-        assert time.time() - t0 < 600, job_state(job)
-        if job_state(job) in ("FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        time.sleep(1)
-    log = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    assert job_state(job) == "COMPLETED", log[-3000:]
-    events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any(e.get("event") == "stopped" for e in events), log[-3000:]
-    assert "restart 1" in log and "resuming from" in log
-    assert (out / "export" / "draft.safetensors").is_file()
-    assert [e["processes"] for e in events if e.get("event") == "start"] == [2]
+    try:
+        t0 = time.time()
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) > 20):
+            assert time.time() - t0 < 300 and job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), job_state(job)
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+        while job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") or not (out / "export").exists():
+            assert time.time() - t0 < 600, job_state(job)
+            if job_state(job) in ("FAILED", "CANCELLED", "TIMEOUT"):
+                break
+            time.sleep(1)
+        log = "".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+        assert job_state(job) == "COMPLETED", log[-3000:]
+        events = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        assert any(e.get("event") == "stopped" for e in events), log[-3000:]
+        assert "restart 1" in log and "resuming from" in log
+        assert (out / "export" / "draft.safetensors").is_file()
+        assert [e["processes"] for e in events if e.get("event") == "start"] == [2]
+    finally:  # a failed check must not leave the job holding the cluster
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
