@@ -42,6 +42,10 @@ def drafter(kind: str, base):
         head = {"type": "hydra" if kind == "hydra++" else kind, "num_heads": 3, "num_layers": 1,
                 "prefix_attention": kind == "hydra++"}
         heads = build_draft(head, base).to(base.dtype).eval()
+        if getattr(heads, "prefix_layer", None) is not None:  # it starts as the identity: give it weights that change the heads' h
+            with torch.no_grad():
+                for p in heads.prefix_layer.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype))
         return make_drafter(heads, Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
     if kind == "ssm":
         return SSMDrafter(near(base), Tree.expansion([2, 2, 1]))
@@ -71,6 +75,31 @@ def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
             got = dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
             assert got.tokens == r.tokens, (kind, opts, e)
             assert got.steps == r.steps
+
+
+@pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
+def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, monkeypatch):
+    """Hydra++'s prefix layer and EAGLE-3's layer on the static path (commits padded to one width, the padding
+    left as holes) give the drafter the same state after every commit as the eager path: finer than tokens."""
+    from draftlab.drafters.eagle import Eagle3Drafter
+    from draftlab.drafters.heads.drafter import HeadsDrafter
+
+    cls, attr = (HeadsDrafter, "hidden") if kind == "hydra++" else (Eagle3Drafter, "out")
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    seen = []
+    commit = cls.commit
+
+    def recording(self, step):
+        commit(self, step)
+        seen[-1].append(getattr(self, attr).clone())
+    monkeypatch.setattr(cls, "commit", recording)
+    for opts in ({}, {"static": True}, {"compile": "eager"}):
+        seen.append([])
+        SpeculativeDecoder(base, drafter(kind, base), **opts).generate(prompts, max_new_tokens=21)
+    assert len(seen[0]) == len(seen[1]) == len(seen[2]) > 3
+    for a, b, c in zip(*seen):
+        assert torch.allclose(a, b, atol=1e-9) and torch.allclose(a, c, atol=1e-9)
 
 
 def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation():

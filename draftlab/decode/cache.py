@@ -258,7 +258,7 @@ class StaticSlotCache:
         self._check_room(ids.shape[1])
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         self.tentative = ids.shape[1]
-        out = self.model(input_ids=ids, attention_mask=self._mask(causal_allowed(valid)), position_ids=pos,
+        out = self.model(**_inputs(ids), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos,
                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
         L = ids.shape[1]
         self.slots[:, :L] = valid.bool()
@@ -269,7 +269,7 @@ class StaticSlotCache:
         N = tokens.shape[1]
         self._check_room(N)
         self.tentative += N
-        return self.run(input_ids=tokens, attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
+        return self.run(**_inputs(tokens), attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
@@ -291,3 +291,9 @@ class StaticSlotCache:
         self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),
                   valid.bool(), in_place=True)
         return out
+
+
+def _inputs(x: torch.Tensor) -> dict:
+    """Token ids [B, T] as input_ids; states [B, T, H] (a model run over hidden states, e.g. Hydra++'s prefix
+    layer) as inputs_embeds."""
+    return {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}

@@ -299,7 +299,7 @@ class Eagle3Drafter(Drafter):
         self.draft_rows = module.draft_ids()
         self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
         self.n = 0
-        self._compiled: dict = {}  # backend -> the compiled _draft
+        self._compiled: dict = {}  # (method, backend) -> its torch.compile
 
     @property
     def max_nodes(self) -> int:
@@ -353,22 +353,49 @@ class Eagle3Drafter(Drafter):
         self.valid[:, self.n: self.n + T] = ok
         self.n += T
 
-    def _step(self, g, tokens, positions, allowed_new):
-        """One layer pass for new entries: g [B, T, H] features, tokens [B, T] target ids, positions [B, T]."""
-        e = self.m.embed(tokens).to(self.dtype)
-        cos, sin = self.m.rope(g, positions)
-        q, k, v = self.m.midlayer.qkv(e, g, cos, sin)
-        return self.m.midlayer.finish(self._attend(q, k, v, allowed_new), g), k, v
-
-    def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor) -> None:
-        """Append committed entries (base features feats [B, T, n, H], the token after each [B, T]); keep each row's
-        last valid output as the state the next tree starts from."""
+    def _entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor, full: bool = False):
+        """One layer pass for committed entries (features feats [B, T, n, H], the token after each [B, T], valid
+        ok [B, T]) over the cache: their outputs [B, T, H] and keys / values. Tensor operations only: with full
+        (the whole buffer read) its shapes are fixed, and the compiled path runs it as one graph."""
         from ..decode.cache import causal_allowed
 
-        B, T = next_tokens.shape
         g = self.m.fc(feats.flatten(-2).to(self.dtype))
         pos = self.next_pos[:, None] + (ok.long().cumsum(-1) - 1).clamp(min=0)
-        out, k, v = self._step(g, next_tokens, pos, causal_allowed(ok))
+        return self._step(g, next_tokens, pos, causal_allowed(ok), full)
+
+    def _step(self, g, tokens, positions, allowed_new, full: bool = False):
+        """One layer pass for new entries: g [B, T, H] features, tokens [B, T] target ids, positions [B, T]."""
+        e = self.m.embed(tokens).to(self.dtype)
+        q, k, v = self.m.midlayer.qkv(e, g, *self.m.rope(g, positions))
+        return self.m.midlayer.finish(self._attend(q, k, v, allowed_new, full), g), k, v
+
+    def _compiled_fn(self, name: str, backend: str):
+        """torch.compile of the method `name` (made once per backend)."""
+        key = (name, backend)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(getattr(self, name), backend=backend, dynamic=False)
+        return self._compiled[key]
+
+    def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor,
+                        width: int | None = None) -> None:
+        """Append committed entries (base features feats [B, T, n, H], the token after each [B, T]); keep each row's
+        last valid output as the state the next tree starts from. width: on the static path, pad to this many
+        entries (not valid ones, holes in the cache) so the forward has one shape, compiled when the decoder
+        compiles."""
+        path = self.decode_path or {}
+        entries = self._entries
+        if width is not None and path.get("static") and self.k is not None:
+            B, T = next_tokens.shape
+            if T < width:
+                feats = torch.cat([feats, feats.new_zeros(B, width - T, *feats.shape[2:])], 1)
+                next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(B, width - T)], 1)
+                ok = torch.cat([ok, ok.new_zeros(B, width - T)], 1)
+            if path.get("compile"):
+                entries = self._compiled_fn("_entries", path["compile"])
+            out, k, v = entries(feats, next_tokens, ok, full=True)
+        else:
+            out, k, v = entries(feats, next_tokens, ok)
+        B, T = next_tokens.shape
         self._append(k, v, ok)
         self.next_pos = self.next_pos + ok.sum(-1)
         last = (ok.long() * torch.arange(1, T + 1, device=ok.device)).argmax(-1)  # each row's last valid entry
@@ -390,12 +417,8 @@ class Eagle3Drafter(Drafter):
             nxt = torch.cat([ids[:, 1:], root[:, None]], 1)
             self._commit_entries(feats, nxt, ok)
             self.pending = None
-        draft = self._draft
         path = self.decode_path or {}
-        if path.get("compile"):
-            if path["compile"] not in self._compiled:
-                self._compiled[path["compile"]] = torch.compile(self._draft, backend=path["compile"], dynamic=False)
-            draft = self._compiled[path["compile"]]
+        draft = self._compiled_fn("_draft", path["compile"]) if path.get("compile") else self._draft
         return self._rerank(*draft(root, full=bool(path.get("static"))))
 
     def _draft(self, root: torch.Tensor, full: bool = False):
@@ -487,4 +510,4 @@ class Eagle3Drafter(Drafter):
         # The token after kept node i is kept node i + 1's, and after the last one the bonus (on the device).
         nxt = torch.cat([step.tokens.gather(1, step.keep[:, 1:]), step.bonus[:, None]], 1)
         nxt[torch.arange(B, device=nxt.device), step.last] = step.bonus
-        self._commit_entries(feats, nxt, step.keep_valid)
+        self._commit_entries(feats, nxt, step.keep_valid, width=self.depth + 1)

@@ -46,8 +46,21 @@ class HeadsDrafter(Drafter):
     # --- state -------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
+        self.static = None
         if not self.prefix:
             self.hidden = hidden[:, -1]
+            return
+        if self.decode_path and self.decode_path.get("static"):
+            # The prefix layer on its own static cache, every commit fed at one width (the tree's depth + 1), so
+            # its forward has one shape (compiled when the decoder compiles).
+            from ...decode.cache import slot_cache
+            from .hydra import PrefixModel
+
+            if getattr(self, "_prefix_model", None) is None:
+                self._prefix_model = PrefixModel(self.heads)
+            B, L = prompt.valid.shape
+            self.static = slot_cache(self._prefix_model, B, L + 256, self.decode_path)
+            self.hidden = self.static.prefill(hidden, prompt.valid)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
 
@@ -57,9 +70,14 @@ class HeadsDrafter(Drafter):
 
     def commit(self, step: StepResult) -> None:
         hidden = step.hidden[-1]  # [B, M, H] base states of the kept nodes
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        if self.prefix:
-            B, M, _ = hidden.shape
+        B, M, H = hidden.shape
+        rows = torch.arange(B, device=hidden.device)
+        if self.static is not None:
+            W = self.tree.depth + 1
+            states, valid = hidden.new_zeros(B, W, H), step.keep_valid.new_zeros(B, W)
+            states[:, :M], valid[:, :M] = hidden, step.keep_valid
+            hidden = self.static.append(states, valid).last_hidden_state
+        elif self.prefix:
             vb = self.valid
             allowed = torch.cat([vb[:, None, :].expand(B, M, vb.shape[1]), causal_allowed(step.keep_valid)], dim=2)
             hidden = self.heads.prefix(hidden, allowed, step.positions, self.cache)

@@ -147,6 +147,33 @@ class HydraHeads(nn.Module):
         return [self.head_features(k, h, torch.stack(shifted[: k + 1], dim=2)) for k in range(self.num_heads)]
 
 
+class PrefixModel(nn.Module):
+    """Hydra++'s prefix layer as a one-layer model over base hidden states, for the static-shape decode path: a
+    StaticSlotCache runs it (compiled when the decoder compiles) with the same calls as a base, `inputs_embeds`
+    being the base's hidden states. Its config is the base's with one layer, so the cache holds one layer."""
+
+    def __init__(self, heads: "HydraHeads"):
+        import copy
+
+        super().__init__()
+        cfg = copy.copy(heads.base.config)
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types[-1:])
+        self.config = cfg
+        self.layer = heads.prefix_layer
+        self.rotary = heads.base.base_model.rotary_emb
+
+    def forward(self, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=True,
+                output_hidden_states=False):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        x = inputs_embeds.to(self.layer.self_attn.q_proj.weight.dtype)
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                         use_cache=use_cache, position_embeddings=self.rotary(x, position_ids))
+        return BaseModelOutputWithPast(last_hidden_state=out[0] if isinstance(out, tuple) else out)
+
+
 def replica_of(layer, config):
     """A plain copy of one of the base's decoder layers with its own one-layer KV cache (layer_idx 0): built fresh
     from its class rather than deep-copied, so a tensor-parallel layer's DTensor shards (gathered whole here) and
