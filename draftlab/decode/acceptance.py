@@ -67,25 +67,38 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
-def _deepest(ok: torch.Tensor, view: TreeView) -> list[list[int]]:
-    """Per row, the path to the deepest node whose whole root path is ok (ties: the earliest node)."""
+def _deepest(ok: torch.Tensor, view: TreeView) -> torch.Tensor:
+    """Per row, the deepest node whose whole root path is ok (ties: the earliest node), [B] on the device."""
     # A node counts only if it and all its ancestors are ok: [B, N, N] & -> [B, N].
     full = ~(view.ancestors & ~ok[:, None, :]).any(-1) & view.valid
     N = ok.shape[1]
     order = torch.arange(N - 1, -1, -1, device=ok.device)
     score = torch.where(full, view.depth * N + order, torch.full_like(view.depth, -1))
-    best = score.argmax(-1).tolist()
-    return [view.path_to(b, n) for b, n in enumerate(best)]
+    return score.argmax(-1)
 
 
-def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView):
-    """Longest root path whose every token is the base's argmax after its parent."""
+def paths_to(view: TreeView, last: torch.Tensor) -> list[list[int]]:
+    """Per row, the node indices from the root down to last[b] (one device-to-host copy)."""
+    rows = torch.arange(last.shape[0], device=last.device)
+    on = view.ancestors[rows, last]  # [B, N]: the nodes on each row's path
+    return [[n for n, x in enumerate(r) if x] for r in on.tolist()]
+
+
+def greedy_decision(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView):
+    """Greedy acceptance on the device: the last accepted node [B] (its root path is the accepted path) and the
+    bonus token [B]. The accepted path is the longest root path whose every token is the base's argmax after
+    its parent."""
     pred = logits.argmax(-1)  # [B, N]
     ok = tokens == pred.gather(1, view.parents.clamp(min=0))
     ok[:, 0] = True
-    paths = _deepest(ok, view)
-    last = torch.tensor([p[-1] for p in paths], device=tokens.device)
-    return paths, pred.gather(1, last[:, None])[:, 0]
+    last = _deepest(ok, view)
+    return last, pred.gather(1, last[:, None])[:, 0]
+
+
+def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView):
+    """Longest root path whose every token is the base's argmax after its parent: (paths, bonus [B])."""
+    last, bonus = greedy_decision(tokens, logits, view)
+    return paths_to(view, last), bonus
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -171,6 +184,12 @@ def typical_threshold(probs: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                    generator: torch.Generator | None = None):
+    """Medusa's typical acceptance (see typical_decision): (paths, bonus [B])."""
+    last, bonus = typical_decision(tokens, logits, view, s)
+    return paths_to(view, last), bonus
+
+
+def typical_decision(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling):
     """Medusa's typical acceptance (lossy, opt-in), as the paper and FasterDecoding's default code define it.
 
     At temperature 0 it is greedy verification, exactly. At T > 0, with p = softmax(logits / T) (top-p and
@@ -178,11 +197,11 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s
     H(p) = -sum p log(p + 1e-5); of the deepest accepted paths the one with the largest sum of log p(x) is
     taken. The bonus token, which is the next step's first token (its root), is the base's argmax: Medusa
     decodes the first token of every step greedily and accepts it unconditionally (medusa_generate's default
-    fast=True, whose generate_candidates takes the argmax), which guarantees one token per step. The generator
-    is unused: the rule is deterministic.
+    fast=True, whose generate_candidates takes the argmax), which guarantees one token per step. The rule is
+    deterministic (no generator). On the device: the last accepted node [B] and the bonus token [B].
     """
     if s.temperature <= 0:
-        return accept_greedy(tokens, logits, view)
+        return greedy_decision(tokens, logits, view)
     probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [B, N, V]
     thresh = typical_threshold(probs, s)  # [B, N]
     par = view.parents.clamp(min=0)
@@ -196,6 +215,5 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s
     depth = torch.where(full, view.depth, torch.full_like(view.depth, -1))
     deepest = full & (depth == depth.max(-1, keepdim=True).values)
     best = torch.where(deepest, path_ll, torch.full_like(path_ll, float("-inf"))).argmax(-1)  # [B]
-    paths = [view.path_to(b, n) for b, n in enumerate(best.tolist())]
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    return paths, logits[rows, best].argmax(-1)
+    return best, logits[rows, best].argmax(-1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters.base import Drafter, PromptState, Proposal, StepResult
-from .acceptance import Sampling, accept_greedy, accept_sampling, accept_typical, warp
+from .acceptance import Sampling, accept_sampling, greedy_decision, typical_decision, warp
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
                     compact_cache, static_slots)
 from .streams import derived_generator
@@ -120,48 +120,54 @@ class Verifier:
         if self.static_nodes:
             prop = pad_proposal(prop, self.static_nodes)
         tokens, view = prop.tokens, prop.view  # [B, N]
-        B = tokens.shape[0]
+        B, N = tokens.shape
         t2 = time.perf_counter()
         start, valid_before = target.length, target.valid
         out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
         sync_device(dev)
         t3 = time.perf_counter()
         if sampling.typical:
-            paths, bonus = accept_typical(tokens, out.logits, view, sampling, generator)
+            last, bonus = typical_decision(tokens, out.logits, view, sampling)
         elif sampling.temperature > 0:
             paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
+            last = torch.tensor([p[-1] for p in paths], device=dev)
         else:
-            paths, bonus = accept_greedy(tokens, out.logits, view)
+            last, bonus = greedy_decision(tokens, out.logits, view)
         if self.sync is not None:
-            paths, bonus = self.sync.decision(paths, bonus)
-        # paths: per row, accepted node indices starting with 0 (the root, now committed to the cache).
-        M = max(len(p) for p in paths)
-        live_rows = live.tolist()
-        keep = torch.tensor([p + [0] * (M - len(p)) for p in paths], dtype=torch.long, device=dev)  # [B, M]
-        keep_valid = torch.tensor([[lv] * len(p) + [False] * (M - len(p)) for p, lv in zip(paths, live_rows)],
-                                  dtype=torch.bool, device=dev)
+            last, bonus = self.sync.decision(last, bonus)
+        # The accepted path is last's root path: its nodes in depth order, then the rest (never read).
+        on_path = view.ancestors[torch.arange(B, device=dev), last]  # [B, N]
+        order = torch.where(on_path, view.depth, torch.full_like(view.depth, N)).sort(dim=1, stable=True).indices
+        length = on_path.sum(-1)
+        # One device-to-host copy per step: each row's liveness, path length, path nodes, their tokens, the bonus.
+        host = torch.cat([live[:, None].long(), length[:, None], bonus[:, None], order, tokens.gather(1, order)],
+                         1).tolist()
+        live_rows = [bool(h[0]) for h in host]
+        paths = [h[3: 3 + h[1]] for h in host]
+        M = max(h[1] for h in host)
+        in_path = torch.arange(M, device=dev)[None] < length[:, None]  # [B, M]
+        keep = order[:, :M].masked_fill(~in_path, 0)  # padded with the root
+        keep_valid = in_path & live[:, None]
         kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
         # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
         target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
         res.steps += 1
         res.rows_per_step.append(sum(live_rows))
-        res.tree_sizes.append(tokens.shape[1])
+        res.tree_sizes.append(N)
         committed = 0
-        host_tokens, host_bonus = tokens.tolist(), bonus.tolist()  # one device-to-host copy per step
-        for b in range(B):
+        for b, h in enumerate(host):
             if live_rows[b]:
                 # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
-                committed += self._emit(b, [host_tokens[b][n] for n in paths[b][1:]] + [host_bonus[b]])
+                committed += self._emit(b, h[3 + N + 1: 3 + N + h[1]] + [h[2]])
         res.committed.append(committed)
         hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
                   for l, h in _layers(out, self.layers).items()}
-        last = torch.tensor([len(p) - 1 for p in paths], device=dev)
         sync_device(dev)
         t4 = time.perf_counter()
         res.time_s["draft"] += draft_s
         res.time_s["verify"] += t3 - t2
         res.time_s["accept"] += t4 - t3
-        return StepResult(tokens, paths, keep, keep_valid, last, kept_pos, valid_before, bonus, live.clone(), hidden,
+        return StepResult(tokens, paths, keep, keep_valid, length - 1, kept_pos, valid_before, bonus, live.clone(), hidden,
                           time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3})
 
     @property

@@ -91,16 +91,11 @@ class RankSync:
             view = TreeView.of_parents(parents, valid)
         return Proposal(tokens, view, prop.q, prop.q_index)
 
-    def decision(self, paths: list[list[int]], bonus: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
-        B, M = len(paths), max(len(p) for p in paths)
-        M = int(self._bcast(torch.tensor([M], device=bonus.device)).item())
-        buf = torch.zeros(B, M + 2, dtype=torch.long, device=bonus.device)  # length, nodes..., bonus
-        for b, p in enumerate(paths):
-            buf[b, 0] = len(p)
-            buf[b, 1:1 + len(p)] = torch.tensor(p)
-        buf[:, -1] = bonus
-        rows = self._bcast(buf).tolist()
-        return [r[1:1 + r[0]] for r in rows], buf[:, -1].clone()
+    def decision(self, last: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank src's last accepted node [B] and bonus token [B] (the trees are rank src's, so its last node's
+        root path is the accepted path on every rank)."""
+        both = self._bcast(torch.stack([last, bonus]).contiguous())
+        return both[0], both[1]
 
 
 def init_tp() -> torch.device:

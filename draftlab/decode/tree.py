@@ -295,20 +295,22 @@ class TreeView:
         return TreeView(ex(buf.parent), ex(buf.depth), ex(valid), ex(buf.mask), static=buf)
 
     @staticmethod
-    def of_parents(parents: torch.Tensor, valid: torch.Tensor | None = None) -> "TreeView":
-        """Depths and ancestor sets from per-row parents [B, N] (topological order), by repeated squaring."""
+    def of_parents(parents: torch.Tensor, valid: torch.Tensor | None = None, check: bool = True) -> "TreeView":
+        """Depths and ancestor sets from per-row parents [B, N] (topological order), by repeated squaring. check:
+        refuse parents out of order (a host sync); a drafter whose trees are ordered by construction skips it."""
         B, N = parents.shape
         dev = parents.device
         idx = torch.arange(N, device=dev)
         if valid is None:
             valid = torch.ones(B, N, dtype=torch.bool, device=dev)
         parents = torch.where(valid, parents, torch.full_like(parents, -1))
-        bad = valid[:, 1:] & ~((parents[:, 1:] >= 0) & (parents[:, 1:] < idx[1:]))
-        if bool(bad.any()) or bool((parents[:, 0] != -1).any()):
-            raise TreeError("a proposal's nodes must be in topological order: node 0 is the root (parent -1) and "
-                            "every other valid node's parent is an earlier node")
-        if bool((valid & ~valid.gather(1, parents.clamp(min=0))).any()):
-            raise TreeError("a proposal's padded node is the parent of a valid node")
+        if check:
+            bad = valid[:, 1:] & ~((parents[:, 1:] >= 0) & (parents[:, 1:] < idx[1:]))
+            if bool(bad.any()) or bool((parents[:, 0] != -1).any()):
+                raise TreeError("a proposal's nodes must be in topological order: node 0 is the root (parent -1) and "
+                                "every other valid node's parent is an earlier node")
+            if bool((valid & ~valid.gather(1, parents.clamp(min=0))).any()):
+                raise TreeError("a proposal's padded node is the parent of a valid node")
         reach = torch.eye(N, dtype=torch.float32, device=dev).expand(B, N, N).clone()  # [B, N, N]
         rows, cols = torch.nonzero(parents >= 0, as_tuple=True)
         reach[rows, cols, parents[rows, cols]] = 1.0

@@ -499,7 +499,8 @@ class Eagle3Drafter(Drafter):
         new.scatter_(1, order, torch.arange(keep + 1, device=tok.device)[None].expand(B, -1))
         parents = new.gather(1, par.gather(1, order).clamp(min=0))
         parents[:, 0] = -1
-        return Proposal(tok.gather(1, order), TreeView.of_parents(parents))
+        # Ordered by construction: (depth, node) order, and a node's parent is kept before it (prefix-closed).
+        return Proposal(tok.gather(1, order), TreeView.of_parents(parents, check=False))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
