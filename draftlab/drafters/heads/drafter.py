@@ -34,6 +34,7 @@ class HeadsDrafter(Drafter):
         self.prefix = getattr(heads, "prefix_layer", None) is not None
         self.views: dict[int, TreeView] = {}
         self.hidden = self.cache = None
+        self._compiled: dict = {}  # backend -> the compiled fill
 
     @property
     def max_nodes(self) -> int:
@@ -45,6 +46,12 @@ class HeadsDrafter(Drafter):
 
     # --- state -------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
+        self._begin(prompt)
+        # The state after the prompt is a view into the prompt's states; its own standard strides keep the compiled
+        # fill from recompiling for every prompt length.
+        self.hidden = self.hidden.clone(memory_format=torch.contiguous_format)
+
+    def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
         self.static = None
         if not self.prefix:
@@ -89,7 +96,13 @@ class HeadsDrafter(Drafter):
         B = root.shape[0]
         if B not in self.views:
             self.views[B] = TreeView.of_static(self.buf, B)
-        return Proposal(self.fill(root, self.hidden), self.views[B])
+        fill = self.fill
+        backend = (self.decode_path or {}).get("compile")
+        if backend:  # the whole fill (every head, every depth) as one graph of fixed shapes
+            if backend not in self._compiled:
+                self._compiled[backend] = torch.compile(self.fill, backend=backend, dynamic=False)
+            fill = self._compiled[backend]
+        return Proposal(fill(root, self.hidden), self.views[B])
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
