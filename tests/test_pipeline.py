@@ -39,6 +39,25 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     assert unlimited.drafter["paused"] == 0 and unlimited.drafter["pool_max"] == 9
 
 
+def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export):
+    """compile= puts both processes on the static-shape path (the verifier's trees padded to the drafter's
+    max_nodes, the SSM on its static cache), traced here with the eager backend: same tokens, same steps."""
+    from draftlab.decode.pipeline import DraftPipeline
+
+    export, base = ssm_export
+    prompts = [[1, 5, 7, 9], [1, 3], [1, 2, 3, 4, 5, 6, 7], [1, 40], [1, 8, 8]]
+    runs = []
+    for compile in (False, "eager"):
+        with DraftPipeline(base, export, tree="expansion:2,1,1", compile=compile) as pipe:
+            runs.append(pipe.run(prompts, batch_size=2, in_flight=2, max_new_tokens=16))
+    eager, compiled = runs
+    assert compiled.tokens == eager.tokens == [plain_greedy(base, p, 16) for p in prompts]
+    assert compiled.steps == eager.steps and compiled.committed == eager.committed
+    from draftlab.decode.compiled import compiled_forward
+    assert compiled.drafter["decode_path"] == {"static": True, "compile": "eager"} and eager.drafter["decode_path"] is None
+    assert compiled_forward(base, "eager").shapes  # the verifier's forwards went through the compiled forward
+
+
 def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_dir, tmp_path):
     """Minions: the vote weights and the speculation length are learned over every verified batch of the stream,
     whichever group it belongs to, and the length follows the verifier's time."""

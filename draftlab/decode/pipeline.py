@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -83,7 +84,8 @@ def _recv(q):
     return pickle.loads(q.get())
 
 
-def _drafter_worker(export: str, tree, options: dict, device: str, threads: int, inbox, pool) -> None:
+def _drafter_worker(export: str, tree, options: dict, device: str, threads: int, inbox, pool,
+                    path: dict | None = None) -> None:
     """The drafter process: drafts for any open group of the current run with a root, while the pool is below its
     limit. Every message names its run; a message of another run (left over from an interrupted one) is dropped."""
     from ..workers import die_with_parent, error_message
@@ -104,7 +106,7 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
             raise PipelineError(f"a {meta['head']['type']} drafter reads the base's hidden states, so it cannot draft "
                                 "in a process apart from the base; pipelining is for separate draft models (ssm, "
                                 "ensembles of SSMs, lookup)")
-        _send(pool, ("ready",))
+        _send(pool, ("ready", probe.max_nodes))
         run, groups, ready, pool_size, limit, stats, sent, gen = None, {}, [], 0, None, {}, set(), None
         while True:
             if ready and (limit is None or pool_size < limit):
@@ -142,6 +144,7 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
                 _, _, g, prompt, root, sampling = msg
                 drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
                 drafter.share_state(probe)  # one vote / schedule / adaptive length learned over all groups
+                drafter.decode_path = path  # the static / compiled path when the pipeline compiles
                 drafter.begin(move(prompt, device), sampling, gen)
                 groups[g] = [drafter, root.to(device), root.shape[0]]
                 ready.append(g)
@@ -156,7 +159,7 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
             elif kind == "end":
                 groups.pop(msg[2], None)
             elif kind == "stats":  # with what the drafters learned together (an ensemble's weights and length)
-                _send(pool, ("stats", run, {**stats, "state": probe.describe()}))
+                _send(pool, ("stats", run, {**stats, "state": probe.describe(), "decode_path": path}))
     except BaseException:  # noqa: BLE001 - reported to the verifier, which raises it
         _send(pool, error_message("pipeline drafter"))
 
@@ -196,17 +199,27 @@ class DraftPipeline:
 
     def __init__(self, base, export: str, tree: str | None = None, drafter_options: dict | None = None,
                  drafter_device: str | None = None, drafter_threads: int = 1, seed: int = 0,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, compile: bool | str = False):
+        """compile: the static-shape compiled path on both sides, as SpeculativeDecoder's `compile` (True: the
+        inductor backend or DRAFTLAB_COMPILE_BACKEND; a string names a torch.compile backend): the verifier's
+        forwards through the base's compiled forward, trees padded to the drafter's max_nodes, and the drafter's
+        own forwards on its static path. The first run compiles; warm up with a short run before timing."""
         self.base, self.timeout_s, self.seed, self.runs = base, timeout_s, seed, 0
         self.device = base.get_output_embeddings().weight.device
+        self.forward, path = None, None
+        if compile:
+            from .compiled import compiled_forward
+
+            backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
+            self.forward, path = compiled_forward(base, backend), {"static": True, "compile": backend}
         ctx = mp.get_context("spawn")
         self.inbox, self.pool = ctx.Queue(), ctx.Queue()
         self.worker = ctx.Process(target=_drafter_worker, daemon=True, name="pipeline-drafter",
                                   args=(export, tree, drafter_options or {}, drafter_device or str(self.device),
-                                        drafter_threads, self.inbox, self.pool))
+                                        drafter_threads, self.inbox, self.pool, path))
         self.worker.start()
         try:
-            self._receive()  # ("ready",): the drafter is loaded
+            (_, self.max_nodes), _ = self._receive()  # ("ready", max_nodes): the drafter is loaded
         except BaseException:
             self.close()
             raise
@@ -251,7 +264,8 @@ class DraftPipeline:
         def open_group() -> None:
             idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
             cursor["prompt"] += len(idx)
-            v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen)
+            v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen,
+                         static_nodes=self.max_nodes if self.forward else None, forward=self.forward)
             prompt, root = v.prefill()
             g = cursor["group"]
             open_groups[g] = (v, idx, root.cpu())
