@@ -52,7 +52,15 @@ def main() -> None:
         return run
 
     if not a.no_hf_compile:
-        methods["hf_generate_static_compiled"] = timed(hf_method(base, eos, N, cache_implementation="static"))
+        # transformers compiles generate's forward by itself only on accelerators (CUDA, XPU, ...); on a CPU its
+        # CompileConfig has to ask for it (the flag it documents for compiling on every device), with the default
+        # mode, reduce-overhead being CUDA graphs.
+        from transformers import CompileConfig
+
+        cc = CompileConfig(mode="reduce-overhead" if base.device.type == "cuda" else "default")
+        cc._compile_all_devices = True
+        methods["hf_generate_static_compiled"] = timed(hf_method(base, eos, N, cache_implementation="static",
+                                                                 compile_config=cc))
 
     def add(name, drafter, compiled):
         dec = SpeculativeDecoder(base, drafter, compile=compiled)
