@@ -39,6 +39,7 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     assert unlimited.drafter["paused"] == 0 and unlimited.drafter["pool_max"] == 9
 
 
+@pytest.mark.slow  # two pipelines, each a spawned worker (about 25 s on 2 cores); CI runs the slow tests
 def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export):
     """compile= puts both processes on the static-shape path (the verifier's trees padded to the drafter's
     max_nodes, the SSM on its static cache), traced here with the eager backend: same tokens, same steps."""
