@@ -219,3 +219,15 @@ def test_trees_are_timed_in_interleaved_rounds_and_keep_their_fastest(monkeypatc
     best = tree_search.time_trees(["a", "b"], [[1]], 1, 8, None, rounds=3)
     assert calls == ["a", "b"] * 3  # round by round, every tree in each
     assert [m["tokens_per_s"] for m in best] == [30.0, 50.0]
+
+
+def test_tree_files_are_written_into_a_folder_that_does_not_exist_yet(tmp_path):
+    """search-tree --out DIR/tree.json with no DIR yet: the tree file's folder is created, not an error at the end."""
+    from draftlab.decode.tree import DynamicTree
+
+    out = tmp_path / "new" / "deeper" / "tree.json"
+    Tree.parse("[[0], [1], [0, 0]]").save(out)
+    assert Tree.load(out).paths == ((0,), (1,), (0, 0))
+    dyn = tmp_path / "other" / "dynamic.json"
+    DynamicTree(3, 4, 10).save(dyn, {"method": "test"})
+    assert json.loads(dyn.read_text()) == {"dynamic": "dynamic:3,4,10", "metadata": {"method": "test"}}

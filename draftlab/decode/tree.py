@@ -36,6 +36,13 @@ def _literal(text: str, source: str) -> list:
     return to_list(value)
 
 
+def _write_json(path: str | Path, record: dict) -> None:
+    """Write a tree file; its folder is created, as --out DIR/tree.json asks for a folder that may not exist yet."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+
+
 @dataclass(frozen=True)
 class Tree:
     paths: tuple[tuple[int, ...], ...]  # non-root nodes in BFS order (by depth, then lexicographic)
@@ -132,8 +139,8 @@ class Tree:
         return Tree.from_paths(data, source=str(p))
 
     def save(self, path: str | Path) -> None:
-        """Write the tree file (JSON) with its metadata."""
-        Path(path).write_text(json.dumps({"paths": [list(p) for p in self.paths], "metadata": self.metadata}, indent=1))
+        """Write the tree file (JSON) with its metadata, creating its folder."""
+        _write_json(path, {"paths": [list(p) for p in self.paths], "metadata": self.metadata})
 
     # --- derived structure --------------------------------------------------------------------
     @property
@@ -193,7 +200,7 @@ class DynamicTree:
 
     def save(self, path: str | Path, metadata: dict | None = None) -> None:
         """A tree file holding these settings (what search-tree writes for eagle3 exports)."""
-        Path(path).write_text(json.dumps({"dynamic": self.spec(), "metadata": metadata or {}}, indent=1))
+        _write_json(path, {"dynamic": self.spec(), "metadata": metadata or {}})
 
     @property
     def size(self) -> int:
