@@ -152,3 +152,20 @@ def test_mt_bench_with_an_ssm_export(stories_dir, tmp_path):
     hist = s["accept_histogram"]  # an untrained SSM (top-1 agreement about 8%) may accept nothing here
     assert s["overall"]["identical_share"] == 1.0 and sum(hist.values()) > 0
     assert s["overall"]["accept_length"] == pytest.approx(sum(int(k) * v for k, v in hist.items()) / sum(hist.values()), abs=1e-3)
+
+
+def test_progress_line_shows_the_runs_running_totals(export, tmp_path, capsys, monkeypatch):
+    """The mt-bench progress line gives tokens and mean accept length of the run so far, not the last question's."""
+    from draftlab.eval.mt_bench import running_totals
+
+    run = {"new_tokens": 0, "steps": 0, "committed": 0.0}
+    assert running_totals(run, [{"new_tokens": 10, "steps": 5, "accept_length": 2.0}]) == {"tokens": 10, "accept": "2.00"}
+    assert running_totals(run, [{"new_tokens": 4, "steps": 4, "accept_length": 1.0},
+                                {"new_tokens": 6, "steps": 1, "accept_length": 6.0}]) == {"tokens": 20, "accept": "2.00"}
+    monkeypatch.setenv("DRAFTLAB_PROGRESS_SECONDS", "1000")  # a log (stderr is no terminal): only the closing line
+    s = run_mt_bench(export, str(MT), str(tmp_path / "r"), limit=3, max_new_tokens=16, baseline=False, plots=False)
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("mt-bench:")][-1]
+    figures = dict(kv.split("=") for kv in line.split(", ") if "=" in kv)
+    last = sum(lines(s["answers"]["draftlab"])[-1]["choices"][0]["new_tokens"])
+    assert int(figures["tokens"]) == s["overall"]["new_tokens"] > last
+    assert float(figures["accept"]) == pytest.approx(s["overall"]["accept_length"], abs=0.006)

@@ -142,6 +142,17 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
     return turns["draftlab"], (turns["plain"] if baseline else None)
 
 
+def running_totals(run: dict, turns: list[dict]) -> dict:
+    """Add one answer's turns to the run's totals; returns the progress line's figures: tokens so far and the mean
+    accept length so far (weighted by steps, as the summary's), not the last question's."""
+    for t in turns:
+        run["new_tokens"] += t["new_tokens"]
+        run["steps"] += t["steps"]
+        run["committed"] += t["accept_length"] * t["steps"]
+    accept = run["committed"] / run["steps"] if run["steps"] else 0.0
+    return {"tokens": run["new_tokens"], "accept": f"{accept:.2f}"}
+
+
 def answer_record(q: dict, model_id: str, turns: list[dict], extra: dict | None = None) -> dict:
     """FastChat model-answer record; per-turn statistics sit beside `turns` in the choice (as EAGLE's do)."""
     choice = {"index": 0, "turns": [t["text"] for t in turns]}
@@ -320,6 +331,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
         answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline)
     bar = progress_bar(todo, desc="mt-bench", unit="question", disable=not progress)
+    run = {"new_tokens": 0, "steps": 0, "committed": 0.0}  # this run's answers so far, for the progress line
     with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
         for q in bar:
             d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline)
@@ -339,8 +351,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             fd.flush()
             os.fsync(fd.fileno())
             d_ans[q["question_id"]] = d_rec
-            new = sum(d_rec["choices"][0]["new_tokens"])
-            bar.set_postfix(accept=f"{d_turns[-1]['accept_length']:.2f}", tokens=new)
+            bar.set_postfix(running_totals(run, d_turns))
     summary = summarize(qs, d_ans, b_ans if baseline else {}, settings)
     summary["answers"] = {"draftlab": str(d_path), **({"plain": str(b_path)} if baseline else {})}
     summary["report"] = str(write_report(outp, summary))
