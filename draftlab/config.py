@@ -76,10 +76,35 @@ class EagleSection(_Section):
         return v
 
 
+class DFlashSection(_Section):
+    block_size: int = Field(16, ge=2, le=64, description="tokens per block: the last verified token and "
+                            "block_size - 1 drafted in one forward (DFlash's default: 16)")
+    num_layers: int = Field(5, ge=1, le=16, description="draft decoder layers (the base's block type); 5 in DFlash's "
+                            "released Qwen3 drafts")
+    layers: list[int] | None = Field(
+        None, description="base layer ids whose states are fused into the context (hidden_states indexing, as "
+        "head.eagle.layers: id i = the output of decoder layer i - 1); unset: DFlash's, one per draft layer spread "
+        "evenly from the output of layer 1 to that of layer L - 3", examples=[[2, 10, 18, 26, 34]])
+    mask_token_id: int | None = Field(None, ge=0, description="the token id whose (base) embedding fills the block "
+                                      "past its first position; unset: the base's pad / unk token, else the last id")
+    num_anchors: int = Field(512, ge=1, description="training: blocks per sequence, at random anchor positions")
+    loss_decay_gamma: float | None = Field(
+        None, gt=0, description="training: block position k's loss is weighted exp(-(k - 1) / gamma); unset: the "
+        "paper's 7 for blocks of 16, 5 for 10, 4 for 8 (other sizes interpolated)")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v):
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("head.dflash.layers: one or more base layer ids >= 1 (outputs of decoder layers)")
+        return v
+
+
 class HeadSection(_Section):
-    type: Literal["medusa", "hydra", "ssm", "eagle3"] = Field(
+    type: Literal["medusa", "hydra", "ssm", "eagle3", "dflash"] = Field(
         "medusa", description="the draft model: medusa / hydra heads on the base's hidden state, ssm (a small "
-        "causal LM, see head.ssm) or eagle3 (one decoder layer over three base layers, see head.eagle)")
+        "causal LM, see head.ssm), eagle3 (one decoder layer over three base layers, see head.eagle) or dflash (a "
+        "block drafter: a few layers drafting a block in one forward, see head.dflash)")
     num_heads: int = Field(4, ge=1, le=16, description="draft heads; head k predicts k+1 tokens past the base")
     num_layers: int = Field(
         1, ge=0, le=8, description="residual blocks per Medusa head / hidden layers per Hydra MLP"
@@ -89,12 +114,14 @@ class HeadSection(_Section):
                            "blocks and before its lm_head, in training (Hydra++'s reference script: 0.2)")
     ssm: SSMSection | None = Field(None, description="the small LM, for head.type: ssm")
     eagle: EagleSection | None = Field(None, description="the EAGLE-3-style drafter, for head.type: eagle3")
+    dflash: DFlashSection | None = Field(None, description="the DFlash-style block drafter, for head.type: dflash")
 
     @model_validator(mode="before")
     @classmethod
     def _section_defaults(cls, data):
-        """head.type ssm / eagle3 without its section: the section's defaults."""
-        section = {"ssm": "ssm", "eagle3": "eagle"}.get(data.get("type")) if isinstance(data, dict) else None
+        """head.type ssm / eagle3 / dflash without its section: the section's defaults."""
+        section = ({"ssm": "ssm", "eagle3": "eagle", "dflash": "dflash"}.get(data.get("type"))
+                   if isinstance(data, dict) else None)
         if section and data.get(section) is None:
             data = {**data, section: {}}
         return data
@@ -109,6 +136,8 @@ class HeadSection(_Section):
             raise ValueError("head.ssm configures a small draft LM; set head.type: ssm or remove head.ssm")
         if self.eagle is not None and self.type != "eagle3":
             raise ValueError("head.eagle configures an EAGLE-3 drafter; set head.type: eagle3 or remove head.eagle")
+        if self.dflash is not None and self.type != "dflash":
+            raise ValueError("head.dflash configures a block drafter; set head.type: dflash or remove head.dflash")
         return self
 
 
@@ -272,8 +301,8 @@ class Recipe(_Section):
             if self.distributed.strategy == "fsdp":
                 raise ValueError("lora: joint training runs the base inside the trained module; use "
                                  "distributed.strategy ddp or deepspeed, not fsdp")
-        if self.head.type == "eagle3" and self.distributed.strategy == "fsdp":
-            raise ValueError("head.type eagle3 reads the base's token embeddings and rotary table outside the base's "
+        if self.head.type in ("eagle3", "dflash") and self.distributed.strategy == "fsdp":
+            raise ValueError(f"head.type {self.head.type} reads the base's token embeddings and rotary table outside the base's "
                              "forward, which an FSDP-sharded base does not allow: use distributed.strategy ddp or "
                              "deepspeed")
         if self.ensemble is None:

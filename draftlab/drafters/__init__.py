@@ -160,7 +160,7 @@ def _build_eagle(head: dict, base):
     return module
 
 
-def _save_eagle(module, out: Path) -> list[str]:
+def _save_engine_layout(module, out: Path) -> list[str]:
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
@@ -204,8 +204,58 @@ def _eagle_default(module):
     return DynamicTree()
 
 
-EAGLE3 = DraftKind(_build_eagle, _save_eagle, _load_eagle, _eagle_drafter, _eagle_default,
+EAGLE3 = DraftKind(_build_eagle, _save_engine_layout, _load_eagle, _eagle_drafter, _eagle_default,
                    ("config.json", "model.safetensors"), _eagle_ranks)
+
+# --- dflash: the DFlash checkpoint layout (model.safetensors without embeddings / lm_head + config.json) --------
+
+def _build_dflash(head: dict, base):
+    from .dflash import DFlashDraft
+
+    return DFlashDraft(DFlashDraft.settings(head, base), base)
+
+
+def _load_dflash(head: dict, export_dir: Path, base):
+    from ..export import ExportError, read_safetensors
+    from .dflash import DFlashDraft
+
+    module = DFlashDraft({k: v for k, v in head.items() if k != "type"}, base)
+    state = read_safetensors(export_dir / "model.safetensors")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{export_dir / 'model.safetensors'}: weights do not match the dflash config in "
+                          f"draftlab.json (missing {missing[:5]}, unexpected {unexpected[:5]}); re-export the run")
+    return module
+
+
+def _dflash_drafter(module, tree: Tree) -> Drafter:
+    from .dflash import DFlashDrafter
+
+    return DFlashDrafter(module, tree)
+
+
+@torch.no_grad()
+def _dflash_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
+    from ..base import base_states
+
+    S, V = ids.shape[1], base.get_output_embeddings().weight.shape[0]
+    states = base_states(base, ids, torch.ones_like(ids), module.base_layers)[:, :, :-1]
+    ranks = torch.full((S, depth), V, dtype=torch.long, device=ids.device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    for s in range(0, S - 1, 64):  # state t has root x_{t+1}: the block anchored there, 64 anchors per forward
+        anchor = torch.arange(s + 1, min(s + 65, S), device=ids.device)[None]
+        out = module.block_outputs(states.to(module.fc.weight.dtype), ids, valid, anchor, torch.ones_like(anchor, dtype=torch.bool))
+        for d in range(min(depth, module.block_size - 1)):
+            at = anchor[0] + d + 1  # block position d + 1 predicts x_{t+d+2}
+            inside = at < S
+            if inside.any():
+                logits = module.logits(out[0, inside, d + 1])
+                ranks[s: s + int(inside.sum()), d] = _rank_of(logits, ids[0, at[inside]])
+    return ranks
+
+
+DFLASH = DraftKind(_build_dflash, _save_engine_layout, _load_dflash, _dflash_drafter, lambda m: Tree.chain(m.block_size - 1),
+                   ("config.json", "model.safetensors"), _dflash_ranks)
 
 # --- lookup: prompt lookup / datastore retrieval, no weights ------------------------------------------
 
@@ -317,8 +367,8 @@ def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
 ENSEMBLE = DraftKind(lambda head, base: None, _save_ensemble, _load_ensemble, _ensemble_drafter,
                      lambda m: None, (), _no_ranks)
 
-KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "eagle3": EAGLE3, "lookup": LOOKUP,
-                               "ensemble": ENSEMBLE}
+KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "eagle3": EAGLE3, "dflash": DFLASH,
+                               "lookup": LOOKUP, "ensemble": ENSEMBLE}
 
 
 def kind_of(name: str) -> DraftKind:
