@@ -67,6 +67,10 @@ class EagleSection(_Section):
     ttt_steps: int = Field(7, ge=1, le=16, description="training-time test: steps the layer is unrolled on its own "
                            "outputs")
     step_decay: float = Field(0.8, gt=0, le=1, description="step k's loss is weighted step_decay^k")
+    fc_norm: bool = Field(False, description="EAGLE-3.1: an RMSNorm on each base layer's features before they are "
+                          "concatenated and fused (fc_norm.{i}.weight); false: EAGLE-3")
+    norm_output: bool = Field(False, description="EAGLE-3.1: the layer's normalised output is both what lm_head reads "
+                              "and what the next step is fed; false: EAGLE-3 feeds the output before the final norm")
 
     @field_validator("layers")
     @classmethod

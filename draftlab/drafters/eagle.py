@@ -7,6 +7,10 @@ Architecture (parameter names are the EAGLE-3 checkpoint's, so an export is what
     out = mlp(post_attention_layernorm(a)) + a                      fed back as the next step's g
     logits over the draft vocabulary = lm_head(norm(out)); draft id i is target id i + d2t[i]
 
+EAGLE-3.1 options (the names SpecForge / speculators / vLLM read): fc_norm, an RMSNorm per base layer on its
+features before the concatenation (weights fc_norm.{i}.weight); norm_output, the normalised out norm(out) is both
+what lm_head reads and what the next step is fed (EAGLE-3 feeds out, before the norm). Both off: EAGLE-3.
+
 Layer ids follow Hugging Face's output_hidden_states: id i is hidden_states[i], the input of decoder layer i
 (what vLLM and SGLang capture as `hidden_states + residual` before layer i); the default (2, L // 2, L - 3).
 
@@ -115,6 +119,10 @@ class Eagle3Draft(nn.Module):
         self.num_heads = cfg["ttt_steps"]  # metrics are per unrolled step
         self.hidden_size, self.vocab_size = H, V
         self.fc = nn.Linear(len(self.base_layers) * cfg.get("target_hidden_size", H), H, bias=False)
+        if cfg.get("fc_norm"):  # EAGLE-3.1: each base layer's features normalised on their own before fc
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.get("target_hidden_size", H), cfg["rms_norm_eps"])
+                                         for _ in self.base_layers)
+        self.norm_output = bool(cfg.get("norm_output"))
         self.midlayer = Eagle3Layer(H, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
                                     cfg["intermediate_size"], cfg["rms_norm_eps"])
         self.norm = RMSNorm(H, cfg["rms_norm_eps"])
@@ -138,6 +146,7 @@ class Eagle3Draft(nn.Module):
                 "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "vocab_size": V,
                 "draft_vocab_size": min(e.get("draft_vocab_size") or V, V), "layers": list(layers),
                 "ttt_steps": e.get("ttt_steps", 7), "step_decay": e.get("step_decay", 0.8),
+                "fc_norm": bool(e.get("fc_norm", False)), "norm_output": bool(e.get("norm_output", False)),
                 "rope_parameters": dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or
                                         {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}),
                 "max_position_embeddings": getattr(c, "max_position_embeddings", 4096)}
@@ -160,11 +169,31 @@ class Eagle3Draft(nn.Module):
                 "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None,
                 "rope_parameters": rope, "tie_word_embeddings": False, "attention_bias": False,
                 "mlp_bias": False, "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
-                "eagle_aux_hidden_state_layer_ids": ids,
+                "eagle_aux_hidden_state_layer_ids": ids, "fc_norm": bool(c.get("fc_norm")),
+                "norm_output": bool(c.get("norm_output")),
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
 
     def config(self) -> dict:
         return {"type": "eagle3", **self.cfg}
+
+    # --- the EAGLE-3 / EAGLE-3.1 data path ------------------------------------------------------------------
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """Base features [..., n, H] -> g [..., H]: fc over their concatenation; with fc_norm (EAGLE-3.1) each
+        layer's features pass their own RMSNorm first."""
+        feats = feats.to(self.fc.weight.dtype)
+        if hasattr(self, "fc_norm"):
+            feats = torch.stack([norm(feats[..., i, :]) for i, norm in enumerate(self.fc_norm)], -2)
+        return self.fc(feats.flatten(-2))
+
+    def advance(self, attn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its attention: the state carried to the next step (with norm_output, EAGLE-3.1,
+        the normalised one; EAGLE-3 carries the state before the final norm)."""
+        out = self.midlayer.finish(attn, g)
+        return self.norm(out) if self.norm_output else out
+
+    def head_input(self, state: torch.Tensor) -> torch.Tensor:
+        """What lm_head reads from a carried state: norm(state), or the state itself when it is already normalised."""
+        return state if self.norm_output else self.norm(state)
 
     @property
     def lm_heads(self):
@@ -240,7 +269,7 @@ class Eagle3Draft(nn.Module):
             vals.append(_expand_kv(vv, layer.heads))
             mask = torch.cat([first] + [eye[None].expand(B, S, S)] * k, -1)[:, None]  # [B, 1, S, (k+1) S]
             attn = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask)
-            g = layer.finish(attn, g)
+            g = self.advance(attn, g)
             yield g
 
     def objective(self, states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -251,7 +280,7 @@ class Eagle3Draft(nn.Module):
 
         B, S = input_ids.shape
         n, steps = len(self.base_layers), self.cfg["ttt_steps"]
-        g = self.fc(states[:, :, :n].flatten(-2).to(self.fc.weight.dtype))  # [B, S, H]
+        g = self.fuse(states[:, :, :n])  # [B, S, H]
         final = states[:, :, n]  # the teacher's hidden state
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         rows = self.draft_ids()
@@ -274,7 +303,7 @@ class Eagle3Draft(nn.Module):
             target = input_ids[:, shift:][sel]  # data tokens, as draft ids (-1: not in the draft vocabulary)
             at = torch.searchsorted(rows, target).clamp(max=rows.numel() - 1)
             target = torch.where(rows[at] == target, at, torch.full_like(at, -1))
-            ls, h1, hk, ag = head_loss(self.norm(o[:, : S - shift][sel]), self.lm_head.weight, target, th[sel],
+            ls, h1, hk, ag = head_loss(self.head_input(o[:, : S - shift][sel]), self.lm_head.weight, target, th[sel],
                                        w_teacher, 1.0, loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence)
             nsel = sel.sum()
             total = total + self.cfg["step_decay"] ** k * ls / nsel
@@ -359,7 +388,7 @@ class Eagle3Drafter(Drafter):
         (the whole buffer read) its shapes are fixed, and the compiled path runs it as one graph."""
         from ..decode.cache import causal_allowed
 
-        g = self.m.fc(feats.flatten(-2).to(self.dtype))
+        g = self.m.fuse(feats)
         pos = self.next_pos[:, None] + (ok.long().cumsum(-1) - 1).clamp(min=0)
         return self._step(g, next_tokens, pos, causal_allowed(ok), full)
 
@@ -367,7 +396,7 @@ class Eagle3Drafter(Drafter):
         """One layer pass for new entries: g [B, T, H] features, tokens [B, T] target ids, positions [B, T]."""
         e = self.m.embed(tokens).to(self.dtype)
         q, k, v = self.m.midlayer.qkv(e, g, *self.m.rope(g, positions))
-        return self.m.midlayer.finish(self._attend(q, k, v, allowed_new, full), g), k, v
+        return self.m.advance(self._attend(q, k, v, allowed_new, full), g), k, v
 
     def _compiled_fn(self, name: str, backend: str):
         """torch.compile of the method `name` (made once per backend)."""
@@ -426,7 +455,7 @@ class Eagle3Drafter(Drafter):
         first. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
         buffer): on the compiled path this whole function is one graph."""
         B, dev = root.shape[0], root.device
-        logp = torch.log_softmax(self.m.lm_head(self.m.norm(self.out)).float(), -1)  # [B, Vd] below the root
+        logp = torch.log_softmax(self.m.lm_head(self.m.head_input(self.out)).float(), -1)  # [B, Vd] below the root
         # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
         score0, idx0 = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [B, k]
         tok = [root[:, None], self.draft_rows[idx0]]
@@ -463,13 +492,13 @@ class Eagle3Drafter(Drafter):
             q, k_, v_ = self.m.midlayer.qkv(emb, g, *self.m.rope(g, positions.expand(B, k_exp)))
             kk = k_ if kk is None else torch.cat([kk, k_], 2)
             vv = v_ if vv is None else torch.cat([vv, v_], 2)
-            o = self.m.midlayer.finish(self._attend(q, kk, vv, allowed_new, full), g)  # [B, k_exp, H]
+            o = self.m.advance(self._attend(q, kk, vv, allowed_new, full), g)  # [B, k_exp, H]
             ent_nodes = torch.cat([ent_nodes, exp_nodes], 1)
             pad = torch.zeros(B, T_prev, k_exp, dtype=torch.bool, device=dev)
             ent_anc = torch.cat([torch.cat([ent_anc, pad], 2), allowed_new], 1)
             parent_out = o if d == 1 else torch.cat([parent_out, o], 1)
             # Children of each expanded node.
-            lp = torch.log_softmax(self.m.lm_head(self.m.norm(o)).float(), -1)  # [B, k_exp, Vd]
+            lp = torch.log_softmax(self.m.lm_head(self.m.head_input(o)).float(), -1)  # [B, k_exp, Vd]
             sc, ix = lp.topk(min(self.top_k, lp.shape[-1]), -1)  # [B, k_exp, k]
             exp_score = torch.cat(scr, 1).gather(1, exp_nodes)
             child_score = (exp_score[..., None] + sc).flatten(1)  # [B, k_exp * k]
