@@ -293,3 +293,38 @@ def test_sampled_block_drafts_keep_the_base_law_over_several_steps():
     p = conditional_laws(base, prompts(600), x, s)
     assert_fits(law_checks(x, p))
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_k=5))))
+
+
+# --- search-tree: the rank statistics of a block drafter ----------------------------------------------------------
+
+def fitted(d, base, seqs, steps=40):
+    """d trained for a few steps on the base's own text seqs (equal lengths)."""
+    text = torch.tensor(seqs)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    with torch.no_grad():
+        st = base_states(base, text, torch.ones_like(text), d.base_layers)
+    for _ in range(steps):
+        loss = d.train().objective(st, text, torch.ones_like(text), None, None, LossSection())["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+def test_search_statistics_replay_the_decoder_exactly():
+    """The ranks search-tree collects for a block drafter, replayed along trees, give the accept length the decoder
+    measures on the same prompts."""
+    from draftlab.decode.search import RankStats, grow_tree, replay_accept_length
+    from draftlab.decode.tree_search import collect_ranks, greedy_continuations, measure
+
+    base = _peaked()
+    prompts = [[1, 5, 7], [1, 3], [2, 9, 4, 4], [1]]
+    seqs = greedy_continuations(base, prompts, 20, None)
+    d = fitted(dflash(base, seed=1, block_size=4, num_anchors=64), base, [s[:18] for s in seqs])
+    per_text = collect_ranks(base, d, seqs, [len(p) for p in prompts], 3)
+    measured = []
+    for tree in (Tree.chain(3), Tree.chain(1), grow_tree(RankStats(torch.cat(per_text), 3), 5)):
+        m = measure(SpeculativeDecoder(base, make_drafter(d, tree)), prompts, 1, 20, None)
+        assert replay_accept_length(tree, per_text) == pytest.approx(m["accept_length"], abs=1e-12)
+        measured.append(m["accept_length"])
+    assert max(measured) > 1.5

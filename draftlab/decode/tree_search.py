@@ -144,8 +144,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
     candidates = [trees[n - 1] for n in sizes]
-    if draft.kind == "ssm":
-        candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12) if d <= depth]
+    if draft.kind in ("ssm", "dflash"):  # a block drafter's chains: how many of its block positions to verify
+        candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12, 15) if d <= depth]
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
     for tree, m in zip(candidates, time_trees(decoders, timing, batch_size, max_new_tokens, eos, timing_rounds)):
