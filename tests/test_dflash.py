@@ -328,3 +328,16 @@ def test_search_statistics_replay_the_decoder_exactly():
         assert replay_accept_length(tree, per_text) == pytest.approx(m["accept_length"], abs=1e-12)
         measured.append(m["accept_length"])
     assert max(measured) > 1.5
+
+
+def test_generate_cli_decodes_a_dflash_export_like_plain_greedy(tiny_base_dir, tmp_path, capsys):
+    from draftlab.base import load_base
+    from draftlab.cli import main
+
+    b, tok = load_base(str(tiny_base_dir), "float32")
+    save_export(dflash(b, block_size=4).float(), b, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
+    for tree in ("default", "chain", "chain:2"):
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                     "--tree", tree, "--compare", "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rep["identical_to_baseline"] is True and rep["tree_size"] == (3 if tree == "chain:2" else 4), (tree, rep)

@@ -13,7 +13,7 @@ from .tree import DynamicTree, Tree, TreeError
 
 def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's),
-    'chain' (heads: one per head; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
+    'chain' (heads: one per head; a block drafter: its whole block; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
     (SpecInfer's expansion configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
     exports), or a tree file / inline list (see Tree.parse)."""
     from ..drafters import SSM_DEFAULT_CHAIN, kind_of
@@ -26,7 +26,9 @@ def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
                 return DynamicTree.parse(d.partition(":")[2])
             return Tree.from_paths(d, {"name": "export default"})
         return kind_of(head["type"]).default_tree(_Shape(head))
-    if spec == "chain":
+    if spec == "chain":  # heads: one per head; a block drafter: the whole block; an SSM: its default length
+        if head["type"] == "dflash":
+            return Tree.chain(head["block_size"] - 1)
         return Tree.chain(head["num_heads"] if head["type"] in ("medusa", "hydra") else SSM_DEFAULT_CHAIN)
     name, _, arg = spec.partition(":")
     if name == "dynamic":
@@ -46,6 +48,7 @@ class _Shape:
 
     def __init__(self, head: dict):
         self.num_heads = head.get("num_heads", 1)
+        self.block_size = head.get("block_size", 2)
         self.kind = head["type"]
 
 
