@@ -2,6 +2,13 @@
 
     python benchmarks/compiled.py EXPORT [EXPORT ...] [--prompts 20] [--max-new-tokens 128]
 
+An EXPORT may be written LABEL=DIR@TREE: LABEL names its rows (default: its kind), TREE is its --tree (default: --tree,
+else the export's default). The block-drafter comparison of docs/benchmarks.md is
+
+    python benchmarks/compiled.py medusa=runs/stories260k-medusa/export hydra++=runs/stories260k-hydra++/export \
+        eagle3=runs/stories260k-eagle3/export eagle3.1=runs/stories260k-eagle31/export \
+        dflash-b8=runs/stories260k-dflash/export dflash-b16=runs/stories260k-dflash-b16/export --name block_drafters
+
 Greedy, batch 1, held-out TinyStories prompts; every method runs every prompt, interleaved, after a warm-up that
 also compiles (its time is reported as warmup_s, never hidden). Methods: HF `generate` (dynamic cache), HF
 `generate` with a static cache and torch.compile (where transformers can), draftlab's plain loop (a drafter that
@@ -20,19 +27,28 @@ from common import ROOT, heldout_story_prompts, write_result
 from decode import compare, hf_method
 
 
+def parse_export(spec: str, tree: str | None) -> tuple[str | None, str, str | None]:
+    """LABEL=DIR@TREE (label and tree optional) -> (label, dir, tree)."""
+    label, _, rest = spec.rpartition("=") if "=" in spec.split("@")[0] else (None, "", spec)
+    path, _, own = rest.partition("@")
+    return label or None, path, own or tree
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="+", help="export directories of one base")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--name", default="compiled")
+    ap.add_argument("--title", default=None, help="the docs table's heading (default: Eager vs compiled decoding)")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF generate with a static cache + compile")
     ap.add_argument("--tree", default=None, help="tree for every export (a file, e.g. from search-tree --compile)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.generate import encode_prompt, load_decoder
 
-    first, tok, meta = load_decoder(a.exports[0], tree=a.tree)
+    specs = [parse_export(e, a.tree) for e in a.exports]
+    first, tok, meta = load_decoder(specs[0][1], tree=specs[0][2])
     base, eos, N = first.base, tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods = {"hf_generate": hf_method(base, eos, N)}
@@ -69,13 +85,16 @@ def main() -> None:
 
     add("plain_eager", NoDraft(), False)
     add("plain_compiled", NoDraft(), True)
-    kinds = {}
-    for e in a.exports:
+    kinds, trees = {}, {}
+    for i, (label, e, tree) in enumerate(specs):
         d, _, m = first, tok, meta
-        if e != a.exports[0]:
-            d, _, m = load_decoder(e, tree=a.tree)
-        kind = m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
-        kinds[kind] = e
+        if i:
+            d, _, m = load_decoder(e, tree=tree)
+            d.base = base  # one base object for all, so every method runs the same weights
+            if hasattr(d.drafter, "m"):
+                d.drafter.m.attach_base(base)
+        kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
+        kinds[kind], trees[kind] = e, tree
         add(f"{kind}_eager", d.drafter, False)
         add(f"{kind}_compiled", d.drafter, True)
     try:
@@ -114,8 +133,9 @@ def main() -> None:
         print(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speedup_vs_fastest_plain']:.2f}x | {r['identical_to_baseline']} | {split} | "
               f"{r.get('warmup_s', '-')} |")
-    write_result(a.name, {"exports": {k: v.replace(str(ROOT) + "/", "") for k, v in kinds.items()},
+    write_result(a.name, {"title": a.title, "exports": {k: v.replace(str(ROOT) + "/", "") for k, v in kinds.items()},
                           "prompts": len(prompts), "max_new_tokens": N, "fastest_plain": fastest, "tree": a.tree,
+                          "trees": {k: v for k, v in trees.items() if v},
                           "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
                           "torch_threads": torch.get_num_threads(), "methods": results})
 

@@ -102,7 +102,7 @@ def kinds(p) -> None:
 
 def recipes(p) -> None:
     """docs/recipes.md: the shipped recipes, with CPU wall times from the training benchmarks."""
-    runs = {name: load(f"train_heads_stories260k-{name}") for name in ("hydra", "hydra++", "eagle3", "medusa2")}
+    runs = {name: load(f"train_heads_stories260k-{name}") for name in ("hydra", "hydra++", "eagle3", "medusa2", "dflash")}
     runs["medusa"] = load("train_heads")
     ssm, ens = load("train_ssm"), load("train_ensemble")
 
@@ -122,6 +122,8 @@ def recipes(p) -> None:
       f"{cpu(runs['eagle3'], ' (measured while sharing the machine with the Medusa-2 run)')} |")
     p("| `recipes/stories260k-medusa2.yaml` | same base, Medusa-2 (heads + a LoRA on the base) | "
       f"{cpu(runs['medusa2'], ' (measured while sharing the machine with the EAGLE-3 run)')} |")
+    p("| `recipes/stories260k-dflash.yaml` | same base, a DFlash-style block drafter (2 layers, blocks of 8) | "
+      f"{cpu(runs['dflash'])} |")
     p("| `recipes/vicuna7b-medusa.yaml` | `lmsys/vicuna-7b-v1.3`, ShareGPT | 8 GPUs, bf16 |")
     p("| `recipes/vicuna7b-hydra.yaml` | same, Hydra: lr 1e-3, 1 epoch (the paper's) | 8 GPUs, bf16 |")
     p("| `recipes/vicuna7b-hydra++.yaml` | same, Hydra++ with the Hydra authors' settings (lr 5e-4, wd 0.1, cosine "
@@ -388,10 +390,11 @@ def tp_decode(p, d) -> None:
 
 # block name -> (results file it reads, or None for a table over several, renderer), in docs/benchmarks.md order
 def compiled(p, d) -> None:
-    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    trees = d.get("trees") or {}
+    exports = ", ".join(f"{k}: `{v}`" + (f" (tree `{trees[k]}`)" if k in trees else "") for k, v in d["exports"].items())
     if d.get("tree"):
         exports += f", tree `{d['tree']}`"
-    heading(p, "Eager vs compiled decoding", f"`benchmarks/compiled.py`; {exports}; base `{d['base']}`; "
+    heading(p, d.get("title") or "Eager vs compiled decoding", f"`benchmarks/compiled.py`; {exports}; base `{d['base']}`; "
             f"{d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1; {where(d)}")
     p(f"fastest plain decoding in the run: {d['fastest_plain']}\n")
     p("| method | tree size | accept length | tokens/s | vs HF generate | vs fastest plain | identical to HF | "
@@ -442,6 +445,7 @@ TABLES = {
     "compiled": ("compiled", compiled),
     "drafter_steps": ("drafter_steps", drafter_steps),
     "compiled_searched": ("compiled_searched", compiled),
+    "block_drafters": ("block_drafters", compiled),
 }
 
 

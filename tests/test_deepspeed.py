@@ -57,7 +57,7 @@ def test_a_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
 # The ZeRO runs (each a launched training run, about 30 s on 2 cores) run with the slow tests.
 @pytest.mark.slow  # whole training runs; CI runs the slow tests
 @pytest.mark.parametrize("kind,stage", [("medusa", 2), ("medusa", 3), ("ssm", 2), ("ssm", 3), ("eagle3", 3),
-                                        ("medusa2", 2)])
+                                        ("medusa2", 2), ("dflash", 2)])
 def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kind):
     pytest.importorskip("deepspeed")
     out = tmp_path / "ds"

@@ -21,7 +21,9 @@ SSM = {"head": {"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}},
 EAGLE3 = {"head": {"type": "eagle3", "eagle": {"draft_vocab_size": 40, "ttt_steps": 3}}}
 # Medusa-2: the heads with a LoRA adapter on the base (q/v projections), one heads-only warm-up step.
 MEDUSA2 = {**MEDUSA, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "heads_warmup_steps": 1}}
-KINDS = {"medusa": MEDUSA, "ssm": SSM, "eagle3": EAGLE3, "medusa2": MEDUSA2}
+# DFlash-style: one draft layer drafting blocks of 4 at 8 random anchors per sequence.
+DFLASH = {"head": {"type": "dflash", "dflash": {"num_layers": 1, "block_size": 4, "num_anchors": 8}}}
+KINDS = {"medusa": MEDUSA, "ssm": SSM, "eagle3": EAGLE3, "medusa2": MEDUSA2, "dflash": DFLASH}
 
 
 def recipe(base_dir, data, out, kind="medusa", **train):
@@ -43,7 +45,7 @@ def weights(out: Path) -> dict:
     return w
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2"])
+@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2", "dflash"])
 def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path, kind):
     straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind))
     assert straight["finished"] and straight["step"] == 4
@@ -125,7 +127,7 @@ def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_pa
 
 
 @pytest.mark.slow  # two-process launches; CI runs the slow tests
-@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2"])
+@pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2", "dflash"])
 def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind):
     out = tmp_path / "ddp"
     cfg = tmp_path / "r.yaml"
@@ -145,7 +147,7 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
         assert len(list(tmp_path.rglob("offline-run-*"))) == 1
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])  # eagle3 caches three layers and the final state
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash"])  # eagle3 / dflash cache their layers and the final state
 def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch, kind):
     import draftlab.train as train_mod
 
@@ -170,5 +172,5 @@ def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_f
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
     meta = json.loads((tmp_path / "c" / "hidden_cache" / "meta.json").read_text())
-    width = 32 * (4 if kind == "eagle3" else 1)  # H = 32; eagle3: three layers and the final state
+    width = 32 * {"eagle3": 4, "dflash": 2}.get(kind, 1)  # H = 32; eagle3: three layers and the final state
     assert (tmp_path / "c" / "hidden_cache" / "hidden.bin").stat().st_size == meta["tokens"] * width * 4  # fp32
