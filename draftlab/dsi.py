@@ -28,6 +28,7 @@ prefix of consecutive tasks (CachedGreedy).
 
 from __future__ import annotations
 
+import heapq
 import multiprocessing as mp
 import queue
 import time
@@ -141,7 +142,7 @@ class DSI:
         if len(devices) != sp:
             raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
         ctx = mp.get_context("spawn")
-        self.sp, self.timeout_s, self.next_id = sp, timeout_s, 0
+        self.sp, self.timeout_s, self.next_id, self.target_latency_s = sp, timeout_s, 0, target_latency_s
         self.epoch = ctx.Value("i", 0)
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(sp)]
@@ -159,16 +160,16 @@ class DSI:
             self.close()
             raise
 
-    def _receive(self, timeout_s: float | None = None, block: bool = True):
-        """The next server message (None when not blocking and none is waiting); a failed, dead or silent server
-        closes the pool and raises DSIError."""
+    def _receive(self, timeout_s: float | None = None, block: bool = True, wait_s: float = 0.0):
+        """The next server message (None when not blocking and none came within wait_s); a failed, dead or silent
+        server closes the pool and raises DSIError."""
         from .workers import WorkerError, raise_if_error, receive
 
         try:
             if block:
                 return receive(self.results, self.procs, timeout_s, "DSI")
             try:
-                msg = self.results.get_nowait()
+                msg = self.results.get(timeout=wait_s) if wait_s > 0 else self.results.get_nowait()
             except queue.Empty:
                 return None
             raise_if_error(msg, "DSI")
@@ -202,7 +203,16 @@ class DSI:
         it was drawn from (sampling; the drafter draws from its own random stream). The verifier's draws come from
         role_generator(seed, "verifier"). The text ends at an EOS token (kept) or where stop(0, tokens) -> cut
         index says, like `generate`. Returns tokens, wall time and counts: tasks sent, tasks preempted, tasks that
-        waited for a free server and the seconds they waited."""
+        waited for a free server and the seconds they waited.
+
+        Also the run on the emulated clock, where a draft takes draft_latency_s, a target forward the pool's
+        target_latency_s and nothing else takes time (`draftlab simulate`'s model), replayed along the tasks this
+        run sent: each starts when it is due (at its drafts' emulated time) or when the earliest server is free, and
+        a decision frees every server and restarts the drafter. emulated_s is the last decision's time; of the tasks
+        that start before their stretch's decision (emulated_tasks; one sent only at or after it, the runtime having
+        taken a reply a moment late, would have been preempted while queued), emulated_waits waited for a server,
+        emulated_wait_s in all. Unlike wall_s these leave out the runtime's overheads and the machine's load, so
+        they can be compared with the simulator's prediction exactly."""
         from .decode.decoder import eos_set
         from .decode.streams import role_generator
 
@@ -216,41 +226,71 @@ class DSI:
         committed = list(prompt)
         end = len(prompt) + max_new_tokens
         free = list(range(self.sp))  # servers still finishing preempted work take new tasks after it (FIFO)
-        stats = {"tasks": 0, "preemptions": 0, "server_waits": 0, "wait_s": 0.0, "drafts": 0}
+        stats = {"tasks": 0, "preemptions": 0, "server_waits": 0, "wait_s": 0.0, "drafts": 0,
+                 "emulated_tasks": 0, "emulated_waits": 0, "emulated_wait_s": 0.0}
         owner: dict[int, int] = {}  # task id of this epoch in flight -> its server
         finished = False
+        tt, td = self.target_latency_s, draft_latency_s
+        eps = 1e-9 * max(tt, td, 1e-30)  # emulated times this close are equal (rounding)
+        clock = 0.0  # emulated time of the last decision (the run's start at first)
         while len(committed) < end and not finished:
             drafts: list[int] = []
             qs: list = []  # sampling: the distribution each draft was drawn from
             checked = 0  # sampling: drafts of this stretch already accepted (each position is decided once)
             sent: list[tuple[int, int]] = []  # (task id, drafts it verifies) of this stretch, in send order
-            due: list[list] = []  # [drafts it verifies, when it became due, waited] of tasks not yet sent
+            due: list[list] = []  # [drafts it verifies, when due, waited, emulated time due] of tasks not sent
             got: dict[int, list[int] | None] = {}
             next_n = 0  # drafts count at which the next task becomes due
+            drafting, draft_done = None, 0.0  # the draft in progress (draft_next's answer) and when it is done
             decided = None
+            # The emulated clock: when each server is next free (the last decision freed them all), the drafter's
+            # time, and when each task of this stretch starts and finishes.
+            vfree, vdraft, vready, vstart, vfinish = [clock] * self.sp, clock, {}, {}, {}
             while decided is None:
+                if drafting is not None and time.perf_counter() >= draft_done:  # the draft in progress is done
+                    d = drafting
+                    if sampling:
+                        d, q = d
+                        qs.append(q)
+                    drafts.append(d)
+                    drafting = None
+                    stats["drafts"] += 1
+                    vdraft += td
                 # Tasks that are due: one at 0 drafts, then every `lookahead` drafts; the last one of the text
                 # verifies up to its end, even off the lookahead grid.
                 while next_n is not None and min(next_n, end - len(committed)) <= len(drafts):
-                    due.append([min(next_n, end - len(committed)), time.perf_counter(), False])
+                    due.append([min(next_n, end - len(committed)), time.perf_counter(), False, vdraft])
                     next_n = next_n + lookahead if next_n < end - len(committed) else None
                 # Send them as servers free up; the drafter never waits for a server (a due task waits instead).
                 while due and free:
-                    n, t_due, waited = due.pop(0)
+                    n, t_due, waited, ready = due.pop(0)
                     w = free.pop(0)
                     self.tasks[w].put((self.next_id, self.epoch.value, committed, drafts[:n]))
                     if waited:
                         stats["server_waits"] += 1
                         stats["wait_s"] += time.perf_counter() - t_due
+                    vready[self.next_id], vstart[self.next_id] = ready, max(ready, heapq.heappop(vfree))
+                    vfinish[self.next_id] = vstart[self.next_id] + tt
+                    heapq.heappush(vfree, vfinish[self.next_id])
                     sent.append((self.next_id, n))
                     owner[self.next_id] = w
                     self.next_id += 1
                     stats["tasks"] += 1
                 for d in due:
                     d[2] = True
-                # Read what has come back; block only when there is nothing left to draft.
-                block = len(committed) + len(drafts) >= end and bool(owner)
-                msg = self._receive(self.timeout_s, block)
+                # Draft the next token (the drafter never waits for verification); with an emulated draft latency it
+                # is done draft_latency_s later.
+                if drafting is None and len(committed) + len(drafts) < end:
+                    t0 = time.perf_counter()
+                    drafting, draft_done = draft_next(committed + drafts), t0 + draft_latency_s
+                # Take what the servers send back: until the draft in progress is done (a freed server gets the next
+                # due task at once, a decision preempts the draft), or, with nothing left to draft, the next reply.
+                if drafting is not None:
+                    msg = self._receive(block=False, wait_s=draft_done - time.perf_counter())
+                else:
+                    msg = self._receive(self.timeout_s, block=bool(owner))
+                    if msg is not None and msg[0] == "result" and msg[2] in vfinish:  # the drafter waited for it
+                        vdraft = max(vdraft, vfinish[msg[2]])
                 while msg is not None:
                     if msg[0] == "result":
                         _, _, tid, ep, toks = msg
@@ -261,6 +301,7 @@ class DSI:
                     msg = self._receive(block=False)
                 # Decide in send order.
                 for tid, n in sent:
+                    decider = tid
                     if tid not in got:
                         break
                     if sampling:
@@ -277,28 +318,26 @@ class DSI:
                     if len(drafts) == n or drafts[n] != toks[n] or len(committed) + n + 1 >= end:
                         decided = drafts[:n] + [toks[n]]
                         break
-                if decided is not None:
-                    break
-                # Draft one more token (the drafter never waits for verification).
-                if len(committed) + len(drafts) < end:
-                    t0 = time.perf_counter()
-                    d = draft_next(committed + drafts)
-                    if sampling:
-                        d, q = d
-                        qs.append(q)
-                    drafts.append(d)
-                    stats["drafts"] += 1
-                    while time.perf_counter() - t0 < draft_latency_s:
-                        time.sleep(max(0.0, draft_latency_s - (time.perf_counter() - t0)))
             self._new_epoch()
+            # On the emulated clock tasks finish in send order, so the decision is the decider's finish. A task
+            # sent but starting only then (the runtime took the reply a moment late) is never sent there: it is
+            # preempted while queued, as in the simulator.
+            clock = vfinish[decider]
+            for tid, _ in sent:
+                if tid == decider or vstart[tid] < clock - eps:
+                    stats["emulated_tasks"] += 1
+                    if vstart[tid] - vready[tid] > eps:
+                        stats["emulated_waits"] += 1
+                        stats["emulated_wait_s"] += vstart[tid] - vready[tid]
             # Preemption frees the servers at once, as the simulator has it: their preempted work is cut short and
             # reported with the old epoch, which is ignored.
             stats["preemptions"] += len(owner)
             free += owner.values()
             owner.clear()
             finished = _extend(committed, len(prompt), decided[: end - len(committed)], eos, stop)
-        stats["wait_s"] = round(stats["wait_s"], 6)
-        return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start, **stats}
+        stats["wait_s"], stats["emulated_wait_s"] = round(stats["wait_s"], 6), round(stats["emulated_wait_s"], 9)
+        return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start, "emulated_s": clock,
+                **stats}
 
 
 def _extend(committed: list[int], n_prompt: int, new: list[int], eos: set, stop) -> bool:

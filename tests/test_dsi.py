@@ -233,14 +233,23 @@ def test_dsi_failed_start_leaks_no_server(tmp_path):
 def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(tiny_base_dir, setup):
     """The process runtime and `draftlab simulate`'s event simulator on the same stretches (accepted drafts per
     stretch replayed), emulated latencies: with too few servers for the lookahead tasks wait while the drafter goes
-    on drafting (it never blocks on the pool), and the task counts, waits and time agree; with enough servers no
-    task waits."""
+    on drafting (it never blocks on the pool); with enough servers no task waits. The runtime's counts (tasks sent,
+    tasks that waited for a server, tasks preempted) are the simulator's, and so is its time on the emulated clock
+    (no wall time is compared: that holds the runtime's overheads and the machine's load)."""
+    import math
+
     from draftlab.simulate import min_lookahead, simulate_dsi
 
     model, prompt, ref, V = setup
-    tt, td, n = 0.06, 0.01, 24
+    tt, td = 0.06, 0.01
     rng = random.Random(5)
-    accepts = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)]
+    # Accepted drafts per stretch; a stretch commits them and the target's token. The simulator and the runtime
+    # differ at the text's end only: the simulator verifies one draft more than the text needs, and sends a task
+    # capped at the end at the lookahead grid where the runtime sends it once its drafts exist. These stretches keep
+    # that out of the comparison: the last one accepts 3 drafts and ends the text with its 4th token, on the grid
+    # of both lookaheads.
+    stretches = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(4)] + [3]
+    n = sum(stretches) + len(stretches)
 
     def replay(accepts):
         """Drafts the target's token for the first accepts[i] drafts of stretch i, then wrong ones."""
@@ -255,19 +264,23 @@ def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(tiny_base_dir, set
             st["prev"] = tokens + [d]
             return d
         return draft_next
+
     with DSI(str(tiny_base_dir), sp=2, target_latency_s=tt) as dsi:
         for k in (1, min_lookahead(td, tt, 2) + 1):
-            got = dsi.generate(prompt, n, replay(accepts), k, draft_latency_s=td)
-            sim = simulate_dsi(n + 1, 0.0, k, td, tt, 2, random.Random(0), t_prefill=0.0, accepts=accepts)
+            got = dsi.generate(prompt, n, replay(stretches), k, draft_latency_s=td)
+            sim = simulate_dsi(n + 1, 0.0, k, td, tt, 2, random.Random(0), t_prefill=0.0, accepts=stretches)
             assert got["tokens"] == ref[:n]
-            # The simulator is the runtime without overheads: a lower bound it cannot beat, and close above it.
-            assert 0.97 * sim["time"] <= got["wall_s"] <= 1.5 * sim["time"], (k, got, sim)
-            assert got["tasks"] == pytest.approx(sim["tasks"], rel=0.25, abs=2), (k, got, sim)
+            assert got["tasks"] == got["emulated_tasks"] == sim["tasks"], (k, got, sim)
+            # A stretch's deciding task is the first to verify all its accepted drafts (task m verifies m * k drafts);
+            # every task sent after it is preempted.
+            assert got["preemptions"] == sim["tasks"] - sum(math.ceil(j / k) + 1 for j in stretches), (k, got, sim)
+            assert got["server_waits"] == got["emulated_waits"] == sim["waits"], (k, got, sim)
+            assert got["emulated_wait_s"] == pytest.approx(sim["waited"], abs=1e-9), (k, got, sim)
+            assert got["emulated_s"] == pytest.approx(sim["time"], abs=1e-9), (k, got, sim)
             if k == 1:  # tasks due every 10 ms, each holding a server 60 ms: most wait, and the drafter drafts on
-                assert sim["waits"] > 5 and got["server_waits"] == pytest.approx(sim["waits"], rel=0.35, abs=2)
-                assert got["wait_s"] == pytest.approx(sim["waited"], rel=0.35, abs=0.05)
+                assert sim["waits"] > 5 and got["preemptions"] > 0
             else:
-                assert sim["waits"] == 0 and got["server_waits"] <= 1  # a margin of one draft (10 ms) per task
+                assert sim["waits"] == 0
 
 
 @pytest.mark.slow  # multi-process; test_run_dsi_draws_each_role_from_its_own_stream stays in the default run
@@ -323,10 +336,20 @@ def test_dsi_rejection_with_no_residual_mass_does_not_crash():
     p = torch.softmax(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)), -1)  # [n + 1, V], n = 1
     q = p[0] * 1.5
     gen = torch.Generator().manual_seed(1)
-    rejected = 0
-    for _ in range(200):
+    draws = 600
+    rejected = []  # the token put in the draft's place after each rejection
+    for _ in range(draws):
         decided, _ = _decide_sampled(p, 1, [3], [q], 0, gen, at_end=False)
         # Accepted: the draft and a token from p after it; rejected: one token in its place.
-        rejected += len(decided) == 1
-        assert all(0 <= t < 8 for t in decided) and (len(decided) == 1 or decided[0] == 3)
-    assert rejected > 20  # u * 1.5 p(x) >= p(x) a third of the time
+        if len(decided) == 1:
+            rejected.append(decided[0])
+        else:
+            assert decided[0] == 3
+    # The draft is accepted with probability p(3) / q(3) = 2/3 (binomial, within 4 standard deviations) ...
+    sd = (draws * 2 / 9) ** 0.5
+    assert abs(len(rejected) - draws / 3) < 4 * sd, len(rejected)
+    # ... and a rejection's token comes from p (chi-square over the 8 tokens, df = 7).
+    counts = torch.bincount(torch.tensor(rejected), minlength=8).double()
+    want = p[0].double() * len(rejected)
+    stat = float(((counts - want) ** 2 / want).sum())
+    assert stat < 7 + 4 * 14 ** 0.5, (stat, counts.tolist(), want.tolist())
