@@ -32,7 +32,17 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     for p, got in zip(prompts, limited.tokens):
         assert got == plain_greedy(base, p, 20)
     assert unlimited.tokens == limited.tokens
-    assert limited.accept_length > 1 and limited.steps > 0
+    assert limited.accept_length > 1
+    # Each step of a group is a step of the plain decoder on that group's batch, with the same drafter and tree.
+    from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.decode.generate import resolve_tree
+    from draftlab.drafters import make_drafter
+    from draftlab.export import load_export
+
+    draft, meta = load_export(export, base=None)
+    dec = SpeculativeDecoder(base, make_drafter(draft, resolve_tree("expansion:2,1,1", meta)))
+    plain_steps = sum(dec.generate(prompts[i:i + 3], max_new_tokens=20).steps for i in range(0, len(prompts), 3))
+    assert limited.steps == unlimited.steps == plain_steps
     # Minions' rule: the drafter starts a draft only while the pool holds fewer than batch_size (3) requests, so
     # it never holds more than 3 + 2; without the rule all three groups' drafts pile up.
     assert limited.drafter["paused"] > 0 and limited.drafter["pool_max"] <= 5
@@ -76,8 +86,9 @@ def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_
     for p, got in zip(prompts, res.tokens):
         assert got == plain_greedy(base, p, 12)
     state = res.drafter["state"]
-    # every group's steps, not one group's (a group's last step ends it: no commit reaches the drafter)
-    assert state["verified_batches"] == res.steps - 3
+    # every group's steps, not one group's (a group's last step ends it: no commit reaches the drafter), for the
+    # vote weights and the adaptive length alike
+    assert state["verified_batches"] == state["length_records"] == res.steps - 3
     assert state["length_metric"] == "verify"
 
 

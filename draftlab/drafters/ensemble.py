@@ -265,7 +265,8 @@ class EnsembleDrafter(Drafter):
         if self.mode == "vote":
             d.update(weights=[round(w, 3) for w in self.vote.weights], verified_batches=self.vote.updates)
         if self.adaptive is not None:
-            d.update(speculation_length=self.adaptive.s, length_metric=self.adaptive.metric)
+            d.update(speculation_length=self.adaptive.s, length_metric=self.adaptive.metric,
+                     length_records=len(self.adaptive.history))
         return d
 
     # --- state --------------------------------------------------------------------------------------------
