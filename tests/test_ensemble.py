@@ -38,8 +38,8 @@ def test_ensembles_are_exact(seed, mode, budget):
         for p, got in zip(prompts, res.tokens):
             assert got == plain_greedy(base, p, 20), (mode, budget, p)
         assert res.accept_length > 1.2 and max(res.tree_sizes) <= drafter.max_nodes
-        if budget == 5:
-            assert max(res.tree_sizes) <= 6
+        if budget == 5:  # the members draft up to 3 + 6 + 2 nodes a row: the merged tree is cut to the budget
+            assert max(res.tree_sizes) == 1 + 5
 
 
 @pytest.mark.slow  # one sample per call; test_sampling_law checks both modes' law batched in the default run
