@@ -85,7 +85,7 @@ def main() -> None:
 
     add("plain_eager", NoDraft(), False)
     add("plain_compiled", NoDraft(), True)
-    kinds, trees = {}, {}
+    kinds, trees, steps = {}, {}, {}
     for i, (label, e, tree) in enumerate(specs):
         d, _, m = first, tok, meta
         if i:
@@ -95,6 +95,7 @@ def main() -> None:
                 d.drafter.m.attach_base(base)
         kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
         kinds[kind], trees[kind] = e, tree
+        steps[kind] = (m.get("training") or {}).get("steps")  # optimizer steps the export was trained for
         add(f"{kind}_eager", d.drafter, False)
         add(f"{kind}_compiled", d.drafter, True)
     try:
@@ -135,7 +136,7 @@ def main() -> None:
               f"{r.get('warmup_s', '-')} |")
     write_result(a.name, {"title": a.title, "exports": {k: v.replace(str(ROOT) + "/", "") for k, v in kinds.items()},
                           "prompts": len(prompts), "max_new_tokens": N, "fastest_plain": fastest, "tree": a.tree,
-                          "trees": {k: v for k, v in trees.items() if v},
+                          "trees": {k: v for k, v in trees.items() if v}, "train_steps": steps,
                           "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
                           "torch_threads": torch.get_num_threads(), "methods": results})
 

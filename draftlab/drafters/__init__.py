@@ -170,17 +170,22 @@ def _save_engine_layout(module, out: Path) -> list[str]:
     return ["config.json", "model.safetensors"]
 
 
-def _load_eagle(head: dict, export_dir: Path, base):
+def _load_engine_layout(module, export_dir: Path):
+    """A module of the engines' checkpoint layout (eagle3, dflash) with the weights of its model.safetensors."""
     from ..export import ExportError, read_safetensors
-    from .eagle import Eagle3Draft
 
-    module = Eagle3Draft({k: v for k, v in head.items() if k != "type"}, base)
     state = read_safetensors(export_dir / "model.safetensors")
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ExportError(f"{export_dir / 'model.safetensors'}: weights do not match the eagle3 config in "
+        raise ExportError(f"{export_dir / 'model.safetensors'}: weights do not match the {module.kind} config in "
                           f"draftlab.json (missing {missing[:5]}, unexpected {unexpected[:5]}); re-export the run")
     return module
+
+
+def _load_eagle(head: dict, export_dir: Path, base):
+    from .eagle import Eagle3Draft
+
+    return _load_engine_layout(Eagle3Draft({k: v for k, v in head.items() if k != "type"}, base), export_dir)
 
 
 def _eagle_drafter(module, tree) -> Drafter:
@@ -216,16 +221,9 @@ def _build_dflash(head: dict, base):
 
 
 def _load_dflash(head: dict, export_dir: Path, base):
-    from ..export import ExportError, read_safetensors
     from .dflash import DFlashDraft
 
-    module = DFlashDraft({k: v for k, v in head.items() if k != "type"}, base)
-    state = read_safetensors(export_dir / "model.safetensors")
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ExportError(f"{export_dir / 'model.safetensors'}: weights do not match the dflash config in "
-                          f"draftlab.json (missing {missing[:5]}, unexpected {unexpected[:5]}); re-export the run")
-    return module
+    return _load_engine_layout(DFlashDraft({k: v for k, v in head.items() if k != "type"}, base), export_dir)
 
 
 def _dflash_drafter(module, tree: Tree) -> Drafter:

@@ -113,3 +113,29 @@ class Drafter(ABC):
     def describe(self) -> dict:
         """What a report says about this drafter (kind, tree size, ...)."""
         return {"kind": type(self).__name__, "max_nodes": self.max_nodes}
+
+
+class ReadsBase:
+    """For draft modules that read the frozen base's embeddings and rotary table (EAGLE-3, DFlash): the base is held
+    outside the module's parameters (not trained, not saved) and attached when the module is built or loaded."""
+
+    _base = None
+
+    def attach_base(self, base) -> None:
+        self._base = [base]  # a list: not a submodule
+
+    @property
+    def base(self):
+        if self._base is None:
+            raise ValueError(f"a {self.kind} drafter needs its base attached (load_export(..., base=model))")
+        return self._base[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The base's (frozen) input embeddings of ids."""
+        with torch.no_grad():
+            return self.base.get_input_embeddings()(ids)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        """The base's rotary (cos, sin) at positions, in x's dtype."""
+        cos, sin = self.base.base_model.rotary_emb(x, positions)
+        return cos.to(x.dtype), sin.to(x.dtype)

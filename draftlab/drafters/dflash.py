@@ -42,7 +42,7 @@ from torch import nn
 
 from ..decode.acceptance import Sampling, warp
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, StepResult
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
 from .eagle import RMSNorm
 
 
@@ -136,7 +136,7 @@ class DFlashLayer(nn.Module):
         return x + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(ReadsBase, nn.Module):
     """The trainable DFlash block drafter (see the module docstring)."""
 
     kind = "dflash"
@@ -156,7 +156,6 @@ class DFlashDraft(nn.Module):
                         cfg["intermediate_size"], cfg["rms_norm_eps"], cfg.get("qk_norm", False))
             for _ in range(cfg["num_layers"]))
         self.norm = RMSNorm(H, cfg["rms_norm_eps"])
-        self._base = None
         if base is not None:
             self.attach_base(base)
 
@@ -192,26 +191,9 @@ class DFlashDraft(nn.Module):
     def lm_heads(self):
         return []  # logits go through the base's own lm_head, frozen and not part of the draft
 
-    # --- the base it reads ----------------------------------------------------------------------------
-    def attach_base(self, base) -> None:
-        self._base = [base]  # a list: the frozen base is not a submodule (not trained, not saved)
-
+    # --- the base it reads: ReadsBase (attach_base, base, embed, rope) --------------------------------------
     def init_from_base(self, base) -> None:
         self.attach_base(base)
-
-    @property
-    def base(self):
-        if self._base is None:
-            raise ValueError("a DFlash drafter needs its base attached (load_export(..., base=model))")
-        return self._base[0]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.base.get_input_embeddings()(ids)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        cos, sin = self.base.base_model.rotary_emb(x, positions)
-        return cos.to(x.dtype), sin.to(x.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Block outputs [..., H] -> logits over the base's vocabulary through its (frozen) lm_head."""

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, StepResult
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
 
 
 class RMSNorm(nn.Module):
@@ -105,7 +105,7 @@ def default_layers(num_layers: int) -> list[int]:
     return [min(1, L - 1), L // 2, L - 1]
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(ReadsBase, nn.Module):
     """The trainable EAGLE-3 drafter (see the module docstring)."""
 
     kind = "eagle3"
@@ -129,7 +129,6 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # target id = draft id + d2t[draft id]
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        self._base = None
         if base is not None:
             self.attach_base(base)
 
@@ -199,24 +198,7 @@ class Eagle3Draft(nn.Module):
     def lm_heads(self):
         return [self.lm_head]
 
-    # --- the base it reads ----------------------------------------------------------------------------
-    def attach_base(self, base) -> None:
-        self._base = [base]
-
-    @property
-    def base(self):
-        if self._base is None:
-            raise ValueError("an EAGLE-3 drafter needs its base attached (load_export(..., base=model))")
-        return self._base[0]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.base.get_input_embeddings()(ids)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        cos, sin = self.base.base_model.rotary_emb(x, positions)
-        return cos.to(x.dtype), sin.to(x.dtype)
-
+    # --- the base it reads: ReadsBase (attach_base, base, embed, rope) --------------------------------------
     @torch.no_grad()
     def init_from_base(self, base) -> None:
         """Attach the base; lm_head rows from the base's lm_head (for the draft vocabulary, once it is set)."""
