@@ -7,11 +7,13 @@ tokens (verifying all drafts so far), while the drafter keeps drafting as if eve
 read in the order the tasks were sent; the first one that finds a draft different from the target's token (or
 the target's token after its last draft, when the drafter has gone no further) decides: the drafts up to it and
 the target's token are committed, every task and draft built past it is preempted (servers drop work of an old
-epoch, including the one they are sleeping through), and drafting restarts from the corrected token. Every
-committed token is the target's greedy token, so the output equals plain greedy decoding. Sampling: the servers
-return the target's distributions and each drafted position is decided once, in order, by the speculative
-sampling rule against the distribution the drafter drew it from (`_decide_sampled`), so the output is a sample
-of the target's own distribution.
+epoch, including the one they are sleeping through), and drafting restarts from the corrected token. With R
+tokens left the drafter drafts R - 1 at most (the target's token after them is the R-th) and the last task
+verifies those, sent once they exist (off the lookahead grid unless it divides R - 1). Every committed token is
+the target's greedy token, so the output equals plain greedy decoding. Sampling: the servers return the target's
+distributions and each drafted position is decided once, in order, by the speculative sampling rule against the
+distribution the drafter drew it from (`_decide_sampled`), so the output is a sample of the target's own
+distribution.
 
 The text ends at EOS or a stop string (`eos_token_id`, `stop`), as `draftlab generate`'s does. Worker processes
 die with the drafter's process; a server that fails, dies or goes silent raises DSIError with its traceback and
@@ -241,6 +243,9 @@ class DSI:
             due: list[list] = []  # [drafts it verifies, when due, waited, emulated time due] of tasks not sent
             got: dict[int, list[int] | None] = {}
             next_n = 0  # drafts count at which the next task becomes due
+            # The text has a use for one draft fewer than the tokens it still needs: the target's token after them
+            # completes it. The drafter stops there and the stretch's last task verifies them all.
+            cap = end - len(committed) - 1
             drafting, draft_done = None, 0.0  # the draft in progress (draft_next's answer) and when it is done
             decided = None
             # The emulated clock: when each server is next free (the last decision freed them all), the drafter's
@@ -256,11 +261,11 @@ class DSI:
                     drafting = None
                     stats["drafts"] += 1
                     vdraft += td
-                # Tasks that are due: one at 0 drafts, then every `lookahead` drafts; the last one of the text
-                # verifies up to its end, even off the lookahead grid.
-                while next_n is not None and min(next_n, end - len(committed)) <= len(drafts):
-                    due.append([min(next_n, end - len(committed)), time.perf_counter(), False, vdraft])
-                    next_n = next_n + lookahead if next_n < end - len(committed) else None
+                # Tasks that are due: one at 0 drafts, then every `lookahead` drafts; the last one verifies the
+                # `cap` drafts the text has a use for once they exist, even off the lookahead grid.
+                while next_n is not None and min(next_n, cap) <= len(drafts):
+                    due.append([min(next_n, cap), time.perf_counter(), False, vdraft])
+                    next_n = next_n + lookahead if next_n < cap else None
                 # Send them as servers free up; the drafter never waits for a server (a due task waits instead).
                 while due and free:
                     n, t_due, waited, ready = due.pop(0)
@@ -280,7 +285,7 @@ class DSI:
                     d[2] = True
                 # Draft the next token (the drafter never waits for verification); with an emulated draft latency it
                 # is done draft_latency_s later.
-                if drafting is None and len(committed) + len(drafts) < end:
+                if drafting is None and len(drafts) < cap:
                     t0 = time.perf_counter()
                     drafting, draft_done = draft_next(committed + drafts), t0 + draft_latency_s
                 # Take what the servers send back: until the draft in progress is done (a freed server gets the next
@@ -305,8 +310,7 @@ class DSI:
                     if tid not in got:
                         break
                     if sampling:
-                        decided, checked = _decide_sampled(got[tid], n, drafts, qs, checked, gen,
-                                                           len(committed) + n + 1 >= end)
+                        decided, checked = _decide_sampled(got[tid], n, drafts, qs, checked, gen)
                         if decided is not None or checked <= n:
                             break
                         continue
@@ -315,7 +319,7 @@ class DSI:
                     if bad is not None:
                         decided = drafts[:bad] + [toks[bad]]
                         break
-                    if len(drafts) == n or drafts[n] != toks[n] or len(committed) + n + 1 >= end:
+                    if len(drafts) == n or drafts[n] != toks[n]:  # no draft past n yet (or ever, at the end)
                         decided = drafts[:n] + [toks[n]]
                         break
             self._new_epoch()
@@ -334,7 +338,7 @@ class DSI:
             stats["preemptions"] += len(owner)
             free += owner.values()
             owner.clear()
-            finished = _extend(committed, len(prompt), decided[: end - len(committed)], eos, stop)
+            finished = _extend(committed, len(prompt), decided, eos, stop)
         stats["wait_s"], stats["emulated_wait_s"] = round(stats["wait_s"], 6), round(stats["emulated_wait_s"], 9)
         return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start, "emulated_s": clock,
                 **stats}
@@ -351,12 +355,13 @@ def _extend(committed: list[int], n_prompt: int, new: list[int], eos: set, stop)
     return cut is not None or c is not None
 
 
-def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, at_end: bool):
+def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen):
     """Speculative sampling over one task's result p [n+1, V] (the target's distributions after the committed
     text + drafts[:i]): positions checked.. are decided once each, in order. A draft x drawn from q is accepted
     with probability min(1, p(x)/q(x)); the first rejection commits a token from normalize(max(p - q, 0)). The
     task also decides the position after its last verified draft: the drafter's token there if it has one (same
-    rule), else (or at the end of the text) a token drawn from p. Returns (committed tokens or None, checked)."""
+    rule), else (as at the end of the text, where the drafter stops) a token drawn from p. Returns (committed
+    tokens or None, checked)."""
     import torch
 
     from .decode.acceptance import sample_residual
@@ -367,8 +372,8 @@ def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen, a
             checked = i + 1
             continue
         return drafts[:i] + [sample_residual(p[i], q, gen)], checked
-    if checked == n + 1:  # every position this task covers accepted: the next task goes on (or the text ends)
-        return (drafts[:n + 1] if at_end else None), checked
+    if checked == n + 1:  # every position this task covers accepted: the next task goes on
+        return None, checked
     return drafts + [int(torch.multinomial(p[n], 1, generator=gen))], checked  # no draft after the n verified
 
 

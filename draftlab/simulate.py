@@ -20,6 +20,11 @@ The model (times in any unit, per forward):
   servers the expected time per token is (1 - a) (a k t_draft / (1 - a^k) + t_target). Tasks are sent every
   k t_draft and last t_target, so ceil(t_target / (k t_draft)) of them overlap: the smallest lookahead with which
   a task never waits for a server is k = ceil(t_target / (n t_draft)) (`min_lookahead`).
+- The end of the text: with R tokens still to generate a stretch has a use for R - 1 drafts at most (the target's
+  token after them is the R-th), so the drafter stops there and the stretch's last task verifies those R - 1
+  drafts, sent once they are drafted (off the lookahead grid unless k divides R - 1); its token completes the
+  text. Being off the grid, that one task can wait for a server at `min_lookahead`, never past the time the grid
+  would have sent it.
 
 This formalisation is draftlab's reading of the DSI paper's algorithm (drafting never blocks on verification,
 preemption on rejection, a target-only task at every restart so DSI is never slower than non-SI); the Monte Carlo
@@ -57,7 +62,8 @@ def dsi_time_per_token(a: float, k: int, t_draft: float, t_target: float) -> flo
 
 
 def min_lookahead(t_draft: float, t_target: float, sp: int) -> int:
-    """The smallest lookahead with which no DSI verification task waits for one of `sp` target servers."""
+    """The smallest lookahead with which no DSI verification task waits for one of `sp` target servers (a text's
+    last task, sent off the grid as soon as its drafts exist, can still wait a little: see the module doc)."""
     return max(1, math.ceil(t_target / (sp * t_draft) - 1e-12))
 
 
@@ -78,29 +84,35 @@ def simulate_dsi(n_tokens: int, a: float, k: int, t_draft: float, t_target: floa
                  t_prefill: float | None = None, accepts=None) -> dict:
     """One DSI run of n_tokens tokens, event by event with `sp` target servers (Monte Carlo). accepts: the number
     of drafts accepted before the first rejection on each stretch, in order, instead of draws with acceptance a
-    (to replay a run of the process runtime). Returns the total time, the tasks started (preempted ones included),
-    the tasks that waited for a free server and how long they waited in all."""
+    (to replay a run of the process runtime; a stretch that would run past the text's end is cut there). Returns the
+    total time, the tasks started (preempted ones included), the tasks that waited for a free server and how long
+    they waited in all, and the tasks preempted (started after their stretch's deciding task, cut off by its
+    decision)."""
     t, done, waited = (t_target if t_prefill is None else t_prefill), 1, 0.0
-    tasks = waits = 0
+    tasks = waits = preempted = 0
     accepts = iter(accepts) if accepts is not None else None
     servers = [t] * sp  # when each server is next free
     heapq.heapify(servers)
     while done < n_tokens:
-        # Accepted drafts before the first rejection on this stretch (drafts the text no longer needs don't matter).
-        cap = n_tokens - done
+        # A stretch commits its accepted drafts and the target's token after them, so the text has a use for one
+        # draft fewer than the tokens it still needs (`cap`): the drafter stops there and the stretch's last task
+        # verifies them all, its own token completing the text.
+        cap = n_tokens - done - 1
+        # Accepted drafts before the first rejection on this stretch (drafts past the text's end are never made).
         if accepts is not None:
             j = min(next(accepts), cap)
         else:
             j = 0
             while j < cap and rng.random() < a:
                 j += 1
-        # Tasks go out at t + m k t_draft (m = 0, 1, ...; the drafter never waits for a server, a task does), each
-        # verifying min(m k, cap) drafts; task m decides this stretch when m k >= j (or when the text is complete).
-        # Later tasks that start before the decision are preempted then.
+        # Task m verifies min(m k, cap) drafts and goes out once they are drafted, at t + min(m k, cap) t_draft
+        # (m = 0, 1, ...; the drafter never waits for a server, a task does); task m decides this stretch when
+        # m k >= j (at j = cap it confirms every draft and its token ends the text). Later tasks that start before
+        # the decision are preempted then.
         m_decide, m_last = math.ceil(j / k), math.ceil(cap / k)
         finish = None
         for m in range(m_last + 1):
-            ready = t + m * k * t_draft
+            ready = t + min(m * k, cap) * t_draft
             if finish is not None and ready >= finish:
                 break
             free = heapq.heappop(servers)
@@ -110,6 +122,7 @@ def simulate_dsi(n_tokens: int, a: float, k: int, t_draft: float, t_target: floa
                 break
             late = start - ready if start - ready > 1e-9 * max(t_target, 1e-30) else 0.0  # not rounding noise
             tasks, waits, waited = tasks + 1, waits + (late > 0), waited + late
+            preempted += m > m_decide
             heapq.heappush(servers, start + t_target)
             if m == m_decide:
                 finish = start + t_target
@@ -117,7 +130,7 @@ def simulate_dsi(n_tokens: int, a: float, k: int, t_draft: float, t_target: floa
         servers = [finish] * sp
         t = finish
         done += j + 1
-    return {"time": t, "waited": waited, "tasks": tasks, "waits": waits}
+    return {"time": t, "waited": waited, "tasks": tasks, "waits": waits, "preempted": preempted}
 
 
 @dataclass

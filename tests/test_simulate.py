@@ -55,8 +55,37 @@ def test_smallest_sufficient_lookahead():
     k = min_lookahead(td, tt, sp)
     assert k == 4
     rng = random.Random(2)
-    assert all(simulate_dsi(400, 0.95, k, td, tt, sp, rng)["waited"] == 0 for _ in range(20))
-    assert sum(simulate_dsi(400, 0.95, k - 1, td, tt, sp, rng)["waited"] for _ in range(20)) > 0
+    # At k no task on the lookahead grid waits. The text's last task goes out as soon as the drafts it verifies
+    # exist, off the grid: it alone may wait, never past the grid's time for it ((k - 1) drafts' time at most).
+    runs = [simulate_dsi(400, 0.95, k, td, tt, sp, rng) for _ in range(20)]
+    assert all(r["waits"] <= 1 and r["waited"] <= (k - 1) * td for r in runs)
+    assert sum(simulate_dsi(400, 0.95, k - 1, td, tt, sp, rng)["waits"] for _ in range(20)) > 20
+
+
+def test_dsi_simulation_drafts_no_more_than_the_text_needs():
+    """With R tokens left a stretch drafts R - 1 at most (the target's token after them is the R-th) and its last
+    task verifies them once they exist, off the lookahead grid; before, the simulator drafted one more and sent that
+    task on the grid."""
+    td, tt, k = 2.0, 30.0, 4
+    # Everything accepted, one stretch of 11 tokens after the prefill's: 10 drafts, tasks at 0, 4, 8 and 10 drafts,
+    # the last deciding at 10 t_draft + t_target.
+    one = simulate_dsi(12, 1.0, k, td, tt, sp=8, rng=random.Random(0), t_prefill=0.0)
+    assert one == {"time": 10 * td + tt, "tasks": 4, "waits": 0, "waited": 0.0, "preempted": 0}
+    # Nothing accepted, drafts slower than above: every token is decided by a target-only task at t_target, the
+    # task sent after 1 draft (at 20 < 30) is preempted, but the last token has no use for a draft: its stretch
+    # sends one task.
+    none = simulate_dsi(12, 0.0, 1, 20.0, tt, sp=8, rng=random.Random(0), t_prefill=0.0)
+    assert none == {"time": 11 * tt, "tasks": 2 * 11 - 1, "waits": 0, "waited": 0.0, "preempted": 10}
+    # A replayed stretch that runs past the end is cut there: 3 accepted (decided by the task at 4 drafts; the one
+    # at 6, all the text could use, is preempted), then 3 tokens left of a stretch that would accept 8: 2 drafts,
+    # tasks at 0 and 2 drafts, the second deciding.
+    cut = simulate_dsi(8, 0.0, k, td, tt, sp=8, rng=random.Random(0), t_prefill=0.0, accepts=[3, 8])
+    assert cut == {"time": (4 * td + tt) + (2 * td + tt), "tasks": 3 + 2, "waits": 0, "waited": 0.0, "preempted": 1}
+    # At the no-wait lookahead of 2 servers (8) the last task, due at 17 drafts (off the grid, which would send it
+    # at 24), finds both servers busy and waits for the one the task at 8 drafts frees at 8 t_draft + t_target.
+    assert min_lookahead(td, tt, 2) == 8
+    late = simulate_dsi(19, 1.0, 8, td, tt, sp=2, rng=random.Random(0), t_prefill=0.0)
+    assert late == {"time": 8 * td + 2 * tt, "tasks": 4, "waits": 1, "waited": 8 * td + tt - 17 * td, "preempted": 0}
 
 
 def test_inputs_from_a_generate_report():
