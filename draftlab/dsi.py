@@ -392,7 +392,7 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
     committed, end = list(prompt), len(prompt) + max_new_tokens
     while len(committed) < end:
         drafts = []
-        for _ in range(min(lookahead, end - len(committed))):
+        for _ in range(min(lookahead, end - len(committed) - 1)):  # the target's token after them ends the text
             t0 = time.perf_counter()
             drafts.append(draft_next(committed + drafts))
             wait(t0, draft_latency_s)
@@ -400,7 +400,7 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
         toks = target.next_tokens(committed, drafts)
         wait(t0, target_latency_s)
         bad = next((i for i in range(len(drafts)) if drafts[i] != toks[i]), len(drafts))
-        if _extend(committed, len(prompt), (drafts[:bad] + [toks[bad]])[: end - len(committed)], eos, stop):
+        if _extend(committed, len(prompt), drafts[:bad] + [toks[bad]], eos, stop):
             break
     return {"tokens": committed[len(prompt):], "wall_s": time.perf_counter() - t_start}
 

@@ -7,9 +7,10 @@ The model (times in any unit, per forward):
   probability `acceptance`, independently (i.i.d. geometric acceptance); the first token comes from the
   prefill, so TTFT = t_prefill (default t_target) for all three and TPOT covers the remaining tokens.
 - non-SI: one target forward per token.
-- SI with lookahead k: draft k tokens (k t_draft), verify them (t_target); commit the accepted ones and the
-  target's own next token. Expected time per token (1 - a) (k t_draft + t_target) / (1 - a^(k+1)). Its best
-  lookahead is chosen per configuration (the fair baseline).
+- SI with lookahead k: draft k tokens (k t_draft; with R tokens left, R - 1 at most), verify them (t_target);
+  commit the accepted ones and the target's own next token. Expected time per token
+  (1 - a) (k t_draft + t_target) / (1 - a^(k+1)). Its best lookahead is chosen per configuration (the fair
+  baseline).
 - DSI with lookahead k and SP degree n: the drafter never waits. From the last verified token on, a
   verification task is sent to a free target server at once (0 drafts: it yields the target's next token, as
   non-SI would) and again after every k drafted tokens (verifying all drafts so far); the drafter keeps
@@ -72,10 +73,11 @@ def simulate_si(n_tokens: int, a: float, k: int, t_draft: float, t_target: float
     """Total time of one SI run of n_tokens tokens (Monte Carlo)."""
     t, done = (t_target if t_prefill is None else t_prefill), 1
     while done < n_tokens:
+        d = min(k, n_tokens - done - 1)  # drafts the text has a use for: the target's token after them ends it
         j = 0
-        while j < k and rng.random() < a:
+        while j < d and rng.random() < a:
             j += 1
-        t += k * t_draft + t_target
+        t += d * t_draft + t_target
         done += j + 1
     return t
 

@@ -62,10 +62,10 @@ def test_smallest_sufficient_lookahead():
     assert sum(simulate_dsi(400, 0.95, k - 1, td, tt, sp, rng)["waits"] for _ in range(20)) > 20
 
 
-def test_dsi_simulation_drafts_no_more_than_the_text_needs():
+def test_simulation_drafts_no_more_than_the_text_needs():
     """With R tokens left a stretch drafts R - 1 at most (the target's token after them is the R-th) and its last
     task verifies them once they exist, off the lookahead grid; before, the simulator drafted one more and sent that
-    task on the grid."""
+    task on the grid (and SI drafted a full lookahead at the end)."""
     td, tt, k = 2.0, 30.0, 4
     # Everything accepted, one stretch of 11 tokens after the prefill's: 10 drafts, tasks at 0, 4, 8 and 10 drafts,
     # the last deciding at 10 t_draft + t_target.
@@ -86,6 +86,9 @@ def test_dsi_simulation_drafts_no_more_than_the_text_needs():
     assert min_lookahead(td, tt, 2) == 8
     late = simulate_dsi(19, 1.0, 8, td, tt, sp=2, rng=random.Random(0), t_prefill=0.0)
     assert late == {"time": 8 * td + 2 * tt, "tasks": 4, "waits": 1, "waited": 8 * td + tt - 17 * td, "preempted": 0}
+    # SI likewise: 11 tokens after the prefill's, everything accepted: 4 drafts and a verification twice, then the
+    # last token from a verification of no drafts.
+    assert simulate_si(12, 1.0, k, td, tt, random.Random(0)) == tt + 2 * (k * td + tt) + tt
 
 
 def test_inputs_from_a_generate_report():
