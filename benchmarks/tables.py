@@ -92,26 +92,12 @@ def kinds(p) -> None:
       f"{r['accept_length']} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | "
       "[stories260k-ensemble](recipes/stories260k-ensemble.yaml) | "
       "[ensemble.py](docs/benchmarks.md#ensembles-at-decoding-time) |")
-    bd = load("block_drafters")
-    if bd:  # the block drafters and EAGLE-3.1, from the run that compared every kind at one training budget
-        link = "[compiled.py](docs/benchmarks.md#block-drafters-next-to-the-other-kinds)"
-        for kind, key, what, recipe in (
-                ("EAGLE-3.1", "eagle3.1", "EAGLE-3 with fc_norm and norm_output", "stories260k-eagle3"),
-                ("DFlash", "dflash-b8", "2 layers drafting a block of 8 in one forward", "stories260k-dflash"),
-                ("DFlash", "dflash-b16", "the same, blocks of 16", "stories260k-dflash")):
-            r = bd["methods"].get(f"{key}_eager")
-            if r and "tokens_per_s" in r:
-                p(f"| {kind} | {what} ({bd['train_steps'][key]} training steps) | {(bd.get('trees') or {}).get(key, 'default')} "
-                  f"({r['tree_size']} tokens) | {r['accept_length']} | {r['speedup']:.2f}x | {r['identical_to_baseline']} | "
-                  f"[{recipe}](recipes/{recipe}.yaml) | {link} |")
     p("| lookup | continuations of the text's last n-gram found earlier in it (no model) | - | - | - | - | - | "
       "not benchmarked on its own |")
     p(f"\nPlain decoding of the same base, in the same run: {e['baseline_tokens_per_s']:.0f} tokens/s in `eagle.py` "
       f"({e['prompts']} prompts), {s['methods']['hf_generate']['tokens_per_s']:.0f} in `ssm.py` ({s['prompts']} prompts), "
       f"{en['methods']['hf_generate']['tokens_per_s']:.0f} in `ensemble.py` ({en['prompts']} prompts); "
-      f"{e['max_new_tokens']} new tokens per prompt; {where(e)}." +
-      (f" The block drafters' rows: {bd['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s in `compiled.py` "
-       f"({bd['prompts']} prompts), {where(bd)}." if bd else ""))
+      f"{e['max_new_tokens']} new tokens per prompt; {where(e)}.")
 
 
 def recipes(p) -> None:
