@@ -75,7 +75,9 @@ def straight(straight_runs):
     return straight_runs("medusa")
 
 
-@pytest.mark.parametrize("kind,kill_after", [("medusa", 3), ("medusa", 17), ("ssm", 11)])
+# One kill point in the default run; the later kill point and the SSM run (about 17 s of training) with the slow tests.
+@pytest.mark.parametrize("kind,kill_after", [("medusa", 3), pytest.param("medusa", 17, marks=pytest.mark.slow),
+                                             pytest.param("ssm", 11, marks=pytest.mark.slow)])
 def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_file, straight_runs, tmp_path,
                                                           kind, kill_after):
     straight = straight_runs(kind)
