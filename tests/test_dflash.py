@@ -67,7 +67,7 @@ def test_many_blocks_in_one_forward_equal_each_block_alone():
     states = base_states(base, ids, torch.ones_like(ids), d.base_layers)[:, :, :-1]
     anchor = torch.tensor([[1, 4, 5, 11]])
     with torch.no_grad():
-        many = d.block_outputs(states, ids, torch.ones_like(ids, dtype=torch.bool), anchor, torch.ones_like(anchor).bool())
+        many = d.block_outputs(states, ids, torch.ones_like(ids, dtype=torch.bool), anchor)
         for j, a in enumerate(anchor[0].tolist()):
             torch.testing.assert_close(many[0, j], _one_block(d, states, ids, a))
 

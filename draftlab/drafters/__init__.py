@@ -242,7 +242,7 @@ def _dflash_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
     valid = torch.ones_like(ids, dtype=torch.bool)
     for s in range(0, S - 1, 64):  # state t has root x_{t+1}: the block anchored there, 64 anchors per forward
         anchor = torch.arange(s + 1, min(s + 65, S), device=ids.device)[None]
-        out = module.block_outputs(states.to(module.fc.weight.dtype), ids, valid, anchor, torch.ones_like(anchor, dtype=torch.bool))
+        out = module.block_outputs(states.to(module.fc.weight.dtype), ids, valid, anchor)
         for d in range(min(depth, module.block_size - 1)):
             at = anchor[0] + d + 1  # block position d + 1 predicts x_{t+d+2}
             inside = at < S

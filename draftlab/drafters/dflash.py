@@ -241,8 +241,8 @@ class DFlashDraft(ReadsBase, nn.Module):
         anchor = score.topk(A, -1).indices.sort(-1).values
         return anchor, ok.gather(1, anchor)
 
-    def block_outputs(self, states: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, anchor: torch.Tensor,
-                      anchor_ok: torch.Tensor) -> torch.Tensor:
+    def block_outputs(self, states: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor,
+                      anchor: torch.Tensor) -> torch.Tensor:
         """The draft's outputs [B, A, block_size, H] for blocks at anchors [B, A] (all in one forward), from base
         features states [B, S, n, H]: block j sees the context at positions < anchor j and itself."""
         B, S = input_ids.shape
@@ -268,7 +268,7 @@ class DFlashDraft(ReadsBase, nn.Module):
         n, T = len(self.base_layers), self.block_size
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         anchor, anchor_ok = self.anchors(input_ids, loss_mask, valid)
-        out_h = self.block_outputs(states[:, :, :n], input_ids, valid, anchor, anchor_ok)  # [B, A, T, H]
+        out_h = self.block_outputs(states[:, :, :n], input_ids, valid, anchor)  # [B, A, T, H]
         final = states[:, :, n]  # the teacher's hidden state
         w = self.base.get_output_embeddings().weight
         teach = base_weight is not None
@@ -443,16 +443,11 @@ class DFlashDrafter(Drafter):
     def commit(self, step: StepResult) -> None:
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H] at the kept nodes
         ok = step.keep_valid
-        if (self.decode_path or {}).get("static"):  # one commit width, so the cache grows in fixed steps
-            B, M = ok.shape
-            W = self.tree.depth + 1
-            if M < W:
-                feats = torch.cat([feats, feats.new_zeros(B, W - M, *feats.shape[2:])], 1)
-                ok = torch.cat([ok, ok.new_zeros(B, W - M)], 1)
-                positions = torch.cat([step.positions, step.positions.new_zeros(B, W - M)], 1)
-            else:
-                positions = step.positions
-        else:
-            positions = step.positions
+        positions = step.positions
+        W = self.tree.depth + 1
+        if (self.decode_path or {}).get("static") and ok.shape[1] < W:  # one commit width: the cache grows in fixed steps
+            pad = W - ok.shape[1]
+            feats = F.pad(feats, (0, 0, 0, 0, 0, pad))
+            ok, positions = F.pad(ok, (0, pad)), F.pad(positions, (0, pad))
         self._append(feats, positions, ok)
         self.next_pos = self.next_pos + step.keep_valid.sum(-1)
