@@ -4,6 +4,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
 
     python benchmarks/train_heads.py ...   # the three exports (see README)
     python benchmarks/refactor_check.py
+    python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--commit", default=BEFORE)
     ap.add_argument("--name", default="refactor_check", help="results/NAME.json")
+    ap.add_argument("--export", action="append", default=[], metavar="LABEL=DIR",
+                    help="exports to compare (default: the three of benchmarks/train_heads.py)")
     a = ap.parse_args()
     old_package(a.commit)
     try:
@@ -48,9 +51,10 @@ def main() -> None:
 
     methods, base, tok = {}, None, None
     pairs = {}
-    for kind, name in STORIES_EXPORTS.items():
-        after, tok, _ = load_decoder(str(EXPORTS / name))
-        before, _, _ = load_before(str(EXPORTS / name))
+    exports = dict(e.split("=", 1) for e in a.export) or {k: str(EXPORTS / n) for k, n in STORIES_EXPORTS.items()}
+    for kind, path in exports.items():
+        after, tok, _ = load_decoder(path)
+        before, _, _ = load_before(path)
         base = base or after.base
         after.base = before.base = base  # one base object: every method runs the same weights
         pairs[kind] = (before, after)
