@@ -23,7 +23,7 @@ os.chdir(ROOT)  # recipes name paths relative to the repository root
 
 def stories_base() -> Path:
     """stories260K imported to runs/stories260k-base (once)."""
-    from draftlab.base import import_llama2c
+    from draftlab.interop.llama2c import import_llama2c
 
     if not (STORIES_BASE / "config.json").is_file():
         import_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", STORIES_BASE)

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--tree", default=None, help="tree for every export (a file, e.g. from search-tree --compile)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
 
     specs = [parse_export(e, a.tree) for e in a.exports]
     first, tok, meta = load_decoder(specs[0][1], tree=specs[0][2])

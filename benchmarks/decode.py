@@ -92,10 +92,10 @@ def main() -> None:
     ap.add_argument("--trees", nargs="*", default=["chain", "default"], help="'chain', 'default', or tree files")
     ap.add_argument("--name", default="decode")
     a = ap.parse_args()
-    from draftlab.decode.generate import encode_prompt, load_decoder, resolve_tree
+    from draftlab.serve.generate import encode_prompt, load_decoder, resolve_tree
     from draftlab.decode.decoder import SpeculativeDecoder
     from draftlab.drafters import make_drafter
-    from draftlab.export import load_export
+    from draftlab.interop.export import load_export
 
     decoder, tok, meta = load_decoder(a.export)
     base, eos, N = decoder.base, tok.eos_token_id, a.max_new_tokens

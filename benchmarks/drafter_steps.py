@@ -27,7 +27,7 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.base import load_base
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import encode_prompt
+    from draftlab.serve.generate import encode_prompt
     from draftlab.decode.tree import DynamicTree, Tree
     from draftlab.drafters import build_draft, make_drafter
 

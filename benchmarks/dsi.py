@@ -35,9 +35,9 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.base import load_base
     from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.generate import encode_prompt, plain_generate
-    from draftlab.dsi import DSI, si_generate
-    from draftlab.simulate import Config, best_si_lookahead, expected, min_lookahead
+    from draftlab.serve.generate import encode_prompt, plain_generate
+    from draftlab.parallel.dsi import DSI, si_generate
+    from draftlab.parallel.simulate import Config, best_si_lookahead, expected, min_lookahead
 
     base_dir = stories_base()
     model, tok = load_base(str(base_dir), "float32")

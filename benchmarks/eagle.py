@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
 
     decoders, tok = {}, None
     for kind, name in STORIES_EXPORTS.items():

@@ -38,12 +38,12 @@ def main() -> None:
     from draftlab.base import load_base
     from draftlab.decode.acceptance import Sampling
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import encode_prompt, plain_generate
+    from draftlab.serve.generate import encode_prompt, plain_generate
     from draftlab.decode.tree import Tree
     from draftlab.drafters import build_draft
     from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler
     from draftlab.drafters.ssm import SSMDrafter
-    from draftlab.export import load_export, read_meta
+    from draftlab.interop.export import load_export, read_meta
 
     meta = read_meta(EXPORTS / "stories260k-ensemble-boost")
     base, tok = load_base(meta["base"]["name_or_path"], "float32")

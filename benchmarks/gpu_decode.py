@@ -50,7 +50,8 @@ def main() -> None:
     from draftlab.decode.acceptance import accept_greedy
     from draftlab.decode.cache import SlotCache
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.tree import Tree, TreeView, default_tree
+    from draftlab.decode.search import default_tree
+    from draftlab.decode.tree import Tree, TreeView
     from draftlab.drafters import build_draft, make_drafter
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", default="default", help="'default', 'chain' or a tree file, used for every head type")
     a = ap.parse_args()
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
 
     decoders, tok = {}, None
     for kind, name in KINDS.items():

@@ -31,9 +31,9 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="runs per method, interleaved; the median wall time is reported")
     a = ap.parse_args()
-    from draftlab.decode.generate import encode_prompt, load_decoder, plain_generate
+    from draftlab.serve.generate import encode_prompt, load_decoder, plain_generate
     from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.pipeline import DraftPipeline, sequential_generate
+    from draftlab.parallel.pipeline import DraftPipeline, sequential_generate
 
     export = str(EXPORTS / "stories260k-ssm-fkl")
     torch.set_num_threads(1)

@@ -43,11 +43,14 @@ def main() -> None:
     a = ap.parse_args()
     old_package(a.commit)
     try:
-        from draftlab_v0.decode.generate import load_decoder as load_before
-    except ImportError:  # 39ef22b kept it in decode/cli.py
-        from draftlab_v0.decode.cli import load_decoder as load_before
+        from draftlab_v0.serve.generate import load_decoder as load_before
+    except ImportError:  # before the layout move it was decode/generate.py, at 39ef22b decode/cli.py
+        try:
+            from draftlab_v0.decode.generate import load_decoder as load_before
+        except ImportError:
+            from draftlab_v0.decode.cli import load_decoder as load_before
 
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
 
     methods, base, tok = {}, None, None
     pairs = {}

@@ -58,11 +58,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
     from draftlab.decode.tree import Tree
-    from draftlab.decode.tree_search import search_tree
+    from draftlab.serve.tree_search import search_tree
     from draftlab.drafters import make_drafter
-    from draftlab.export import load_export
+    from draftlab.interop.export import load_export
 
     main_exp = EXPORTS / f"stories260k-ssm-{a.divergences[0]}"
     # 1. The fastest chain / tree for the SSM on training-story openings (not the held-out prompts).

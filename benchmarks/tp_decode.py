@@ -53,7 +53,7 @@ def random_checkpoint(shape: str, dtype: str, scratch: Path) -> Path:
             p.data.normal_(0, 0.02)
         model.save_pretrained(d, max_shard_size="5GB")
         del model
-        from draftlab.quickstart import build_tokenizer
+        from draftlab.cli.quickstart import build_tokenizer
 
         build_tokenizer(["a random-weight base needs some tokenizer to load"], d)  # never used to encode
     if dist.is_initialized():
@@ -77,9 +77,10 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.decode.cache import SlotCache
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import load_placed
-    from draftlab.decode.parallel import RankSync, init_tp, is_main, shutdown, world_size
-    from draftlab.decode.tree import Tree, TreeView, default_tree
+    from draftlab.serve.generate import load_placed
+    from draftlab.decode.tensor_parallel import RankSync, init_tp, is_main, shutdown, world_size
+    from draftlab.decode.search import default_tree
+    from draftlab.decode.tree import Tree, TreeView
 
     torch.set_num_threads(max(1, torch.get_num_threads() // max(world_size(), 1)))
     n = world_size()

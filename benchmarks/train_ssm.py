@@ -22,7 +22,7 @@ SELF_DATA = ROOT / "runs" / "stories260k-self.jsonl"
 
 def self_distilled(max_new_tokens: int = 256) -> str:
     """The base's own greedy continuations of the training stories' openings (made once, resumable)."""
-    from draftlab.distill import distill_data
+    from draftlab.train.distill import distill_data
 
     train_docs, _ = tinystories_split()
     summary = distill_data(str(stories_base()), str(TINYSTORIES), str(SELF_DATA), max_new_tokens=max_new_tokens,

@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--calibration-prompts", type=int, default=512)
     ap.add_argument("--max-nodes", type=int, default=64)
     a = ap.parse_args()
-    from draftlab.decode.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
     from draftlab.decode.search_cli import search_tree
 
     data = calibration_file()

@@ -31,9 +31,9 @@ def member_weights(out):
 @pytest.mark.slow  # three training stages, a killed run resumed, the export decoded: a whole pipeline
 def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     from draftlab.base import load_base
-    from draftlab.boost import example_scores
+    from draftlab.train.boost import example_scores
     from draftlab.data import load_examples
-    from draftlab.export import load_export
+    from draftlab.interop.export import load_export
 
     straight = tmp_path / "straight"
     s = train(ensemble_recipe(tiny_base_dir, data_file, straight))
@@ -90,7 +90,7 @@ def test_generation_scores_are_spec_infers_test_batched():
     from types import SimpleNamespace
 
     from conftest import tiny_llama
-    from draftlab.boost import generation_scores, prompt_length
+    from draftlab.train.boost import generation_scores, prompt_length
 
     def peaked(noise=0.0):  # the base, or a slightly perturbed copy that agrees with it for a while
         lm = tiny_llama(seed=0)
@@ -131,7 +131,7 @@ def test_generation_scores_are_spec_infers_test_batched():
 def test_a_stage_drops_the_covered_examples_and_says_which(tiny_base_dir, data_file, tmp_path):
     """Examples scoring at least the threshold are dropped (or kept at the downweight rate); examples.json lists
     the dropped ones and the test that dropped them."""
-    from draftlab.boost import _next_examples
+    from draftlab.train.boost import _next_examples
 
     scores = {0: 1.0, 1: 0.2, 2: 0.5, 3: 0.49, 4: 0.9}
     train_ex = [{}] * 5  # the scores are given (as a finished stage's record leaves them), no model runs

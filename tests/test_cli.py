@@ -36,7 +36,7 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     from draftlab.base import load_base
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
     from draftlab.drafters import build_draft
 
     base, _ = load_base(str(tiny_base_dir), "float32")
@@ -60,7 +60,7 @@ def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
     """What a new user hits first: a damaged export, a base path that does not exist, nonsensical lengths."""
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, _ = load_base(str(tiny_base_dir), "float32")
     save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "e",

@@ -183,7 +183,7 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
 
     from draftlab.base import load_base
     from draftlab.cli import main
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")
     base, _ = load_base(str(tiny_base_dir), "float32")

@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_llama
 from draftlab.decode.acceptance import Sampling, accept_sampling, warp
 from draftlab.decode.decoder import SpeculativeDecoder
-from draftlab.decode.tree import Tree, TreeError, TreeView, default_tree
+from draftlab.decode.search import default_tree
+from draftlab.decode.tree import Tree, TreeError, TreeView
 from draftlab.drafters import Drafter, Proposal, make_drafter
 from draftlab.drafters.heads import MedusaHeads
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import launch_train
 from test_train import recipe, weights
 from draftlab.config import build_recipe, dump_recipe
-from draftlab.train import RunDirError, deepspeed_plugin
+from draftlab.train.distributed import RunDirError, deepspeed_plugin
 
 
 def ds_recipe(base, data, out, kind="medusa", **dist):
@@ -41,7 +41,7 @@ def test_a_stale_build_lock_is_named(tmp_path, monkeypatch, capsys):
     import os
     import time
 
-    from draftlab.train import _warn_stale_build_locks
+    from draftlab.train.distributed import _warn_stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"

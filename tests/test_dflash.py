@@ -20,7 +20,7 @@ from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import Tree
 from draftlab.drafters import PromptState, build_draft, kind_of, make_drafter
 from draftlab.drafters.dflash import DFlashDraft, default_gamma, default_layers
-from draftlab.export import load_export, save_export
+from draftlab.interop.export import load_export, save_export
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -316,7 +316,7 @@ def test_search_statistics_replay_the_decoder_exactly():
     """The ranks search-tree collects for a block drafter, replayed along trees, give the accept length the decoder
     measures on the same prompts."""
     from draftlab.decode.search import RankStats, grow_tree, replay_accept_length
-    from draftlab.decode.tree_search import collect_ranks, greedy_continuations, measure
+    from draftlab.serve.tree_search import collect_ranks, greedy_continuations, measure
 
     base = _peaked()
     prompts = [[1, 5, 7], [1, 3], [2, 9, 4, 4], [1]]

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from draftlab.data import DataError
-from draftlab.distill import distill_data
+from draftlab.train.distill import distill_data
 from openai_server import serve
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from draftlab.base import load_base
 from draftlab.decode.acceptance import Sampling
-from draftlab.decode.generate import plain_generate
-from draftlab.dsi import DSI, si_generate
+from draftlab.serve.generate import plain_generate
+from draftlab.parallel.dsi import DSI, si_generate
 
 
 def oracle(prompt, ref, a, V, seed):
@@ -64,7 +64,7 @@ def test_cached_greedy_equals_recomputing_the_whole_sequence(setup):
     the last sequence and going back to an earlier one all give the full recomputation's tokens."""
     import torch
 
-    from draftlab.dsi import CachedGreedy
+    from draftlab.parallel.dsi import CachedGreedy
 
     model, prompt, ref, V = setup
     c = CachedGreedy(model)
@@ -95,7 +95,7 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
 
     from draftlab.cli import main
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(stories_dir), "float32")
     exp = save_export(build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base), base,
@@ -126,7 +126,7 @@ def test_dsi_sampling_is_the_targets_distribution(tmp_path):
 
     from conftest import tiny_llama
     from draftlab.decode.acceptance import warp
-    from draftlab.quickstart import build_tokenizer
+    from draftlab.cli.quickstart import build_tokenizer
     from test_decoder import _joint_first_two, chi_square
 
     s = Sampling(temperature=0.8, top_p=0.95)
@@ -203,7 +203,7 @@ def test_dsi_server_errors_reach_the_caller_and_the_pool_is_closed(tiny_base_dir
     import os
     import signal
 
-    from draftlab.dsi import DSIError
+    from draftlab.parallel.dsi import DSIError
 
     model, prompt, ref, V = setup
     dsi = DSI(str(tiny_base_dir), sp=2)
@@ -227,7 +227,7 @@ def test_dsi_failed_start_leaks_no_server(tmp_path):
     """Servers that cannot load the base report why, and none stays behind."""
     import multiprocessing as mp
 
-    from draftlab.dsi import DSIError
+    from draftlab.parallel.dsi import DSIError
 
     with pytest.raises(DSIError, match="(?s)target server.*Traceback"):
         DSI(str(tmp_path / "no-such-model"), sp=2)
@@ -266,7 +266,7 @@ def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(emulated_pool, set
     once those drafts exist."""
     import math
 
-    from draftlab.simulate import min_lookahead, simulate_dsi
+    from draftlab.parallel.simulate import min_lookahead, simulate_dsi
 
     model, prompt, ref, V = setup
     tt, td = 0.06, 0.01
@@ -326,7 +326,7 @@ def test_run_dsi_sampling_keeps_the_base_law(tmp_path, n):
     stream that repeats the verifier's draws plain to see."""
     from test_pipeline import check_neighbours, small_vocab_ssm_export
 
-    from draftlab.dsi import run_dsi
+    from draftlab.parallel.dsi import run_dsi
 
     export, base = small_vocab_ssm_export(tmp_path, context_free=True)
     s = Sampling(temperature=0.9)
@@ -346,7 +346,7 @@ def test_run_dsi_draws_each_role_from_its_own_stream(tmp_path, monkeypatch):
     import draftlab.decode.streams as streams
     from test_pipeline import small_vocab_ssm_export
 
-    from draftlab.dsi import run_dsi
+    from draftlab.parallel.dsi import run_dsi
 
     made = []
     real = streams.role_generator
@@ -365,7 +365,7 @@ def test_dsi_rejection_with_no_residual_mass_does_not_crash():
     made torch.multinomial raise; the token then comes from p."""
     import torch
 
-    from draftlab.dsi import _decide_sampled
+    from draftlab.parallel.dsi import _decide_sampled
 
     p = torch.softmax(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)), -1)  # [n + 1, V], n = 1
     q = p[0] * 1.5

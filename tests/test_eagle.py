@@ -19,7 +19,7 @@ from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import DynamicTree, TreeError
 from draftlab.drafters import build_draft, make_drafter
 from draftlab.drafters.eagle import Eagle3Draft, _expand_kv, default_layers
-from draftlab.export import load_export, save_export
+from draftlab.interop.export import load_export, save_export
 
 
 def eagle(base, seed=0, vocab=None, scale=1.0, **eagle_cfg):

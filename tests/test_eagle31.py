@@ -14,7 +14,7 @@ from draftlab.decode.acceptance import Sampling
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import DynamicTree
 from draftlab.drafters import PromptState, build_draft, make_drafter
-from draftlab.export import load_export, save_export
+from draftlab.interop.export import load_export, save_export
 
 
 def eagle(base, seed=0, **opts):

@@ -16,7 +16,7 @@ SPEC = DATA / "spec_bench" / "question.jsonl"
 @pytest.fixture(scope="module")
 def export(stories_dir, tmp_path_factory):
     from draftlab.base import load_base
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, _ = load_base(str(stories_dir), "float32")
     return str(save_export(noisy_heads(base, num_heads=4, noise=0.02), base,
@@ -145,7 +145,7 @@ def test_mt_bench_with_an_ssm_export(stories_dir, tmp_path):
     """eval mt-bench takes an SSM export unchanged: answers identical to plain greedy, the drafter recorded."""
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(stories_dir), "float32")
     ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)

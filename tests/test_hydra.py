@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_llama
 from test_decoder import plain_greedy, random_tree
 from draftlab.decode.decoder import SpeculativeDecoder
-from draftlab.decode.tree import Tree, default_tree
+from draftlab.decode.search import default_tree
+from draftlab.decode.tree import Tree
 from draftlab.decode.acceptance import Sampling
 from draftlab.drafters import PromptState, StepResult, build_draft, make_drafter
 from draftlab.drafters.heads import HeadsDrafter
@@ -91,7 +92,7 @@ def test_hydra_greedy_equals_plain_greedy(prefix, seed):
 
 def test_hydra_export_round_trip_needs_the_base(tiny_base_dir, tmp_path):
     from draftlab.base import load_base
-    from draftlab.export import load_export, save_export
+    from draftlab.interop.export import load_export, save_export
 
     base, _ = load_base(str(tiny_base_dir), "float32")
     d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 4, "prefix_attention": True}, base)
@@ -113,7 +114,7 @@ def test_distill_data_is_batched_resumable_and_trainable(tiny_base_dir, tmp_path
     from draftlab.config import DataSection
     from draftlab.base import load_tokenizer
     from draftlab.data import load_examples
-    from draftlab.distill import distill_data
+    from draftlab.train.distill import distill_data
 
     src = tmp_path / "prompts.json"
     src.write_text(json.dumps([{"instruction": f"Tell me about cat {i}", "output": "ignored"} for i in range(5)]))
@@ -156,7 +157,7 @@ def test_head_dropout_acts_in_training_only():
 
 
 def test_cosine_schedule_floor():
-    from draftlab.train import lr_lambda
+    from draftlab.train.loop import lr_lambda
 
     f = lr_lambda(10, 110, final=0.33)
     assert f(0) < f(9) < 1 and f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.665)

@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from draftlab.convert import ConvertError, export_to, import_medusa
+from draftlab.interop.convert import ConvertError, export_to, import_medusa
 from draftlab.decode.decoder import SpeculativeDecoder
-from draftlab.decode.tree import Tree, default_tree
+from draftlab.decode.search import default_tree
+from draftlab.decode.tree import Tree
 from draftlab.drafters import build_draft, make_drafter
 from draftlab.drafters.heads import MedusaHeads
-from draftlab.export import load_export, save_export
+from draftlab.interop.export import load_export, save_export
 
 
 @pytest.fixture(scope="module")

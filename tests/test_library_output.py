@@ -81,8 +81,8 @@ def test_quickstart_decode_counts_what_it_decodes(tiny_base_dir, tmp_path, capsy
     from test_decoder import noisy_heads
 
     from draftlab.base import load_base
-    from draftlab.export import save_export
-    from draftlab.quickstart import decode_held_out
+    from draftlab.interop.export import save_export
+    from draftlab.cli.quickstart import decode_held_out
 
     monkeypatch.setenv("DRAFTLAB_PROGRESS_SECONDS", "3600")  # one progress line, at the end
     base, _ = load_base(str(tiny_base_dir), "float32")

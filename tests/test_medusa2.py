@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from test_train import recipe
 from draftlab.config import ConfigError, build_recipe
 from draftlab.decode.acceptance import Sampling
-from draftlab.decode.generate import load_decoder, plain_generate
-from draftlab.export import read_meta
+from draftlab.serve.generate import load_decoder, plain_generate
+from draftlab.interop.export import read_meta
 from draftlab.train import train
 
 

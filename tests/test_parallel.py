@@ -24,7 +24,7 @@ def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
 def exports(stories_dir, tmp_path_factory):
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(stories_dir), "float32")
     d = tmp_path_factory.mktemp("tp_exports")
@@ -81,7 +81,7 @@ def test_layerwise_device_map_decodes_the_same_tokens(exports):
     """--device-map: layers placed by accelerate's hooks. A CPU machine's only second 'device' is disk offload,
     which runs the same hook path (weights moved in per forward); the last layer offloaded too (Hydra++ builds its
     prefix layer's shape from it)."""
-    from draftlab.decode.generate import load_decoder
+    from draftlab.serve.generate import load_decoder
 
     dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
           **{f"model.layers.{i}": ("disk" if i in (1, 3, 4) else "cpu") for i in range(5)}}
@@ -94,7 +94,7 @@ def test_layerwise_device_map_decodes_the_same_tokens(exports):
 
 
 def test_launch_mistakes_are_named(monkeypatch):
-    from draftlab.decode.parallel import check_launch
+    from draftlab.decode.tensor_parallel import check_launch
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="4 processes .* --tp was not given"):

@@ -11,7 +11,7 @@ from test_decoder import plain_greedy
 def ssm_export(stories_dir, tmp_path_factory):
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(stories_dir), "float32")
     ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base)
@@ -19,7 +19,7 @@ def ssm_export(stories_dir, tmp_path_factory):
 
 
 def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
-    from draftlab.decode.pipeline import DraftPipeline
+    from draftlab.parallel.pipeline import DraftPipeline
 
     export, base = ssm_export
     g = torch.Generator().manual_seed(0)
@@ -35,9 +35,9 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     assert limited.accept_length > 1
     # Each step of a group is a step of the plain decoder on that group's batch, with the same drafter and tree.
     from draftlab.decode.decoder import SpeculativeDecoder
-    from draftlab.decode.generate import resolve_tree
+    from draftlab.serve.generate import resolve_tree
     from draftlab.drafters import make_drafter
-    from draftlab.export import load_export
+    from draftlab.interop.export import load_export
 
     draft, meta = load_export(export, base=None)
     dec = SpeculativeDecoder(base, make_drafter(draft, resolve_tree("expansion:2,1,1", meta)))
@@ -53,7 +53,7 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
 def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export):
     """compile= puts both processes on the static-shape path (the verifier's trees padded to the drafter's
     max_nodes, the SSM on its static cache), traced here with the eager backend: same tokens, same steps."""
-    from draftlab.decode.pipeline import DraftPipeline
+    from draftlab.parallel.pipeline import DraftPipeline
 
     export, base = ssm_export
     prompts = [[1, 5, 7, 9], [1, 3], [1, 2, 3, 4, 5, 6, 7], [1, 40], [1, 8, 8]]
@@ -72,9 +72,9 @@ def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export
 def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_dir, tmp_path):
     """Minions: the vote weights and the speculation length are learned over every verified batch of the stream,
     whichever group it belongs to, and the length follows the verifier's time."""
-    from draftlab.decode.pipeline import DraftPipeline
+    from draftlab.parallel.pipeline import DraftPipeline
     from draftlab.drafters import EnsembleDraft, build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     _, base = ssm_export
     members = [build_draft({"type": "ssm", "ssm": {"num_layers": n, "init": "truncate"}}, base) for n in (1, 2)]
@@ -94,9 +94,9 @@ def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_
 
 def test_drafters_that_read_the_base_are_refused(stories_dir, tmp_path):
     from draftlab.base import load_base
-    from draftlab.decode.pipeline import DraftPipeline, PipelineError
+    from draftlab.parallel.pipeline import DraftPipeline, PipelineError
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(stories_dir), "float32")
     exp = save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "m",
@@ -113,8 +113,8 @@ def small_vocab_ssm_export(d, vocab: int = 16, context_free: bool = False):
     from conftest import tiny_llama
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
-    from draftlab.quickstart import build_tokenizer
+    from draftlab.interop.export import save_export
+    from draftlab.cli.quickstart import build_tokenizer
 
     target = tiny_llama(vocab=vocab, seed=4, dtype=torch.float32)
     with torch.no_grad():
@@ -152,7 +152,7 @@ def test_pipelined_sampling_keeps_the_base_law(tmp_path):
     from law import check_law
 
     from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.pipeline import DraftPipeline
+    from draftlab.parallel.pipeline import DraftPipeline
 
     s = Sampling(temperature=0.8, top_p=0.95)
     prompts = [[1, 5]] * 600
@@ -168,7 +168,7 @@ def test_pipelined_sampling_keeps_the_base_law(tmp_path):
 def test_pipeline_reused_after_an_interrupted_run(ssm_export, monkeypatch):
     """A run that fails mid-way leaves proposals in flight; the next run on the same worker takes none of them
     (run ids), and a proposal whose root is not its rows' current root is refused."""
-    from draftlab.decode import pipeline as P
+    from draftlab.parallel import pipeline as P
 
     export, base = ssm_export
     prompts = [[1, 50 + i, 7] for i in range(6)]
@@ -203,7 +203,7 @@ def test_pipeline_reused_after_an_interrupted_run(ssm_export, monkeypatch):
 
 def test_pipeline_worker_failure_reaches_the_caller(ssm_export, tmp_path):
     """The drafter worker's own failure (a tree it cannot build) arrives with its traceback; nothing stays behind."""
-    from draftlab.decode.pipeline import DraftPipeline, PipelineError
+    from draftlab.parallel.pipeline import DraftPipeline, PipelineError
 
     export, base = ssm_export
     with pytest.raises(PipelineError, match="(?s)pipeline drafter.*Traceback"):

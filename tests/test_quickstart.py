@@ -8,7 +8,7 @@ from conftest import REPO, run_cmd
 
 
 def test_stdlib_corpus_is_found():
-    from draftlab.quickstart import stdlib_corpus
+    from draftlab.cli.quickstart import stdlib_corpus
 
     docs = stdlib_corpus(200_000)
     assert docs and sum(map(len, docs)) >= 200_000

@@ -14,7 +14,8 @@ import torch
 from conftest import REPO
 from test_train import recipe, weights
 from draftlab.config import dump_recipe
-from draftlab.train import latest_checkpoint, train
+from draftlab.train import train
+from draftlab.train.run_dir import latest_checkpoint
 
 STEPS = 60
 

@@ -9,7 +9,7 @@ from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.drafters import make_drafter
 from draftlab.decode.search import (RankStats, expected_accept_length, geometric_sizes, grow_tree, node_probability,
                                     proposal_trees, replay_accept_length, simulate_accept_length)
-from draftlab.decode.tree_search import collect_ranks, greedy_continuations, measure
+from draftlab.serve.tree_search import collect_ranks, greedy_continuations, measure
 from draftlab.decode.tree import Tree
 from test_decoder import noisy_heads, random_tree
 from test_hydra import hydra
@@ -158,7 +158,7 @@ def search_inputs(tiny_base_dir, tmp_path, kind: str = "hydra"):
     """An untrained export of `kind` (hydra or ssm) of the tiny base and 8 calibration texts: (export, data)."""
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
-    from draftlab.export import save_export
+    from draftlab.interop.export import save_export
 
     base, tok = load_base(str(tiny_base_dir), "float32")
     head = {"type": "hydra", "num_heads": 2, "num_layers": 1} if kind == "hydra" else \
@@ -211,7 +211,7 @@ def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, c
 
 
 def test_trees_are_timed_in_interleaved_rounds_and_keep_their_fastest(monkeypatch):
-    from draftlab.decode import tree_search
+    from draftlab.serve import tree_search
 
     calls, speeds = [], iter([10.0, 50.0, 30.0, 20.0, 5.0, 40.0])  # a, b, a, b, a, b
     monkeypatch.setattr(tree_search, "measure", lambda dec, *a, **kw: calls.append(dec) or

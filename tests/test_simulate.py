@@ -7,7 +7,7 @@ import random
 import pytest
 
 from draftlab.cli import main
-from draftlab.simulate import (Config, best_si_lookahead, dsi_time_per_token, expected, from_generate,
+from draftlab.parallel.simulate import (Config, best_si_lookahead, dsi_time_per_token, expected, from_generate,
                                min_lookahead, si_time_per_token, simulate_dsi, simulate_si)
 
 

@@ -288,7 +288,7 @@ def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys
     from draftlab.base import load_base
     from draftlab.cli import main
     from draftlab.drafters import build_draft
-    from draftlab.export import ExportError, load_export, read_meta, save_export
+    from draftlab.interop.export import ExportError, load_export, read_meta, save_export
 
     base, tok = load_base(str(tiny_base_dir), "float32")
     ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).eval()

@@ -9,7 +9,8 @@ from conftest import STORIES
 from test_decoder import noisy_heads, plain_greedy, random_tree
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.drafters import make_drafter
-from draftlab.decode.tree import Tree, default_tree
+from draftlab.decode.search import default_tree
+from draftlab.decode.tree import Tree
 
 FIRST_TOKENS = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298]
 
@@ -43,7 +44,8 @@ def test_imported_tokenizer_matches_sentencepiece(stories):
 
 
 def test_importer_rejects_bad_files(tmp_path):
-    from draftlab.base import BaseModelError, import_llama2c
+    from draftlab.base import BaseModelError
+    from draftlab.interop.llama2c import import_llama2c
 
     bad = tmp_path / "x.bin"
     bad.write_bytes(b"\x00" * 10)

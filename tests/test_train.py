@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import launch_train, tiny_llama
 from draftlab.config import build_recipe, dump_recipe
-from draftlab.export import ExportError, load_export, read_meta
+from draftlab.interop.export import ExportError, load_export, read_meta
 from draftlab.train import RunDirError, train
 
 
@@ -149,7 +149,7 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash"])  # eagle3 / dflash cache their layers and the final state
 def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch, kind):
-    import draftlab.train as train_mod
+    import draftlab.train.loop as train_mod
 
     calls = {"n": 0}
     real = train_mod.base_features

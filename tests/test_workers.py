@@ -11,7 +11,7 @@ from conftest import REPO
 
 PARENT = textwrap.dedent("""
     import multiprocessing as mp, sys, time
-    from draftlab.workers import die_with_parent
+    from draftlab.parallel.workers import die_with_parent
 
     def child():
         die_with_parent()

@@ -10,8 +10,8 @@ import sys
 import torch
 
 from draftlab.decode.acceptance import Sampling
-from draftlab.decode.generate import load_decoder
-from draftlab.decode.parallel import rank, shutdown
+from draftlab.serve.generate import load_decoder
+from draftlab.decode.tensor_parallel import rank, shutdown
 
 PROMPTS = [[1, 403, 261, 378], [1, 9, 62, 282, 30, 10, 260], [1, 500]]
 

@@ -39,7 +39,7 @@ def cmd_train(a) -> int:
 
 
 def cmd_import(a) -> int:
-    from ..base import import_llama2c
+    from ..interop.llama2c import import_llama2c
 
     out = import_llama2c(a.model, a.tokenizer, a.out)
     print(f"wrote a Hugging Face Llama directory to {out}")
@@ -47,7 +47,7 @@ def cmd_import(a) -> int:
 
 
 def cmd_import_medusa(a) -> int:
-    from ..convert import import_medusa
+    from ..interop.convert import import_medusa
 
     rep = import_medusa(a.checkpoint, a.out, a.base, a.dtype)
     if a.json:
@@ -61,7 +61,7 @@ def cmd_import_medusa(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from ..convert import export_to
+    from ..interop.convert import export_to
 
     rep = export_to(a.export, a.to, a.out, a.eval, a.license)
     if a.json:
@@ -72,7 +72,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_quickstart(a) -> int:
-    from ..quickstart import quickstart
+    from .quickstart import quickstart
 
     summary = quickstart(a.out, minutes=a.minutes, seed=a.seed)
     if a.json:
@@ -81,7 +81,7 @@ def cmd_quickstart(a) -> int:
 
 
 def cmd_distill(a) -> int:
-    from ..distill import distill_data
+    from ..train.distill import distill_data
 
     summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
                            a.max_records, a.dtype, a.device, a.seed, a.mode, a.prompt_chars, a.all_turns, a.endpoint,
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..base import BaseModelError
     from ..config import ConfigError
     from ..data import DataError
-    from ..export import ExportError
+    from ..interop.export import ExportError
 
     from ..progress import quiet_libraries
 

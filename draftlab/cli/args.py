@@ -17,7 +17,7 @@ def positive_int(text: str) -> int:
 
 
 def add_placement_args(p) -> None:
-    """--tp / --device-map: how a base too large for one device is split (draftlab.decode.parallel)."""
+    """--tp / --device-map: how a base too large for one device is split (draftlab.decode.tensor_parallel)."""
     p.add_argument("--tp", action="store_true",
                    help="tensor parallel: split the base over the processes of `torchrun --nproc-per-node N` or "
                         "`accelerate launch --num_processes N` (one per GPU); rank 0 prints and writes")

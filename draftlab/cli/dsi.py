@@ -37,7 +37,7 @@ def add_dsi_args(p) -> None:
 
 def dsi_command(a) -> int:
     from ..decode.acceptance import Sampling
-    from ..dsi import run_dsi
+    from ..parallel.dsi import run_dsi
 
     rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
                   a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..decode.generate import load_decoder, run_generate
+from ..serve.generate import load_decoder, run_generate
 from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
 
 

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from .progress import progress, quiet_libraries
+from ..progress import progress, quiet_libraries
 
-from .base import SIMPLE_CHAT_TEMPLATE, set_seed
+from ..base import SIMPLE_CHAT_TEMPLATE, set_seed
 
 CORPUS_BYTES = 3_000_000
 VOCAB = 512
@@ -120,8 +120,8 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
 def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int):
     """[3/4]: the opening of each held-out file (at most num_prompts) through each export's decoder and plain
     decoding of the base, in turn. Returns per-export totals, plain tokens/s, the decoders and the prompt count."""
-    from .decode.acceptance import Sampling
-    from .decode.generate import encode_prompt, load_decoder, plain_generate
+    from ..decode.acceptance import Sampling
+    from ..serve.generate import encode_prompt, load_decoder, plain_generate
 
     decoders = {}
     for kind, export in exports.items():
@@ -158,8 +158,8 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
                num_prompts: int = 16, max_new_tokens: int = 96) -> dict:
     """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode; print tables and return the figures."""
-    from .config import build_recipe
-    from .train import train
+    from ..config import build_recipe
+    from ..train import train
 
     # The bars transformers draws while loading and saving these small models (in milliseconds) and the
     # libraries' save warnings would be all the log shows between draftlab's own lines.
@@ -180,7 +180,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"[1/4] reusing the base in {base_dir}")
     (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
-    from .config import dump_recipe
+    from ..config import dump_recipe
 
     print(f"[2/4] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
     results = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..decode.tree_search import search_tree
+from ..serve.tree_search import search_tree
 from .args import add_placement_args, positive_int
 
 

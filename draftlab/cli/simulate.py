@@ -1,4 +1,4 @@
-"""`draftlab simulate`: expected latency of non-SI, SI and DSI for a target / drafter pair (see draftlab.simulate)."""
+"""`draftlab simulate`: expected latency of non-SI, SI and DSI for a target / drafter pair (see draftlab.parallel.simulate)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_simulate_args(p) -> None:
 
 
 def simulate_command(a) -> int:
-    from ..simulate import Config, expected, from_generate, heatmaps, min_lookahead, monte_carlo
+    from ..parallel.simulate import Config, expected, from_generate, heatmaps, min_lookahead, monte_carlo
 
     src = {}
     if a.from_report:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import Drafter, PromptState, Proposal, StepResult
+from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, greedy_decision, typical_decision, warp
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
                     compact_cache, static_slots)
@@ -258,7 +258,7 @@ def eos_set(eos_token_id) -> set:
 
 class SpeculativeDecoder:
     """Greedy, sampling and typical-acceptance decoding of a base with a drafter. sync: a
-    draftlab.decode.parallel.RankSync when the base is tensor-parallel over several processes."""
+    draftlab.decode.tensor_parallel.RankSync when the base is tensor-parallel over several processes."""
 
     def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None, compile: bool | str = False,
                  static: bool | None = None):

@@ -142,3 +142,16 @@ def geometric_sizes(max_nodes: int) -> list[int]:
         sizes.append(s)
         s *= 2
     return sizes + [max_nodes]
+
+
+DEFAULT_TREE_NODES = 24
+
+
+def default_tree(num_heads: int, nodes: int = DEFAULT_TREE_NODES) -> Tree:
+    """A sparse tree for `num_heads` heads: the top-`nodes` paths under a prior of per-rank acceptance.
+
+    The prior (acceptance of rank r at depth d ~ 0.6^d * 0.5^r) stands in for measured statistics;
+    `draftlab search-tree` replaces it with statistics of the actual heads.
+    """
+    probs = [[0.6 ** (d + 1) * 0.5 ** r for r in range(8)] for d in range(num_heads)]
+    return grow_tree(probs, nodes, name=f"default-{num_heads}h-{nodes}n")

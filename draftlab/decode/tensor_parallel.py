@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..drafters.base import Proposal
+from .interface import Proposal
 from .tree import TreeView
 
 

@@ -260,21 +260,6 @@ class TreeBuffers:
         return TreeBuffers(t(depth), t(rank), t(parent), mask.to(device), lp.to(device), children, levels)
 
 
-DEFAULT_TREE_NODES = 24
-
-
-def default_tree(num_heads: int, nodes: int = DEFAULT_TREE_NODES) -> Tree:
-    """A sparse tree for `num_heads` heads: the top-`nodes` paths under a prior of per-rank acceptance.
-
-    The prior (acceptance of rank r at depth d ~ 0.6^d * 0.5^r) stands in for measured statistics;
-    `draftlab search-tree` replaces it with statistics of the actual heads.
-    """
-    from .search import grow_tree
-
-    probs = [[0.6 ** (d + 1) * 0.5 ** r for r in range(8)] for d in range(num_heads)]
-    return grow_tree(probs, nodes, name=f"default-{num_heads}h-{nodes}n")
-
-
 @dataclass
 class TreeView:
     """One step's tree, per row: what the verifier's mask and positions and the acceptance rules read.

@@ -55,7 +55,7 @@ def _save_heads(module, out: Path) -> list[str]:
 
 def _load_heads(head: dict, export_dir: Path, base):
     from .heads import build_heads
-    from ..export import ExportError, read_safetensors
+    from .base import ExportError, read_safetensors
 
     module = build_heads(head, head["hidden_size"], head["vocab_size"], base=None)
     if hasattr(module, "attach_base") and base is not None:
@@ -69,7 +69,7 @@ def _load_heads(head: dict, export_dir: Path, base):
 
 
 def _heads_tree(module) -> Tree:
-    from ..decode.tree import default_tree
+    from ..decode.search import default_tree
 
     return default_tree(module.num_heads)
 
@@ -119,7 +119,7 @@ def _save_ssm(module, out: Path) -> list[str]:
 def _load_ssm(head: dict, export_dir: Path, base):
     from transformers import AutoModelForCausalLM
 
-    from ..export import ExportError
+    from .base import ExportError
     from .ssm import SSMDraft, check_vocab
 
     try:
@@ -172,7 +172,7 @@ def _save_engine_layout(module, out: Path) -> list[str]:
 
 def _load_engine_layout(module, export_dir: Path):
     """A module of the engines' checkpoint layout (eagle3, dflash) with the weights of its model.safetensors."""
-    from ..export import ExportError, read_safetensors
+    from .base import ExportError, read_safetensors
 
     state = read_safetensors(export_dir / "model.safetensors")
     missing, unexpected = module.load_state_dict(state, strict=False)
@@ -335,7 +335,7 @@ def _save_ensemble(module, out: Path) -> list[str]:
 
 
 def _load_ensemble(head: dict, export_dir: Path, base):
-    from ..export import ExportError
+    from .base import ExportError
 
     members = []
     for m in head["members"]:

@@ -1,118 +1,30 @@
-"""The one interface between drafters and the decoder.
-
-A decoding step, seen from a drafter:
-
-    begin(prompt)            once per batch: the prompt tokens and whatever base states it asked for
-    propose(root) -> tree    each step: a token tree below the base's chosen next token, per row
-    commit(step)             after verification: which nodes were accepted, the base's states there,
-                             and the bonus token (the next root), so its own state follows the text
-
-Heads, small LMs, ensembles and lookups are implementations of this; the decoder never asks which.
-"""
+"""What every drafter kind builds on: the decoder's interface (re-exported from decode/interface.py), the base's
+embeddings and rotary table for modules that read them, and reading an export's weight files."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from ..decode.acceptance import Sampling
-from ..decode.tree import TreeView
+from ..decode.interface import Drafter, PromptState, Proposal, StepResult  # noqa: F401 (the interface, re-exported)
 
 
-@dataclass
-class Proposal:
-    """One step's draft: a token tree per row (node 0 = the root) and, for sampled drafts, their q."""
-
-    tokens: torch.Tensor  # [B, N] long
-    view: TreeView  # parents, depths, ancestors, padding
-    # Sampled drafts: q[b, j] [V] is a draft distribution, and node i of row b was drawn from
-    # q[b, q_index[b, i]] (siblings drawn i.i.d. from it). q_index -1 marks a deterministic node
-    # (a top-k candidate or a lookup: q is a point mass). None: every node is deterministic.
-    q: torch.Tensor | None = None  # [B, Q, V] float
-    q_index: torch.Tensor | None = None  # [B, N] long
+class ExportError(ValueError):
+    """An export directory that is missing, malformed, or made for another base."""
 
 
-@dataclass
-class PromptState:
-    """What the base saw of the prompt: left-padded ids [B, L], their validity and positions, and the base's
-    hidden states there for the layers the drafter named in `hidden_layers` (keyed by that index)."""
+def read_safetensors(path: Path) -> dict:
+    """A safetensors file's tensors, or an ExportError naming the damaged file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
-    ids: torch.Tensor
-    valid: torch.Tensor
-    positions: torch.Tensor
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, L, H]
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ExportError(f"{path}: damaged or truncated safetensors file ({e}). Export again from the run "
+                          "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
-
-@dataclass
-class StepResult:
-    """What verification decided for one step.
-
-    keep [B, M]: accepted node indices per row, root first, padded; keep_valid marks the real entries of
-    live rows (rows that ended are all False); last [B]: index into keep of each row's last accepted node.
-    hidden: the base's states at the kept nodes, [B, M, H] per requested layer. valid_before [B, L]: the
-    base cache's valid slots before this step; positions [B, M] of the kept nodes; bonus [B]: the base's
-    token after the last accepted node (the next root).
-    """
-
-    tokens: torch.Tensor
-    paths: list[list[int]]
-    keep: torch.Tensor
-    keep_valid: torch.Tensor
-    last: torch.Tensor
-    positions: torch.Tensor
-    valid_before: torch.Tensor
-    bonus: torch.Tensor
-    live: torch.Tensor  # [B] bool, after this step's tokens were emitted
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Committed tokens after the end of `paths` (before the bonus) that the drafter did not propose itself: an
-    # ensemble member whose tree covered only part of the accepted path gets the rest here, per row.
-    extra: list[list[int]] | None = None
-    time_s: dict = field(default_factory=dict)  # this step's draft / verify / accept seconds (adaptive drafters)
-
-
-class Drafter(ABC):
-    """Proposes token trees for the base to verify, and follows the committed text."""
-
-    #: The decoder's path, set by SpeculativeDecoder before each begin: {"static": bool, "compile": backend or
-    #: None}. Drafters that keep a KV cache of their own use it (decode.cache.slot_cache); None: eager.
-    decode_path: dict | None = None
-    #: Indices into the base's `hidden_states` tuple the drafter reads (-1: the final, normalised state).
-    #: The decoder asks the base for them only when this is non-empty.
-    hidden_layers: tuple[int, ...] = ()
-
-    @property
-    @abstractmethod
-    def max_nodes(self) -> int:
-        """Most tokens (root included) one proposal may hold: the verification budget per row."""
-
-    @abstractmethod
-    def begin(self, prompt: PromptState, sampling: Sampling, generator: torch.Generator | None) -> None:
-        """Start a batch from the prompt."""
-
-    @abstractmethod
-    def propose(self, root: torch.Tensor) -> Proposal:
-        """A tree below root [B] (the base's next token, not yet in any cache) for every row."""
-
-    @abstractmethod
-    def commit(self, step: StepResult) -> None:
-        """Follow the accepted path and the bonus token."""
-
-    def follow(self, committed: list[list[int]]) -> None:
-        """The text grew by these tokens per row (root first, bonus excluded) in a step this drafter did not
-        propose for (an ensemble's scheduler paused it); its state must follow. Drafters that read the base's
-        hidden states cannot skip a step and do not implement this."""
-        raise NotImplementedError(f"{type(self).__name__} cannot skip a step")
-
-    def share_state(self, other: "Drafter") -> None:
-        """Learn online together with `other`, a drafter of the same draft module decoding another batch at the
-        same time (the pipeline's groups): what it adapts across steps (an ensemble's vote weights, schedule and
-        speculation length) becomes one state both update. Drafters that learn nothing online ignore it."""
-
-    def describe(self) -> dict:
-        """What a report says about this drafter (kind, tree size, ...)."""
-        return {"kind": type(self).__name__, "max_nodes": self.max_nodes}
 
 
 class ReadsBase:

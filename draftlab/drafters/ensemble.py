@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decode.tree import Tree, TreeView
+from ..decode.tree import Tree
 from .base import Drafter, PromptState, Proposal, StepResult
 from .retrieval import padded_proposal
 

@@ -24,9 +24,9 @@ from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
 from ..decode.decoder import sync_device
-from ..decode.generate import encode_prompt, load_decoder, plain_generate
-from ..decode.parallel import agree, is_main
-from ..decode.tree_search import hardware
+from ..serve.generate import encode_prompt, load_decoder, plain_generate
+from ..decode.tensor_parallel import agree, is_main
+from ..serve.tree_search import hardware
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
             "typical_alpha", "max_new_tokens", "seed", "baseline")

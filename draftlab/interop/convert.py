@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .export import ExportError, load_export, read_meta, read_safetensors, save_export
+from .export import load_export, read_meta, save_export
 
 FORMATS = ("vllm-medusa", "medusa", "hf")
 _BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")  # FasterDecoding residual blocks
@@ -138,8 +138,8 @@ def parse_medusa(tensors: dict, where: str) -> tuple[list[list[tuple]], list[tor
 
 def import_medusa(src: str | Path, out: str | Path, base: str | None = None, dtype: str = "float32") -> dict:
     """Convert a FasterDecoding / Medusa-2 / vLLM Medusa checkpoint into a draftlab export."""
-    from .base import load_base
-    from .drafters.heads import MedusaHeads
+    from ..base import load_base
+    from ..drafters.heads import MedusaHeads
 
     tensors, config, medusa2_base = find_medusa_tensors(src)
     blocks, lm, layout = parse_medusa(tensors, str(src))

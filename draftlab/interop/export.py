@@ -14,27 +14,13 @@ from pathlib import Path
 
 import torch
 
-from .base import base_identity
+from ..base import base_identity
+from ..drafters import KINDS, kind_of
+from ..drafters.base import ExportError, read_safetensors  # noqa: F401 (part of the contract, re-exported)
 
 FORMAT_VERSION = 1
 META = "draftlab.json"
 ADAPTER_DIR = "adapter"
-
-
-class ExportError(ValueError):
-    """An export directory that is missing, malformed, or made for another base."""
-
-
-def read_safetensors(path: Path) -> dict:
-    """A safetensors file's tensors, or an ExportError naming the damaged file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ExportError(f"{path}: damaged or truncated safetensors file ({e}). Export again from the run "
-                          "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
 def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: list | None = None,
@@ -42,8 +28,6 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
     """Write the draft module's files and draftlab.json (last, atomically: its presence marks a complete export).
     adapter: a peft model whose adapter (Medusa-2's LoRA) goes to ADAPTER_DIR in peft's own format; the export then
     decodes against the base with that adapter."""
-    from .drafters import kind_of
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)
@@ -68,8 +52,6 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
 
 def read_meta(export_dir: str | Path) -> dict:
     """draftlab.json of an export, checked for the format version and the files its kind needs."""
-    from .drafters import KINDS
-
     d = Path(export_dir)
     if not (d / META).is_file():
         raise ExportError(f"{d}: not a draftlab export (no {META}; training writes one to OUTPUT_DIR/export)")
@@ -115,8 +97,6 @@ def check_base(meta: dict, base, where: str = "export") -> None:
 
 def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dtype | None = None):
     """Rebuild the draft module of an export (checking it against `base` when given); returns (module, meta)."""
-    from .drafters import kind_of
-
     meta = read_meta(export_dir)
     if base is not None:
         check_base(meta, base, where=str(export_dir))

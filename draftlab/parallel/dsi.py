@@ -89,8 +89,8 @@ def _server(index: int, base_path: str, dtype: str, device: str, tasks, results,
     try:
         import torch
 
-        from .base import load_base
-        from .decode.acceptance import warp
+        from ..base import load_base
+        from ..decode.acceptance import warp
 
         torch.set_num_threads(1)
         model, _ = load_base(base_path, dtype, device)
@@ -215,8 +215,8 @@ class DSI:
         taken a reply a moment late, would have been preempted while queued), emulated_waits waited for a server,
         emulated_wait_s in all. Unlike wall_s these leave out the runtime's overheads and the machine's load, so
         they can be compared with the simulator's prediction exactly."""
-        from .decode.decoder import eos_set
-        from .decode.streams import role_generator
+        from ..decode.decoder import eos_set
+        from ..decode.streams import role_generator
 
         if lookahead < 1:
             raise ValueError("DSI needs lookahead >= 1")
@@ -364,7 +364,7 @@ def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen):
     tokens or None, checked)."""
     import torch
 
-    from .decode.acceptance import sample_residual
+    from ..decode.acceptance import sample_residual
 
     for i in range(checked, min(n + 1, len(drafts))):
         x, q = drafts[i], qs[i]
@@ -381,7 +381,7 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
                 target_latency_s: float = 0.0, draft_latency_s: float = 0.0, eos_token_id=None, stop=None) -> dict:
     """Speculative inference with the same emulated latencies (draft `lookahead`, verify, repeat), greedy;
     lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process; ends as DSI.generate does."""
-    from .decode.decoder import eos_set
+    from ..decode.decoder import eos_set
 
     def wait(t0, latency):
         while time.perf_counter() - t0 < latency:
@@ -421,11 +421,11 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
 
     import torch
 
-    from .base import load_base
-    from .decode.acceptance import Sampling, warp
-    from .decode.generate import encode_prompt, plain_generate, stop_fn
-    from .decode.streams import role_generator
-    from .export import load_export, read_meta
+    from ..base import load_base
+    from ..decode.acceptance import Sampling, warp
+    from ..serve.generate import encode_prompt, plain_generate, stop_fn
+    from ..decode.streams import role_generator
+    from ..interop.export import load_export, read_meta
     from .simulate import min_lookahead
 
     sp = pool.sp if pool is not None else sp

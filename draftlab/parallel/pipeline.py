@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import Sampling
-from .decoder import Verifier, eos_set, sync_device
+from ..decode.acceptance import Sampling
+from ..decode.decoder import Verifier, eos_set, sync_device
 
 
 class PipelineError(RuntimeError):
@@ -88,14 +88,14 @@ def _drafter_worker(export: str, tree, options: dict, device: str, threads: int,
                     path: dict | None = None) -> None:
     """The drafter process: drafts for any open group of the current run with a root, while the pool is below its
     limit. Every message names its run; a message of another run (left over from an interrupted one) is dropped."""
-    from ..workers import die_with_parent, error_message
+    from .workers import die_with_parent, error_message
 
     die_with_parent()
     try:
         from ..drafters import make_drafter
-        from ..export import load_export
-        from .generate import resolve_tree
-        from .streams import role_generator
+        from ..interop.export import load_export
+        from ..serve.generate import resolve_tree
+        from ..decode.streams import role_generator
 
         torch.set_num_threads(threads)
         draft, meta = load_export(export, base=None, device=device)
@@ -208,7 +208,7 @@ class DraftPipeline:
         self.device = base.get_output_embeddings().weight.device
         self.forward, path = None, None
         if compile:
-            from .compiled import compiled_forward
+            from ..decode.compiled import compiled_forward
 
             backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
             self.forward, path = compiled_forward(base, backend), {"static": True, "compile": backend}
@@ -226,7 +226,7 @@ class DraftPipeline:
 
     def _receive(self, run=None):
         """The next message of `run` from the worker (messages of other runs are dropped) and how long it took."""
-        from ..workers import WorkerError, receive
+        from .workers import WorkerError, receive
 
         t0 = time.perf_counter()
         while True:
@@ -246,7 +246,7 @@ class DraftPipeline:
         while the pool holds this many requests ('batch': batch_size, Minions' rule; None: it never pauses);
         seed (default: the pipeline's): the verifier draws from role_generator(seed, "verifier"), the drafter
         from role_generator(seed, "drafter")."""
-        from .streams import role_generator
+        from ..decode.streams import role_generator
 
         if batch_size < 1 or in_flight < 1:
             raise ValueError("batch_size and in_flight must be >= 1")
@@ -314,7 +314,7 @@ class DraftPipeline:
 
     def close(self) -> None:
         """Stop the worker (asked first, then terminated); safe to call twice."""
-        from ..workers import stop_workers
+        from .workers import stop_workers
 
         if self.worker.is_alive():
             _send(self.inbox, ("stop",))

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from .acceptance import Sampling
-from .decoder import NoDraft, SpeculativeDecoder, sync_device
-from .tree import DynamicTree, Tree, TreeError
+from ..decode.acceptance import Sampling
+from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
+from ..decode.tree import DynamicTree, Tree, TreeError
 
 
 def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
@@ -58,13 +58,13 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     """(decoder, tokenizer, meta) for an export; the base defaults to the one the export names. `lookup` (or
     `lookup:N`, N tokens per continuation) instead of an export decodes with prompt lookup and needs `base`.
     tp: split the base over the processes of this torchrun / accelerate launch (tensor parallel); device_map:
-    place its layers over the visible devices (e.g. 'auto'); see draftlab.decode.parallel.
+    place its layers over the visible devices (e.g. 'auto'); see draftlab.decode.tensor_parallel.
     compile: the static-shape, compiled decode path (SpeculativeDecoder's compile).
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
     from ..base import base_identity
     from ..drafters import LookupDraft, make_drafter
-    from ..export import apply_adapter, load_export, read_meta
-    from .parallel import RankSync, check_launch
+    from ..interop.export import apply_adapter, load_export, read_meta
+    from ..decode.tensor_parallel import RankSync, check_launch
 
     check_launch(tp)
     sync = RankSync() if tp else None
@@ -89,7 +89,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
 def load_placed(name: str, dtype: str, device, tp: bool, device_map):
     """The base and its tokenizer: whole on `device`, tensor-parallel over this launch (tp), or by a device map."""
     from ..base import load_base
-    from .parallel import load_tp_base
+    from ..decode.tensor_parallel import load_tp_base
 
     if tp:
         if device_map:

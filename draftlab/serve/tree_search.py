@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import platform
 import tempfile
 import time
@@ -12,14 +11,14 @@ from pathlib import Path
 import torch
 from ..progress import progress
 
-from .decoder import SpeculativeDecoder, sync_device
-from .search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
-from .tree import DynamicTree, Tree
+from ..decode.decoder import SpeculativeDecoder, sync_device
+from ..decode.search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
+from ..decode.tree import DynamicTree, Tree
 
 
 def greedy_continuations(base, prompts: list[list[int]], max_new_tokens: int, eos) -> list[list[int]]:
     """prompt + the base's greedy continuation, the text decoding will actually walk."""
-    from .acceptance import Sampling
+    from ..decode.acceptance import Sampling
     from .generate import plain_generate
 
     return [p + plain_generate(base, [p], max_new_tokens, Sampling(), eos)[0][0]
@@ -106,9 +105,9 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     timing_rounds: each tree is timed this many times, interleaved with the others; its fastest round counts."""
     from ..data import detect_format, prompt_turns, read_records, to_messages
     from ..drafters import make_drafter
-    from ..export import apply_adapter, load_export, read_meta
+    from ..interop.export import apply_adapter, load_export, read_meta
     from .generate import decoder_device, encode_prompt, load_placed
-    from .parallel import RankSync, check_launch, is_main
+    from ..decode.tensor_parallel import RankSync, check_launch, is_main
 
     check_launch(tp)
     meta = read_meta(export)

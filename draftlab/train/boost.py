@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Recipe, build_recipe, dump_recipe
+from ..config import Recipe, build_recipe, dump_recipe
 
 
 def stage_recipe(recipe: Recipe, i: int) -> Recipe:
@@ -52,8 +52,8 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
                     indices: list[int] | None = None) -> dict[int, float]:
     """Per example index: the share of its supervised positions (predicting token t+1 at position t) where some
     member's top-1 equals the base's top-1."""
-    from .base import base_hidden
-    from .data import collate
+    from ..base import base_hidden
+    from ..data import collate
 
     dev = next(base.parameters()).device
     w_base = base.get_output_embeddings().weight
@@ -154,10 +154,10 @@ def _gather(scores: dict, world: int) -> dict:
 @torch.no_grad()
 def ensemble_tau(base, members: list, prompts: list[list[int]], eos, node_budget: int, max_new_tokens: int = 64) -> float:
     """Accept length of the merged ensemble (chains of 4) on held-out prompts, greedy."""
-    from .decode.decoder import SpeculativeDecoder
-    from .decode.tree import Tree
-    from .drafters.ensemble import EnsembleDrafter
-    from .drafters.ssm import SSMDrafter
+    from ..decode.decoder import SpeculativeDecoder
+    from ..decode.tree import Tree
+    from ..drafters.ensemble import EnsembleDrafter
+    from ..drafters.ssm import SSMDrafter
 
     if not prompts:
         return 0.0
@@ -173,11 +173,12 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     """Train (or resume) every stage of an ensemble recipe, then write the ensemble export."""
     from accelerate import PartialState
 
-    from .base import load_base
-    from .data import load_examples
-    from .drafters import EnsembleDraft, LookupDraft
-    from .export import load_export, save_export
-    from .train import prepare_run_dir, train
+    from ..base import load_base
+    from ..data import load_examples
+    from ..drafters import EnsembleDraft, LookupDraft
+    from ..interop.export import load_export, save_export
+    from .loop import train_draft
+    from .run_dir import prepare_run_dir
 
     e, out = recipe.ensemble, Path(recipe.output_dir)
     state = PartialState(cpu=not torch.cuda.is_available() and recipe.distributed.strategy != "deepspeed")
@@ -215,7 +216,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                         os.replace(subset_file.with_suffix(".tmp"), subset_file)
                     state.wait_for_everyone()
                 subset = json.loads(subset_file.read_text())["kept"]
-            summary = train(sr, overwrite=False, stop_after_steps=stop_after_steps, example_subset=subset)
+            summary = train_draft(sr, overwrite=False, stop_after_steps=stop_after_steps, example_subset=subset)
             if not summary["finished"]:
                 return {**summary, "stage": i + 1, "members": e.members, "output_dir": str(out)}
         member, _ = load_export(sdir / "export")

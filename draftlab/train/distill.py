@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError, detect_format, prompt_turns, read_records, to_messages
-from .progress import progress
+from ..data import DataError, detect_format, prompt_turns, read_records, to_messages
+from ..progress import progress
 
 
 def _base_args(base_or_recipe: str, dtype: str | None) -> tuple[str, str]:
     if base_or_recipe.endswith((".yaml", ".yml")):
-        from .config import load_recipe
+        from ..config import load_recipe
 
         r = load_recipe(base_or_recipe)
         return r.base.name_or_path, dtype or r.base.dtype
@@ -64,7 +64,7 @@ class LocalModel:
 
     def __init__(self, name: str, dtype: str, device: str | None, max_new_tokens: int, temperature: float,
                  top_p: float):
-        from .base import load_base
+        from ..base import load_base
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_base(name, dtype, self.device)

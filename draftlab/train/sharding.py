@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import DTYPES, BaseModelError, load_base, load_tokenizer
+from ..base import DTYPES, BaseModelError, load_base, load_tokenizer
 
 
 def load_sharded_base(b, accelerator, keep_last_layer: bool):

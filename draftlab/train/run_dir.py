@@ -1,0 +1,139 @@
+"""A run's directory: its recipe, checkpoints (written atomically, the newest few kept), resuming, metrics.jsonl,
+and polite stop requests (signals or a STOP file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from ..config import RESUMABLE_KEYS, Recipe, build_recipe, diff_recipes
+
+
+class RunDirError(ValueError):
+    """output_dir holds a different run; says what differs and how to proceed."""
+
+
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn line from a killed process: dropped
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """Newest complete checkpoint (one whose trainer_state.json was written last, after the weights)."""
+    ckpts = [p for p in (output_dir / "checkpoints").glob("step_*")
+             if p.name[5:].isdigit() and (p / "trainer_state.json").is_file()]  # never a half-renamed step_N.tmp
+    return max(ckpts, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
+    """Create output_dir, or check that the run there is this recipe's (resuming), or wipe it (overwrite)."""
+    out = Path(recipe.output_dir)
+    saved = out / "config.yaml"
+    if saved.is_file() and not overwrite:
+        previous = build_recipe(yaml.safe_load(saved.read_text()), source=str(saved))
+        diffs = diff_recipes(previous, recipe, ignore=RESUMABLE_KEYS)
+        if diffs:
+            raise RunDirError(f"{out} holds a run made with a different recipe ({'; '.join(diffs)}). Use another "
+                              "output_dir, or pass --overwrite to discard that run.")
+    elif overwrite and out.exists():
+        for sub in ("checkpoints", "export", "logs"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for f in ("metrics.jsonl", "config.yaml"):
+            (out / f).unlink(missing_ok=True)
+    return out
+
+
+def write_run_config(out_dir: Path, recipe: Recipe) -> None:
+    """The resolved recipe goes to config.yaml (what a resume is checked against); a STOP file left from an earlier
+    invocation belongs to the run it stopped."""
+    from ..config import dump_recipe
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(dump_recipe(recipe))
+    (out_dir / "STOP").unlink(missing_ok=True)
+
+
+def forget_metrics_after(out_dir: Path, step: int) -> None:
+    """Records logged after the checkpoint a run resumes from (by a run killed later) are about to be redone."""
+    mf = out_dir / "metrics.jsonl"
+    if mf.is_file():
+        keep = [l for l in mf.read_text().splitlines() if l.strip() and _logged_step(l) <= step]
+        mf.write_text("".join(l + "\n" for l in keep))
+
+
+def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, keep: int) -> None:
+    """Accelerate's state for this step in checkpoints/step_N, written to a .tmp folder and renamed when complete;
+    only the newest `keep` checkpoints stay. Every rank calls it (the state save is collective)."""
+    is_main = accelerator.is_main_process
+    final = out_dir / "checkpoints" / f"step_{step}"
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if is_main:
+        # trainer_state.json is written last: a directory without it is never taken as a checkpoint.
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "total_steps": total_steps}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted((p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp")),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def resume_step(accelerator, out_dir: Path, total_steps: int) -> int:
+    """Load the newest complete checkpoint, if any, into the prepared objects; the step it was saved at (0 if none)."""
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None:
+        return 0
+    accelerator.load_state(str(ckpt))
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    if accelerator.is_main_process:
+        print(f"resuming from {ckpt} (step {step} of {total_steps})")
+        forget_metrics_after(out_dir, step)
+    return step
+
+
+class Metrics:
+    """metrics.jsonl (main process) and the recipe's trackers (TensorBoard, wandb): one record per call."""
+
+    def __init__(self, recipe: Recipe, out_dir: Path, accelerator):
+        self.accelerator, self.trackers = accelerator, bool(recipe.log.trackers)
+        if self.trackers:
+            from ..config import dump_recipe
+
+            flat = {k: v for k, v in yaml.safe_load(dump_recipe(recipe)).items() if not isinstance(v, dict)}
+            flat.update({f"{s}.{k}": v for s, sec in recipe.model_dump(mode="json").items() if isinstance(sec, dict)
+                         for k, v in sec.items() if isinstance(v, (int, float, str, bool))})
+            accelerator.init_trackers(recipe.log.project, config=flat,
+                                      init_kwargs={"wandb": {"name": recipe.log.run_name or out_dir.name}})
+        self.file = open(out_dir / "metrics.jsonl", "a") if accelerator.is_main_process else None
+
+    def log(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.trackers:  # lists (per head) become one scalar per head
+            scalars = {}
+            for k, v in record.items():
+                if isinstance(v, list):
+                    scalars.update({f"{k}/head{i}": x for i, x in enumerate(v)})
+                elif isinstance(v, (int, float)) and k != "step":
+                    scalars[k] = v
+            self.accelerator.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        self.accelerator.wait_for_everyone()
+        if self.trackers:
+            self.accelerator.end_training()
