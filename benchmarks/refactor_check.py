@@ -5,6 +5,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
     python benchmarks/train_heads.py ...   # the three exports (see README)
     python benchmarks/refactor_check.py
     python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
+    python benchmarks/refactor_check.py --commit C --train recipes/stories260k-hydra++.yaml ...  # + the training loop
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ def main() -> None:
     ap.add_argument("--name", default="refactor_check", help="results/NAME.json")
     ap.add_argument("--export", action="append", default=[], metavar="LABEL=DIR",
                     help="exports to compare (default: the three of benchmarks/train_heads.py)")
+    ap.add_argument("--train", action="append", default=[], metavar="RECIPE",
+                    help="also train these recipes before and after (alternating), compare time and weights")
+    ap.add_argument("--train-steps", type=int, default=60)
     a = ap.parse_args()
     old_package(a.commit)
+    training = {Path(r).stem: train_check(r, a.train_steps) for r in a.train}
     try:
         from draftlab_v0.serve.generate import load_decoder as load_before
     except ImportError:  # before the layout move it was decode/generate.py, at 39ef22b decode/cli.py
@@ -74,7 +79,45 @@ def main() -> None:
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "prompts": len(prompts), "max_new_tokens": N,
-                                    "methods": results, "after_over_before": ratio, "same_accept_length": same})
+                          "methods": results, "after_over_before": ratio, "same_accept_length": same,
+                          **({"training": training} if training else {})})
+
+
+def train_check(recipe_path: str, steps: int, rounds: int = 2) -> dict:
+    """Train the recipe with the package before and after, alternating (before, after, after, before, ...): each
+    side's mean wall time, and whether the exported weights are bit-identical (same seed, same data order)."""
+    import time
+
+    import draftlab_v0.config as config_before
+    import draftlab_v0.train as train_before
+    from safetensors.torch import load_file
+
+    import draftlab.config as config_after
+    import draftlab.train as train_after
+    from common import stories_base
+
+    base = stories_base()
+    sides = {"before": (config_before, train_before), "after": (config_after, train_after)}
+    times, weights = {"before": [], "after": []}, {}
+    order = [s for r in range(rounds) for s in (("before", "after") if r % 2 == 0 else ("after", "before"))]
+    for side in order:
+        config, train = sides[side]
+        out = Path(tempfile.mkdtemp(prefix=f"refactor_{side}_"))
+        recipe = config.load_recipe(recipe_path, [f"base.name_or_path={base}", f"output_dir={out}",
+                                                  f"train.max_steps={steps}", "log.trackers=[]"])
+        t0 = time.perf_counter()
+        train.train(recipe, overwrite=True)
+        times[side].append(time.perf_counter() - t0)
+        files = sorted((out / "export").glob("*.safetensors"))
+        weights[side] = {k: v for f in files for k, v in load_file(f).items()}
+        shutil.rmtree(out, ignore_errors=True)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    same = weights["before"].keys() == weights["after"].keys() and all(
+        weights["before"][k].equal(weights["after"][k]) for k in weights["before"])
+    r = {"steps": steps, "seconds_before": round(mean["before"], 2), "seconds_after": round(mean["after"], 2),
+         "after_over_before": round(mean["before"] / mean["after"], 3), "identical_weights": same}
+    print(f"training {recipe_path}: {r}")
+    return r
 
 
 if __name__ == "__main__":

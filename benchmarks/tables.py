@@ -253,6 +253,22 @@ def refactor_check_verifier(p, d) -> None:
                    f"interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; {where(d)}")
 
 
+def refactor_check_layout(p, d) -> None:
+    refactor_check(p, d, "The package layout against the modules before it",
+                   f"`benchmarks/refactor_check.py --commit {d['before']} --prompts {d['prompts']} --name "
+                   "refactor_check_layout --export medusa=... --export hydra++=... --export eagle3=... --export "
+                   "dflash=... --train recipes/stories260k-hydra++.yaml --train recipes/stories260k-dflash.yaml "
+                   f"--train-steps 30` (the 250-step exports of the block-drafters table); before = {d['before']}, same "
+                   f"exports, base object and prompts, interleaved; {d['prompts']} prompts x {d['max_new_tokens']} "
+                   f"tokens; {where(d)}")
+    if d.get("training"):
+        p("\n| recipe (training) | steps | seconds before | seconds after | speed after / before | identical weights |")
+        p("|---|---|---|---|---|---|")
+        for k, r in d["training"].items():
+            p(f"| {k} | {r['steps']} | {r['seconds_before']} | {r['seconds_after']} | {r['after_over_before']:.3f} | "
+              f"{r['identical_weights']} |")
+
+
 def gpu_decode(p, d) -> None:
     heading(p, "The decoder on a GPU", f"`benchmarks/gpu_decode.py`; {d['device']}, torch {d['torch']}, transformers "
             f"{d['transformers']}, {d['date']}; random-weight Llama-2-7B shape, {d['dtype']}, batch 1, "
@@ -434,6 +450,7 @@ TABLES = {
     "ssm": ("ssm", ssm),
     "refactor_check": ("refactor_check", refactor_check_drafter),
     "refactor_check_verifier": ("refactor_check_verifier", refactor_check_verifier),
+    "refactor_check_layout": ("refactor_check_layout", refactor_check_layout),
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
     "train_ensemble": ("train_ensemble", train_ensemble),
