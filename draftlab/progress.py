@@ -75,6 +75,7 @@ class LineProgress:
         self.interval = float(os.environ.get("DRAFTLAB_PROGRESS_SECONDS", "30"))
         self.t0 = self.last = time.monotonic()
         self.closed = False
+        self.shown = None  # (n, postfix) of the last line written
 
     def __iter__(self):
         for item in self.iterable:
@@ -102,7 +103,7 @@ class LineProgress:
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self.last >= self.interval:
-            self.last = now
+            self.last, self.shown = now, (self.n, self.postfix)
             self.file.write(self.line(now) + "\n")
             self.file.flush()
 
@@ -119,7 +120,8 @@ class LineProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.refresh(force=True)
+            if self.shown != (self.n, self.postfix):  # the last line already says how it ended
+                self.refresh(force=True)
 
 
 class _DropMessage(logging.Filter):

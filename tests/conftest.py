@@ -14,6 +14,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N workers share the cores, one thread each
+    torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the repository's own data (data/README.md); nothing is read from outside the clone
@@ -78,7 +80,7 @@ def run_cmd(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama + BPE tokenizer (with chat template), loadable by path like a hub model."""
-    from draftlab.quickstart import build_tokenizer
+    from draftlab.cli.quickstart import build_tokenizer
 
     d = tmp_path_factory.mktemp("tiny_base")
     tok = build_tokenizer([STORY_TEXT, "User: Assistant: Hello hi what is a cat? It is an animal."], d)
@@ -92,7 +94,7 @@ def tiny_base_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def stories_dir(tmp_path_factory) -> Path:
     """stories260K (data/models/stories260K) imported to a HF directory."""
-    from draftlab.base import import_llama2c
+    from draftlab.interop.llama2c import import_llama2c
 
     d = tmp_path_factory.mktemp("stories260k")
     return import_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", d)
@@ -103,10 +105,20 @@ def rng():
     return random.Random(0)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch_train(cfg: Path, processes: int = 1, env: dict | None = None, json_out: bool = False,
                  timeout: int = 600, cwd=None) -> subprocess.CompletedProcess:
     """`accelerate launch` of `draftlab train CFG` on this CPU machine (several processes talk over gloo)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+    # A free port of its own: tests run side by side (pytest -n), and Accelerate's default port is one for all.
+    port = ["--main_process_port", str(free_port())] if processes > 1 else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), *port,
            *(["--multi_gpu"] if processes > 1 else []), "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "draftlab.cli", "train", str(cfg), *(["--json"] if json_out else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}

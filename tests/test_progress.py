@@ -15,7 +15,8 @@ def test_lines_not_redraws_when_not_a_terminal(monkeypatch):
         bar.set_postfix(loss="1.234")
     bar.close()
     lines = out.getvalue().splitlines()
-    assert "\r" not in out.getvalue() and len(lines) == 5  # one per refresh (interval 0) and one at the end
+    # One per refresh (interval 0); the end adds none, the last refresh said it all.
+    assert "\r" not in out.getvalue() and len(lines) == 4
     assert lines[-1].startswith("train: 4/4 step (100%)") and lines[-1].endswith("loss=1.234")
 
 
@@ -24,3 +25,14 @@ def test_quiet_between_intervals_and_iteration(monkeypatch):
     out = io.StringIO()
     assert list(progress(range(1000), desc="x", file=out)) == list(range(1000))
     assert out.getvalue().count("\n") == 1 and "x: 1000/1000 it (100%)" in out.getvalue()
+
+
+def test_the_closing_line_says_what_changed_since_the_last(monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_PROGRESS_SECONDS", "0")
+    out = io.StringIO()
+    bar = progress(total=2, desc="eval", unit="prompt", file=out)
+    bar.update(2)
+    bar.set_postfix(accept="2.5")  # after the last refresh: the closing line carries it
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("eval: 2/2") and lines[1].endswith("accept=2.5")
