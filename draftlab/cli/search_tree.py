@@ -1,12 +1,25 @@
 """`draftlab search-tree`: the fastest tree for an export, on this machine, at a batch size (static trees for heads
-and SSMs; EAGLE-2 depth / top_k / total_tokens for eagle3 exports)."""
+and SSMs; EAGLE-2 depth / top_k / total_tokens for eagle3 exports), or with --batch-sizes a schedule: the tree per
+batch size and the batch size above which plain decoding wins, as a tree file and in vLLM's and SGLang's syntax."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from ..serve.tree_search import search_tree
 from .args import add_placement_args, positive_int
+
+
+def batch_sizes(text: str) -> list[int]:
+    """argparse type: comma-separated positive batch sizes, e.g. 1,2,4,8,16."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2,4,8,16") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive batch sizes, e.g. 1,2,4,8,16")
+    return sorted(set(sizes))
 
 
 def add_search_args(p) -> None:
@@ -15,6 +28,13 @@ def add_search_args(p) -> None:
     p.add_argument("--out", required=True, help="tree file to write (.json)")
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree (non-root nodes) to consider")
     p.add_argument("--batch-size", type=int, default=1, help="batch size the tree is tuned for")
+    p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
+                   help="a schedule instead of one tree: time trees, chains and plain decoding at each batch size and "
+                        "write OUT (tree file with a `schedule`), OUT.vllm.json and OUT.sglang.txt "
+                        "(docs/decoding.md, schedules per batch size)")
+    p.add_argument("--engine-draft", default=None, metavar="DIR",
+                   help="with --batch-sizes: the draft directory the engines load (e.g. `draftlab export --to "
+                        "vllm-medusa` output), written into OUT.vllm.json / OUT.sglang.txt (default: EXPORT)")
     p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
     p.add_argument("--calibration-prompts", type=int, default=64)
     p.add_argument("--timing-prompts", type=int, default=8)
@@ -32,7 +52,36 @@ def add_search_args(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def schedule_command(a) -> int:
+    from ..serve.schedule import search_schedule
+
+    rep = search_schedule(a.export, a.data, a.out, a.batch_sizes, a.max_nodes, a.max_rank, a.calibration_prompts,
+                          a.timing_prompts, a.max_new_tokens, sizes=a.sizes, max_depth=a.max_depth, tp=a.tp,
+                          device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,
+                          engine_model=a.engine_draft)
+    if a.json:
+        print(json.dumps(rep))
+        return 0
+    print("| batch size | chosen | nodes | accept length (statistics) | est. tokens/s | est. plain tokens/s | "
+          "measured tokens/s | measured plain tokens/s | best chain K |\n|---|---|---|---|---|---|---|---|---|")
+    for e in rep["schedule"]:
+        print(f"| {e['batch_size']} | {e['tree']} | {e['tree_size']} | {e['accept_length']:.3f} | "
+              f"{e['estimated_tokens_per_s']:.1f} | {e['estimated_plain_tokens_per_s']:.1f} | "
+              f"{e['tokens_per_s']:.1f} | {e['plain_tokens_per_s']:.1f} | {e['chain_length']} |")
+    cut = rep["no_speculation_above"]
+    top = rep["schedule"][-1]["batch_size"]
+    print("\n" + ("speculation did not pay at any batch size measured" if cut == 0 else
+                  f"speculation pays up to batch size {top} (the largest measured)" if cut is None else
+                  f"plain decoding wins above batch size {cut}") +
+          f" on {rep['hardware']} ({'compiled' if rep['compiled'] else 'eager'} decoding)")
+    for what, where in rep["files"].items():
+        print(f"{what}: {where}")
+    return 0
+
+
 def search_command(a) -> int:
+    if a.batch_sizes:
+        return schedule_command(a)
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
                       tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds)

@@ -6,6 +6,7 @@ import datetime
 import platform
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,16 +57,22 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: i
     is outside the timing; a compiled decoder compiles there, for the shapes the timed batches use."""
     if warm:
         decoder.warm_up(prompts[:batch_size], max_new_tokens, eos_token_id=eos)
-    tokens = committed = rows = 0
+    tokens = committed = rows = steps = 0
+    prefill = 0.0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
         res = decoder.generate(prompts[s:s + batch_size], max_new_tokens=max_new_tokens, eos_token_id=eos)
         tokens += res.new_tokens
         committed += sum(res.committed)
         rows += sum(res.rows_per_step)
+        steps += res.steps
+        prefill += res.time_s.get("prefill", 0.0)
     sync_device(decoder.device)
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / dt, "accept_length": committed / max(rows, 1)}
+    # step_s: wall time per verification step (a forward over the whole batch), prefill left out: the cost that
+    # batch-size schedules weigh against the accept length.
+    return {"tokens_per_s": tokens / dt, "accept_length": committed / max(rows, 1),
+            "step_s": max(dt - prefill, 0.0) / max(steps, 1), "steps": steps}
 
 
 def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,
@@ -91,6 +98,61 @@ def hardware() -> str:
     return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
 
 
+@dataclass
+class SearchInputs:
+    """What every search reads: the base and draft of an export, and the calibration / timing prompts."""
+
+    base: object
+    draft: object
+    tok: object
+    sync: object
+    eos: int | None
+    calib: list[list[int]]
+    timing: list[list[int]]
+
+
+def load_search(export: str, data: str, calibration_prompts: int, timing_prompts: int, chat: bool = False,
+                prompt_chars: int = 64, tp: bool = False, device_map: str | None = None) -> SearchInputs:
+    """Load an export with its base and read the prompts: the first calibration_prompts calibrate, the next
+    timing_prompts (or, with too few records, the first ones) are timed."""
+    from ..data import detect_format, prompt_turns, read_records, to_messages
+    from ..interop.export import apply_adapter, load_export, read_meta
+    from .generate import decoder_device, encode_prompt, load_placed
+    from ..decode.tensor_parallel import RankSync, check_launch
+
+    check_launch(tp)
+    meta = read_meta(export)
+    base, tok = load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
+    base = apply_adapter(base, export, meta)
+    device = decoder_device(base)
+    draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)
+    prompts = []
+    for _, _, rec in read_records(data, max_records=calibration_prompts + timing_prompts):
+        fmt = detect_format(rec)
+        if fmt == "text":
+            text = rec["text"][:prompt_chars]
+            prompts.append(encode_prompt(tok, text.rsplit(" ", 1)[0] if " " in text else text, chat))
+        else:
+            prompts.append(encode_prompt(tok, prompt_turns(to_messages(rec, fmt)), True))
+    if len(prompts) < 2:
+        raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
+    calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
+    return SearchInputs(base, draft, tok, RankSync() if tp else None, tok.eos_token_id, calib, timing)
+
+
+def rank_statistics(base, draft, calib: list[list[int]], max_new_tokens: int, eos, depth: int, max_rank: int,
+                    max_nodes: int) -> tuple[RankStats, list[torch.Tensor], list[Tree]]:
+    """(statistics, per-text rank vectors, the greedy tree of every size up to max_nodes) on the calibration
+    prompts' greedy continuations."""
+    seqs = greedy_continuations(base, calib, max_new_tokens, eos)
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
+    stats = RankStats(torch.cat(per_text), max_rank)
+    trees = proposal_trees(stats, max_nodes)
+    if not trees:
+        raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
+    return stats, per_text, trees
+
+
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
@@ -103,44 +165,18 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     timed beside the greedy trees. compile: time every tree on the static-shape compiled path (each tree size
     compiles once, in its warm-up), so the tree is chosen by the costs of the path that will run it.
     timing_rounds: each tree is timed this many times, interleaved with the others; its fastest round counts."""
-    from ..data import detect_format, prompt_turns, read_records, to_messages
+    from ..decode.tensor_parallel import is_main
     from ..drafters import make_drafter
-    from ..interop.export import apply_adapter, load_export, read_meta
-    from .generate import decoder_device, encode_prompt, load_placed
-    from ..decode.tensor_parallel import RankSync, check_launch, is_main
 
-    check_launch(tp)
-    meta = read_meta(export)
-    base, tok = load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
-    base = apply_adapter(base, export, meta)
-    device = decoder_device(base)
-    draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)
-    sync = RankSync() if tp else None
+    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map)
+    base, draft, sync, eos, calib, timing = ctx.base, ctx.draft, ctx.sync, ctx.eos, ctx.calib, ctx.timing
     if not is_main():  # tensor-parallel ranks time the same trees; rank 0 writes the tree file
         out, plot = str(Path(tempfile.mkdtemp(prefix="draftlab-search-rank")) / Path(out).name), False
-    eos = tok.eos_token_id
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
-    prompts = []
-    for _, _, rec in read_records(data, max_records=calibration_prompts + timing_prompts):
-        fmt = detect_format(rec)
-        if fmt == "text":
-            text = rec["text"][:prompt_chars]
-            prompts.append(encode_prompt(tok, text.rsplit(" ", 1)[0] if " " in text else text, chat))
-        else:
-            prompts.append(encode_prompt(tok, prompt_turns(to_messages(rec, fmt)), True))
-    if len(prompts) < 2:
-        raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
-    calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
-
     if draft.kind == "eagle3":
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
                               calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds)
-    seqs = greedy_continuations(base, calib, max_new_tokens, eos)
-    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
-    stats = RankStats(torch.cat(per_text), max_rank)
-    trees = proposal_trees(stats, max_nodes)
-    if not trees:
-        raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
+    stats, per_text, trees = rank_statistics(base, draft, calib, max_new_tokens, eos, depth, max_rank, max_nodes)
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
     candidates = [trees[n - 1] for n in sizes]
     if draft.kind in ("ssm", "dflash"):  # a block drafter's chains: how many of its block positions to verify

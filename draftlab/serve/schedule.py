@@ -1,0 +1,258 @@
+"""Speculation schedules per batch size: which tree (or chain length) to verify at each batch size, and the batch
+size above which plain decoding wins.
+
+For every batch size B the candidate trees and plain decoding are timed on this machine (seconds per
+verification step of the whole batch, prefill left out), and each is scored by its expected throughput
+
+    tokens/s(tree, B) = B x accept_length(tree) / step_s(tree, B)        (plain decoding: accept length 1)
+
+with the accept length from the calibration statistics (the replay of the decoder's walk, see decode/search.py),
+which does not depend on B. The verification forward of a bigger tree costs more at a bigger batch, so the best
+tree shrinks with B and, once the base is compute-bound, plain decoding wins.
+
+Three outputs (docs/decoding.md, "Schedules per batch size"):
+- a draftlab tree file whose `paths` are the smallest batch size's choice (so `generate --tree FILE` runs it as it
+  runs any tree file) and whose `schedule` lists every batch size's choice (`tree_for_batch` reads it);
+- a vLLM `--speculative-config` JSON: vLLM drafts chains only, so the best chain length per batch-size range, in
+  `num_speculative_tokens_per_batch_size` ([start, end, K], K = 0: no drafting in that range);
+- SGLang flags (`--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens`) for the
+  smallest batch size's tree: SGLang mainline has no per-batch-size switch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from ..decode.tree import Tree
+
+# The engine's name for a draftlab export kind (notes: vLLM SpeculativeConfig.method, SGLang
+# --speculative-algorithm). Kinds missing here have no drafter of their kind in that engine.
+VLLM_METHOD = {"medusa": "medusa", "ssm": "draft_model", "dflash": "dflash", "eagle3": "eagle3"}
+SGLANG_ALGORITHM = {"ssm": "STANDALONE", "eagle3": "EAGLE3"}
+PLAIN = "plain"
+
+
+def is_chain(paths) -> bool:
+    """A chain: one top-1 candidate per depth ([[0], [0, 0], ...]); what vLLM and SGLang with topk 1 verify."""
+    return all(tuple(p) == (0,) * (i + 1) for i, p in enumerate(sorted(map(tuple, paths), key=len)))
+
+
+def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict[int, dict[str, float]],
+                    plain_step_s: dict[int, float]) -> dict:
+    """Per batch size, the candidate with the highest expected tokens/s, and the cut-off batch size. Pure.
+
+    candidates: {"name", "paths", "accept_length"} each (accept length from the statistics); step_s[B][name] and
+    plain_step_s[B]: measured seconds per verification step at batch size B. Returns {"entries": [one per batch
+    size, ascending], "no_speculation_above": the largest batch size at which speculation wins and above which
+    plain decoding wins at every batch size measured (None: speculation still wins at the largest; 0: it never
+    wins)}. Each entry also names the best chain (its length K; 0 when plain decoding beats every chain)."""
+    if not batch_sizes:
+        raise ValueError("--batch-sizes: give at least one batch size, e.g. 1,2,4,8,16")
+    entries = []
+    for B in sorted(set(batch_sizes)):
+        if B not in plain_step_s or B not in step_s:
+            raise ValueError(f"batch size {B}: no step time measured")
+        plain = B / plain_step_s[B]
+        scored = [(B * c["accept_length"] / step_s[B][c["name"]], c) for c in candidates if c["name"] in step_s[B]]
+        best_tps, best = max(scored, key=lambda x: x[0], default=(0.0, None))
+        chains = [(t, c) for t, c in scored if c["paths"] and is_chain(c["paths"])]
+        chain_tps, chain = max(chains, key=lambda x: x[0], default=(0.0, None))
+        speculate = best is not None and best_tps > plain
+        entries.append({
+            "batch_size": B, "speculate": speculate,
+            "tree": best["name"] if speculate else PLAIN,
+            "paths": [list(p) for p in best["paths"]] if speculate else [],
+            "tree_size": len(best["paths"]) + 1 if speculate else 1,
+            "accept_length": round(best["accept_length"], 4) if speculate else 1.0,
+            "estimated_tokens_per_s": round(max(best_tps, plain), 2),
+            "estimated_plain_tokens_per_s": round(plain, 2),
+            "chain_length": len(chain["paths"]) if chain is not None and chain_tps > plain else 0,
+            "estimated_chain_tokens_per_s": round(chain_tps, 2) if chain is not None else None,
+        })
+    pays = [e["batch_size"] for e in entries if e["speculate"]]
+    if not pays:
+        cutoff = 0
+    elif entries[-1]["speculate"]:
+        cutoff = None
+    else:
+        cutoff = max(pays)
+    return {"entries": entries, "no_speculation_above": cutoff}
+
+
+def vllm_config(entries: list[dict], method: str, model: str) -> dict:
+    """vLLM's --speculative-config for the schedule: the best chain length per batch-size range.
+
+    Ranges are [start, end, K], inclusive, contiguous from the smallest batch size measured to the largest; equal
+    neighbours merge. num_speculative_tokens is the largest K (vLLM sizes its buffers by it and needs it > 0)."""
+    entries = sorted(entries, key=lambda e: e["batch_size"])
+    ranges = []
+    for i, e in enumerate(entries):
+        end = entries[i + 1]["batch_size"] - 1 if i + 1 < len(entries) else e["batch_size"]
+        k = e["chain_length"]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([e["batch_size"], end, k])
+    return {"method": method, "model": model, "num_speculative_tokens": max(1, max(r[2] for r in ranges)),
+            "num_speculative_tokens_per_batch_size": ranges}
+
+
+def sglang_settings(entry: dict) -> dict | None:
+    """SGLang's three tree settings for one schedule entry, or None when plain decoding wins there.
+
+    num_steps: the tree's depth; eagle_topk: the widest rank used at any depth (SGLang expands the top-k at every
+    step); num_draft_tokens: the tree's nodes, root included (SGLang reranks its tree down to this many). With
+    topk 1 the tree is a chain and num_draft_tokens = num_steps + 1, as SGLang forces it."""
+    if not entry["speculate"]:
+        return None
+    tree = Tree.from_paths(entry["paths"])
+    topk = max(tree.topk_per_depth())
+    return {"num_steps": tree.depth, "eagle_topk": topk,
+            "num_draft_tokens": tree.depth + 1 if topk == 1 else tree.size}
+
+
+def sglang_text(entry: dict, algorithm: str, model: str, cutoff) -> str:
+    """The SGLang flags file: comments saying what it is for, then one line of flags (none if plain wins)."""
+    s = sglang_settings(entry)
+    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']} (its tree: "
+             f"{entry['tree']}, {entry['tree_size']} nodes, expected accept length {entry['accept_length']})",
+             "# SGLang mainline has no per-batch-size switch (--speculative-adaptive follows the accept length, "
+             "not the batch size): these settings hold at every batch size."]
+    if cutoff == 0:
+        lines.append("# Speculation did not pay at any batch size measured: serve without --speculative-* flags.")
+    elif cutoff is not None:
+        lines.append(f"# Speculation stopped paying above batch size {cutoff} on the machine measured.")
+    if s is None:
+        lines.append("# Plain decoding was faster at this batch size: no flags.")
+        return "\n".join(lines) + "\n"
+    lines.append(f"--speculative-algorithm {algorithm} --speculative-draft-model-path {model} "
+                 f"--speculative-num-steps {s['num_steps']} --speculative-eagle-topk {s['eagle_topk']} "
+                 f"--speculative-num-draft-tokens {s['num_draft_tokens']}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_sglang_flags(text: str) -> dict:
+    """The flags of an SGLang flags file as {flag: value} (comment lines skipped)."""
+    words = " ".join(line for line in text.splitlines() if line.strip() and not line.startswith("#")).split()
+    return dict(zip(words[::2], words[1::2]))
+
+
+def engine_paths(out: str | Path) -> tuple[Path, Path]:
+    """Where the engines' files go beside the tree file OUT.json: OUT.vllm.json and OUT.sglang.txt."""
+    out = Path(out)
+    return out.with_suffix(".vllm.json"), out.with_suffix(".sglang.txt")
+
+
+def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, engine_model: str) -> dict:
+    """Write the tree file (with its schedule) and the engines' files a kind has; return {output: path or why not}."""
+    out = Path(out)
+    entries = schedule["entries"]
+    first = entries[0]
+    record = {"paths": first["paths"],
+              "metadata": {**metadata, "batch_size": first["batch_size"], "tree_size": first["tree_size"],
+                           "expected_accept_length": first["accept_length"],
+                           "no_speculation_above": schedule["no_speculation_above"]},
+              "schedule": entries}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    written = {"tree": str(out)}
+    vllm_path, sglang_path = engine_paths(out)
+    if kind in VLLM_METHOD:
+        vllm_path.write_text(json.dumps(vllm_config(entries, VLLM_METHOD[kind], engine_model), indent=1) + "\n")
+        written["vllm"] = str(vllm_path)
+    else:
+        written["vllm"] = f"not written: vLLM has no {kind} drafter"
+    if kind in SGLANG_ALGORITHM:
+        sglang_path.write_text(sglang_text(first, SGLANG_ALGORITHM[kind], engine_model,
+                                           schedule["no_speculation_above"]))
+        written["sglang"] = str(sglang_path)
+    else:
+        written["sglang"] = f"not written: SGLang's steps / top-k / draft-token settings have no {kind} drafter"
+    return written
+
+
+def tree_for_batch(path: str | Path, batch_size: int) -> Tree:
+    """The tree a schedule file gives for a batch size: the entry of the largest scheduled batch size at or below
+    it (the smallest entry below the schedule). A tree file without a schedule gives its one tree."""
+    data = json.loads(Path(path).read_text())
+    if "schedule" not in data:
+        return Tree.load(path)
+    entries = sorted(data["schedule"], key=lambda e: e["batch_size"])
+    entry = ([e for e in entries if e["batch_size"] <= batch_size] or entries[:1])[-1]
+    return Tree.from_paths(entry["paths"], {"name": f"{Path(path).stem}@b{entry['batch_size']}", **entry},
+                           source=str(path))
+
+
+def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], max_nodes: int = 64,
+                    max_rank: int = 10, calibration_prompts: int = 64, timing_prompts: int = 8,
+                    max_new_tokens: int = 128, chat: bool = False, prompt_chars: int = 64,
+                    sizes: list[int] | None = None, max_depth: int = 8, tp: bool = False,
+                    device_map: str | None = None, compile: bool = False, timing_rounds: int = 3,
+                    engine_model: str | None = None) -> dict:
+    """search-tree --batch-sizes: statistics once, then at every batch size the candidate trees, chains of every
+    length and plain decoding timed (interleaved rounds, fastest kept); writes the schedule and returns a report.
+    The timing prompts are repeated up to the largest batch size, so every batch size decodes the same work."""
+    from ..decode.decoder import NoDraft, SpeculativeDecoder
+    from ..decode.search import geometric_sizes, replay_accept_length
+    from ..decode.tensor_parallel import is_main
+    from ..drafters import make_drafter
+    from .tree_search import hardware, load_search, rank_statistics, time_trees
+
+    batch_sizes = sorted(set(batch_sizes))
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes {batch_sizes}: batch sizes must be positive integers, e.g. 1,2,4,8,16")
+    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map)
+    draft = ctx.draft
+    if draft.kind == "eagle3":
+        raise ValueError(f"{export}: --batch-sizes schedules static trees and chains; an eagle3 export's dynamic trees "
+                         "are searched per batch size with `search-tree --batch-size B`")
+    if not is_main():  # tensor-parallel ranks time with rank 0; rank 0 writes the files
+        import tempfile
+        out = str(Path(tempfile.mkdtemp(prefix="draftlab-schedule-rank")) / Path(out).name)
+    depth = max_depth if draft.kind == "ssm" else draft.num_heads
+    stats, per_text, trees = rank_statistics(ctx.base, draft, ctx.calib, max_new_tokens, ctx.eos, depth, max_rank,
+                                             max_nodes)
+    sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
+    candidates, seen = [], set()
+    for tree in [trees[n - 1] for n in sizes] + [Tree.chain(d) for d in range(1, min(depth, 16) + 1)]:
+        if tree.paths not in seen:
+            seen.add(tree.paths)
+            candidates.append(tree)
+    timing = ctx.timing
+    while len(timing) < max(batch_sizes):
+        timing = timing + ctx.timing
+    plain = SpeculativeDecoder(ctx.base, NoDraft(), check_base=False, sync=ctx.sync, compile=compile)
+    decoders = [plain] + [SpeculativeDecoder(ctx.base, make_drafter(draft, t), sync=ctx.sync, compile=compile)
+                          for t in candidates]
+    names = [t.metadata.get("name", "") for t in candidates]
+    rows = [{"name": n, "paths": [list(p) for p in t.paths], "tree_size": t.size, "tree_depth": t.depth,
+             "accept_length": round(replay_accept_length(t, per_text), 4)} for n, t in zip(names, candidates)]
+    measured, step_s, plain_step_s = {}, {}, {}
+    for B in batch_sizes:
+        ms = time_trees(decoders, timing, B, max_new_tokens, ctx.eos, timing_rounds)
+        plain_step_s[B] = ms[0]["step_s"]
+        step_s[B] = {n: m["step_s"] for n, m in zip(names, ms[1:])}
+        measured[B] = {PLAIN: ms[0], **dict(zip(names, ms[1:]))}
+    schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s)
+    for e in schedule["entries"]:  # what the decoder did in the timing runs, beside the estimate
+        m = measured[e["batch_size"]]
+        e["tokens_per_s"] = round(m[e["tree"]]["tokens_per_s"], 2)
+        e["plain_tokens_per_s"] = round(m[PLAIN]["tokens_per_s"], 2)
+        e["measured_accept_length"] = round(m[e["tree"]]["accept_length"], 4)
+    table = [{"batch_size": B, "name": n, "tree_size": 1 if n == PLAIN else next(r["tree_size"] for r in rows
+                                                                                   if r["name"] == n),
+              "step_ms": round(1000 * m["step_s"], 3), "tokens_per_s": round(m["tokens_per_s"], 2),
+              "measured_accept_length": round(m["accept_length"], 4)}
+             for B in batch_sizes for n, m in measured[B].items()]
+    meta = {"name": Path(out).stem, "method": "per batch size: greedy trees and chains timed here, chosen by "
+                                              "batch size x accept length (statistics) / step time",
+            "export": str(export), "calibration": {"data": str(data), "prompts": len(ctx.calib), "states": stats.n},
+            "timing_prompts": len(timing), "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
+            "hardware": hardware(), "compiled": compile, "timing_rounds": timing_rounds,
+            "date": datetime.date.today().isoformat(), "measured": table}
+    files = write_schedule(out, schedule, meta, draft.kind, engine_model or str(export))
+    return {"files": files, "schedule": schedule["entries"], "no_speculation_above": schedule["no_speculation_above"],
+            "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "measured": table,
+            "hardware": hardware(), "compiled": compile}

@@ -1,0 +1,130 @@
+"""Speculation schedules per batch size (draftlab/serve/schedule.py): the choice from given costs, the three files
+it writes, and `search-tree --batch-sizes` end to end on a tiny export."""
+
+import json
+
+import pytest
+
+from draftlab.decode.tree import Tree
+from draftlab.serve.schedule import (choose_schedule, engine_paths, is_chain, parse_sglang_flags, sglang_settings,
+                                     sglang_text, tree_for_batch, vllm_config, write_schedule)
+from test_search import search_inputs
+
+WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+CANDIDATES = [{"name": "chain-1", "paths": [[0]], "accept_length": 1.6},
+              {"name": "chain-3", "paths": [[0], [0, 0], [0, 0, 0]], "accept_length": 2.2},
+              {"name": "greedy-7", "paths": WIDE, "accept_length": 2.8}]
+# Seconds per verification step: at batch 1 the base is latency-bound (bigger trees cost little more); at 4 a tree
+# costs more per token verified; at 16 even one drafted token costs more than it saves.
+STEP_S = {1: {"chain-1": 1.05, "chain-3": 1.1, "greedy-7": 1.2},
+          4: {"chain-1": 1.3, "chain-3": 2.0, "greedy-7": 3.0},
+          16: {"chain-1": 4.5, "chain-3": 6.0, "greedy-7": 9.0}}
+PLAIN_S = {1: 1.0, 4: 1.0, 16: 2.0}
+
+
+def test_each_batch_size_gets_the_tree_with_the_highest_expected_throughput_and_the_cutoff():
+    sched = choose_schedule([16, 1, 4], CANDIDATES, STEP_S, PLAIN_S)
+    got = {e["batch_size"]: e for e in sched["entries"]}
+    assert [e["batch_size"] for e in sched["entries"]] == [1, 4, 16]
+    # batch 1: 2.8 / 1.2 = 2.33 tokens per second beats 2.2 / 1.1 = 2.0, 1.6 / 1.05 and plain's 1.0
+    assert got[1]["tree"] == "greedy-7" and got[1]["paths"] == WIDE and got[1]["tree_size"] == 8
+    assert got[1]["estimated_tokens_per_s"] == pytest.approx(2.8 / 1.2, abs=0.01)
+    assert got[1]["chain_length"] == 3  # the best chain there (for vLLM): 2.0 against 1.52
+    # batch 4: 4 x 1.6 / 1.3 = 4.92 beats 4 x 2.2 / 2 = 4.4, 4 x 2.8 / 3 = 3.73 and plain's 4 / 1 = 4
+    assert got[4]["tree"] == "chain-1" and got[4]["chain_length"] == 1 and got[4]["speculate"]
+    # batch 16: plain's 16 / 2 = 8 beats chain-1's 16 x 1.6 / 4.5 = 5.7
+    assert not got[16]["speculate"] and got[16]["tree"] == "plain" and got[16]["paths"] == []
+    assert got[16]["chain_length"] == 0 and got[16]["estimated_tokens_per_s"] == pytest.approx(8.0)
+    assert sched["no_speculation_above"] == 4
+
+
+def test_the_cutoff_says_when_speculation_always_or_never_pays():
+    fast = {B: {n: 0.5 for n in STEP_S[1]} for B in (1, 4, 16)}
+    assert choose_schedule([1, 4, 16], CANDIDATES, fast, PLAIN_S)["no_speculation_above"] is None
+    slow = {B: {n: 10.0 for n in STEP_S[1]} for B in (1, 4, 16)}
+    sched = choose_schedule([1, 4, 16], CANDIDATES, slow, PLAIN_S)
+    assert sched["no_speculation_above"] == 0 and not any(e["speculate"] for e in sched["entries"])
+    with pytest.raises(ValueError, match="batch size 8"):
+        choose_schedule([1, 8], CANDIDATES, STEP_S, PLAIN_S)
+
+
+def test_vllm_config_gives_the_chain_length_per_batch_size_range():
+    entries = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)["entries"]
+    cfg = vllm_config(entries, "medusa", "serve/medusa")
+    assert set(cfg) == {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+    assert cfg["method"] == "medusa" and cfg["model"] == "serve/medusa"
+    assert cfg["num_speculative_tokens_per_batch_size"] == [[1, 3, 3], [4, 15, 1], [16, 16, 0]]
+    assert cfg["num_speculative_tokens"] == 3  # the largest K: vLLM sizes its buffers by it
+    same = [{**e, "chain_length": 2} for e in entries]  # equal neighbours merge into one range
+    assert vllm_config(same, "eagle3", "d")["num_speculative_tokens_per_batch_size"] == [[1, 16, 2]]
+
+
+def test_sglang_settings_follow_the_tree_and_a_chain_has_one_more_draft_token_than_steps():
+    entries = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)["entries"]
+    assert sglang_settings(entries[0]) == {"num_steps": 3, "eagle_topk": 3, "num_draft_tokens": 8}
+    chain = sglang_settings(entries[1])
+    assert chain["eagle_topk"] == 1 and chain["num_draft_tokens"] == chain["num_steps"] + 1 == 2
+    assert sglang_settings(entries[2]) is None
+    flags = parse_sglang_flags(sglang_text(entries[1], "STANDALONE", "draft", cutoff=4))
+    assert flags == {"--speculative-algorithm": "STANDALONE", "--speculative-draft-model-path": "draft",
+                     "--speculative-num-steps": "1", "--speculative-eagle-topk": "1",
+                     "--speculative-num-draft-tokens": "2"}
+    assert parse_sglang_flags(sglang_text(entries[2], "STANDALONE", "draft", cutoff=4)) == {}
+    assert is_chain([[0], [0, 0]]) and not is_chain([[0], [1]]) and not is_chain([[0], [0, 0], [0, 1]])
+
+
+def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp_path):
+    from draftlab.serve.generate import resolve_tree
+
+    sched = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)
+    out = tmp_path / "sched" / "s.json"
+    files = write_schedule(out, sched, {"name": "s", "hardware": "test"}, "ssm", "exp")
+    tree = Tree.load(out)  # what `generate --tree FILE` reads: the smallest batch size's tree
+    assert tree.paths == Tree.from_paths(WIDE).paths and tree.metadata["no_speculation_above"] == 4
+    assert resolve_tree(str(out), {"head": {"type": "ssm"}}).paths == tree.paths
+    assert tree_for_batch(out, 1).paths == tree.paths and tree_for_batch(out, 3).paths == tree.paths
+    assert tree_for_batch(out, 8).paths == ((0,),)
+    assert tree_for_batch(out, 64).paths == ()  # plain decoding: the root alone
+    vllm, sglang = engine_paths(out)
+    assert files == {"tree": str(out), "vllm": str(vllm), "sglang": str(sglang)}
+    assert json.loads(vllm.read_text())["method"] == "draft_model"
+    assert parse_sglang_flags(sglang.read_text())["--speculative-algorithm"] == "STANDALONE"
+    files = write_schedule(tmp_path / "h.json", sched, {}, "hydra", "exp")  # no engine serves Hydra heads
+    assert files["vllm"].startswith("not written") and files["sglang"].startswith("not written")
+    assert not engine_paths(tmp_path / "h.json")[0].exists()
+
+
+def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base_dir, tmp_path, capsys):
+    from draftlab.cli import main
+    from draftlab.serve.generate import load_decoder, run_generate
+
+    exp, data = search_inputs(tiny_base_dir, tmp_path, "ssm")
+    out = tmp_path / "sched.json"
+    assert main(["search-tree", str(exp), "--data", str(data), "--out", str(out), "--batch-sizes", "1,2",
+                 "--max-nodes", "4", "--max-depth", "3", "--calibration-prompts", "6", "--timing-prompts", "2",
+                 "--max-new-tokens", "8", "--timing-rounds", "1", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [e["batch_size"] for e in rep["schedule"]] == [1, 2]
+    names = {r["name"] for r in rep["candidates"]}
+    assert {"chain-2", "chain-3"} <= names  # chains of every length beside the grown trees (vLLM's choices)
+    assert {(m["batch_size"], m["name"]) for m in rep["measured"]} >= {(1, "plain"), (2, "plain"), (2, "chain-3")}
+    for e in rep["schedule"]:
+        assert e["tokens_per_s"] > 0 and e["plain_tokens_per_s"] > 0
+    tree = Tree.load(out)
+    assert [list(p) for p in tree.paths] == rep["schedule"][0]["paths"]
+    assert tree.metadata["batch_sizes"] == [1, 2] and len(json.loads(out.read_text())["schedule"]) == 2
+    vllm, sglang = engine_paths(out)
+    cfg = json.loads(vllm.read_text())
+    assert cfg["method"] == "draft_model" and cfg["model"] == str(exp)
+    ranges = cfg["num_speculative_tokens_per_batch_size"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 2 and all(0 <= k <= 3 for _, _, k in ranges)
+    flags = parse_sglang_flags(sglang.read_text())
+    if rep["schedule"][0]["speculate"]:
+        steps, topk = int(flags["--speculative-num-steps"]), int(flags["--speculative-eagle-topk"])
+        assert steps == tree.depth and (topk > 1 or int(flags["--speculative-num-draft-tokens"]) == steps + 1)
+    else:
+        assert flags == {}
+    # generate --tree FILE runs the schedule's batch-1 tree, losslessly
+    decoder, tok, _ = load_decoder(str(exp), tree=str(out))
+    assert decoder.drafter.max_nodes == tree.size
+    assert run_generate(decoder, tok, ["Once upon a time"], 8, compare=True)["identical_to_baseline"]
