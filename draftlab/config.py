@@ -196,6 +196,22 @@ class TrainSection(_Section):
     cache_hidden: bool = Field(False, description="store the base's hidden states on disk in epoch 1 and reuse them")
     hidden_cache_dir: str | None = Field(None, description="where the cache goes (default OUTPUT_DIR/hidden_cache); "
                                                            "needs H x dtype bytes per training token")
+    accept_prompts: int | None = Field(
+        None, ge=0, le=4096, description="held-out prompts (the prompt part of the first eval examples) on which "
+        "every evaluation computes expected_accept_length (the default tree's) and expected_accept_length_chain: "
+        "the base's greedy continuations, the draft's rank statistics along them, greedy decoding replayed; "
+        "0 turns it off; unset: 8, or 0 under DeepSpeed ZeRO-3 (it partitions the draft's parameters)")
+    accept_max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens of each accept prompt's greedy "
+                                       "continuation (and of the measured decoding)")
+    measure_accept_every: int | None = Field(
+        None, ge=0, description="every this many evaluations, also decode the accept prompts with the draft "
+        "(SpeculativeDecoder, greedy, the default tree) -> measured_accept_length; EAGLE-3 (no rank statistics) "
+        "measures at every evaluation; 0 = never; unset: 4, or 0 under FSDP / ZeRO-3 (no whole base or draft "
+        "on one process)")
+    export: Literal["best", "last"] = Field(
+        "best", description="which weights the final export holds: best = the evaluation with the highest "
+        "expected_accept_length (EAGLE-3: measured_accept_length; the last weights when no evaluation had one), "
+        "last = the last step's")
 
 
 class DistributedSection(_Section):
@@ -293,8 +309,35 @@ class Recipe(_Section):
                                      "medusa)")
     output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_defaults(cls, data):
+        # train.accept_prompts / measure_accept_every default by the strategy: ZeRO-3 partitions the draft's
+        # parameters and FSDP the base's, so neither has a whole model to decode with on one process.
+        if not isinstance(data, dict) or not isinstance(data.get("train", {}), dict):
+            return data
+        dist = data.get("distributed") if isinstance(data.get("distributed"), dict) else {}
+        zero3 = dist.get("strategy") == "deepspeed" and dist.get("zero_stage") == 3
+        fsdp = dist.get("strategy") == "fsdp"
+        train = dict(data.get("train") or {})
+        if train.get("accept_prompts") is None:
+            train["accept_prompts"] = 0 if zero3 else 8
+        if train.get("measure_accept_every") is None:
+            train["measure_accept_every"] = 0 if zero3 or fsdp else 4
+        return {**data, "train": train}
+
     @model_validator(mode="after")
     def _ensemble_members(self) -> "Recipe":
+        t, d = self.train, self.distributed
+        if d.strategy == "deepspeed" and d.zero_stage == 3 and t.accept_prompts:
+            raise ValueError(f"train.accept_prompts={t.accept_prompts}: DeepSpeed ZeRO-3 partitions the draft's "
+                             "parameters across processes, so no process has a whole draft to estimate accept length "
+                             "with; set train.accept_prompts: 0 (and train.export: last), or use "
+                             "distributed.zero_stage: 2")
+        if d.strategy == "fsdp" and t.measure_accept_every:
+            raise ValueError(f"train.measure_accept_every={t.measure_accept_every}: decoding needs the whole base in "
+                             "one process and FSDP shards it; set train.measure_accept_every: 0 (the expected accept "
+                             "length is still computed) or use distributed.strategy: ddp")
         if self.lora is not None:
             if self.head.type != "medusa":
                 raise ValueError("lora (Medusa-2 joint training) trains Medusa heads with the adapter; set head.type: "

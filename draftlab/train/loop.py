@@ -21,6 +21,7 @@ from ..data import collate, load_examples
 from ..drafters import build_draft
 from ..interop.export import save_export
 from ..progress import progress
+from .accept import AcceptEstimator, BestDraft, selection_value
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, outside_deepspeed,
                           single_process_group_env)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
@@ -51,6 +52,8 @@ class Run:
     lm_weight: object = None  # the teacher's output embedding: evaluation always reports agreement with it
     base_weight: object = None  # the same, when the loss distills from the teacher
     cache: object = None  # the hidden-state cache, or None
+    accept: object = None  # the accept-length estimator (accept.AcceptEstimator)
+    best: object = None  # the best draft so far by its estimate (accept.BestDraft), checkpointed
 
     @property
     def is_main(self) -> bool:
@@ -68,6 +71,7 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     load_models_and_data(run, ds_plugin, example_subset)
     build_optimizer(run)
     open_hidden_cache(run)
+    open_accept_estimate(run)
     step = resume_step(run.accelerator, run.out_dir, run.total_steps)
     metrics = Metrics(recipe, run.out_dir, run.accelerator)
     if run.is_main and step == 0:
@@ -198,6 +202,14 @@ def open_hidden_cache(run: Run) -> None:
                                 create=run.is_main)
 
 
+def open_accept_estimate(run: Run) -> None:
+    """The accept-length estimator over the held-out prompts, and the best draft so far, registered for
+    checkpointing after the scheduler (so every checkpoint holds the best as of its step)."""
+    run.accept = AcceptEstimator(run.recipe, run.base, run.tok, run.draft, run.eval_ex, run.accelerator, run.sharded)
+    run.best = BestDraft(keep_weights=run.is_main)  # weights on the main process only, which exports
+    run.accelerator.register_for_checkpointing(run.best)
+
+
 def micro_step(run: Run, idx: list[int], sync: bool, step: int) -> tuple[dict, int]:
     """Forward and backward on one micro-batch (gradients synchronised across ranks only when `sync`); the
     objective's outputs and the batch's token count."""
@@ -267,7 +279,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             window = Window()
         if run.eval_ex and (step % t.eval_every_steps == 0 or step == run.total_steps):
-            last_eval = evaluate_run(run)
+            last_eval = evaluate_run(run, step)
             metrics.log({"step": step, "event": "eval", **last_eval})
         stopped = step < end_step and stopper.requested()
         if step % t.save_every_steps == 0 or step == end_step or stopped:
@@ -305,9 +317,15 @@ class Window:
         return rec
 
 
-def evaluate_run(run: Run) -> dict:
-    return evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
-                    run.accelerator, run.lm_weight, run.draft)
+def evaluate_run(run: Run, step: int) -> dict:
+    """Held-out losses and agreement, the accept-length figures, and whether this is the best draft so far."""
+    rec = evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
+                   run.accelerator, run.lm_weight, run.draft)
+    rec.update(run.accept.evaluate([run.objective]))
+    run.best.offer(step, selection_value(rec), run.accelerator.unwrap_model(run.objective))
+    if run.best.step is not None:
+        rec["best_step"] = run.best.step
+    return rec
 
 
 def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: Metrics) -> dict:
@@ -317,19 +335,34 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
     if step < run.total_steps:
         return summary
     if last_eval is None and run.eval_ex:
-        last_eval = evaluate_run(run)
+        last_eval = evaluate_run(run, step)
     recipe = run.recipe
+    chosen = export_choice(run, step)
     if run.is_main:
-        export = save_export(run.accelerator.unwrap_model(run.objective).draft, run.base, run.out_dir / "export",
-                             recipe.base.name_or_path,
+        objective = run.accelerator.unwrap_model(run.objective)
+        if chosen["step"] != step:  # train.export: best, and an earlier evaluation was better
+            run.best.restore(objective)  # (the run ends here: the last weights are in the last checkpoint)
+        export = save_export(objective.draft, run.base, run.out_dir / "export", recipe.base.name_or_path,
                              extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
-                                                 "eval": last_eval}}, tokenizer=run.tok,
+                                                 "eval": last_eval, "export": chosen}}, tokenizer=run.tok,
                              adapter=run.base if recipe.lora is not None else None)
         summary["export"] = str(export)
     summary["eval"] = last_eval
+    summary["export_step"] = chosen["step"]
     if run.is_main and last_eval:
-        metrics.log({"step": step, "event": "end", **last_eval})
+        metrics.log({"step": step, "event": "end", **last_eval, "export_step": chosen["step"],
+                     "export_value": chosen["value"]})
     return summary
+
+
+def export_choice(run: Run, step: int) -> dict:
+    """Which weights the export holds: train.export best (the best evaluation's, when one had a figure) or last."""
+    best = run.best
+    if run.recipe.train.export == "best" and best.step is not None:
+        return {"step": best.step, "value": best.value, "chosen": "best",
+                "by": "expected_accept_length" if run.accept.has_ranks else "measured_accept_length"}
+    why = "last" if run.recipe.train.export == "last" else "last (no evaluation had an accept-length figure)"
+    return {"step": step, "value": None, "chosen": why}
 
 
 def micro_batch_indices(n: int, batch_size: int, epoch: int, seed: int, rank: int, world: int) -> list[list[int]]:

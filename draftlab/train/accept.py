@@ -1,0 +1,235 @@
+"""Accept length while training: what an evaluation says the export would decode at, and the best draft so far.
+
+At every evaluation, on the first `train.accept_prompts` held-out examples (their prompt part, as boost-tuning's
+tau takes them):
+1. the base's greedy continuation of each prompt (`train.accept_max_new_tokens` tokens, cut after EOS): the text
+   greedy decoding will walk. The base is frozen, so it is computed once per run; Medusa-2's adapter changes the
+   base, so there it is recomputed from the adapted base at every evaluation;
+2. the draft's rank vectors along those texts (the kind's `ranks`, as `search-tree` collects them): at each state
+   greedy decoding verifies from, the rank of the true token at each depth, conditioned on the true path;
+3. greedy decoding replayed on them (decode.search.replay_accept_length) along the kind's default tree (what
+   the export decodes with) -> `expected_accept_length`, and along a chain as deep as the draft drafts ->
+   `expected_accept_length_chain`. On the same texts this is the decoder's own accept length, exactly, for
+   static trees (tests/test_search.py shows it per kind; tests/test_train_accept.py on a trained export).
+Every `train.measure_accept_every` evaluations the same prompts are also decoded (SpeculativeDecoder, greedy,
+the kind's drafter with its default tree over the current draft) -> `measured_accept_length`. EAGLE-3 has no
+rank statistics (its trees are built per step), so it gets the measured figure only.
+
+Processes: the prompts are cut across ranks (prompts[rank::world]) and the figures summed over all of them, so
+every rank ends with the same numbers. A sharded (FSDP) base's forward is a collective: every rank runs as many
+base forwards as the others (continuations run a fixed number of steps; a rank out of prompts runs stand-ins).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode.search import replay_accept_length
+from ..decode.tree import Tree
+from ..drafters import kind_of, make_drafter
+from .boost import prompt_length
+
+NO_RANKS = ("eagle3",)  # kinds whose default tree is dynamic: no rank statistics, measured figures only
+
+
+def accept_prompts(eval_ex: list[dict], n: int) -> list[list[int]]:
+    """The prompt parts of the first n held-out examples."""
+    return [ex["input_ids"][: prompt_length(ex)] for ex in eval_ex[:n]]
+
+
+@torch.no_grad()
+def greedy_continuation(base, prompt: list[int], max_new_tokens: int, eos: set) -> list[int]:
+    """prompt + the base's greedy continuation (max_new_tokens tokens, cut after the first EOS). Always runs
+    max_new_tokens forwards, so that ranks of a sharded base run as many collectives as each other."""
+    from transformers import DynamicCache
+
+    dev = base.get_output_embeddings().weight.device
+    cache = DynamicCache(config=base.config)
+    out = base(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1)  # [1]
+    new = [int(tok)]
+    for _ in range(max_new_tokens - 1):
+        out = base(input_ids=tok[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1)
+        new.append(int(tok))
+    cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return prompt + new[:cut]
+
+
+def rank_depth(draft) -> int:
+    """How deep the draft drafts: the depth of its default chain (SSM, block drafters), else one level per head."""
+    tree = kind_of(draft.kind).default_tree(draft)
+    return max(tree.depth if isinstance(tree, Tree) else 0, draft.num_heads)
+
+
+@torch.no_grad()
+def text_ranks(draft, base, seq: list[int], prompt_len: int, depth: int) -> torch.Tensor:
+    """Rank vectors [T, depth] of the states greedy decoding verifies from along one text (as
+    serve.tree_search.collect_ranks: from the prompt's last token to the one before the text's last)."""
+    dev = base.get_output_embeddings().weight.device
+    ids = torch.tensor([seq], device=dev)
+    ranks = kind_of(draft.kind).ranks(draft, base, ids, depth)
+    start = max(prompt_len - 1, 0)
+    return ranks[start: max(ids.shape[1] - 2, start)].cpu()
+
+
+def replay_counts(tree: Tree, rows: list[torch.Tensor]) -> tuple[int, int]:
+    """(tokens committed, verification steps) of greedy decoding replayed along tree on these texts."""
+    steps = 0
+    for r in rows:  # replay_accept_length per text gives committed / steps; steps are counted here
+        have, i, n = set(tree.paths), 0, len(r)
+        rr = r.tolist()
+        while i < n:
+            d, path = 0, ()
+            while d < len(rr[i]) and path + (rr[i][d],) in have:
+                path, d = path + (rr[i][d],), d + 1
+            i, steps = i + min(1 + d, n - i), steps + 1
+    committed = sum(len(r) for r in rows)  # every state is committed exactly once
+    return committed, steps
+
+
+class AcceptEstimator:
+    """The accept-length figures of one run's evaluations (see the module docstring)."""
+
+    def __init__(self, recipe, base, tok, draft, eval_ex: list[dict], accelerator, sharded: bool):
+        t = recipe.train
+        self.base, self.draft, self.accelerator, self.sharded = base, draft, accelerator, sharded
+        self.adapted = recipe.lora is not None  # Medusa-2: the base changes with training
+        self.prompts = accept_prompts(eval_ex, t.accept_prompts)
+        self.max_new_tokens, self.every = t.accept_max_new_tokens, t.measure_accept_every
+        eos = tok.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self.has_ranks = draft.kind not in NO_RANKS
+        self.depth = rank_depth(draft)
+        default = kind_of(draft.kind).default_tree(draft)
+        self.tree = default if isinstance(default, Tree) else None
+        self.chain = Tree.chain(self.depth)
+        self.texts: list | None = None  # this rank's (prompt length, continuation), computed once
+        self.evals = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.prompts)
+
+    def _mine(self) -> list[int | None]:
+        """This rank's prompt indices, padded with None (a stand-in) to as many as any rank has."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = list(range(rank, len(self.prompts), world))
+        return mine + [None] * (len(range(0, len(self.prompts), world)) - len(mine))
+
+    def _continuations(self) -> list:
+        out = []
+        for i in self._mine():
+            p = self.prompts[i if i is not None else 0]
+            seq = greedy_continuation(self.base, p, self.max_new_tokens, self.eos)
+            out.append(None if i is None else (len(p), seq))
+        return out
+
+    def _sum(self, values: list[float]) -> list[float]:
+        if self.accelerator.num_processes == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return self.accelerator.reduce(t, reduction="sum").tolist()
+
+    @torch.no_grad()
+    def evaluate(self, modules) -> dict:
+        """The figures of this evaluation (every rank calls it; all get the same numbers). modules: the trained
+        module(s) to put in eval mode meanwhile (dropout off, Medusa-2's LoRA dropout too)."""
+        if not self.active:
+            return {}
+        self.evals += 1
+        was = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        try:
+            rec = {}
+            if self.has_ranks:
+                if self.texts is None or self.adapted:
+                    self.texts = self._continuations()
+                rec.update(self._expected())
+            if self.every and (self.evals % self.every == 0 or not self.has_ranks) and not self.sharded:
+                rec["measured_accept_length"] = self._measured()
+        finally:
+            for m, w in zip(modules, was):
+                m.train(w)
+        return rec
+
+    def _expected(self) -> dict:
+        rows = []
+        for item in self.texts:
+            plen, seq = item if item is not None else (len(self.prompts[0]), self.prompts[0] + [0, 0])
+            r = text_ranks(self.draft, self.base, seq, plen, self.depth)  # stand-ins run the same base forward
+            if item is not None:
+                rows.append(r)
+        figures = []
+        for tree in ([self.tree] if self.tree is not None else []) + [self.chain]:
+            figures += list(replay_counts(tree, rows))
+        sums = self._sum(figures + [float(sum(len(r) for r in rows))])
+        rec = {}
+        names = (["expected_accept_length"] if self.tree is not None else []) + ["expected_accept_length_chain"]
+        for k, name in enumerate(names):
+            rec[name] = sums[2 * k] / max(sums[2 * k + 1], 1)
+        rec["accept_states"] = int(sums[-1])
+        return rec
+
+    def _measured(self) -> float:
+        from ..decode.decoder import SpeculativeDecoder
+
+        decoder = SpeculativeDecoder(self.base, make_drafter(self.draft))
+        committed = rows = 0
+        for i in self._mine():
+            if i is None:
+                continue
+            r = decoder.generate([self.prompts[i]], max_new_tokens=self.max_new_tokens,
+                                 eos_token_id=sorted(self.eos) or None)
+            committed, rows = committed + sum(r.committed), rows + sum(r.rows_per_step)
+        c, n = self._sum([float(committed), float(rows)])
+        return c / max(n, 1)
+
+
+def selection_value(record: dict) -> float | None:
+    """What `train.export: best` ranks evaluations by: the default tree's expected accept length; for kinds without
+    rank statistics (EAGLE-3) the measured one, on the evaluations that measure it."""
+    v = record.get("expected_accept_length", record.get("measured_accept_length"))
+    return None if v is None else float(v)
+
+
+class BestDraft:
+    """The best draft so far by selection_value: its step, value and trainable weights (on CPU, main process only).
+    Registered for checkpointing, so each checkpoint holds the best as of its step and a resumed run exports
+    what an uninterrupted one would."""
+
+    def __init__(self, keep_weights: bool):
+        self.keep_weights = keep_weights
+        self.step: int | None = None
+        self.value: float | None = None
+        self.weights: dict | None = None
+
+    def offer(self, step: int, value: float | None, module) -> bool:
+        """Keep module's trainable weights if value beats the best so far (ties keep the earlier); True if kept."""
+        if value is None or (self.value is not None and value <= self.value):
+            return False
+        self.step, self.value = step, value
+        if self.keep_weights:
+            self.weights = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()
+                            if p.requires_grad}
+        return True
+
+    def restore(self, module) -> None:
+        """Copy the kept weights into module (the same module offer() read)."""
+        if not self.weights:
+            return
+        params = dict(module.named_parameters())
+        missing = [n for n in self.weights if n not in params]
+        if missing:
+            raise RuntimeError(f"the best draft's weights do not match the module (missing {missing[:5]})")
+        with torch.no_grad():
+            for n, w in self.weights.items():
+                params[n].copy_(w.to(params[n].device, params[n].dtype))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "value": self.value, "weights": self.weights or {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.value = state.get("step"), state.get("value")
+        self.weights = (state.get("weights") or None) if self.keep_weights else None
