@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..eval.mt_bench import compare_runs, run_mt_bench
+from ..eval.compare import compare_slices, format_comparison, load_summary
+from ..eval.mt_bench import EvalError, compare_runs, run_mt_bench
 from ..shipped import mt_bench_questions
 from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
 
@@ -31,6 +32,9 @@ def add_eval_args(sub) -> None:
                    help="the static-shape, compiled decode path (see generate --compile); same answers")
     p.add_argument("--limit", type=int, default=None, help="first N selected questions")
     p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
+    p.add_argument("--slice-field", default=None, metavar="NAME",
+                   help="slice the report by this field of the question records instead of `category` "
+                        "(a field of your own question file; every record must have it)")
     p.add_argument("--base", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default=None)
@@ -38,23 +42,36 @@ def add_eval_args(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-id", default=None, help="model_id in the answer file")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="no PNG plots (per category, histogram, per slicing)")
     p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    c = sub.add_parser("compare", help="side-by-side table of eval run directories",
-                       description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees).")
-    c.add_argument("runs", nargs="+", help="run directories holding summary.json")
-    c.add_argument("--json", action="store_true")
+    c = sub.add_parser("compare", help="side-by-side table of eval runs; with two, their slices and what got worse",
+                       description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees). "
+                                   "With exactly two runs A B, also each slicing's slices side by side, marking those "
+                                   "whose accept length or speedup is lower in B by more than --threshold. The exit "
+                                   "code is 0 whether or not a slice got worse.")
+    c.add_argument("runs", nargs="+", help="run directories holding summary.json, or summary.json files")
+    c.add_argument("--threshold", type=float, default=0.05,
+                   help="relative drop that marks a slice as worse (default 0.05: 5%%)")
+    c.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
 def eval_command(a) -> int:
     if a.eval_cmd == "compare":
+        if not 0 <= a.threshold < 1:
+            raise EvalError(f"--threshold {a.threshold}: a relative drop, from 0 to below 1 (0.05 = 5%)")
         table, runs = compare_runs(a.runs)
+        cmp = None
+        if len(a.runs) == 2:
+            cmp = compare_slices(load_summary(a.runs[0]), load_summary(a.runs[1]), a.threshold)
         if a.json:
-            print(json.dumps([{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
-                               "categories": r["categories"]} for r in runs]))
+            obj = {"runs": [{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
+                             "categories": r["categories"]} for r in runs]}
+            print(json.dumps({**obj, **(cmp or {})}))
         else:
             print(table)
+            if cmp:
+                print("\n" + format_comparison(cmp, *a.runs))
         return 0
     sampling_from_args(a)  # a bad flag fails before anything loads
     out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)
@@ -62,7 +79,7 @@ def eval_command(a) -> int:
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
                      device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha,
-                     compile=a.compile)
+                     compile=a.compile, slice_field=a.slice_field)
     if a.json:
         print(json.dumps(s))
         return 0

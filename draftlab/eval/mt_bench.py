@@ -27,6 +27,7 @@ from ..decode.decoder import sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
 from ..serve.tree_search import hardware
+from .slices import plot_slices, slice_report, slice_tables, turn_records
 
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
             "typical_alpha", "max_new_tokens", "seed", "baseline")
@@ -36,8 +37,10 @@ class EvalError(ValueError):
     """A user-fixable problem with the questions or the output directory."""
 
 
-def load_questions(src: str, categories: list[str] | None = None, limit: int | None = None) -> list[dict]:
-    """FastChat / Spec-Bench questions ({question_id, category, turns}) from a JSONL file or a hub dataset id."""
+def load_questions(src: str, categories: list[str] | None = None, limit: int | None = None,
+                   slice_field: str | None = None) -> list[dict]:
+    """FastChat / Spec-Bench questions ({question_id, category, turns}) from a JSONL file or a hub dataset id;
+    slice_field: a field of the user's records to slice the report by, kept beside them (required in every one)."""
     if Path(src).exists():
         rows = []
         with open(src, encoding="utf-8") as f:
@@ -63,7 +66,11 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
                             "(expected FastChat's {question_id, category, turns})")
         if not isinstance(r["turns"], list) or not r["turns"] or not all(isinstance(t, str) for t in r["turns"]):
             raise EvalError(f"{where}: `turns` must be a non-empty list of strings")
-        out.append({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"]})
+        if slice_field and slice_field not in r:
+            raise EvalError(f"{where}: --slice-field {slice_field}: the question record has no such field "
+                            f"(fields: {', '.join(sorted(r))})")
+        out.append({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"],
+                    **({slice_field: r[slice_field]} if slice_field else {})})
     if categories:
         known = sorted({q["category"] for q in out})
         bad = [c for c in categories if c not in known]
@@ -131,11 +138,13 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
                 wall = time.perf_counter() - t0
                 tokens = res.tokens[0]
                 stats = {"new_tokens": len(tokens), "steps": res.steps, "accept_length": round(res.accept_length, 4),
-                         "wall_time": round(wall, 5), "step_hist": dict(Counter(res.committed))}
+                         "wall_time": round(wall, 5), "step_hist": dict(Counter(res.committed)),
+                         "step_committed": list(res.committed)}  # in order: each step's output position (slices)
             else:
                 out, wall = plain_generate(decoder.base, [ids], max_new_tokens, sampling, eos, turn_seed)
                 tokens = out[0]
                 stats = {"new_tokens": len(tokens), "steps": len(tokens), "wall_time": round(wall, 5)}
+            stats["context_tokens"] = len(ids)  # prompt tokens the turn started from (after any cut)
             text = tok.decode(tokens, skip_special_tokens=True).strip()
             conv[method].append({"role": "assistant", "content": text})
             turns[method].append({"text": text, "tokens": tokens, "prompt_truncated": cut, **stats})
@@ -156,7 +165,8 @@ def running_totals(run: dict, turns: list[dict]) -> dict:
 def answer_record(q: dict, model_id: str, turns: list[dict], extra: dict | None = None) -> dict:
     """FastChat model-answer record; per-turn statistics sit beside `turns` in the choice (as EAGLE's do)."""
     choice = {"index": 0, "turns": [t["text"] for t in turns]}
-    for k in ("new_tokens", "steps", "wall_time", "accept_length", "step_hist", "prompt_truncated"):
+    for k in ("new_tokens", "steps", "wall_time", "accept_length", "step_hist", "prompt_truncated", "context_tokens",
+              "step_committed"):
         if k in turns[0]:
             choice[k] = [t[k] for t in turns]
     rec = {"question_id": q["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": model_id,
@@ -185,7 +195,7 @@ def _agg(d_recs: list[dict], b_recs: list[dict]) -> dict:
     return row
 
 
-def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict) -> dict:
+def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict, slice_field: str = "category") -> dict:
     qs = [q for q in questions if q["question_id"] in d_ans]
     cats = sorted({q["category"] for q in qs})
     by = lambda ans, c: [ans[q["question_id"]] for q in qs if c in (None, q["category"]) and q["question_id"] in ans]
@@ -197,7 +207,8 @@ def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict) -
              for q in qs for d in d_ans[q["question_id"]].get("differences", [])]
     return {**settings, "hardware": hardware(), "overall": _agg(by(d_ans, None), by(b_ans, None)),
             "categories": {c: _agg(by(d_ans, c), by(b_ans, c)) for c in cats},
-            "accept_histogram": {str(k): hist[k] for k in sorted(hist)}, "differences": diffs}
+            "accept_histogram": {str(k): hist[k] for k in sorted(hist)}, "differences": diffs,
+            "slices": slice_report(turn_records(qs, d_ans, b_ans, slice_field), slice_field)}
 
 
 def write_report(out: Path, s: dict) -> Path:
@@ -224,7 +235,11 @@ def write_report(out: Path, s: dict) -> Path:
                                              for d in s["differences"]]
         else:
             lines.append("Every answer is identical to plain decoding.")
-    lines += ["", "Plots: `speedup_per_category.png`, `accept_length_hist.png`."]
+    if s.get("slices"):
+        lines += ["", "## Slices", "", "Accept length = tokens committed / verification steps within the slice; "
+                  "buckets are powers of two, and an output-position step counts where it starts."]
+        lines += slice_tables(s["slices"])
+    lines += ["", "Plots: `speedup_per_category.png`, `accept_length_hist.png`, `slices_<slicing>.png`."]
     p = out / "report.md"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -284,11 +299,11 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                  model_id: str | None = None, overwrite: bool = False, progress: bool = True,
                  plots: bool = True, tp: bool = False, device_map: str | None = None,
                  typical_epsilon: float | None = None, typical_alpha: float | None = None,
-                 compile: bool = False) -> dict:
+                 compile: bool = False, slice_field: str | None = None) -> dict:
     """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots.
     tp: every rank of the launch answers every question with its shard of the base; rank 0 writes --out, the
     others a private scratch directory, and all follow rank 0's list of questions still to answer."""
-    qs = load_questions(questions, categories, limit)
+    qs = load_questions(questions, categories, limit, slice_field)
     if not qs:
         raise EvalError(f"{questions}: no questions selected")
     decoder, tok, meta = load_decoder(export, base, tree, dtype, device, tp, device_map, compile=compile)
@@ -309,7 +324,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "typical_epsilon": sampling.posterior_threshold if typical else None,
                 "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy, "compiled": compile,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
-                "baseline_model_id": f"{short}-plain"}
+                "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category"}
     outp = Path(out)
     _settings_file(outp, settings, overwrite)
     ans_dir = outp / "answers"
@@ -352,11 +367,11 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             os.fsync(fd.fileno())
             d_ans[q["question_id"]] = d_rec
             bar.set_postfix(running_totals(run, d_turns))
-    summary = summarize(qs, d_ans, b_ans if baseline else {}, settings)
+    summary = summarize(qs, d_ans, b_ans if baseline else {}, settings, slice_field or "category")
     summary["answers"] = {"draftlab": str(d_path), **({"plain": str(b_path)} if baseline else {})}
     summary["report"] = str(write_report(outp, summary))
     if plots:
-        summary["plots"] = plot_summary(outp, summary)
+        summary["plots"] = plot_summary(outp, summary) + plot_slices(outp, summary["slices"], model_id)
     (outp / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -365,9 +380,10 @@ def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
     """Markdown table of several eval runs side by side (overall, then speedup per category)."""
     runs = []
     for d in dirs:
-        f = Path(d) / "summary.json"
+        f = Path(d) / "summary.json" if Path(d).is_dir() else Path(d)
         if not f.is_file():
-            raise EvalError(f"{d}: no summary.json (not a `draftlab eval mt-bench` output directory, or unfinished)")
+            raise EvalError(f"{d}: no summary.json (not a `draftlab eval mt-bench` output directory or summary file, "
+                            "or the run is unfinished)")
         runs.append({"dir": d, **json.loads(f.read_text())})
     cats = sorted({c for r in runs for c in r["categories"]})
     key = "speedup" if all("speedup" in r["overall"] for r in runs) else "accept_length"

@@ -1,0 +1,91 @@
+"""`draftlab eval compare A B`: two runs' slices side by side, marking the slices that got worse.
+
+A slice got worse when B's accept length, or B's speedup, is lower than A's by more than `threshold`
+(relative: (B - A) / A < -threshold). Slices present in one run only, and figures one run lacks (speedup of a
+--no-baseline run, any figure of an output-position slice but accept length), are shown and never marked.
+Each row carries the slice's size in both runs (records, or verification steps for output position), so a
+drop in a slice of two records reads as what it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .mt_bench import EvalError
+from .slices import SLICINGS, bucket_key
+
+
+def summary_path(src: str) -> Path:
+    """summary.json of a run: the file itself, or the run directory holding it."""
+    p = Path(src)
+    f = p / "summary.json" if p.is_dir() else p
+    if not f.is_file():
+        raise EvalError(f"{src}: no summary.json (not a `draftlab eval mt-bench` output directory or summary file, "
+                        "or the run is unfinished)")
+    return f
+
+
+def load_summary(src: str) -> dict:
+    """A run's summary.json, with `dir` set to what the user named."""
+    return {"dir": src, **json.loads(summary_path(src).read_text())}
+
+
+def _change(a, b):
+    return None if a is None or b is None or not a else round((b - a) / a, 4)
+
+
+def compare_slices(a: dict, b: dict, threshold: float = 0.05) -> dict:
+    """Per slicing, rows {slice, a, b, accept_change, speedup_change, worse} for the union of both runs' slices;
+    `worse` names the figures that dropped by more than `threshold` (relative)."""
+    for r in (a, b):
+        if "slices" not in r:
+            raise EvalError(f"{r['dir']}: the summary has no per-slice section (made by an older draftlab); run "
+                            "`draftlab eval mt-bench` again with the same --out: answers are kept, the summary is "
+                            "rewritten")
+    out = {"threshold": threshold, "slicings": {}, "worse": []}
+    whole = lambda r: {"all": {**r["overall"], "records": r["overall"]["turns"]}}  # the run as one slice
+    for name in ("overall",) + SLICINGS:
+        sa = whole(a) if name == "overall" else a["slices"].get(name) or {}
+        sb = whole(b) if name == "overall" else b["slices"].get(name) or {}
+        size = "steps" if name == "output_position" else "records"
+        rows = []
+        for k in sorted(set(sa) | set(sb), key=bucket_key):
+            x, y = sa.get(k, {}), sb.get(k, {})
+            row = {"slice": k, "size": size, "a": {f: x.get(f) for f in (size, "accept_length", "speedup")},
+                   "b": {f: y.get(f) for f in (size, "accept_length", "speedup")},
+                   "accept_change": _change(x.get("accept_length"), y.get("accept_length")),
+                   "speedup_change": _change(x.get("speedup"), y.get("speedup"))}
+            row["worse"] = [f for f, c in (("accept_length", row["accept_change"]), ("speedup", row["speedup_change"]))
+                            if c is not None and c < -threshold]
+            if row["worse"]:
+                out["worse"].append({"slicing": name, "slice": k, "worse": row["worse"]})
+            rows.append(row)
+        out["slicings"][name] = rows
+    return out
+
+
+def format_comparison(cmp: dict, a: str, b: str) -> str:
+    """Markdown tables, one per slicing, of a compare_slices result."""
+    f2 = lambda v, suf="": "-" if v is None else f"{v:.2f}{suf}"
+    pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"
+    lines = [f"A = {a}", f"B = {b}",
+             f"worse: accept length or speedup lower in B by more than {100 * cmp['threshold']:.1f}% (relative)"]
+    for name, rows in cmp["slicings"].items():
+        if not rows:
+            continue
+        size = rows[0]["size"]
+        lines += ["", f"### {name.replace('_', ' ')}", "",
+                  f"| slice | {size} A | {size} B | accept A | accept B | change | speedup A | speedup B | change | |",
+                  "|---" * 10 + "|"]
+        for r in rows:
+            x, y = r["a"], r["b"]
+            mark = "**worse** (" + ", ".join(w.replace("_", " ") for w in r["worse"]) + ")" if r["worse"] else ""
+            cells = [r["slice"], str(x[size] if x[size] is not None else "-"), str(y[size] if y[size] is not None else "-"),
+                     f2(x["accept_length"]), f2(y["accept_length"]), pct(r["accept_change"]),
+                     f2(x["speedup"], "x"), f2(y["speedup"], "x"), pct(r["speedup_change"]), mark]
+            lines.append("| " + " | ".join(cells) + " |")
+    n = len(cmp["worse"])
+    lines += ["", f"{n} slice{'s' if n != 1 else ''} got worse" + (":" if n else "") +
+              "".join(f"\n- {w['slicing']} {w['slice']}: {', '.join(w['worse'])}" for w in cmp["worse"])]
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Per-slice reports: accept length, tokens/s and speedup of an eval run broken down by slices.
+
+A record is one turn of one question: its category (or the value of `--slice-field`), the turn number, the
+context length in tokens when the turn started (the prompt the decoder saw, after any truncation), its
+verification steps with the tokens each committed (in order, so each step's position in the output is known),
+its new tokens and wall time, and the same turn's plain-decoding tokens and wall time when the run measured them.
+
+Slicings:
+- `category`: the question's category (MT-Bench category, Spec-Bench task) or `--slice-field NAME`.
+- `turn`: 1, 2, ...
+- `context_tokens`: prompt length in tokens at the start of the turn, in power-of-two buckets (0-31, 32-63,
+  64-127, ...). Fixed edges, not quantiles, so that two runs' buckets mean the same thing and can be compared.
+- `output_position`: where in the answer a verification step started, same buckets. A step belongs wholly to
+  the bucket of its first committed token (the position = tokens committed before it in that turn): a step
+  that starts at position 30 and commits 4 tokens counts as one step with 4 tokens in 0-31. The bucket says
+  where the draft was made, and every step is counted exactly once. Position 0 is the token the prefill
+  emits (the base's first token, no verification step), so the first step starts at position 1.
+
+Per slice: `records` (turns that have at least one step in the slice), `steps`, `committed` (tokens committed by
+those steps, bonus tokens included; the prefill's first token of each turn is no step's, as in the overall
+figure), `accept_length` = committed / steps (so the steps-weighted mean over a slicing's slices is the overall
+accept length); for the record slicings also `new_tokens`, `tokens_per_s`
+(new tokens / wall time, summed over the slice's records) and, where plain decoding was measured,
+`plain_tokens_per_s` and `speedup`. Output-position slices carry no tokens/s: steps are not timed one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+SLICINGS = ("category", "turn", "context_tokens", "output_position")
+FIRST_BUCKET = 32  # the first bucket is 0-31; after it, powers of two: 32-63, 64-127, ...
+
+
+def bucket(n: int, first: int = FIRST_BUCKET) -> str:
+    """Power-of-two bucket label of a non-negative count: 0-31, 32-63, 64-127, ..."""
+    if n < first:
+        return f"0-{first - 1}"
+    lo = 1 << int(math.floor(math.log2(n)))
+    return f"{lo}-{2 * lo - 1}"
+
+
+def bucket_key(label: str):
+    """Sort key that orders bucket labels by their lower edge and other labels by name."""
+    head = label.split("-", 1)[0]
+    return (0, int(head), "") if head.isdigit() else (1, 0, label)
+
+
+def step_positions(committed: list[int], start: int = 1) -> list[int]:
+    """Output position of each step's first committed token; the first step starts after the `start` tokens
+    that came before any verification step (the prefill's token: 1)."""
+    pos, out = start, []
+    for c in committed:
+        out.append(pos)
+        pos += c
+    return out
+
+
+def turn_records(questions: list[dict], d_ans: dict, b_ans: dict, field: str = "category") -> list[dict]:
+    """One record per (question, turn) answered by the decoder, with what slicing needs (see the module doc).
+    Answers written before per-slice records existed lack `context_tokens` / `step_committed`: those records
+    have None there and are left out of the slicings that need them."""
+    recs = []
+    for q in questions:
+        if q["question_id"] not in d_ans:
+            continue
+        ch = d_ans[q["question_id"]]["choices"][0]
+        bch = b_ans[q["question_id"]]["choices"][0] if q["question_id"] in b_ans else None
+        n = len(ch["turns"])
+        for t in range(n):
+            r = {"question_id": q["question_id"], "category": str(q.get(field)), "turn": t + 1,
+                 "context_tokens": (ch.get("context_tokens") or [None] * n)[t],
+                 "new_tokens": ch["new_tokens"][t], "steps": ch["steps"][t], "wall_time": ch["wall_time"][t],
+                 "committed": round(ch["accept_length"][t] * ch["steps"][t]),
+                 "step_committed": (ch.get("step_committed") or [None] * n)[t]}
+            if r["step_committed"] is not None:
+                r["committed"] = sum(r["step_committed"])
+            r["tokens_per_s"] = r["new_tokens"] / r["wall_time"] if r["wall_time"] else 0.0
+            if bch is not None:
+                r["plain_new_tokens"], r["plain_wall_time"] = bch["new_tokens"][t], bch["wall_time"][t]
+                r["plain_tokens_per_s"] = r["plain_new_tokens"] / r["plain_wall_time"] if r["plain_wall_time"] else 0.0
+            recs.append(r)
+    return recs
+
+
+def _record_slice(recs: list[dict]) -> dict:
+    steps, committed = sum(r["steps"] for r in recs), sum(r["committed"] for r in recs)
+    new, wall = sum(r["new_tokens"] for r in recs), sum(r["wall_time"] for r in recs)
+    row = {"records": len(recs), "steps": steps, "committed": committed, "new_tokens": new,
+           "accept_length": round(committed / steps, 4) if steps else 0.0,
+           "tokens_per_s": round(new / wall, 2) if wall else 0.0}
+    if recs and all("plain_wall_time" in r for r in recs):
+        pnew, pwall = sum(r["plain_new_tokens"] for r in recs), sum(r["plain_wall_time"] for r in recs)
+        row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
+        row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
+    return row
+
+
+def _group(recs: list[dict], key) -> dict:
+    groups: dict = {}
+    for r in recs:
+        k = key(r)
+        if k is not None:
+            groups.setdefault(k, []).append(r)
+    return {k: _record_slice(groups[k]) for k in sorted(groups, key=bucket_key)}
+
+
+def position_slices(recs: list[dict]) -> dict:
+    """Steps and tokens committed per output-position bucket (a step goes to the bucket where it starts)."""
+    acc: dict = {}
+    for r in recs:
+        if r["step_committed"] is None:
+            continue
+        seen = set()
+        start = r["new_tokens"] - sum(r["step_committed"])  # the prefill's token (or none for an empty answer)
+        for pos, c in zip(step_positions(r["step_committed"], start), r["step_committed"]):
+            b = acc.setdefault(bucket(pos), {"records": 0, "steps": 0, "committed": 0})
+            b["steps"] += 1
+            b["committed"] += c
+            if bucket(pos) not in seen:
+                seen.add(bucket(pos))
+                b["records"] += 1
+    return {k: {**acc[k], "accept_length": round(acc[k]["committed"] / acc[k]["steps"], 4)}
+            for k in sorted(acc, key=bucket_key)}
+
+
+def slice_report(recs: list[dict], field: str = "category") -> dict:
+    """The `slices` section of summary.json: every slicing of the records (see the module doc)."""
+    return {"category_field": field, "bucket_rule": "power-of-two buckets (0-31, 32-63, 64-127, ...); an output "
+                                                    "step belongs to the bucket of its first committed token",
+            "category": _group(recs, lambda r: r["category"]),
+            "turn": _group(recs, lambda r: str(r["turn"])),
+            "context_tokens": _group(recs, lambda r: None if r["context_tokens"] is None else bucket(r["context_tokens"])),
+            "output_position": position_slices(recs)}
+
+
+def slice_tables(sl: dict) -> list[str]:
+    """Markdown tables of a `slices` section, one per slicing (report.md)."""
+    lines = []
+    for name in SLICINGS:
+        rows = sl.get(name) or {}
+        if not rows:
+            continue
+        timed = name != "output_position"
+        label = sl.get("category_field", "category") if name == "category" else name
+        head = [label, "records", "steps", "accept length"] + (["tokens/s", "plain tokens/s", "speedup"] if timed else [])
+        lines += ["", f"### by {label.replace('_', ' ')}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        for k, r in rows.items():
+            cells = [k, str(r["records"]), str(r["steps"]), f"{r['accept_length']:.2f}"]
+            if timed:
+                cells += [f"{r['tokens_per_s']:.1f}",
+                          f"{r['plain_tokens_per_s']:.1f}" if "plain_tokens_per_s" in r else "-",
+                          f"{r['speedup']:.2f}x" if "speedup" in r else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_slices(out: Path, sl: dict, title: str = "") -> list[str]:
+    """One PNG per slicing, slices_<slicing>.png: accept length per slice (and speedup where measured), with the
+    number of records (steps for output position) over each bar, so small slices show as such."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name in SLICINGS:
+        rows = sl.get(name) or {}
+        if not rows:
+            continue
+        keys = list(rows)
+        panels = ["accept_length"] + (["speedup"] if all("speedup" in r for r in rows.values()) else [])
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5, 0.7 * len(keys) + 2) * len(panels), 3.5),
+                                 squeeze=False)
+        count = "steps" if name == "output_position" else "records"
+        for ax, key in zip(axes[0], panels):
+            vals = [rows[k][key] for k in keys]
+            bars = ax.bar(keys, vals, color="tab:blue")
+            for b, k in zip(bars, keys):
+                ax.annotate(f"n={rows[k][count]}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+            if key == "speedup":
+                ax.axhline(1.0, color="0.4", lw=1, ls="--")
+            ax.set_ylabel(key.replace("_", " "))
+            ax.set_xlabel(name.replace("_", " ") + (" (bucket of the step's first token)" if count == "steps" else ""))
+            ax.tick_params(axis="x", rotation=30)
+        fig.suptitle(f"{title}: by {name.replace('_', ' ')}" if title else f"by {name.replace('_', ' ')}")
+        fig.tight_layout()
+        p = out / f"slices_{name}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths

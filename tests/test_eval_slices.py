@@ -1,0 +1,224 @@
+"""Per-slice reports (issue 24, part 2): slicing of eval records, slices in a real run, `eval compare A B`."""
+
+import json
+
+import pytest
+
+from conftest import DATA
+from test_eval import export  # noqa: F401  (the module-scoped stories260K + noisy-heads export fixture)
+from draftlab.eval.compare import compare_slices
+from draftlab.eval.mt_bench import EvalError
+from draftlab.eval.slices import bucket, slice_report, step_positions, turn_records
+
+MT = DATA / "mt_bench" / "question.jsonl"
+
+
+def test_buckets_and_step_positions():
+    assert [bucket(n) for n in (0, 31, 32, 63, 64, 127, 128, 300, 1024)] == [
+        "0-31", "0-31", "32-63", "32-63", "64-127", "64-127", "128-255", "256-511", "1024-2047"]
+    assert step_positions([4, 1, 3, 2]) == [1, 5, 6, 9]  # position 0: the prefill's token
+    assert step_positions([4, 1], start=0) == [0, 4]
+
+
+def _turns(committed, context, wall, **kw):
+    """A hand-made per-turn choice entry as the runner writes it."""
+    return {"step_committed": committed, "context_tokens": context, "wall_time": wall,
+            "new_tokens": 1 + sum(committed), "steps": len(committed),  # + the prefill's token
+            "accept_length": round(sum(committed) / len(committed), 4), **kw}
+
+
+def _answer(qid, turns):
+    ch = {"index": 0, "turns": ["x"] * len(turns)}
+    for k in turns[0]:
+        ch[k] = [t[k] for t in turns]
+    return {"question_id": qid, "choices": [ch]}
+
+
+def hand_made():
+    """Two questions: `writing` (two turns) and `math` (one turn), with plain-decoding answers beside them."""
+    qs = [{"question_id": 1, "category": "writing", "turns": ["a", "b"], "level": "hard"},
+          {"question_id": 2, "category": "math", "turns": ["c"], "level": "easy"}]
+    # Token 0 of each answer is the prefill's. q1 turn 1: steps start at 1, 5, ..., 25, then one at 29 that
+    # commits 5 (tokens 29-33, across the 32 edge: it counts wholly in 0-31, where it starts), then two single
+    # tokens at 34 and 35.
+    t11 = _turns([4] * 7 + [5, 1, 1], context=20, wall=1.0)
+    t12 = _turns([2] * 20, context=70, wall=1.0)  # steps at 1, 3, ..., 39: 16 start in 0-31, 4 in 32-63
+    t21 = _turns([1] * 40, context=40, wall=2.0)  # steps at 1..40: 31 in 0-31, 9 in 32-63
+    d = {1: _answer(1, [t11, t12]), 2: _answer(2, [t21])}
+    b = {1: _answer(1, [{"new_tokens": 36, "wall_time": 2.0}, {"new_tokens": 41, "wall_time": 1.5}]),
+         2: _answer(2, [{"new_tokens": 41, "wall_time": 1.64}])}
+    return qs, d, b
+
+
+def test_slices_of_hand_made_records_are_exact():
+    qs, d, b = hand_made()
+    recs = turn_records(qs, d, b)
+    assert [(r["question_id"], r["turn"], r["context_tokens"], r["committed"]) for r in recs] == [
+        (1, 1, 20, 35), (1, 2, 70, 40), (2, 1, 40, 40)]
+    assert recs[0]["tokens_per_s"] == 36.0 and recs[0]["plain_tokens_per_s"] == 18.0
+    sl = slice_report(recs)
+    cat = sl["category"]
+    assert list(cat) == ["math", "writing"]
+    assert cat["writing"] == {"records": 2, "steps": 30, "committed": 75, "new_tokens": 77, "accept_length": 2.5,
+                              "tokens_per_s": 38.5, "plain_tokens_per_s": 22.0, "speedup": 1.75}
+    assert cat["math"] == {"records": 1, "steps": 40, "committed": 40, "new_tokens": 41, "accept_length": 1.0,
+                           "tokens_per_s": 20.5, "plain_tokens_per_s": 25.0, "speedup": 0.82}
+    assert {k: (v["records"], v["steps"], v["accept_length"]) for k, v in sl["turn"].items()} == {
+        "1": (2, 50, 1.5), "2": (1, 20, 2.0)}
+    # speedup of turn 1: (77 tokens / 3.0 s) / (77 tokens / 3.64 s)
+    assert sl["turn"]["1"]["speedup"] == 1.2133
+    assert {k: (v["records"], v["accept_length"]) for k, v in sl["context_tokens"].items()} == {
+        "0-31": (1, 3.5), "32-63": (1, 1.0), "64-127": (1, 2.0)}
+    assert list(sl["context_tokens"]) == ["0-31", "32-63", "64-127"]  # by lower edge, not by string
+    # 0-31: 8 + 16 + 31 steps committing 33 + 32 + 31 tokens; 32-63: 2 + 4 + 9 steps committing 2 + 8 + 9.
+    assert sl["output_position"] == {"0-31": {"records": 3, "steps": 55, "committed": 96, "accept_length": 1.7455},
+                                     "32-63": {"records": 3, "steps": 15, "committed": 19, "accept_length": 1.2667}}
+    # Every slicing's steps-weighted accept length is the whole run's: 115 tokens in 70 steps.
+    for name in ("category", "turn", "context_tokens", "output_position"):
+        rows = sl[name].values()
+        assert (sum(r["steps"] for r in rows), sum(r["committed"] for r in rows)) == (70, 115), name
+
+    by_level = slice_report(turn_records(qs, d, b, "level"), "level")
+    assert by_level["category_field"] == "level" and list(by_level["category"]) == ["easy", "hard"]
+    assert by_level["category"]["hard"] == sl["category"]["writing"]
+    # Without plain decoding: no speedup anywhere; answers from before per-slice records: no position slices.
+    old = {1: _answer(1, [{k: v for k, v in t.items() if k not in ("step_committed", "context_tokens")}
+                          for t in (_turns([3, 1], 5, 1.0), _turns([2], 5, 1.0))])}
+    sl = slice_report(turn_records(qs, old, {}))
+    assert sl["category"]["writing"]["accept_length"] == 2.0 and "speedup" not in sl["category"]["writing"]
+    assert sl["output_position"] == {} and sl["context_tokens"] == {}
+
+
+def test_questions_keep_the_slice_field(tmp_path):
+    from draftlab.eval.mt_bench import load_questions
+
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question_id": 1, "category": "a", "turns": ["hi"], "lang": "de"}\n'
+                 '{"question_id": 2, "category": "b", "turns": ["ho"]}\n')
+    with pytest.raises(EvalError, match=r"q.jsonl:2: --slice-field lang: .*no such field \(fields: category, "):
+        load_questions(str(f), slice_field="lang")
+    f.write_text(f.read_text().replace('"ho"]', '"ho"], "lang": ["en"]'))
+    assert load_questions(str(f), slice_field="lang") == [
+        {"question_id": 1, "category": "a", "turns": ["hi"], "lang": "de"},
+        {"question_id": 2, "category": "b", "turns": ["ho"], "lang": ["en"]}]
+    assert "lang" not in load_questions(str(f))[0]
+
+
+def _summary(tmp, name, overall, slices):
+    d = tmp / name
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"head": "medusa", "tree_size": 9, "overall": overall,
+                                                "categories": {}, "slices": slices}))
+    return str(d)
+
+
+def hand_made_pair(tmp):
+    row = lambda n, acc, sp=None: {"records": n, "accept_length": acc, **({"speedup": sp} if sp else {})}
+    a = _summary(tmp, "a", {"turns": 10, "accept_length": 2.0, "tokens_per_s": 10.0, "speedup": 1.5},
+                 {"category_field": "category",
+                  "category": {"coding": row(4, 2.0, 1.5), "math": row(4, 2.0, 1.5), "writing": row(2, 2.0, 1.5)},
+                  "turn": {"1": row(5, 2.0, 1.5), "2": row(5, 2.0, 1.5)},
+                  "context_tokens": {"32-63": row(10, 2.0, 1.5)},
+                  "output_position": {"0-31": {"steps": 40, "accept_length": 2.0},
+                                      "32-63": {"steps": 20, "accept_length": 2.0}}})
+    b = _summary(tmp, "b", {"turns": 10, "accept_length": 1.94, "tokens_per_s": 10.0, "speedup": 1.5},
+                 {"category_field": "category",
+                  # coding: accept length -4% (inside 5%); math: -10% accept length; writing: speedup -6%.
+                  "category": {"coding": row(4, 1.92, 1.5), "math": row(4, 1.8, 1.5), "writing": row(2, 2.0, 1.41)},
+                  "turn": {"1": row(5, 2.0, 1.6), "2": row(5, 1.0, 1.0)},  # turn 2: both worse
+                  "context_tokens": {"32-63": row(6, 2.0, 1.5), "64-127": row(4, 0.5, 0.5)},  # a new slice: unmarked
+                  "output_position": {"0-31": {"steps": 40, "accept_length": 2.1},
+                                      "32-63": {"steps": 25, "accept_length": 1.8}}})
+    return a, b
+
+
+def test_compare_marks_exactly_the_slices_that_got_worse(tmp_path):
+    from draftlab.eval.compare import format_comparison, load_summary
+
+    a, b = hand_made_pair(tmp_path)
+    cmp = compare_slices(load_summary(a), load_summary(b), threshold=0.05)
+    assert cmp["worse"] == [{"slicing": "category", "slice": "math", "worse": ["accept_length"]},
+                            {"slicing": "category", "slice": "writing", "worse": ["speedup"]},
+                            {"slicing": "turn", "slice": "2", "worse": ["accept_length", "speedup"]},
+                            {"slicing": "output_position", "slice": "32-63", "worse": ["accept_length"]}]
+    rows = {r["slice"]: r for r in cmp["slicings"]["category"]}
+    assert rows["coding"]["accept_change"] == -0.04 and rows["coding"]["worse"] == []
+    new = cmp["slicings"]["context_tokens"][1]
+    assert new["slice"] == "64-127" and new["a"]["records"] is None and new["b"]["records"] == 4 and new["worse"] == []
+    assert cmp["slicings"]["overall"][0]["worse"] == []  # -3%
+    assert compare_slices(load_summary(a), load_summary(b), threshold=0.2)["worse"] == [
+        {"slicing": "turn", "slice": "2", "worse": ["accept_length", "speedup"]}]
+    text = format_comparison(cmp, a, b)
+    assert text.count("**worse**") == 4 and "4 slices got worse" in text
+    assert "| 2 | 5 | 5 | 2.00 | 1.00 | -50.0% | 1.50x | 1.00x | -33.3% | **worse** (accept length, speedup) |" in text
+    assert "| 64-127 | - | 4 | - | 0.50 | - | - | 0.50x | - |  |" in text
+    assert "| slice | steps A | steps B |" in text  # output position counts steps
+
+
+def test_compare_cli(tmp_path, capsys):
+    from draftlab.cli import main
+
+    a, b = hand_made_pair(tmp_path)
+    assert main(["eval", "compare", a, b + "/summary.json", "--json"]) == 0  # exit 0 although slices got worse
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert obj["threshold"] == 0.05 and len(obj["worse"]) == 4 and [r["dir"] for r in obj["runs"]] == [a, b + "/summary.json"]
+    assert main(["eval", "compare", a, b, "--threshold", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert "0 slices got worse" in out and "### output position" in out and "**worse**" not in out
+    assert main(["eval", "compare", a, b, "--threshold", "1.5"]) == 2
+    assert "--threshold 1.5" in capsys.readouterr().err
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text(json.dumps({"head": "hydra", "tree_size": 5, "categories": {},
+                                                                "overall": {"turns": 2, "accept_length": 1.5,
+                                                                            "tokens_per_s": 3.0}}))
+    assert main(["eval", "compare", a, str(tmp_path / "old")]) == 2
+    assert "no per-slice section" in capsys.readouterr().err
+
+
+def test_run_writes_slices_that_add_up(export, tmp_path, capsys):  # noqa: F811
+    """A real run (stories260K, noisy heads): slices come from the answers and agree with the overall figures."""
+    from draftlab.cli import main
+
+    picked, seen = [], set()
+    for line in open(MT):  # one question of each of three categories, plus a field of our own to slice by
+        q = json.loads(line)
+        if q["category"] not in seen and len(seen) < 3:
+            seen.add(q["category"])
+            picked.append({**q, "length": "long" if len(q["turns"][0]) > 150 else "short"})
+    qf = tmp_path / "q.jsonl"
+    qf.write_text("".join(json.dumps(q) + "\n" for q in picked))
+    out = tmp_path / "run"
+    rc = main(["eval", "mt-bench", export, "--questions", str(qf), "--max-new-tokens", "48", "--out", str(out),
+               "--slice-field", "length", "--json"])
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and s["overall"]["identical_share"] == 1.0
+    sl, o = s["slices"], s["overall"]
+    assert sl["category_field"] == "length" and set(sl["category"]) <= {"long", "short"}
+    assert list(sl["turn"]) == ["1", "2"]
+    answers = [json.loads(l)["choices"][0] for l in open(s["answers"]["draftlab"])]
+    plain = [json.loads(l)["choices"][0] for l in open(s["answers"]["plain"])]
+    steps = sum(sum(c["steps"]) for c in answers)
+    new = sum(sum(c["new_tokens"]) for c in answers)
+    for c, p in zip(answers, plain):  # the per-step record is the whole answer, in order
+        assert [1 + sum(x) for x in c["step_committed"]] == c["new_tokens"]  # + the prefill's token
+        assert list(map(len, c["step_committed"])) == c["steps"]
+        assert c["context_tokens"] == p["context_tokens"] and c["context_tokens"][1] > c["context_tokens"][0]
+    assert max(n for c in answers for n in c["new_tokens"]) > 32  # some answers reach the second position bucket
+    assert len(sl["output_position"]) >= 2
+    for name in ("category", "turn", "context_tokens", "output_position"):
+        rows = sl[name].values()
+        assert sum(r["steps"] for r in rows) == steps, name
+        assert sum(r["committed"] for r in rows) == new - o["turns"], name  # emitted tokens but the prefill's
+        assert sum(r["committed"] for r in rows) / steps == pytest.approx(o["accept_length"], abs=1e-3), name
+    assert sum(r["records"] for r in sl["turn"].values()) == o["turns"] == 6
+    for r in sl["turn"].values():  # speedup per slice: the slice's tokens/s against its plain tokens/s
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"], rel=1e-2)
+    for name in ("category", "turn", "context_tokens", "output_position"):
+        assert (out / f"slices_{name}.png").stat().st_size > 0
+    assert "### by length" in (out / "report.md").read_text()
+    # The run against itself: nothing got worse; against a run without the field, an error that names it.
+    assert main(["eval", "compare", str(out), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["worse"] == []
+    assert main(["eval", "mt-bench", export, "--questions", str(MT), "--slice-field", "length", "--limit", "1",
+                 "--out", str(tmp_path / "r2"), "--json"]) == 2
+    assert "--slice-field length" in capsys.readouterr().err
