@@ -151,6 +151,10 @@ def test_export_for_vllm_loads_into_its_structure_with_the_same_logits(base, tin
     mirror.load_state_dict(state, strict=True)
     h = torch.randn(5, base.config.hidden_size)
     torch.testing.assert_close(mirror.logits(h), heads.logits(h))
+    # `draftlab check` reads the served files by the same rules.
+    from draftlab.interop.check import vllm_medusa_logits
+
+    torch.testing.assert_close(vllm_medusa_logits(state, cfg, h), mirror.logits(h))
     # Without medusa_fc_bias the loader has no bias parameters and would drop them silently: the names differ.
     assert set(state) != set(VllmMedusaMirror({**cfg, "medusa_fc_bias": False}).state_dict())
     card = (tmp_path / "vllm" / "README.md").read_text()

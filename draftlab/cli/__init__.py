@@ -220,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipes_args(s.add_subparsers(dest="recipes_cmd", required=True, metavar="{list,copy}"))
     s.set_defaults(func=recipes_command)
 
+    from .check import add_check_args, check_command
+
+    s = sub.add_parser("check", help="check an export for what silently lowers served acceptance (vLLM / SGLang)",
+                       description="Aux-layer ids, d2t / t2d, RoPE, quantization, tokenizer and chat template, and the "
+                                   "proposals of fixed prompts read the engines' way vs draftlab's. Exit 1 if a check "
+                                   "fails.")
+    add_check_args(s)
+    s.set_defaults(func=check_command)
+
     from .generate import add_generate_args
 
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")

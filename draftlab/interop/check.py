@@ -1,0 +1,475 @@
+"""`draftlab check`: what silently ruins served acceptance in an export, read the way vLLM and SGLang read it.
+
+Six checks, each one line that names what is wrong, where, and the fix: auxiliary-layer ids (each engine's
+convention), draft-vocabulary maps (d2t / t2d), RoPE / max positions against the base's config.json, a
+quantization config an engine would apply to the draft, the tokenizer / chat template against training's, and
+proposals: fixed prompts decoded with draftlab's drafter, each step's chain compared token by token with the
+chain computed from the served files the engine's way (`EngineEagle3`, `vllm_medusa_logits`).
+
+Engine rules (the loaders' code; sources in docs/interop.md):
+- vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as Hugging Face hidden_states indices (the
+  residual stream captured before decoder layer L); missing: (2, n // 2, n - 3), silently.
+- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as decoder-layer outputs: it captures
+  hidden_states[L + 1]; missing: (2, n // 2, n - 3) with no offset. Since sglang PR #25454 the +1 is applied only
+  when the first id is 1 (a first id of 2 is taken as vLLM's convention).
+- Both capture each layer once, in layer order, whatever the order of the ids; target id = draft id + d2t[id]
+  (a missing d2t is all zeros: the first draft_vocab_size ids, no error); t2d is not read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .export import read_meta
+
+ENGINES = ("vllm", "sglang")
+NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+DEFAULT_PROMPTS = ("Once upon a time", "The little cat saw a big dog.", "What is a cat?")
+TIE = 1e-3  # logits this close are a tie: the two float paths may order them either way
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: not applicable / not checked for this kind (said in the message)
+    message: str
+
+
+def default_aux(n: int) -> list[int]:
+    """The engines' fallback aux layers for an n-layer base (hidden_states indices)."""
+    return [2, n // 2, n - 3]
+
+
+def engine_reads(cfg: dict, engine: str, n: int) -> list[tuple[str, list[int]]]:
+    """(who reads it, the hidden_states indices captured) for each reading of config.json by `engine`."""
+    if engine == "vllm":
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        return [("vLLM (no top-level ids: its silent default)" if ids is None else "vLLM", default_aux(n)
+                 if ids is None else [int(i) for i in ids])]
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return [("SGLang (no eagle_config ids: its default)", default_aux(n))]
+    old = [int(i) + 1 for i in ids]
+    new = old if int(ids[0]) == 1 else [int(i) for i in ids]
+    return [("SGLang", old)] + ([("SGLang since PR #25454 (+1 only when the first id is 1)", new)] if new != old else [])
+
+
+def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
+    head = meta["head"]
+    if head["type"] == "dflash":
+        ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+        want = [i - 1 for i in head["layers"]]
+        ok = ids == want
+        return Check("aux-layer-ids", ok, f"dflash_config.target_layer_ids {ids} " + (
+            f"= the layers draftlab trained on {head['layers']} read as hidden_states[id + 1] (z-lab's DFlash code)"
+            if ok else f"should be {want}: draftlab trained on hidden_states {head['layers']} and DFlash reads "
+                       "hidden_states[id + 1]; fix config.json") + "; vLLM's and SGLang's DFlash readings are not modelled")
+    if head["type"] != "eagle3":
+        return Check("aux-layer-ids", None, f"not applicable to {head['type']} (it reads no auxiliary layers)")
+    layers, problems, notes = [int(i) for i in head["layers"]], [], []
+    if any(not 0 <= l < n for l in layers):
+        problems.append(f"draftlab.json layers {layers} leave 0..{n - 1}, the base's {n} decoder layers' inputs "
+                        "(engines capture the residual stream before a decoder layer); retrain with layers in range")
+    if sorted(set(layers)) != layers:
+        problems.append(f"draftlab.json layers {layers} are not distinct and ascending: engines capture each layer "
+                        f"once, in layer order ({sorted(set(layers))}), so fc would read other features; retrain with "
+                        "distinct ascending layers")
+    for engine in engines:
+        for who, got in engine_reads(cfg, engine, n):
+            if got == layers:
+                notes.append(f"{who} captures hidden_states {got}")
+                continue
+            key = "eagle_aux_hidden_state_layer_ids" if engine == "vllm" else "eagle_config.eagle_aux_hidden_state_layer_ids"
+            fix = (f"set {key} to {layers}" if engine == "vllm" else
+                   f"set {key} to {[l - 1 for l in layers]} (SGLang adds 1)" + (
+                       "" if layers[0] == 2 else "; no value is read alike by SGLang before and after PR #25454 "
+                       "unless the first layer is 2"))
+            gone = [l for l in got if not 0 <= l < n]
+            problems.append(f"{key}: {who} captures hidden_states {got}" + (
+                f" ({gone} past the {n} decoder layers' inputs: never captured)" if gone else "") +
+                f", draftlab trained on {layers}; {fix}")
+    if problems:
+        return Check("aux-layer-ids", False, "; ".join(problems + [f"({n})" for n in notes]))
+    return Check("aux-layer-ids", True, f"draftlab.json layers {layers} (hidden_states indices): " + "; ".join(notes))
+
+
+def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok) -> Check:
+    kind, msgs = meta["head"]["type"], []
+    V = cfg.get("vocab_size", V_base)
+    if V != V_base:
+        msgs.append(f"config.json vocab_size {V} != the base's {V_base}; set it to {V_base}")
+    if tok is not None and len(tok) > V_base:
+        msgs.append(f"the tokenizer has {len(tok)} tokens, the base's vocabulary {V_base}: not this base's tokenizer")
+    if kind == "medusa":
+        Vt = cfg.get("truncated_vocab_size", V)
+        rows = {tuple(v.shape) for k, v in tensors.items() if k.startswith("lm_heads.")}
+        if Vt != V or rows != {(V_base, cfg["hidden_size"])}:
+            msgs.append(f"truncated_vocab_size {Vt} / lm_heads {sorted(rows)} do not cover the base's {V_base} ids "
+                        "(vLLM then needs a token_map); export --to vllm-medusa again")
+    elif kind == "eagle3":
+        Vd = cfg.get("draft_vocab_size") or V
+        d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+        if tuple(tensors["lm_head.weight"].shape)[0] != Vd:
+            msgs.append(f"lm_head.weight has {tensors['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
+        if Vd < V and d2t is None:
+            msgs.append(f"no d2t in model.safetensors with draft_vocab_size {Vd} < vocab_size {V}: both engines then "
+                        f"map draft id i to target id i (the first {Vd} ids), silently; export again")
+        elif d2t is not None:
+            if tuple(d2t.shape) != (Vd,) or d2t.dtype not in (torch.int64, torch.int32):
+                msgs.append(f"d2t is {d2t.dtype} {tuple(d2t.shape)}, engines need int64 [{Vd}]")
+            else:
+                target = torch.arange(Vd) + d2t.long()
+                if target.min() < 0 or target.max() >= V_base:
+                    msgs.append(f"d2t maps draft ids to target ids {int(target.min())}..{int(target.max())}, outside "
+                                f"the base's 0..{V_base - 1} (target = draft + d2t[draft]); export again")
+                elif not bool((target[1:] > target[:-1]).all()):
+                    msgs.append("d2t's target ids (draft + d2t[draft]) are not distinct and ascending: two draft ids "
+                                "name one target, or d2t holds ids rather than offsets; export again")
+                elif tok is not None and int(target.max()) >= len(tok):
+                    msgs.append(f"d2t maps to target id {int(target.max())}, beyond the tokenizer's {len(tok)} tokens")
+                if t2d is not None and tuple(t2d.shape) == (V_base,) and t2d.dtype == torch.bool and not msgs:
+                    if not bool(t2d[target].all()) or int(t2d.sum()) != Vd:
+                        msgs.append(f"t2d marks {int(t2d.sum())} target ids, not the {Vd} that d2t names (d2t and "
+                                    "t2d disagree: one of them was rewritten); export again")
+                elif t2d is not None and not msgs:
+                    msgs.append(f"t2d is {t2d.dtype} {tuple(t2d.shape)}, the convention is bool [{V_base}]")
+    if msgs:
+        return Check("vocab-maps", False, "; ".join(msgs))
+    size = f", tokenizer {len(tok)} tokens" if tok is not None else ""
+    if kind == "eagle3" and (cfg.get("draft_vocab_size") or V) < V:
+        return Check("vocab-maps", True, f"d2t maps {cfg['draft_vocab_size']} draft ids into {V_base} target ids "
+                                         f"(distinct, ascending), t2d agrees{size}")
+    return Check("vocab-maps", True, f"full vocabulary {V} = the base's{size}")
+
+
+def _rope(c: dict) -> tuple[float, dict]:
+    """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling."""
+    p = c.get("rope_parameters") or {}
+    theta = p.get("rope_theta", c.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in (p or c.get("rope_scaling") or {}).items() if k != "rope_theta"}
+    return float(theta), {} if scaling.get("rope_type", scaling.get("type", "default")) == "default" else scaling
+
+
+def check_rope(cfg: dict, base_cfg: dict, kind: str, engines: list[str]) -> Check:
+    if kind not in ("eagle3", "dflash"):
+        return Check("rope", None, f"not applicable to {kind} (no attention layer of its own in the served files)")
+    msgs = []
+    if "rope_theta" in cfg and cfg.get("rope_parameters") and \
+            float(cfg["rope_theta"]) != float(cfg["rope_parameters"].get("rope_theta", cfg["rope_theta"])):
+        msgs.append(f"config.json rope_theta {cfg['rope_theta']} != rope_parameters.rope_theta "
+                    f"{cfg['rope_parameters'].get('rope_theta')} (transformers < 5 reads the first, >= 5 the second)")
+    (t, s), (bt, bs) = _rope(cfg), _rope(base_cfg)
+    if t != bt:
+        msgs.append(f"rope_theta {t} != the base's {bt}; set rope_theta (and rope_parameters.rope_theta) to {bt}")
+    if s != bs:
+        msgs.append(f"rope scaling {s or None} != the base's {bs or None}; copy the base's rope_scaling / rope_parameters")
+    hd = lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if kind == "eagle3" and hd(cfg) != hd(base_cfg):
+        msgs.append(f"head_dim {hd(cfg)} != the base's {hd(base_cfg)}")
+    mp, bmp = cfg.get("max_position_embeddings"), base_cfg.get("max_position_embeddings")
+    if mp != bmp:
+        raised = kind == "eagle3" and engines == ["vllm"]
+        (msgs if not raised else []).append(f"max_position_embeddings {mp} != the base's {bmp}; set it to {bmp}")
+    if msgs:
+        return Check("rope", False, "; ".join(msgs))
+    return Check("rope", True, f"rope_theta {t}, scaling {s or None}, max_position_embeddings {mp}"
+                 + (f" (vLLM raises an EAGLE-3 draft's to the target's {bmp})" if mp != bmp else "") + " = the base's")
+
+
+def check_quant(cfg: dict, base_cfg: dict, engines: list[str]) -> Check:
+    msgs, notes = [], []
+    q = cfg.get("quantization_config")
+    if q:
+        msgs.append(f"config.json has quantization_config ({q.get('quant_method', '?')}): vLLM and SGLang load the "
+                    "draft's layers with it; remove it unless the weights are quantized that way")
+    bq = (base_cfg.get("quantization_config") or {}).get("quant_method")
+    if "sglang" in engines:
+        if bq:
+            msgs.append(f"the base is quantized ({bq}) and SGLang quantizes the draft like the target unless "
+                        "--speculative-draft-model-quantization unquant; serve with that flag")
+        else:
+            notes.append("SGLang applies the target's quantization to the draft by default; the base has none")
+    if "vllm" in engines:
+        notes.append("vLLM quantizes the draft only by its own config" + (f" (the base's {bq} is not applied)" if bq else ""))
+    if msgs:
+        return Check("quantization", False, "; ".join(msgs))
+    return Check("quantization", True, "no quantization_config in the draft's config.json; " + "; ".join(notes))
+
+
+def _tok_raw(src: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src)
+
+
+def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
+    recipe = (meta.get("training") or {}).get("recipe") or {}
+    if (export_dir / "tokenizer_config.json").is_file():
+        trained, where = str(export_dir), "the export's tokenizer files"
+    else:
+        trained = (recipe.get("base") or {}).get("name_or_path") or meta["base"]["name_or_path"]
+        where = "the recipe's base" if recipe else "draftlab.json's base"
+    if Path(trained).resolve() == Path(served).resolve() if Path(trained).exists() else trained == served:
+        return Check("tokenizer", True, f"served tokenizer {served} is {where} used in training (draftlab.json "
+                                        "records no fingerprint: a template edited in place since is not seen)")
+    try:
+        a, b = _tok_raw(trained), _tok_raw(served)
+    except (OSError, ValueError) as e:
+        return Check("tokenizer", False, f"cannot load {trained} ({where}) or {served} to compare ({e})")
+    msgs = []
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = sum(va.get(t) != i for t, i in vb.items()) + len(set(va) - set(vb))
+        msgs.append(f"vocabulary differs in {diff} entries ({len(va)} vs {len(vb)} tokens)")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(a, name) != getattr(b, name):
+            msgs.append(f"{name} {getattr(a, name)} in training, {getattr(b, name)} served")
+    if (a.chat_template or None) != (b.chat_template or None):
+        text = (recipe.get("data") or {}).get("format") == "text"
+        msgs.append("chat_template differs from training's" + (" (training read plain text: it applies only to "
+                    "chat prompts)" if text else "") + f"; serve with {where}'s template ({trained}) or retrain")
+    if msgs:
+        return Check("tokenizer", False, f"served tokenizer {served} vs {where} {trained}: " + "; ".join(msgs))
+    return Check("tokenizer", True, f"served tokenizer {served} = {where} {trained} (vocabulary, special ids, chat template)")
+
+
+# --- the engines' readings, computed from the served files ------------------------------------------------------
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def vllm_medusa_logits(state: dict, cfg: dict, h: torch.Tensor) -> torch.Tensor:
+    """[..., K, V] logits of vLLM's Medusa model (blocks.{k}.layers.{l}: x + SiLU(W x + b), the bias only with
+    medusa_fc_bias; lm_heads.{k}) from the base's final hidden state h [..., H]."""
+    out = []
+    for k in range(cfg["num_heads"]):
+        x = h
+        for l in range(cfg["num_hidden_layers"]):
+            b = state.get(f"blocks.{k}.layers.{l}.bias") if cfg.get("medusa_fc_bias") else None
+            x = x + F.silu(F.linear(x, state[f"blocks.{k}.layers.{l}.weight"], b))
+        out.append(F.linear(x, state[f"lm_heads.{k}.weight"]))
+    return torch.stack(out, -2)
+
+
+class EngineEagle3:
+    """An EAGLE-3 draft computed from config.json + model.safetensors the engines' way: features of the layers the
+    engine captures (each once, in layer order) through fc; x = [input_layernorm(embed) ; hidden_norm(g)], residual
+    g; RoPE from the draft's own config; logits over the draft vocabulary, draft id i = target id i + d2t[i]."""
+
+    def __init__(self, tensors: dict, cfg: dict, base, captured: list[int]):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.t = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        self.cfg, self.base, self.layers = cfg, base, sorted(set(captured))
+        n_in = self.t["fc.weight"].shape[1] // cfg.get("target_hidden_size", cfg["hidden_size"])
+        self.layers = [l for l in self.layers if 0 <= l < base.config.num_hidden_layers]  # captured before layer l
+        if len(self.layers) != n_in:
+            raise ValueError(f"fc reads {n_in} base layers and the engine captures {len(self.layers)} "
+                             f"{self.layers}: it would fail to run the draft")
+        rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
+                {"rope_theta": cfg.get("rope_theta", 10000.0),
+                 **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
+        self.rotary = LlamaRotaryEmbedding(config=LlamaConfig(
+            hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=cfg["head_dim"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
+        Vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+        self.targets = torch.arange(Vd) + self.t.get("d2t", torch.zeros(Vd, dtype=torch.long)).long()
+        self.eps = cfg["rms_norm_eps"]
+
+    def fuse(self, hidden_states: tuple) -> torch.Tensor:
+        """fc over the captured layers' states [S, H] each -> g [S, H]."""
+        feats = [hidden_states[l][0].float() for l in self.layers]
+        if self.cfg.get("fc_norm"):
+            feats = [_rms(f, self.t[f"fc_norm.{i}.weight"], self.eps) for i, f in enumerate(feats)]
+        return torch.cat(feats, -1) @ self.t["fc.weight"].t()
+
+    def step(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer over entries (features g [T, H], token after each [T]) at positions 0..T-1, causal: the state
+        each entry hands on (norm_output: normalised)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        t, c, p, T = self.t, self.cfg, "midlayer.", g.shape[0]
+        emb = self.base.get_input_embeddings()(tokens).float()
+        x = torch.cat([_rms(emb, t[p + "input_layernorm.weight"], self.eps), _rms(g, t[p + "hidden_norm.weight"], self.eps)], -1)
+        h, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        q, k, v = ((x @ t[p + f"self_attn.{n}_proj.weight"].t()).view(T, -1, hd).transpose(0, 1)[None] for n in "qkv")
+        cos, sin = self.rotary(x[None], torch.arange(T)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1).reshape(T, -1)
+        res = a @ t[p + "self_attn.o_proj.weight"].t() + g
+        y = _rms(res, t[p + "post_attention_layernorm.weight"], self.eps)
+        out = (F.silu(y @ t[p + "mlp.gate_proj.weight"].t()) * (y @ t[p + "mlp.up_proj.weight"].t())) \
+            @ t[p + "mlp.down_proj.weight"].t() + res
+        return _rms(out, t["norm.weight"], self.eps) if c.get("norm_output") else out
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        s = state if self.cfg.get("norm_output") else _rms(state, self.t["norm.weight"], self.eps)
+        return s @ self.t["lm_head.weight"].t()
+
+
+class _Recorder:
+    """Wraps a drafter in the decoder: records each step's chain and how many tokens were committed before it."""
+
+    def __init__(self, inner):
+        from ..drafters.base import Drafter
+
+        class Rec(Drafter):
+            hidden_layers = inner.hidden_layers
+            max_nodes = inner.max_nodes
+
+            def begin(s, prompt, sampling, gen):
+                inner.decode_path = s.decode_path
+                inner.begin(prompt, sampling, gen)
+
+            def propose(s, root):
+                prop = inner.propose(root)
+                self.steps.append((self.n, prop.tokens[0, 1:].tolist()))
+                return prop
+
+            def commit(s, step):
+                self.n += int(step.keep_valid[0].sum())
+                inner.commit(step)
+
+        self.drafter, self.steps, self.n = Rec(), [], 0
+
+
+def _first_difference(mine: list[int], logits, targets: torch.Tensor) -> tuple[int, int] | None:
+    """(depth, engine's token) where the engine's choice differs from draftlab's chain `mine` (ties allowed), else
+    None. logits: the engine's logits at depth 1, 2, ... given mine's tokens above."""
+    for d, (x, lg) in enumerate(zip(mine, logits)):
+        best = int(lg.argmax())
+        where = (targets == x).nonzero()
+        if int(targets[best]) != x and (len(where) == 0 or float(lg[best] - lg[int(where[0])]) > TIE):
+            return d + 1, int(targets[best])
+    return None
+
+
+def _eagle_chain_logits(eng: EngineEagle3, g: torch.Tensor, toks: torch.Tensor, chain: list[int]):
+    """The engine's logits at each depth of a chain drafted from entries (g [c, H], toks [c]), fed draftlab's tokens."""
+    for x in chain:
+        state = eng.step(g, toks)[-1]
+        yield eng.logits(state)
+        g, toks = torch.cat([g, state[None]]), torch.cat([toks, torch.tensor([x])])
+
+
+@torch.no_grad()
+def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engines: list[str], base, tok,
+                    prompts, max_new_tokens: int) -> Check:
+    kind = meta["head"]["type"]
+    if kind not in ("eagle3", "medusa"):
+        return Check("proposals", None, f"not checked for {kind}: draftlab models the engines' reading of EAGLE-3 and "
+                                        "Medusa (vllm-medusa) drafts only")
+    from ..decode.decoder import SpeculativeDecoder
+    from ..decode.tree import Tree
+    from ..drafters import make_drafter
+    from ..drafters.eagle import Eagle3Drafter
+    from .export import load_export
+
+    from ..drafters.base import ExportError
+
+    try:
+        module, _ = load_export(export_dir, base=base)
+    except ExportError as e:
+        return Check("proposals", False, f"draftlab does not load the export, so there is nothing to compare: {e}")
+    depth = 4 if kind == "eagle3" else module.num_heads
+    runs = []
+    for text in prompts:
+        p = tok.encode(text)
+        rec = _Recorder(Eagle3Drafter(module, depth, 1, depth + 1) if kind == "eagle3" else
+                        make_drafter(module, Tree.chain(depth)))
+        out = SpeculativeDecoder(base, rec.drafter).generate([p], max_new_tokens=max_new_tokens)
+        seq = torch.tensor(p + out.tokens[0])
+        runs.append((p, seq, base(input_ids=seq[None], output_hidden_states=True).hidden_states, rec.steps))
+    msgs, oks = [], []
+    for engine in engines:
+        name = NAMES[engine]
+        if kind == "medusa" and engine == "sglang":
+            msgs.append("SGLang serves no Medusa heads: not compared")
+            continue
+        try:
+            eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1]) \
+                if kind == "eagle3" else None
+        except (ValueError, KeyError) as e:
+            msgs.append(f"{name}: {e}")
+            oks.append(False)
+            continue
+        diff, n = None, 0
+        for i, (p, seq, hs, steps) in enumerate(runs):
+            g_all = eng.fuse(hs) if eng else None
+            for s, (done, chain) in enumerate(steps):
+                c = len(p) + done  # committed tokens before the root seq[c]
+                n += 1
+                if eng is None:
+                    lg = vllm_medusa_logits(tensors, cfg, hs[-1][0, c - 1].float())
+                    logits, targets = iter(lg), torch.arange(lg.shape[-1])
+                else:
+                    logits, targets = _eagle_chain_logits(eng, g_all[:c], seq[1: c + 1], chain), eng.targets
+                found = _first_difference(chain, logits, targets)
+                if found:
+                    d, e = found
+                    diff = (f"{name}: first difference at prompt {i} ({prompts[i]!r}), step {s}, depth {d}: draftlab "
+                            f"proposes {chain[d - 1]} {tok.decode([chain[d - 1]])!r}, {name} read from the files "
+                            f"{e} {tok.decode([e])!r}")
+                    break
+            if diff:
+                break
+        oks.append(diff is None)
+        msgs.append(diff or f"{name}: the same {depth}-token chains at all {n} steps of {len(runs)} prompts")
+    return Check("proposals", all(oks) if oks else None, "; ".join(msgs))
+
+
+# --- the whole check -------------------------------------------------------------------------------------------
+
+def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, str]:
+    """(config.json, tensors, where) of what the engine is given."""
+    from ..drafters.base import read_safetensors
+
+    kind = meta["head"]["type"]
+    if kind == "medusa" and not served:
+        from .convert import vllm_medusa_state
+        from .export import load_export
+
+        state, cfg = vllm_medusa_state(load_export(d)[0])
+        return cfg, state, "the vllm-medusa layout `draftlab export --to vllm-medusa` writes (--served DIR: your files)"
+    src = Path(served) if served else d
+    cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    st = src / "model.safetensors"
+    return cfg, (read_safetensors(st) if st.is_file() and kind in ("eagle3", "dflash", "medusa") else {}), str(src)
+
+
+def check_export(export_dir: str | Path, engine: str | None = None, base: str | None = None,
+                 tokenizer: str | None = None, prompts: list[str] | None = None, served: str | None = None,
+                 max_new_tokens: int = 16) -> dict:
+    """Run every check on an export; {"export", "kind", "base", "engines", "served", "ok", "checks": [...]}."""
+    from transformers import AutoConfig
+
+    from ..base import load_base, load_tokenizer
+
+    if engine is not None and engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    d = Path(export_dir)
+    meta = read_meta(d)
+    kind = meta["head"]["type"]
+    engines = [engine] if engine else list(ENGINES)
+    base_name = base or meta["base"]["name_or_path"]
+    base_cfg = AutoConfig.from_pretrained(base_name).to_dict()  # config.json only: no weights
+    tok_src = tokenizer or base_name
+    tok = load_tokenizer(tok_src)
+    cfg, tensors, where = _served_files(d, meta, served)
+    checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"]),
+              check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),
+              check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
+              check_tokenizer(d, meta, tok_src)]
+    model = load_base(base_name, "float32")[0] if kind in ("eagle3", "medusa") else None
+    checks.append(check_proposals(d, meta, cfg, tensors, engines, model, tok, list(prompts or DEFAULT_PROMPTS),
+                                  max_new_tokens))
+    return {"export": str(d), "kind": kind, "base": base_name, "engines": engines, "served": where,
+            "ok": all(c.ok is not False for c in checks), "checks": [asdict(c) for c in checks]}

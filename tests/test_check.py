@@ -1,0 +1,238 @@
+"""`draftlab check`: each check against an export broken in exactly one way, a correct export, and the command."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import STORY_TEXT, tiny_llama
+from draftlab.drafters import build_draft
+from draftlab.interop.check import check_export, check_quant
+from draftlab.interop.export import save_export
+
+STATIC = ("aux-layer-ids", "vocab-maps", "rope", "quantization", "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_base_dir, tmp_path_factory):
+    """A 7-layer tiny Llama (EAGLE-3's default layers 2, 3, 4 are distinct) with tiny_base_dir's tokenizer."""
+    d = tmp_path_factory.mktemp("base7")
+    for f in tiny_base_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, d / f.name)
+    src = json.loads((tiny_base_dir / "config.json").read_text())
+    m = tiny_llama(vocab=src["vocab_size"], layers=7, dtype=torch.float32)
+    m.config.bos_token_id, m.config.eos_token_id, m.config.pad_token_id = (
+        src["bos_token_id"], src["eos_token_id"], src["pad_token_id"])
+    m.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(base_dir, tmp_path_factory):
+    """draftlab's EAGLE-3 export (40-token draft vocabulary, random weights), as draftlab writes it."""
+    from draftlab.base import load_base
+
+    base, tok = load_base(str(base_dir), "float32")
+    torch.manual_seed(0)
+    d = build_draft({"type": "eagle3", "eagle": {"draft_vocab_size": 40}}, base).eval()
+    d.fit_vocab([{"input_ids": tok.encode(STORY_TEXT)}])
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    recipe = {"base": {"name_or_path": str(base_dir)}, "data": {"format": "sharegpt"}}
+    return save_export(d, base, tmp_path_factory.mktemp("eagle") / "export", str(base_dir),
+                       extra={"training": {"recipe": recipe}})
+
+
+def variant(src, dst, cfg=None, tensors=None):
+    """A copy of export `src` with config.json / model.safetensors edited in place by the given functions."""
+    shutil.copytree(src, dst)
+    if cfg:
+        c = json.loads((dst / "config.json").read_text())
+        cfg(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    if tensors:
+        t = load_file(dst / "model.safetensors")
+        tensors(t)
+        save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def sglang_ids(c):  # eagle_config in SGLang's convention (decoder-layer outputs: hidden_states index - 1)
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+
+
+@pytest.fixture(scope="module")
+def good_dir(eagle_dir, tmp_path_factory):
+    return variant(eagle_dir, tmp_path_factory.mktemp("good") / "export", cfg=sglang_ids)
+
+
+def by_name(rep):
+    return {c["name"]: c for c in rep["checks"]}
+
+
+def only_fails(rep, *names):
+    """The named checks fail; every other static check passes."""
+    c = by_name(rep)
+    assert [n for n in STATIC if c[n]["ok"] is False] == [n for n in STATIC if n in names], rep
+    assert rep["ok"] is False
+    return c
+
+
+def test_a_correct_export_passes_every_check(good_dir):
+    rep = check_export(good_dir)
+    c = by_name(rep)
+    assert rep["ok"] and all(x["ok"] is True for x in rep["checks"]), rep
+    assert "vLLM captures hidden_states [2, 3, 4]" in c["aux-layer-ids"]["message"]
+    assert "SGLang captures hidden_states [2, 3, 4]" in c["aux-layer-ids"]["message"]
+    msg = c["proposals"]["message"]
+    assert "vLLM: the same 4-token chains at all" in msg and "SGLang: the same 4-token chains" in msg
+
+
+def test_draftlab_eagle_config_ids_are_read_off_by_one_by_sglang(eagle_dir):
+    """draftlab writes hidden_states indices under eagle_config too: right for vLLM, one layer late for SGLang's +1
+    (right again for SGLang since PR #25454, which skips the +1 when the first id is 2)."""
+    assert check_export(eagle_dir, engine="vllm")["ok"]
+    rep = check_export(eagle_dir, engine="sglang")
+    c = only_fails(rep, "aux-layer-ids")
+    msg = c["aux-layer-ids"]["message"]
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids: SGLang captures hidden_states [3, 4, 5]" in msg
+    assert "set eagle_config.eagle_aux_hidden_state_layer_ids to [1, 2, 3]" in msg and "PR #25454" in msg
+    assert c["proposals"]["ok"] is False and "SGLang: first difference at prompt 0" in c["proposals"]["message"]
+
+
+def test_aux_ids_shifted_by_one(good_dir, tmp_path):
+    def shift(c):
+        c["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+
+    rep = check_export(variant(good_dir, tmp_path / "x", cfg=shift))
+    c = only_fails(rep, "aux-layer-ids")
+    assert c["aux-layer-ids"]["message"].startswith("eagle_aux_hidden_state_layer_ids: vLLM captures hidden_states "
+                                                    "[3, 4, 5], draftlab trained on [2, 3, 4]; set")
+    assert "SGLang captures hidden_states [2, 3, 4]" in c["aux-layer-ids"]["message"]  # the nested ids are right
+    # Decoding names the first proposal that differs, for the engine that reads the shifted key only.
+    assert c["proposals"]["ok"] is False
+    assert "vLLM: first difference at prompt 0 ('Once upon a time'), step " in c["proposals"]["message"]
+    assert "SGLang: the same" in c["proposals"]["message"]
+
+
+def test_missing_aux_ids_are_named_with_the_default_the_engine_takes(good_dir, tmp_path):
+    rep = check_export(variant(good_dir, tmp_path / "x", cfg=lambda c: c.pop("eagle_aux_hidden_state_layer_ids")),
+                       engine="vllm")  # vLLM's fallback (2, 7 // 2, 7 - 3) happens to be the layers trained on
+    msg = by_name(rep)["aux-layer-ids"]["message"]
+    assert rep["ok"] and "vLLM (no top-level ids: its silent default) captures hidden_states [2, 3, 4]" in msg
+
+
+@pytest.mark.parametrize("how", ["zeros", "dropped"])
+def test_d2t_corrupted(good_dir, tmp_path, how):
+    def corrupt(t):
+        if how == "zeros":
+            t["d2t"] = torch.zeros_like(t["d2t"])  # draft id i -> target id i: the first 40 ids
+        else:
+            del t["d2t"]
+
+    rep = check_export(variant(good_dir, tmp_path / "x", tensors=corrupt))
+    c = only_fails(rep, "vocab-maps")
+    msg = c["vocab-maps"]["message"]
+    assert ("t2d marks" in msg and "d2t and t2d disagree" in msg) if how == "zeros" else \
+        msg.startswith("no d2t in model.safetensors with draft_vocab_size 40 < vocab_size")
+    if how == "dropped":  # the engines would map draft ids onto the first 40 ids; draftlab refuses to load it
+        assert c["proposals"]["ok"] is False and "missing ['d2t']" in c["proposals"]["message"]
+    else:  # both read the same (wrong) map
+        assert c["proposals"]["ok"] is True
+
+
+def test_d2t_out_of_range(good_dir, tmp_path):
+    def corrupt(t):
+        t["d2t"][-1] += 10_000
+
+    c = only_fails(check_export(variant(good_dir, tmp_path / "x", tensors=corrupt)), "vocab-maps")
+    assert "d2t maps draft ids to target ids" in c["vocab-maps"]["message"] and "outside the base's" in \
+        c["vocab-maps"]["message"]
+
+
+def test_rope_theta_changed(good_dir, tmp_path):
+    def theta(c):
+        c["rope_theta"] = c["rope_parameters"]["rope_theta"] = 500000.0
+
+    c = only_fails(check_export(variant(good_dir, tmp_path / "x", cfg=theta)), "rope")
+    assert c["rope"]["message"].startswith("rope_theta 500000.0 != the base's 10000.0; set rope_theta")
+    assert c["proposals"]["ok"] is False and "vLLM: first difference" in c["proposals"]["message"]
+    # Only the top-level key: engines on transformers < 5 and >= 5 read different values.
+    c = by_name(check_export(variant(good_dir, tmp_path / "y", cfg=lambda c: c.update(rope_theta=5e5))))
+    assert c["rope"]["ok"] is False and "rope_parameters.rope_theta 10000.0" in c["rope"]["message"]
+
+
+def test_quantization_config_added(good_dir, tmp_path):
+    q = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    c = only_fails(check_export(variant(good_dir, tmp_path / "x", cfg=lambda c: c.update(quantization_config=q))),
+                   "quantization")
+    assert c["quantization"]["message"].startswith("config.json has quantization_config (fp8)")
+    assert c["proposals"]["ok"] is True
+    # A quantized base: SGLang quantizes the draft like it unless told otherwise; vLLM does not.
+    base = {"quantization_config": {"quant_method": "awq"}}
+    sg = check_quant({}, base, ["sglang"])
+    assert sg.ok is False and "--speculative-draft-model-quantization unquant" in sg.message
+    assert check_quant({}, base, ["vllm"]).ok is True
+
+
+def test_chat_template_changed(good_dir, base_dir, tmp_path):
+    served = tmp_path / "tok"
+    shutil.copytree(base_dir, served)
+    jinja = served / "chat_template.jinja"
+    if jinja.is_file():
+        jinja.write_text(jinja.read_text().replace("Assistant", "Bot"))
+    else:
+        cfg = json.loads((served / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = cfg["chat_template"].replace("Assistant", "Bot")
+        (served / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = only_fails(check_export(good_dir, tokenizer=str(served)), "tokenizer")
+    assert "chat_template differs from training's" in c["tokenizer"]["message"]
+    assert f"serve with the recipe's base's template ({base_dir})" in c["tokenizer"]["message"]
+
+
+def test_medusa_in_vllm_layout(base_dir, tmp_path):
+    from test_interop import random_heads
+
+    from draftlab.base import load_base
+    from draftlab.interop.convert import export_to
+
+    base = load_base(str(base_dir), "float32")[0]
+    save_export(random_heads(base, K=3, L=1), base, tmp_path / "m", str(base_dir))
+    export_to(tmp_path / "m", "vllm-medusa", tmp_path / "v")
+    rep = check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "v"))
+    assert rep["ok"], rep
+    assert by_name(rep)["proposals"]["message"].startswith("vLLM: the same 3-token chains at all")
+    # A served config without medusa_fc_bias: vLLM builds no biases and drops them, and drafts other tokens.
+    variant(tmp_path / "v", tmp_path / "nobias", cfg=lambda c: c.update(medusa_fc_bias=False))
+    c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))
+    assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt 0" in c["proposals"]["message"]
+    assert check_export(tmp_path / "m")["checks"][-1]["message"].endswith("SGLang serves no Medusa heads: not compared")
+
+
+def test_kinds_without_an_engine_reading_say_so(base_dir, tmp_path):
+    from draftlab.base import load_base
+
+    base = load_base(str(base_dir), "float32")[0]
+    save_export(build_draft({"type": "dflash"}, base), base, tmp_path / "d", str(base_dir))
+    c = by_name(check_export(tmp_path / "d"))
+    assert c["proposals"]["ok"] is None and c["proposals"]["message"].startswith("not checked for dflash")
+    assert c["aux-layer-ids"]["ok"] is True and "hidden_states[id + 1]" in c["aux-layer-ids"]["message"]
+
+
+def test_cli_exit_code_and_json(good_dir, tmp_path, capsys):
+    from draftlab.cli import main
+
+    assert main(["check", str(good_dir), "--json", "--max-new-tokens", "4"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["ok"] is True and [c["name"] for c in rep["checks"]] == [*STATIC, "proposals"]
+    assert all(set(c) == {"name", "ok", "message"} for c in rep["checks"])
+    bad = variant(good_dir, tmp_path / "x", cfg=lambda c: c.update(quantization_config={"quant_method": "fp8"}))
+    (tmp_path / "p.txt").write_text("The dog\n\nOnce upon a time\n")
+    assert main(["check", str(bad), "--engine", "sglang", "--prompts", str(tmp_path / "p.txt")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL quantization: config.json has quantization_config (fp8)" in out
+    assert "PASS aux-layer-ids" in out and "1 check(s) failed: quantization" in out
