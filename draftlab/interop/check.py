@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .export import read_meta
+from ..drafters.base import Drafter, ExportError, read_safetensors
+from .export import apply_adapter, load_export, read_meta
 
 ENGINES = ("vllm", "sglang")
 NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -94,7 +95,7 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
                 f" ({gone} past the {n} decoder layers' inputs: never captured)" if gone else "") +
                 f", draftlab trained on {layers}; {fix}")
     if problems:
-        return Check("aux-layer-ids", False, "; ".join(problems + [f"({n})" for n in notes]))
+        return Check("aux-layer-ids", False, "; ".join(problems + [f"({x})" for x in notes]))
     return Check("aux-layer-ids", True, f"draftlab.json layers {layers} (hidden_states indices): " + "; ".join(notes))
 
 
@@ -114,8 +115,9 @@ def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok) -> Check
     elif kind == "eagle3":
         Vd = cfg.get("draft_vocab_size") or V
         d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
-        if tuple(tensors["lm_head.weight"].shape)[0] != Vd:
-            msgs.append(f"lm_head.weight has {tensors['lm_head.weight'].shape[0]} rows, draft_vocab_size is {Vd}")
+        rows = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else None
+        if rows != Vd:
+            msgs.append(f"lm_head.weight has {rows} rows, draft_vocab_size is {Vd}; export again")
         if Vd < V and d2t is None:
             msgs.append(f"no d2t in model.safetensors with draft_vocab_size {Vd} < vocab_size {V}: both engines then "
                         f"map draft id i to target id i (the first {Vd} ids), silently; export again")
@@ -315,30 +317,26 @@ class EngineEagle3:
         return s @ self.t["lm_head.weight"].t()
 
 
-class _Recorder:
-    """Wraps a drafter in the decoder: records each step's chain and how many tokens were committed before it."""
+class _Recorder(Drafter):
+    """A drafter in the decoder, recording each step's chain and how many tokens were committed before it."""
 
     def __init__(self, inner):
-        from ..drafters.base import Drafter
+        self.inner, self.hidden_layers, self.steps, self.n = inner, inner.hidden_layers, [], 0
 
-        class Rec(Drafter):
-            hidden_layers = inner.hidden_layers
-            max_nodes = inner.max_nodes
+    max_nodes = property(lambda self: self.inner.max_nodes)
 
-            def begin(s, prompt, sampling, gen):
-                inner.decode_path = s.decode_path
-                inner.begin(prompt, sampling, gen)
+    def begin(self, prompt, sampling, gen):
+        self.inner.decode_path = self.decode_path
+        self.inner.begin(prompt, sampling, gen)
 
-            def propose(s, root):
-                prop = inner.propose(root)
-                self.steps.append((self.n, prop.tokens[0, 1:].tolist()))
-                return prop
+    def propose(self, root):
+        prop = self.inner.propose(root)
+        self.steps.append((self.n, prop.tokens[0, 1:].tolist()))
+        return prop
 
-            def commit(s, step):
-                self.n += int(step.keep_valid[0].sum())
-                inner.commit(step)
-
-        self.drafter, self.steps, self.n = Rec(), [], 0
+    def commit(self, step):
+        self.n += int(step.keep_valid[0].sum())
+        self.inner.commit(step)
 
 
 def _first_difference(mine: list[int], logits, targets: torch.Tensor) -> tuple[int, int] | None:
@@ -371,21 +369,19 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
     from ..decode.tree import Tree
     from ..drafters import make_drafter
     from ..drafters.eagle import Eagle3Drafter
-    from .export import load_export
-
-    from ..drafters.base import ExportError
 
     try:
         module, _ = load_export(export_dir, base=base)
     except ExportError as e:
         return Check("proposals", False, f"draftlab does not load the export, so there is nothing to compare: {e}")
+    base = apply_adapter(base, export_dir, meta)  # Medusa-2: the heads run on the adapted base
     depth = 4 if kind == "eagle3" else module.num_heads
     runs = []
     for text in prompts:
         p = tok.encode(text)
         rec = _Recorder(Eagle3Drafter(module, depth, 1, depth + 1) if kind == "eagle3" else
                         make_drafter(module, Tree.chain(depth)))
-        out = SpeculativeDecoder(base, rec.drafter).generate([p], max_new_tokens=max_new_tokens)
+        out = SpeculativeDecoder(base, rec).generate([p], max_new_tokens=max_new_tokens)
         seq = torch.tensor(p + out.tokens[0])
         runs.append((p, seq, base(input_ids=seq[None], output_hidden_states=True).hidden_states, rec.steps))
     msgs, oks = [], []
@@ -430,12 +426,9 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
 
 def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, str]:
     """(config.json, tensors, where) of what the engine is given."""
-    from ..drafters.base import read_safetensors
-
     kind = meta["head"]["type"]
     if kind == "medusa" and not served:
         from .convert import vllm_medusa_state
-        from .export import load_export
 
         state, cfg = vllm_medusa_state(load_export(d)[0])
         return cfg, state, "the vllm-medusa layout `draftlab export --to vllm-medusa` writes (--served DIR: your files)"
