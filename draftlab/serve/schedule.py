@@ -160,7 +160,8 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     written = {"tree": str(out)}
     vllm_path, sglang_path = engine_paths(out)
     if kind in VLLM_METHOD:
-        vllm_path.write_text(json.dumps(vllm_config(entries, VLLM_METHOD[kind], engine_model), indent=1) + "\n")
+        # one line: `vllm serve BASE --speculative-config "$(cat OUT.vllm.json)"`
+        vllm_path.write_text(json.dumps(vllm_config(entries, VLLM_METHOD[kind], engine_model)) + "\n")
         written["vllm"] = str(vllm_path)
     else:
         written["vllm"] = f"not written: vLLM has no {kind} drafter"
