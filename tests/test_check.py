@@ -92,11 +92,22 @@ def test_a_correct_export_passes_every_check(good_dir):
     assert "vLLM: the same 4-token chains at all" in msg and "SGLang: the same 4-token chains" in msg
 
 
-def test_draftlab_eagle_config_ids_are_read_off_by_one_by_sglang(eagle_dir):
-    """draftlab writes hidden_states indices under eagle_config too: right for vLLM, one layer late for SGLang's +1
-    (right again for SGLang since PR #25454, which skips the +1 when the first id is 2)."""
-    assert check_export(eagle_dir, engine="vllm")["ok"]
-    rep = check_export(eagle_dir, engine="sglang")
+def test_draftlab_exports_write_each_engines_layer_ids(eagle_dir):
+    """draftlab writes hidden_states indices at the top level (vLLM) and one less under eagle_config (SGLang adds 1):
+    its own export passes both engines' checks, proposals included."""
+    for engine in ("vllm", "sglang"):
+        rep = check_export(eagle_dir, engine=engine)
+        assert rep["ok"], rep
+
+
+def test_hidden_states_indices_under_eagle_config_are_read_one_layer_late_by_sglang(good_dir, tmp_path):
+    """The nested key in vLLM's convention (what draftlab wrote before): right for vLLM, one layer late for SGLang."""
+    def same_ids(c):
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(c["eagle_aux_hidden_state_layer_ids"])
+
+    bad = variant(good_dir, tmp_path / "x", cfg=same_ids)
+    assert check_export(bad, engine="vllm")["ok"]
+    rep = check_export(bad, engine="sglang")
     c = only_fails(rep, "aux-layer-ids")
     msg = c["aux-layer-ids"]["message"]
     assert "eagle_config.eagle_aux_hidden_state_layer_ids: SGLang captures hidden_states [3, 4, 5]" in msg

@@ -230,7 +230,9 @@ def test_export_is_the_eagle3_checkpoint_layout(tmp_path):
     assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 24 and cfg["vocab_size"] == 64
     assert cfg["target_hidden_size"] == cfg["hidden_size"] == 32
     assert t["fc.weight"].shape == (32, 3 * cfg["target_hidden_size"])
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # vLLM reads hidden_states indices at the top level; SGLang reads decoder-layer outputs (one less) under eagle_config.
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 24
     assert (torch.arange(24) + t["d2t"]).tolist() == list(range(10, 34))
     # Logits computed from the file the way the engines do equal draftlab's own.

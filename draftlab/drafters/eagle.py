@@ -153,8 +153,12 @@ class Eagle3Draft(ReadsBase, nn.Module):
     def engine_config(self) -> dict:
         """config.json of the EAGLE-3 checkpoint layout, with the keys vLLM's and SGLang's loaders read: a
         one-layer Llama (LlamaForCausalLMEagle3) with draft_vocab_size, target_hidden_size and the base layer
-        ids it reads (top level for vLLM, under eagle_config for SGLang). The base's RoPE settings are copied:
-        the draft layer rotates positions exactly as the base does."""
+        ids it reads, in each engine's convention: at the top level as Hugging Face hidden_states indices (vLLM
+        captures the input of decoder layer L), under eagle_config one less (SGLang captures the output of decoder
+        layer L, hidden_states[L + 1]; since sglang PR #25454 only when the first id is 1, so the default layers
+        of bases with six or more layers, which start at 2, read alike before and after it; `draftlab check`
+        says so for others). The base's RoPE settings are copied: the draft layer rotates positions exactly as
+        the base does."""
         c = self.cfg
         rope = dict(c["rope_parameters"])
         ids = list(self.base_layers)
@@ -170,7 +174,7 @@ class Eagle3Draft(ReadsBase, nn.Module):
                 "mlp_bias": False, "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
                 "eagle_aux_hidden_state_layer_ids": ids, "fc_norm": bool(c.get("fc_norm")),
                 "norm_output": bool(c.get("norm_output")),
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}}
 
     def config(self) -> dict:
         return {"type": "eagle3", **self.cfg}
