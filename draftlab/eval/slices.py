@@ -144,7 +144,7 @@ def slice_tables(sl: dict) -> list[str]:
             continue
         timed = name != "output_position"
         label = sl.get("category_field", "category") if name == "category" else name
-        head = [label, "records", "steps", "accept length"] + (["tokens/s", "plain tokens/s", "speedup"] if timed else [])
+        head = [label.replace("_", " "), "records", "steps", "accept length"] + (["tokens/s", "plain tokens/s", "speedup"] if timed else [])
         lines += ["", f"### by {label.replace('_', ' ')}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for k, r in rows.items():
             cells = [k, str(r["records"]), str(r["steps"]), f"{r['accept_length']:.2f}"]
@@ -182,6 +182,7 @@ def plot_slices(out: Path, sl: dict, title: str = "") -> list[str]:
                             ha="center", va="bottom", fontsize=7)
             if key == "speedup":
                 ax.axhline(1.0, color="0.4", lw=1, ls="--")
+            ax.margins(y=0.12)  # room for the counts over the bars
             ax.set_ylabel(key.replace("_", " "))
             ax.set_xlabel(name.replace("_", " ") + (" (bucket of the step's first token)" if count == "steps" else ""))
             ax.tick_params(axis="x", rotation=30)
