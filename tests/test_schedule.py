@@ -89,6 +89,10 @@ def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp
     assert files == {"tree": str(out), "vllm": str(vllm), "sglang": str(sglang)}
     assert json.loads(vllm.read_text())["method"] == "draft_model"
     assert parse_sglang_flags(sglang.read_text())["--speculative-algorithm"] == "STANDALONE"
+    slow = {B: {n: 10.0 for n in STEP_S[1]} for B in (1, 4, 16)}  # plain wins at batch 1: keep its fastest tree
+    write_schedule(out, choose_schedule([1, 4, 16], CANDIDATES, slow, PLAIN_S), {}, "ssm", "exp")
+    assert Tree.load(out).paths == Tree.from_paths(WIDE).paths and Tree.load(out).metadata["plain_is_faster"]
+    assert tree_for_batch(out, 1).paths == ()
     files = write_schedule(tmp_path / "h.json", sched, {}, "hydra", "exp")  # no engine serves Hydra heads
     assert files["vllm"].startswith("not written") and files["sglang"].startswith("not written")
     assert not engine_paths(tmp_path / "h.json")[0].exists()
@@ -110,8 +114,10 @@ def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base
     assert {(m["batch_size"], m["name"]) for m in rep["measured"]} >= {(1, "plain"), (2, "plain"), (2, "chain-3")}
     for e in rep["schedule"]:
         assert e["tokens_per_s"] > 0 and e["plain_tokens_per_s"] > 0
-    tree = Tree.load(out)
-    assert [list(p) for p in tree.paths] == rep["schedule"][0]["paths"]
+    tree, first = Tree.load(out), rep["schedule"][0]
+    # the batch-1 tree; where plain decoding won there, the fastest tree (an SSM drafter needs one)
+    assert [list(p) for p in tree.paths] == (first["paths"] if first["speculate"] else first["fastest_tree_paths"])
+    assert tree.metadata.get("plain_is_faster", False) == (not first["speculate"])
     assert tree.metadata["batch_sizes"] == [1, 2] and len(json.loads(out.read_text())["schedule"]) == 2
     vllm, sglang = engine_paths(out)
     cfg = json.loads(vllm.read_text())

@@ -70,6 +70,10 @@ def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict
             "estimated_plain_tokens_per_s": round(plain, 2),
             "chain_length": len(chain["paths"]) if chain is not None and chain_tps > plain else 0,
             "estimated_chain_tokens_per_s": round(chain_tps, 2) if chain is not None else None,
+            # the fastest drafting candidate even where plain decoding beats it (what a tree file must hold)
+            "fastest_tree": best["name"] if best is not None else None,
+            "fastest_tree_paths": [list(p) for p in best["paths"]] if best is not None else [],
+            "estimated_fastest_tree_tokens_per_s": round(best_tps, 2),
         })
     pays = [e["batch_size"] for e in entries if e["speculate"]]
     if not pays:
@@ -150,11 +154,15 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     out = Path(out)
     entries = schedule["entries"]
     first = entries[0]
-    record = {"paths": first["paths"],
-              "metadata": {**metadata, "batch_size": first["batch_size"], "tree_size": first["tree_size"],
-                           "expected_accept_length": first["accept_length"],
-                           "no_speculation_above": schedule["no_speculation_above"]},
-              "schedule": entries}
+    meta = {**metadata, "batch_size": first["batch_size"], "tree_size": first["tree_size"],
+            "expected_accept_length": first["accept_length"], "no_speculation_above": schedule["no_speculation_above"]}
+    paths = first["paths"]
+    if not first["speculate"]:  # drafters such as the SSM refuse an empty tree: keep the fastest one, and say so
+        paths = first["fastest_tree_paths"]
+        meta.update(tree_size=len(paths) + 1, plain_is_faster=True,
+                    note=f"plain decoding was faster at batch size {first['batch_size']}; `paths` hold the fastest "
+                         f"tree there ({first['fastest_tree']}) for `generate --tree`, which always drafts")
+    record = {"paths": paths, "metadata": meta, "schedule": entries}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     written = {"tree": str(out)}
