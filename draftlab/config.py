@@ -309,32 +309,15 @@ class Recipe(_Section):
                                      "medusa)")
     output_dir: str = Field(description="where checkpoints, metrics.jsonl and the export go")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_defaults(cls, data):
-        # train.accept_prompts / measure_accept_every default by the strategy: ZeRO-3 partitions the draft's
-        # parameters and FSDP the base's, so neither has a whole model to decode with on one process.
-        if not isinstance(data, dict) or not isinstance(data.get("train", {}), dict):
-            return data
-        dist = data.get("distributed") if isinstance(data.get("distributed"), dict) else {}
-        zero3 = dist.get("strategy") == "deepspeed" and dist.get("zero_stage") == 3
-        fsdp = dist.get("strategy") == "fsdp"
-        train = dict(data.get("train") or {})
-        if train.get("accept_prompts") is None:
-            train["accept_prompts"] = 0 if zero3 else 8
-        if train.get("measure_accept_every") is None:
-            train["measure_accept_every"] = 0 if zero3 or fsdp else 4
-        return {**data, "train": train}
-
     @model_validator(mode="after")
     def _ensemble_members(self) -> "Recipe":
         t, d = self.train, self.distributed
-        if d.strategy == "deepspeed" and d.zero_stage == 3 and t.accept_prompts:
+        if d.strategy == "deepspeed" and d.zero_stage == 3 and t.accept_prompts:  # (unset is 0 here)
             raise ValueError(f"train.accept_prompts={t.accept_prompts}: DeepSpeed ZeRO-3 partitions the draft's "
                              "parameters across processes, so no process has a whole draft to estimate accept length "
                              "with; set train.accept_prompts: 0 (and train.export: last), or use "
                              "distributed.zero_stage: 2")
-        if d.strategy == "fsdp" and t.measure_accept_every:
+        if d.strategy == "fsdp" and t.measure_accept_every:  # (unset is 0 here)
             raise ValueError(f"train.measure_accept_every={t.measure_accept_every}: decoding needs the whole base in "
                              "one process and FSDP shards it; set train.measure_accept_every: 0 (the expected accept "
                              "length is still computed) or use distributed.strategy: ddp")
@@ -367,10 +350,23 @@ class Recipe(_Section):
         return self
 
 
+def accept_settings(recipe: Recipe) -> tuple[int, int]:
+    """train.accept_prompts and train.measure_accept_every with their strategy-dependent defaults resolved: ZeRO-3
+    partitions the draft's parameters and FSDP the base's, so neither has a whole model to decode with in one
+    process. (Unset stays unset in config.yaml, so a recipe dumped and moved to another strategy keeps its
+    defaults.)"""
+    t, d = recipe.train, recipe.distributed
+    zero3, fsdp = d.strategy == "deepspeed" and d.zero_stage == 3, d.strategy == "fsdp"
+    prompts = t.accept_prompts if t.accept_prompts is not None else (0 if zero3 else 8)
+    every = t.measure_accept_every if t.measure_accept_every is not None else (0 if zero3 or fsdp else 4)
+    return prompts, every
+
+
 # Keys whose change does not make a different run: a resumed run may extend or re-log.
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
-                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir", "ensemble.tau_prompts"}
+                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir", "ensemble.tau_prompts",
+                  "train.export"}
 
 
 def _model_of(annotation):
@@ -422,6 +418,8 @@ def _describe(err: dict) -> str:
         return f"`{key}`: missing; add it{what}{ex}"
     value = err.get("input")
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across sections: its message names the keys (the whole recipe is no help)
+        return msg
     if kind == "literal_error":
         return f"`{key}` = {value!r}: {msg.replace('Input should be', 'use')}"
     return f"`{key}` = {value!r}: {msg}{what}"

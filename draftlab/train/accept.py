@@ -92,11 +92,13 @@ class AcceptEstimator:
     """The accept-length figures of one run's evaluations (see the module docstring)."""
 
     def __init__(self, recipe, base, tok, draft, eval_ex: list[dict], accelerator, sharded: bool):
-        t = recipe.train
+        from ..config import accept_settings
+
+        n, self.every = accept_settings(recipe)
         self.base, self.draft, self.accelerator, self.sharded = base, draft, accelerator, sharded
         self.adapted = recipe.lora is not None  # Medusa-2: the base changes with training
-        self.prompts = accept_prompts(eval_ex, t.accept_prompts)
-        self.max_new_tokens, self.every = t.accept_max_new_tokens, t.measure_accept_every
+        self.prompts = accept_prompts(eval_ex, n)
+        self.max_new_tokens = recipe.train.accept_max_new_tokens
         eos = tok.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
         self.has_ranks = draft.kind not in NO_RANKS

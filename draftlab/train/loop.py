@@ -25,7 +25,8 @@ from .accept import AcceptEstimator, BestDraft, selection_value
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, outside_deepspeed,
                           single_process_group_env)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
-from .run_dir import Metrics, RunDirError, prepare_run_dir, resume_step, save_checkpoint, write_run_config
+from .run_dir import (Metrics, RunDirError, latest_checkpoint, prepare_run_dir, resume_step, save_checkpoint,
+                      write_run_config)
 
 
 @dataclass
@@ -202,12 +203,20 @@ def open_hidden_cache(run: Run) -> None:
                                 create=run.is_main)
 
 
+BEST_STATE = "custom_checkpoint_1.pkl"  # Accelerate's file for the second registered object (after the scheduler)
+
+
 def open_accept_estimate(run: Run) -> None:
     """The accept-length estimator over the held-out prompts, and the best draft so far, registered for
     checkpointing after the scheduler (so every checkpoint holds the best as of its step)."""
     run.accept = AcceptEstimator(run.recipe, run.base, run.tok, run.draft, run.eval_ex, run.accelerator, run.sharded)
     run.best = BestDraft(keep_weights=run.is_main)  # weights on the main process only, which exports
     run.accelerator.register_for_checkpointing(run.best)
+    ckpt = latest_checkpoint(run.out_dir)
+    if run.is_main and ckpt is not None and not (ckpt / BEST_STATE).is_file():
+        # A checkpoint of a draftlab from before the best draft was checkpointed: resume with no best so far.
+        torch.save(run.best.state_dict(), ckpt / BEST_STATE)
+    run.accelerator.wait_for_everyone()
 
 
 def micro_step(run: Run, idx: list[int], sync: bool, step: int) -> tuple[dict, int]:
