@@ -114,9 +114,12 @@ class AcceptEstimator:
         return bool(self.prompts)
 
     def _mine(self) -> list[int | None]:
-        """This rank's prompt indices, padded with None (a stand-in) to as many as any rank has."""
+        """This rank's prompt indices; with a sharded base padded with None (a stand-in) to as many as any rank
+        has, since every base forward is a collective."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         mine = list(range(rank, len(self.prompts), world))
+        if not self.sharded:
+            return mine
         return mine + [None] * (len(range(0, len(self.prompts), world)) - len(mine))
 
     def _continuations(self) -> list:
