@@ -27,9 +27,20 @@ import torch
 from ..decode.search import replay_accept_length
 from ..decode.tree import Tree
 from ..drafters import kind_of, make_drafter
-from .boost import prompt_length
 
 NO_RANKS = ("eagle3",)  # kinds whose default tree is dynamic: no rank statistics, measured figures only
+
+
+def prompt_length(example: dict) -> int:
+    """Tokens of an example's prompt part: those before its first supervised token (a chat example: everything
+    before the first assistant token); a fully supervised text block has none, so its first half (at most 32
+    tokens) stands in. At least one token, and one left to continue. (boost.prompt_length's rule; boost imports
+    the loop, so it is not imported from there.)"""
+    mask, n = example["loss_mask"], len(example["input_ids"])
+    first = next((t for t, m in enumerate(mask) if m), n)
+    if first == 0:
+        first = max(2, min(32, n // 2))
+    return max(1, min(first, n - 1))
 
 
 def accept_prompts(eval_ex: list[dict], n: int) -> list[list[int]]:
