@@ -85,11 +85,11 @@ def text_ranks(draft, base, seq: list[int], prompt_len: int, depth: int) -> torc
 
 
 def replay_counts(tree: Tree, rows: list[torch.Tensor]) -> tuple[int, int]:
-    """(tokens committed, verification steps) of greedy decoding replayed along tree on these texts."""
-    steps = 0
-    for r in rows:  # replay_accept_length per text gives committed / steps; steps are counted here
-        have, i, n = set(tree.paths), 0, len(r)
-        rr = r.tolist()
+    """(tokens committed, verification steps) of greedy decoding replayed along tree on these texts: the walk of
+    decode.search.replay_accept_length, as counts that add up across processes."""
+    have, steps = set(tree.paths), 0
+    for r in rows:
+        i, n, rr = 0, len(r), r.tolist()
         while i < n:
             d, path = 0, ()
             while d < len(rr[i]) and path + (rr[i][d],) in have:
