@@ -282,3 +282,18 @@ def test_estimate_agrees_with_the_decoder_on_stories260k(stories_dir, tmp_path):
     assert n == 8 and est > 1.3
     assert abs(est - measured) <= 0.05 * measured
     assert est == pytest.approx(measured, abs=1e-9) and chosen["measured_accept_length"] == pytest.approx(measured, abs=1e-9)
+
+
+def test_figures_reach_tensorboard(tiny_base_dir, data_file, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    r = accept_recipe(tiny_base_dir, data_file, out, max_steps=2, accept_prompts=2, accept_max_new_tokens=8,
+                      measure_accept_every=1).model_dump(mode="json")
+    train(build_recipe({**r, "log": {"trackers": ["tensorboard"]}}))
+    ev = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents*")).parent))
+    ev.Reload()
+    tags = set(ev.Tags()["scalars"])
+    assert {"expected_accept_length", "expected_accept_length_chain", "measured_accept_length"} <= tags
+    logged = records(out)[-1]
+    assert ev.Scalars("expected_accept_length")[-1].value == pytest.approx(logged["expected_accept_length"], rel=1e-6)
