@@ -22,6 +22,8 @@ base forwards as the others (continuations run a fixed number of steps; a rank o
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..decode.search import replay_accept_length
@@ -154,6 +156,7 @@ class AcceptEstimator:
         if not self.active:
             return {}
         self.evals += 1
+        t0 = time.perf_counter()
         was = [m.training for m in modules]
         for m in modules:
             m.eval()
@@ -165,6 +168,7 @@ class AcceptEstimator:
                 rec.update(self._expected())
             if self.every and (self.evals % self.every == 0 or not self.has_ranks) and not self.sharded:
                 rec["measured_accept_length"] = self._measured()
+            rec["accept_s"] = round(time.perf_counter() - t0, 3)  # what the figures cost this evaluation
         finally:
             for m, w in zip(modules, was):
                 m.train(w)
