@@ -185,8 +185,9 @@ def test_figures_of_kinds_without_a_fixed_base_or_static_tree(tiny_base_dir, dat
     """EAGLE-3 (dynamic trees, no rank statistics): the measured figure at every evaluation, and the export chosen
     by it. Medusa-2 (the adapter changes the base): continuations from the adapted base, figures like heads'."""
     out = tmp_path / kind
-    s = train(accept_recipe(tiny_base_dir, data_file, out, kind, max_steps=4, accept_prompts=2,
-                            accept_max_new_tokens=16, measure_accept_every=1))
+    r = accept_recipe(tiny_base_dir, data_file, out, kind, max_steps=4, accept_prompts=2, accept_max_new_tokens=16,
+                      measure_accept_every=1)
+    s = train(r)
     evals = records(out)
     assert len(evals) == 2
     for e in evals:
@@ -198,6 +199,10 @@ def test_figures_of_kinds_without_a_fixed_base_or_static_tree(tiny_base_dir, dat
     meta = json.loads((out / "export" / "draftlab.json").read_text())["training"]["export"]
     assert meta["by"] == ("measured_accept_length" if kind == "eagle3" else "expected_accept_length")
     assert s["export_step"] in (2, 4)
+    # The export decodes (Medusa-2: with its adapter merged into the base) at what training chose it by.
+    chosen = {e["step"]: e for e in evals}[s["export_step"]]
+    measured, _ = decoded(out, r)
+    assert abs(chosen[meta["by"]] - measured) <= 0.05 * measured
 
 
 def test_accept_prompts_zero_turns_it_off_and_exports_the_last(tiny_base_dir, data_file, tmp_path):
