@@ -437,6 +437,34 @@ def drafter_steps(p, d) -> None:
           f"{r.get('identical_to_eager', '-')} | {r['warmup_s']} |")
 
 
+def batch_schedule(p, d) -> None:
+    heading(p, "Speculation schedule per batch size", f"`benchmarks/batch_schedule.py`; export `{d['export']}`, "
+            f"base `{d['base']}`; {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens, greedy, decoded in "
+            f"batches of each size, fastest of {d['rounds']} interleaved rounds; {where(d)}")
+    p("| batch size | schedule's tree (nodes) | schedule tokens/s | fixed tree tokens/s | plain tokens/s | "
+      "schedule / fixed | schedule / plain | accept length schedule / fixed | identical to plain greedy |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for r in d["batch_sizes"]:
+        s, f, n = r["schedule"], r["fixed"], r["plain"]
+        same = all(r[m]["identical_to_plain_greedy"] for m in ("schedule", "fixed", "plain"))
+        p(f"| {r['batch_size']} | {r['schedule_tree']} ({r['schedule_tree_size']}) | {s['tokens_per_s']:.0f} | "
+          f"{f['tokens_per_s']:.0f} | {n['tokens_per_s']:.0f} | {r['schedule_vs_fixed']:.2f}x | "
+          f"{r['schedule_vs_plain']:.2f}x | {s['accept_length']:.2f} / {f['accept_length']:.2f} | {same} |")
+    cut = d["no_speculation_above"]
+    top = d["batch_sizes"][-1]["batch_size"]
+    fixed = d["batch_sizes"][0]["fixed_tree_size"]
+    p(f"\nfixed tree: {d['fixed_tree']} ({fixed} nodes). search-tree's cut-off: " +
+      ("speculation paid at no batch size" if cut == 0 else f"speculation paid up to batch size {top}, the largest"
+       if cut is None else f"plain decoding wins above batch size {cut}") + f" (search {d['search_s']:.0f} s)")
+    p("\n| batch size | search-tree's choice | nodes | accept length (statistics) | est. tokens/s | est. plain "
+      "tokens/s | timed tokens/s | timed plain tokens/s | vLLM chain K |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for e in d["search"]:
+        p(f"| {e['batch_size']} | {e['tree']} | {e['tree_size']} | {e['accept_length']:.3f} | "
+          f"{e['estimated_tokens_per_s']:.0f} | {e['estimated_plain_tokens_per_s']:.0f} | {e['tokens_per_s']:.0f} | "
+          f"{e['plain_tokens_per_s']:.0f} | {e['chain_length']} |")
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -463,6 +491,7 @@ TABLES = {
     "drafter_steps": ("drafter_steps", drafter_steps),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
+    "batch_schedule": ("batch_schedule", batch_schedule),
 }
 
 
