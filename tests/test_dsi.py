@@ -169,6 +169,7 @@ def test_dsi_stops_at_eos_like_hf_generate(tiny_base_dir, setup):
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), 3, eos_token_id=eos)["tokens"] == want
 
 
+@pytest.mark.slow  # multi-process: two server processes started twice (about 20 s)
 def test_dsi_reused_after_an_interrupted_run_takes_no_stale_result(tiny_base_dir, setup):
     """A run interrupted with tasks in flight (the drafter raised) leaves results behind; the next run on the same
     servers must not take them for its own tasks."""
@@ -197,6 +198,7 @@ def _alive(procs):
     return [p for p in procs if p.is_alive()]
 
 
+@pytest.mark.slow  # multi-process: two pools of server processes (about 24 s)
 def test_dsi_server_errors_reach_the_caller_and_the_pool_is_closed(tiny_base_dir, setup):
     """A server that raises (a token outside the vocabulary) or is killed: DSIError with the server's traceback or
     its death, no hang, and no server process left running."""
