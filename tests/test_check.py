@@ -205,6 +205,28 @@ def test_chat_template_changed(good_dir, base_dir, tmp_path):
     assert f"serve with the recipe's base's template ({base_dir})" in c["tokenizer"]["message"]
 
 
+def test_a_template_edited_in_place_since_training_is_seen(base_dir, tmp_path):
+    """save_export records the training tokenizer's fingerprint; the same path, edited since, fails the check."""
+    from test_interop import random_heads
+
+    from draftlab.base import load_base
+
+    moved = tmp_path / "base"
+    shutil.copytree(base_dir, moved)
+    base, tok = load_base(str(moved), "float32")
+    export = save_export(random_heads(base, K=2, L=1), base, tmp_path / "m", str(moved), tokenizer=tok)
+    assert by_name(check_export(export))["tokenizer"]["ok"] is True
+    jinja = moved / "chat_template.jinja"
+    if jinja.is_file():
+        jinja.write_text(jinja.read_text().replace("Assistant", "Bot"))
+    else:
+        cfg = json.loads((moved / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = cfg["chat_template"].replace("Assistant", "Bot")
+        (moved / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = by_name(check_export(export))["tokenizer"]
+    assert c["ok"] is False and "differs from the one used in training in chat_template" in c["message"]
+
+
 def test_medusa_in_vllm_layout(base_dir, tmp_path):
     from test_interop import random_heads
 

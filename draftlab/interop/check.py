@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.base import Drafter, ExportError, read_safetensors
-from .export import apply_adapter, load_export, read_meta
+from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint
 
 ENGINES = ("vllm", "sglang")
 NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -216,9 +216,23 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
     else:
         trained = (recipe.get("base") or {}).get("name_or_path") or meta["base"]["name_or_path"]
         where = "the recipe's base" if recipe else "draftlab.json's base"
+    recorded = meta.get("tokenizer")
+    if recorded:  # the fingerprint save_export took of the tokenizer used in training: edits in place show too
+        try:
+            now = tokenizer_fingerprint(_tok_raw(served))
+        except (OSError, ValueError) as e:
+            return Check("tokenizer", False, f"cannot load the served tokenizer {served} ({e})")
+        diff = [k for k in recorded if recorded[k] != now.get(k)]
+        if not diff:
+            return Check("tokenizer", True, f"served tokenizer {served} matches the fingerprint draftlab.json took "
+                                            "in training (vocabulary, special ids, chat template)")
+        names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
+        return Check("tokenizer", False, f"served tokenizer {served} differs from the one used in training in "
+                     f"{', '.join(names.get(k, k) for k in diff)} (draftlab.json's tokenizer fingerprint); serve "
+                     "with the training tokenizer and template, or retrain")
     if Path(trained).resolve() == Path(served).resolve() if Path(trained).exists() else trained == served:
-        return Check("tokenizer", True, f"served tokenizer {served} is {where} used in training (draftlab.json "
-                                        "records no fingerprint: a template edited in place since is not seen)")
+        return Check("tokenizer", True, f"served tokenizer {served} is {where} used in training (this export "
+                                        "records no tokenizer fingerprint: a template edited in place since is not seen)")
     try:
         a, b = _tok_raw(trained), _tok_raw(served)
     except (OSError, ValueError) as e:

@@ -23,6 +23,21 @@ META = "draftlab.json"
 ADAPTER_DIR = "adapter"
 
 
+def tokenizer_fingerprint(tok) -> dict:
+    """What serving must match of the tokenizer used in training: the vocabulary, the special ids and the chat
+    template, as hashes (draftlab check compares them with the served tokenizer's)."""
+    import hashlib
+
+    def sha(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    vocab = json.dumps(sorted(tok.get_vocab().items()))
+    special = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    template = getattr(tok, "chat_template", None)
+    return {"vocab_size": len(tok), "vocab_sha256": sha(vocab), **special,
+            "chat_template_sha256": sha(template) if isinstance(template, str) else None}
+
+
 def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: list | None = None,
                 extra: dict | None = None, tokenizer=None, adapter=None) -> Path:
     """Write the draft module's files and draftlab.json (last, atomically: its presence marks a complete export).
@@ -41,6 +56,8 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
             tokenizer.save_pretrained(d)
     meta = {"format_version": FORMAT_VERSION, "head": draft.config(), "base": base_identity(base, base_name),
             "default_tree": default_tree, "files": files, **(extra or {})}
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer_fingerprint(tokenizer)
     if adapter is not None:
         shutil.rmtree(out / ADAPTER_DIR, ignore_errors=True)
         adapter.save_pretrained(out / ADAPTER_DIR)
