@@ -108,7 +108,7 @@ def inject(monkeypatch):
     real = loop.evaluate_run
 
     def evaluate_run(run, step):
-        run.accept.evaluate = lambda modules: {"expected_accept_length": ESTIMATES[step]}
+        run.accept.evaluate = lambda modules, index: {"expected_accept_length": ESTIMATES[step]}
         return real(run, step)
     monkeypatch.setattr(loop, "evaluate_run", evaluate_run)
 

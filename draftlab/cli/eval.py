@@ -62,8 +62,11 @@ def eval_command(a) -> int:
             raise EvalError(f"--threshold {a.threshold}: a relative drop, from 0 to below 1 (0.05 = 5%)")
         table, runs = compare_runs(a.runs)
         cmp = None
+        older = []
         if len(a.runs) == 2:
-            cmp = compare_slices(load_summary(a.runs[0]), load_summary(a.runs[1]), a.threshold)
+            sa, sb = load_summary(a.runs[0]), load_summary(a.runs[1])
+            older = [r["dir"] for r in (sa, sb) if "slices" not in r]
+            cmp = None if older else compare_slices(sa, sb, a.threshold)
         if a.json:
             obj = {"runs": [{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
                              "categories": r["categories"]} for r in runs]}
@@ -72,6 +75,9 @@ def eval_command(a) -> int:
             print(table)
             if cmp:
                 print("\n" + format_comparison(cmp, *a.runs))
+            for d in older:  # the overview above still compares them
+                print(f"\n{d}: no per-slice section (a summary made by an older draftlab); run `draftlab eval "
+                      "mt-bench` again with the same --out to add it (answers are kept)")
         return 0
     sampling_from_args(a)  # a bad flag fails before anything loads
     out = a.out or str(Path("runs") / "eval" / Path(a.export.rstrip("/")).parent.name)

@@ -56,7 +56,7 @@ def engine_reads(cfg: dict, engine: str, n: int) -> list[tuple[str, list[int]]]:
     if ids is None:
         return [("SGLang (no eagle_config ids: its default)", default_aux(n))]
     old = [int(i) + 1 for i in ids]
-    new = old if int(ids[0]) == 1 else [int(i) for i in ids]
+    new = old if ids and int(ids[0]) == 1 else [int(i) for i in ids]
     return [("SGLang", old)] + ([("SGLang since PR #25454 (+1 only when the first id is 1)", new)] if new != old else [])
 
 
@@ -293,7 +293,7 @@ class EngineEagle3:
                 {"rope_theta": cfg.get("rope_theta", 10000.0),
                  **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
         self.rotary = LlamaRotaryEmbedding(config=LlamaConfig(
-            hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=cfg["head_dim"],
+            hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
         Vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
         self.targets = torch.arange(Vd) + self.t.get("d2t", torch.zeros(Vd, dtype=torch.long)).long()
@@ -314,7 +314,8 @@ class EngineEagle3:
         t, c, p, T = self.t, self.cfg, "midlayer.", g.shape[0]
         emb = self.base.get_input_embeddings()(tokens).float()
         x = torch.cat([_rms(emb, t[p + "input_layernorm.weight"], self.eps), _rms(g, t[p + "hidden_norm.weight"], self.eps)], -1)
-        h, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        h, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        hd = c.get("head_dim") or c["hidden_size"] // h
         q, k, v = ((x @ t[p + f"self_attn.{n}_proj.weight"].t()).view(T, -1, hd).transpose(0, 1)[None] for n in "qkv")
         cos, sin = self.rotary(x[None], torch.arange(T)[None])
         q, k = apply_rotary_pos_emb(q, k, cos, sin)

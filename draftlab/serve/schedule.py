@@ -230,6 +230,9 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
             seen.add(tree.paths)
             candidates.append(tree)
     timing = ctx.timing
+    if not timing:
+        raise ValueError("--batch-sizes needs timing prompts: the data has none beyond the calibration prompts "
+                         "(raise --timing-prompts or give more records)")
     while len(timing) < max(batch_sizes):
         timing = timing + ctx.timing
     plain = SpeculativeDecoder(ctx.base, NoDraft(), check_base=False, sync=ctx.sync, compile=compile)

@@ -120,7 +120,6 @@ class AcceptEstimator:
         self.tree = default if isinstance(default, Tree) else None
         self.chain = Tree.chain(self.depth)
         self.texts: list | None = None  # this rank's (prompt length, continuation), computed once
-        self.evals = 0
 
     @property
     def active(self) -> bool:
@@ -150,12 +149,12 @@ class AcceptEstimator:
         return self.accelerator.reduce(t, reduction="sum").tolist()
 
     @torch.no_grad()
-    def evaluate(self, modules) -> dict:
+    def evaluate(self, modules, index: int) -> dict:
         """The figures of this evaluation (every rank calls it; all get the same numbers). modules: the trained
-        module(s) to put in eval mode meanwhile (dropout off, Medusa-2's LoRA dropout too)."""
+        module(s) to put in eval mode meanwhile (dropout off, Medusa-2's LoRA dropout too); index: which
+        evaluation this is (from its step, so a resumed run measures at the evaluations an uninterrupted one does)."""
         if not self.active:
             return {}
-        self.evals += 1
         t0 = time.perf_counter()
         was = [m.training for m in modules]
         for m in modules:
@@ -166,7 +165,7 @@ class AcceptEstimator:
                 if self.texts is None or self.adapted:
                     self.texts = self._continuations()
                 rec.update(self._expected())
-            if self.every and (self.evals % self.every == 0 or not self.has_ranks) and not self.sharded:
+            if self.every and (index % self.every == 0 or not self.has_ranks) and not self.sharded:
                 rec["measured_accept_length"] = self._measured()
             rec["accept_s"] = round(time.perf_counter() - t0, 3)  # what the figures cost this evaluation
         finally:
@@ -185,11 +184,12 @@ class AcceptEstimator:
         for tree in ([self.tree] if self.tree is not None else []) + [self.chain]:
             figures += list(replay_counts(tree, rows))
         sums = self._sum(figures + [float(sum(len(r) for r in rows))])
-        rec = {}
+        rec = {"accept_states": int(sums[-1])}
+        if not sums[-1]:  # no text gave a state to verify from (all ended at once): no figure, not a zero
+            return rec
         names = (["expected_accept_length"] if self.tree is not None else []) + ["expected_accept_length_chain"]
         for k, name in enumerate(names):
             rec[name] = sums[2 * k] / max(sums[2 * k + 1], 1)
-        rec["accept_states"] = int(sums[-1])
         return rec
 
     def _measured(self) -> float:

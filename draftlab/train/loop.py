@@ -330,7 +330,7 @@ def evaluate_run(run: Run, step: int) -> dict:
     """Held-out losses and agreement, the accept-length figures, and whether this is the best draft so far."""
     rec = evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
                    run.accelerator, run.lm_weight, run.draft)
-    rec.update(run.accept.evaluate([run.objective]))
+    rec.update(run.accept.evaluate([run.objective], math.ceil(step / run.recipe.train.eval_every_steps)))
     run.best.offer(step, selection_value(rec), run.accelerator.unwrap_model(run.objective))
     if run.best.step is not None:
         rec["best_step"] = run.best.step
