@@ -224,12 +224,14 @@ class BestDraft:
         self.step: int | None = None
         self.value: float | None = None
         self.weights: dict | None = None
+        self.record: dict | None = None  # that evaluation's figures: what the export's draftlab.json reports
 
-    def offer(self, step: int, value: float | None, module) -> bool:
-        """Keep module's trainable weights if value beats the best so far (ties keep the earlier); True if kept."""
+    def offer(self, step: int, value: float | None, module, record: dict | None = None) -> bool:
+        """Keep module's trainable weights (and the evaluation's record) if value beats the best so far (ties keep
+        the earlier); True if kept."""
         if value is None or (self.value is not None and value <= self.value):
             return False
-        self.step, self.value = step, value
+        self.step, self.value, self.record = step, value, dict(record or {})
         if self.keep_weights:
             self.weights = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()
                             if p.requires_grad}
@@ -248,8 +250,8 @@ class BestDraft:
                 params[n].copy_(w.to(params[n].device, params[n].dtype))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "value": self.value, "weights": self.weights or {}}
+        return {"step": self.step, "value": self.value, "weights": self.weights or {}, "record": self.record}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.value = state.get("step"), state.get("value")
+        self.step, self.value, self.record = state.get("step"), state.get("value"), state.get("record")
         self.weights = (state.get("weights") or None) if self.keep_weights else None

@@ -331,7 +331,7 @@ def evaluate_run(run: Run, step: int) -> dict:
     rec = evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
                    run.accelerator, run.lm_weight, run.draft)
     rec.update(run.accept.evaluate([run.objective], math.ceil(step / run.recipe.train.eval_every_steps)))
-    run.best.offer(step, selection_value(rec), run.accelerator.unwrap_model(run.objective))
+    run.best.offer(step, selection_value(rec), run.accelerator.unwrap_model(run.objective), rec)
     if run.best.step is not None:
         rec["best_step"] = run.best.step
     return rec
@@ -347,16 +347,18 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
         last_eval = evaluate_run(run, step)
     recipe = run.recipe
     chosen = export_choice(run, step)
+    # The figures of the weights exported: the best evaluation's when an earlier one was better.
+    exported_eval = run.best.record if chosen["step"] != step and run.best.record else last_eval
     if run.is_main:
         objective = run.accelerator.unwrap_model(run.objective)
         if chosen["step"] != step:  # train.export: best, and an earlier evaluation was better
             run.best.restore(objective)  # (the run ends here: the last weights are in the last checkpoint)
         export = save_export(objective.draft, run.base, run.out_dir / "export", recipe.base.name_or_path,
                              extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
-                                                 "eval": last_eval, "export": chosen}}, tokenizer=run.tok,
+                                                 "eval": exported_eval, "export": chosen}}, tokenizer=run.tok,
                              adapter=run.base if recipe.lora is not None else None)
         summary["export"] = str(export)
-    summary["eval"] = last_eval
+    summary["eval"], summary["last_eval"] = exported_eval, last_eval
     summary["export_step"] = chosen["step"]
     if run.is_main and last_eval:
         metrics.log({"step": step, "event": "end", **last_eval, "export_step": chosen["step"],
