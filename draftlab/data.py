@@ -284,3 +284,14 @@ def collate(batch: list[dict], pad_id: int) -> dict:
         att[b, :n] = 1
         lm[b, :n] = torch.tensor(e["loss_mask"])
     return {"input_ids": ids, "attention_mask": att, "loss_mask": lm}
+
+
+def prompt_length(example: dict) -> int:
+    """Tokens of an example's prompt part: those before its first supervised token (a chat example: everything
+    before the first assistant token); a fully supervised text block has none, so its first half (at most 32
+    tokens) stands in. At least one token, and one token left to compare."""
+    mask, n = example["loss_mask"], len(example["input_ids"])
+    first = next((t for t, m in enumerate(mask) if m), n)
+    if first == 0:
+        first = max(2, min(32, n // 2))
+    return max(1, min(first, n - 1))

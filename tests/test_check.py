@@ -190,16 +190,21 @@ def test_quantization_config_added(good_dir, tmp_path):
     assert check_quant({}, base, ["vllm"]).ok is True
 
 
-def test_chat_template_changed(good_dir, base_dir, tmp_path):
-    served = tmp_path / "tok"
-    shutil.copytree(base_dir, served)
-    jinja = served / "chat_template.jinja"
+def edit_chat_template(tok_dir):
+    """Change the chat template of the tokenizer files in tok_dir, in place."""
+    jinja = tok_dir / "chat_template.jinja"
     if jinja.is_file():
         jinja.write_text(jinja.read_text().replace("Assistant", "Bot"))
     else:
-        cfg = json.loads((served / "tokenizer_config.json").read_text())
+        cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
         cfg["chat_template"] = cfg["chat_template"].replace("Assistant", "Bot")
-        (served / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_chat_template_changed(good_dir, base_dir, tmp_path):
+    served = tmp_path / "tok"
+    shutil.copytree(base_dir, served)
+    edit_chat_template(served)
     c = only_fails(check_export(good_dir, tokenizer=str(served)), "tokenizer")
     assert "chat_template differs from training's" in c["tokenizer"]["message"]
     assert f"serve with the recipe's base's template ({base_dir})" in c["tokenizer"]["message"]
@@ -216,13 +221,7 @@ def test_a_template_edited_in_place_since_training_is_seen(base_dir, tmp_path):
     base, tok = load_base(str(moved), "float32")
     export = save_export(random_heads(base, K=2, L=1), base, tmp_path / "m", str(moved), tokenizer=tok)
     assert by_name(check_export(export))["tokenizer"]["ok"] is True
-    jinja = moved / "chat_template.jinja"
-    if jinja.is_file():
-        jinja.write_text(jinja.read_text().replace("Assistant", "Bot"))
-    else:
-        cfg = json.loads((moved / "tokenizer_config.json").read_text())
-        cfg["chat_template"] = cfg["chat_template"].replace("Assistant", "Bot")
-        (moved / "tokenizer_config.json").write_text(json.dumps(cfg))
+    edit_chat_template(moved)
     c = by_name(check_export(export))["tokenizer"]
     assert c["ok"] is False and "differs from the one used in training in chat_template" in c["message"]
 

@@ -13,7 +13,8 @@ from draftlab.config import ConfigError, accept_settings, build_recipe, dump_rec
 from draftlab.decode.search import replay_accept_length
 from draftlab.decode.tree import Tree
 from draftlab.train import train
-from draftlab.train.accept import AcceptEstimator, replay_counts
+from draftlab.decode.search import replay_counts
+from draftlab.train.accept import AcceptEstimator
 
 HYDRAPP = {"head": {"type": "hydra", "num_heads": 3, "num_layers": 1, "prefix_attention": True},
            "loss": {"distill_weight": 1.0}}
@@ -90,6 +91,7 @@ def test_replay_counts_are_the_replayed_accept_length():
     for tree in (Tree.chain(3), Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), Tree.from_paths([])):
         committed, steps = replay_counts(tree, rows)
         assert committed / steps == pytest.approx(replay_accept_length(tree, rows), abs=1e-12)
+        assert committed == sum(len(r) for r in rows)  # the walk commits every state exactly once
 
 
 def checkpoint_draft(out, step):

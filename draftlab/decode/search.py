@@ -116,11 +116,11 @@ def simulate_accept_length(tree: Tree, ranks: torch.Tensor) -> float:
     return total / max(len(ranks), 1)
 
 
-def replay_accept_length(tree: Tree, sequences: list[torch.Tensor]) -> float:
-    """Greedy decoding replayed on the rank vectors of whole texts: from each text's first state, accept
-    along the tree, commit the accepted tokens plus the bonus, jump to the state after them. Unlike the
-    per-state mean, this visits only the states the decoder visits (and stops where the text does),
-    so on the calibration text it equals the decoder's own accept length exactly."""
+def replay_counts(tree: Tree, sequences: list[torch.Tensor]) -> tuple[int, int]:
+    """(tokens committed, verification steps) of greedy decoding replayed on the rank vectors of whole texts: from
+    each text's first state, accept along the tree, commit the accepted tokens plus the bonus, jump to the state
+    after them (the bonus past the end of the text is not emitted). Counts, so that they add up across texts and
+    processes."""
     have = set(tree.paths)
     committed = steps = 0
     for rows in sequences:
@@ -130,8 +130,16 @@ def replay_accept_length(tree: Tree, sequences: list[torch.Tensor]) -> float:
             d, path = 0, ()
             while d < len(rows[i]) and path + (rows[i][d],) in have:
                 path, d = path + (rows[i][d],), d + 1
-            n = min(1 + d, len(rows) - i)  # the bonus past the end of the text is not emitted
+            n = min(1 + d, len(rows) - i)
             committed, steps, i = committed + n, steps + 1, i + n
+    return committed, steps
+
+
+def replay_accept_length(tree: Tree, sequences: list[torch.Tensor]) -> float:
+    """Greedy decoding replayed on the rank vectors of whole texts (replay_counts). Unlike the per-state mean, this
+    visits only the states the decoder visits (and stops where the text does), so on the calibration text it
+    equals the decoder's own accept length exactly."""
+    committed, steps = replay_counts(tree, sequences)
     return committed / max(steps, 1)
 
 

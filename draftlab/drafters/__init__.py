@@ -390,3 +390,15 @@ def make_drafter(module, tree: Tree | None = None, **options) -> Drafter:
 
 __all__ = ["Drafter", "DraftKind", "EnsembleDraft", "KINDS", "LookupDraft", "PromptState", "Proposal", "StepResult",
            "build_draft", "kind_of", "make_drafter"]
+
+
+@torch.no_grad()
+def text_ranks(draft, base, seq: list[int], prompt_len: int, depth: int) -> torch.Tensor:
+    """Rank vectors [T, depth] of the states greedy decoding verifies from along one text (prompt + continuation):
+    from the prompt's last token to the one before the text's last (once the root is the final token, decoding
+    stops without another verification); a rank of V means 'beyond the text'. The kind's `ranks` computes them,
+    the draft conditioned on the true path."""
+    ids = torch.tensor([seq], device=base.get_input_embeddings().weight.device)
+    ranks = kind_of(draft.kind).ranks(draft, base, ids, depth)
+    start = max(prompt_len - 1, 0)
+    return ranks[start: max(ids.shape[1] - 2, start)].cpu()

@@ -38,17 +38,10 @@ def collect_ranks(base, draft, sequences: list[list[int]], prompt_lens: list[int
     (max_new_tokens or EOS), decoding stops without another verification step. depth defaults to the
     number of heads.
     """
-    from ..drafters import kind_of
+    from ..drafters import text_ranks
 
-    ranks_of = kind_of(draft.kind).ranks
     depth = depth or draft.num_heads
-    rows = []
-    for seq, plen in zip(sequences, prompt_lens):
-        ids = torch.tensor([seq], device=base.device)
-        ranks = ranks_of(draft, base, ids, depth)
-        start = max(plen - 1, 0)
-        rows.append(ranks[start: max(ids.shape[1] - 2, start)].cpu())
-    return rows
+    return [text_ranks(draft, base, seq, plen, depth) for seq, plen in zip(sequences, prompt_lens)]
 
 
 def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,

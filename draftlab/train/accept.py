@@ -26,23 +26,12 @@ import time
 
 import torch
 
-from ..decode.search import replay_accept_length
+from ..data import prompt_length
+from ..decode.search import replay_counts
 from ..decode.tree import Tree
-from ..drafters import kind_of, make_drafter
+from ..drafters import kind_of, make_drafter, text_ranks
 
 NO_RANKS = ("eagle3",)  # kinds whose default tree is dynamic: no rank statistics, measured figures only
-
-
-def prompt_length(example: dict) -> int:
-    """Tokens of an example's prompt part: those before its first supervised token (a chat example: everything
-    before the first assistant token); a fully supervised text block has none, so its first half (at most 32
-    tokens) stands in. At least one token, and one left to continue. (boost.prompt_length's rule; boost imports
-    the loop, so it is not imported from there.)"""
-    mask, n = example["loss_mask"], len(example["input_ids"])
-    first = next((t for t, m in enumerate(mask) if m), n)
-    if first == 0:
-        first = max(2, min(32, n // 2))
-    return max(1, min(first, n - 1))
 
 
 def accept_prompts(eval_ex: list[dict], n: int) -> list[list[int]]:
@@ -73,32 +62,6 @@ def rank_depth(draft) -> int:
     """How deep the draft drafts: the depth of its default chain (SSM, block drafters), else one level per head."""
     tree = kind_of(draft.kind).default_tree(draft)
     return max(tree.depth if isinstance(tree, Tree) else 0, draft.num_heads)
-
-
-@torch.no_grad()
-def text_ranks(draft, base, seq: list[int], prompt_len: int, depth: int) -> torch.Tensor:
-    """Rank vectors [T, depth] of the states greedy decoding verifies from along one text (as
-    serve.tree_search.collect_ranks: from the prompt's last token to the one before the text's last)."""
-    dev = base.get_output_embeddings().weight.device
-    ids = torch.tensor([seq], device=dev)
-    ranks = kind_of(draft.kind).ranks(draft, base, ids, depth)
-    start = max(prompt_len - 1, 0)
-    return ranks[start: max(ids.shape[1] - 2, start)].cpu()
-
-
-def replay_counts(tree: Tree, rows: list[torch.Tensor]) -> tuple[int, int]:
-    """(tokens committed, verification steps) of greedy decoding replayed along tree on these texts: the walk of
-    decode.search.replay_accept_length, as counts that add up across processes."""
-    have, steps = set(tree.paths), 0
-    for r in rows:
-        i, n, rr = 0, len(r), r.tolist()
-        while i < n:
-            d, path = 0, ()
-            while d < len(rr[i]) and path + (rr[i][d],) in have:
-                path, d = path + (rr[i][d],), d + 1
-            i, steps = i + min(1 + d, n - i), steps + 1
-    committed = sum(len(r) for r in rows)  # every state is committed exactly once
-    return committed, steps
 
 
 class AcceptEstimator:

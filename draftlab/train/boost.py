@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import Recipe, build_recipe, dump_recipe
+from ..data import prompt_length  # noqa: F401 (also read from here)
 
 
 def stage_recipe(recipe: Recipe, i: int) -> Recipe:
@@ -71,17 +72,6 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
         covered = (hit[:, :-1] & sup).sum(-1).float() / sup.sum(-1).clamp(min=1).float()
         scores.update(zip(part, covered.tolist()))
     return scores
-
-
-def prompt_length(example: dict) -> int:
-    """Tokens of an example's prompt part: those before its first supervised token (a chat example: everything
-    before the first assistant token); a fully supervised text block has none, so its first half (at most 32
-    tokens, as tau's prompts) stands in. At least one token, and one token left to compare."""
-    mask, n = example["loss_mask"], len(example["input_ids"])
-    first = next((t for t, m in enumerate(mask) if m), n)
-    if first == 0:
-        first = max(2, min(32, n // 2))
-    return max(1, min(first, n - 1))
 
 
 def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
