@@ -133,7 +133,8 @@ def hand_made_pair(tmp):
 
 
 def test_compare_marks_exactly_the_slices_that_got_worse(tmp_path):
-    from draftlab.eval.compare import format_comparison, load_summary
+    from draftlab.eval.compare import format_comparison
+    from draftlab.eval.mt_bench import load_summary
 
     a, b = hand_made_pair(tmp_path)
     cmp = compare_slices(load_summary(a), load_summary(b), threshold=0.05)

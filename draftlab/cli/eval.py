@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..eval.compare import compare_slices, format_comparison, load_summary
-from ..eval.mt_bench import EvalError, compare_runs, run_mt_bench
+from ..eval.compare import compare_slices, format_comparison
+from ..eval.mt_bench import EvalError, compare_runs, load_summary, run_mt_bench
 from ..shipped import mt_bench_questions
 from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
 

@@ -9,26 +9,8 @@ drop in a slice of two records reads as what it is.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .mt_bench import EvalError
 from .slices import SLICINGS, bucket_key
-
-
-def summary_path(src: str) -> Path:
-    """summary.json of a run: the file itself, or the run directory holding it."""
-    p = Path(src)
-    f = p / "summary.json" if p.is_dir() else p
-    if not f.is_file():
-        raise EvalError(f"{src}: no summary.json (not a `draftlab eval mt-bench` output directory or summary file, "
-                        "or the run is unfinished)")
-    return f
-
-
-def load_summary(src: str) -> dict:
-    """A run's summary.json, with `dir` set to what the user named."""
-    return {"dir": src, **json.loads(summary_path(src).read_text())}
 
 
 def _change(a, b):

@@ -376,15 +376,24 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     return summary
 
 
+def summary_path(src: str) -> Path:
+    """summary.json of a run: the file itself, or the run directory holding it."""
+    p = Path(src)
+    f = p / "summary.json" if p.is_dir() else p
+    if not f.is_file():
+        raise EvalError(f"{src}: no summary.json (not a `draftlab eval mt-bench` output directory or summary file, "
+                        "or the run is unfinished)")
+    return f
+
+
+def load_summary(src: str) -> dict:
+    """A run's summary.json, with `dir` set to what the user named."""
+    return {"dir": src, **json.loads(summary_path(src).read_text())}
+
+
 def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
     """Markdown table of several eval runs side by side (overall, then speedup per category)."""
-    runs = []
-    for d in dirs:
-        f = Path(d) / "summary.json" if Path(d).is_dir() else Path(d)
-        if not f.is_file():
-            raise EvalError(f"{d}: no summary.json (not a `draftlab eval mt-bench` output directory or summary file, "
-                            "or the run is unfinished)")
-        runs.append({"dir": d, **json.loads(f.read_text())})
+    runs = [load_summary(d) for d in dirs]
     cats = sorted({c for r in runs for c in r["categories"]})
     key = "speedup" if all("speedup" in r["overall"] for r in runs) else "accept_length"
     head = ["run", "head", "tree size", "accept length", "tokens/s", "speedup", "identical"] + cats
