@@ -257,6 +257,10 @@ _ENDS = {
 }
 
 
+# Slow: multi-process and compared against wall-clock arrivals; beside another test worker on 2 cores (-n auto) one
+# case counted 0 server waits where the simulator has 1 (2026-11-25, a clean-clone default run). CI runs the slow
+# tests one at a time.
+@pytest.mark.slow
 @pytest.mark.parametrize("end", list(_ENDS))
 def test_dsi_runtime_follows_the_simulator_on_the_same_inputs(emulated_pool, setup, end):
     """The process runtime and `draftlab simulate`'s event simulator on the same stretches (accepted drafts per
