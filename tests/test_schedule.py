@@ -134,3 +134,43 @@ def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base
     decoder, tok, _ = load_decoder(str(exp), tree=str(out))
     assert decoder.drafter.max_nodes == tree.size
     assert run_generate(decoder, tok, ["Once upon a time"], 8, compare=True)["identical_to_baseline"]
+
+
+def test_full_batches_repeat_the_prompts_cyclically_to_whole_batches():
+    from draftlab.serve.schedule import full_batches
+
+    ps = [[1], [2], [3], [4], [5]]
+    assert full_batches(ps, 2) == ps + [[1]]
+    assert full_batches(ps, 3, at_least=8) == ps + [[1], [2], [3], [4]]
+    assert full_batches(ps, 8) == ps + [[1], [2], [3]]
+    assert full_batches(ps, 1) == ps and full_batches(ps, 5) == ps
+
+
+def test_every_timed_batch_has_exactly_batch_size_rows(tiny_base_dir, tmp_path, monkeypatch):
+    """Batch sizes 2 and 3 over 2 timing prompts: repeated whole to 4 prompts, batch size 3 timed a batch of 3
+    and a batch of 1, whose cheaper steps biased its step time low."""
+    from draftlab.serve import tree_search
+    from draftlab.serve.schedule import search_schedule
+
+    exp, data = search_inputs(tiny_base_dir, tmp_path, "ssm")
+    timed, measure = [], tree_search.measure
+
+    def spy(decoder, prompts, batch_size, max_new_tokens, eos, warm=True):
+        if warm:  # the warm-up, outside the timing, is not a timed batch
+            decoder.warm_up(prompts[:batch_size], max_new_tokens, eos_token_id=eos)
+        generate = decoder.generate
+
+        def counted(batch, **kw):
+            timed.append((batch_size, len(batch)))
+            return generate(batch, **kw)
+        decoder.generate = counted
+        try:
+            return measure(decoder, prompts, batch_size, max_new_tokens, eos, warm=False)
+        finally:
+            del decoder.generate
+    monkeypatch.setattr(tree_search, "measure", spy)
+    rep = search_schedule(str(exp), str(data), str(tmp_path / "s.json"), [2, 3], max_nodes=2, max_depth=2,
+                          calibration_prompts=6, timing_prompts=2, max_new_tokens=4, timing_rounds=1)
+    assert {B for B, _ in timed} == {2, 3} and all(rows == B for B, rows in timed), timed
+    assert Tree.load(tmp_path / "s.json").metadata["timed_rows"] == {"2": 4, "3": 3}
+    assert [e["batch_size"] for e in rep["schedule"]] == [2, 3]

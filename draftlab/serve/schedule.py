@@ -39,6 +39,16 @@ def is_chain(paths) -> bool:
     return all(tuple(p) == (0,) * (i + 1) for i, p in enumerate(sorted(map(tuple, paths), key=len)))
 
 
+def full_batches(prompts: list, batch_size: int, at_least: int = 0) -> list:
+    """The prompts repeated cyclically to a whole number of batches of batch_size (and at least at_least rows), so
+    every timed batch has exactly batch_size rows: a short last batch steps faster and would bias the step time
+    low at batch sizes that do not divide the number of timing prompts."""
+    if not prompts:
+        raise ValueError("no timing prompts")
+    n = -(-max(len(prompts), at_least, 1) // batch_size) * batch_size
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict[int, dict[str, float]],
                     plain_step_s: dict[int, float]) -> dict:
     """Per batch size, the candidate with the highest expected tokens/s, and the cut-off batch size. Pure.
@@ -202,7 +212,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
                     engine_model: str | None = None) -> dict:
     """search-tree --batch-sizes: statistics once, then at every batch size the candidate trees, chains of every
     length and plain decoding timed (interleaved rounds, fastest kept); writes the schedule and returns a report.
-    The timing prompts are repeated up to the largest batch size, so every batch size decodes the same work."""
+    At every batch size B the timing prompts are repeated cyclically to whole batches of B rows (at least as many
+    rows as the largest batch size), so every timed batch is full and every batch size decodes about the same work."""
     from ..decode.decoder import NoDraft, SpeculativeDecoder
     from ..decode.search import geometric_sizes, replay_accept_length
     from ..decode.tensor_parallel import is_main
@@ -233,8 +244,6 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     if not timing:
         raise ValueError("--batch-sizes needs timing prompts: the data has none beyond the calibration prompts "
                          "(raise --timing-prompts or give more records)")
-    while len(timing) < max(batch_sizes):
-        timing = timing + ctx.timing
     plain = SpeculativeDecoder(ctx.base, NoDraft(), check_base=False, sync=ctx.sync, compile=compile)
     decoders = [plain] + [SpeculativeDecoder(ctx.base, make_drafter(draft, t), sync=ctx.sync, compile=compile)
                           for t in candidates]
@@ -242,8 +251,12 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     rows = [{"name": n, "paths": [list(p) for p in t.paths], "tree_size": t.size, "tree_depth": t.depth,
              "accept_length": round(replay_accept_length(t, per_text), 4)} for n, t in zip(names, candidates)]
     measured, step_s, plain_step_s = {}, {}, {}
+    rows_timed = {}
     for B in batch_sizes:
-        ms = time_trees(decoders, timing, B, max_new_tokens, ctx.eos, timing_rounds)
+        # every batch full (B rows), about the same work at every batch size (at least the largest batch)
+        prompts = full_batches(timing, B, max(batch_sizes))
+        rows_timed[B] = len(prompts)
+        ms = time_trees(decoders, prompts, B, max_new_tokens, ctx.eos, timing_rounds)
         plain_step_s[B] = ms[0]["step_s"]
         step_s[B] = {n: m["step_s"] for n, m in zip(names, ms[1:])}
         measured[B] = {PLAIN: ms[0], **dict(zip(names, ms[1:]))}
@@ -261,7 +274,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     meta = {"name": Path(out).stem, "method": "per batch size: greedy trees and chains timed here, chosen by "
                                               "batch size x accept length (statistics) / step time",
             "export": str(export), "calibration": {"data": str(data), "prompts": len(ctx.calib), "states": stats.n},
-            "timing_prompts": len(timing), "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
+            "timing_prompts": len(timing), "timed_rows": {str(B): n for B, n in rows_timed.items()},
+            "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
             "hardware": hardware(), "compiled": compile, "timing_rounds": timing_rounds,
             "date": datetime.date.today().isoformat(), "measured": table}
     files = write_schedule(out, schedule, meta, draft.kind, engine_model or str(export))
