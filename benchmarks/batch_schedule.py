@@ -81,7 +81,7 @@ def main() -> None:
     rows = []
     for B in sizes:
         tree = tree_for_batch(tree_file, B)
-        sched = SpeculativeDecoder(base, make_drafter(draft, tree)) if tree.paths else plain
+        sched = plain if tree is None else SpeculativeDecoder(base, make_drafter(draft, tree))  # None: plain wins
         methods = {"schedule": sched, "fixed": fixed, "plain": plain}
         for dec in methods.values():  # warm-up, outside the timing
             dec.generate(prompts[:B], max_new_tokens=8, eos_token_id=eos)
@@ -93,15 +93,15 @@ def main() -> None:
                 if m not in best or tps > best[m]["tokens_per_s"]:
                     best[m] = {"tokens_per_s": tps, "accept_length": committed / max(steps, 1),
                                "identical": toks == reference}
-        row = {"batch_size": B, "schedule_tree": tree.metadata.get("tree", "plain") if tree.paths else "plain",
-               "schedule_tree_size": tree.size, "fixed_tree_size": fixed.drafter.max_nodes}
+        row = {"batch_size": B, "schedule_tree": "plain" if tree is None else tree.metadata.get("tree", "plain"),
+               "schedule_tree_size": 1 if tree is None else tree.size, "fixed_tree_size": fixed.drafter.max_nodes}
         for m, r in best.items():
             row[m] = {"tokens_per_s": round(r["tokens_per_s"], 1), "accept_length": round(r["accept_length"], 3),
                       "identical_to_plain_greedy": r["identical"]}
         row["schedule_vs_fixed"] = round(best["schedule"]["tokens_per_s"] / best["fixed"]["tokens_per_s"], 3)
         row["schedule_vs_plain"] = round(best["schedule"]["tokens_per_s"] / best["plain"]["tokens_per_s"], 3)
         rows.append(row)
-        print(f"batch {B}: schedule {row['schedule_tree']} ({tree.size} nodes) {row['schedule']['tokens_per_s']} "
+        print(f"batch {B}: schedule {row['schedule_tree']} ({row['schedule_tree_size']} nodes) {row['schedule']['tokens_per_s']} "
               f"tok/s, fixed ({row['fixed_tree_size']} nodes) {row['fixed']['tokens_per_s']}, plain "
               f"{row['plain']['tokens_per_s']}; identical {[row[m]['identical_to_plain_greedy'] for m in methods]}")
     load = open("/proc/loadavg").read().split()[:3]

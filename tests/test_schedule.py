@@ -84,7 +84,7 @@ def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp
     assert resolve_tree(str(out), {"head": {"type": "ssm"}}).paths == tree.paths
     assert tree_for_batch(out, 1).paths == tree.paths and tree_for_batch(out, 3).paths == tree.paths
     assert tree_for_batch(out, 8).paths == ((0,),)
-    assert tree_for_batch(out, 64).paths == ()  # plain decoding: the root alone
+    assert tree_for_batch(out, 16) is None and tree_for_batch(out, 64) is None  # plain decoding, said explicitly
     vllm, sglang = engine_paths(out)
     assert files == {"tree": str(out), "vllm": str(vllm), "sglang": str(sglang)}
     assert json.loads(vllm.read_text())["method"] == "draft_model"
@@ -92,7 +92,7 @@ def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp
     slow = {B: {n: 10.0 for n in STEP_S[1]} for B in (1, 4, 16)}  # plain wins at batch 1: keep its fastest tree
     write_schedule(out, choose_schedule([1, 4, 16], CANDIDATES, slow, PLAIN_S), {}, "ssm", "exp")
     assert Tree.load(out).paths == Tree.from_paths(WIDE).paths and Tree.load(out).metadata["plain_is_faster"]
-    assert tree_for_batch(out, 1).paths == ()
+    assert tree_for_batch(out, 1) is None
     files = write_schedule(tmp_path / "h.json", sched, {}, "hydra", "exp")  # no engine serves Hydra heads
     assert files["vllm"].startswith("not written") and files["sglang"].startswith("not written")
     assert not engine_paths(tmp_path / "h.json")[0].exists()
@@ -174,3 +174,33 @@ def test_every_timed_batch_has_exactly_batch_size_rows(tiny_base_dir, tmp_path, 
     assert {B for B, _ in timed} == {2, 3} and all(rows == B for B, rows in timed), timed
     assert Tree.load(tmp_path / "s.json").metadata["timed_rows"] == {"2": 4, "3": 3}
     assert [e["batch_size"] for e in rep["schedule"]] == [2, 3]
+
+
+def test_plain_batch_sizes_decode_plain_steps_with_an_ssm_drafter(tiny_base_dir, tmp_path):
+    """Where the schedule says plain decoding, the decoder for that batch size runs plain steps: a root-only tree
+    (what tree_for_batch gave) is refused by an SSM drafter. Every batch size's decoder gives plain greedy's tokens."""
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.decoder import NoDraft
+    from draftlab.drafters import make_drafter
+    from draftlab.interop.export import load_export
+    from draftlab.base import load_base
+    from draftlab.serve.generate import plain_generate
+    from draftlab.serve.schedule import decoder_for_batch, drafter_for_batch
+
+    exp, _ = search_inputs(tiny_base_dir, tmp_path, "ssm")
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    draft, _ = load_export(str(exp), base=base, device="cpu")
+    out = tmp_path / "s.json"
+    write_schedule(out, choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S), {}, "ssm", "exp")
+    with pytest.raises(ValueError, match="depth >= 1"):
+        make_drafter(draft, Tree.from_paths([]))  # why plain decoding cannot be a root-only tree
+    assert isinstance(drafter_for_batch(draft, out, 16), NoDraft) and isinstance(drafter_for_batch(draft, out, 40),
+                                                                                  NoDraft)
+    assert drafter_for_batch(draft, out, 4).max_nodes == 2  # chain-1 there
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in
+               ["Once upon a time", "The cat", "A dog ran", "She said"]]
+    reference, _ = plain_generate(base, prompts, 10, Sampling(), tok.eos_token_id)
+    for B in (1, 4, 16):
+        dec = decoder_for_batch(base, draft, out, B)
+        res = dec.generate(prompts, max_new_tokens=10, eos_token_id=tok.eos_token_id)
+        assert res.tokens == reference, B

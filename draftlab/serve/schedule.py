@@ -192,16 +192,39 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     return written
 
 
-def tree_for_batch(path: str | Path, batch_size: int) -> Tree:
+def tree_for_batch(path: str | Path, batch_size: int) -> Tree | None:
     """The tree a schedule file gives for a batch size: the entry of the largest scheduled batch size at or below
-    it (the smallest entry below the schedule). A tree file without a schedule gives its one tree."""
+    it (the smallest entry below the schedule). None where that entry is plain decoding: the decoder then runs plain
+    steps (drafter_for_batch gives it NoDraft), not a root-only tree, which drafters such as the SSM refuse. A tree
+    file without a schedule gives its one tree."""
     data = json.loads(Path(path).read_text())
     if "schedule" not in data:
         return Tree.load(path)
     entries = sorted(data["schedule"], key=lambda e: e["batch_size"])
     entry = ([e for e in entries if e["batch_size"] <= batch_size] or entries[:1])[-1]
+    if not entry["speculate"] or not entry["paths"]:
+        return None
     return Tree.from_paths(entry["paths"], {"name": f"{Path(path).stem}@b{entry['batch_size']}", **entry},
                            source=str(path))
+
+
+def drafter_for_batch(draft, path: str | Path, batch_size: int):
+    """The drafter for a draft module at a batch size by a schedule file: the module's drafter on the scheduled
+    tree, or NoDraft (plain decoding steps) where the schedule says plain decoding wins. Every drafter kind."""
+    from ..decode.decoder import NoDraft
+    from ..drafters import make_drafter
+
+    tree = tree_for_batch(path, batch_size)
+    return NoDraft() if tree is None else make_drafter(draft, tree)
+
+
+def decoder_for_batch(base, draft, path: str | Path, batch_size: int, **options):
+    """A SpeculativeDecoder of base with drafter_for_batch(draft, path, batch_size); options go to the decoder
+    (sync, compile). Greedy outputs are plain greedy's whichever the schedule chose."""
+    from ..decode.decoder import NoDraft, SpeculativeDecoder
+
+    drafter = drafter_for_batch(draft, path, batch_size)
+    return SpeculativeDecoder(base, drafter, check_base=not isinstance(drafter, NoDraft), **options)
 
 
 def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], max_nodes: int = 64,
