@@ -15,7 +15,14 @@ def add_dsi_args(p) -> None:
                    help="target servers (SP degree): processes each holding the base, one per GPU when there are "
                         "more GPUs than servers (GPU 0 drafts), else on CPU")
     p.add_argument("--lookahead", type=positive_int, default=None,
-                   help="drafts per verification task (default: the smallest with which no task waits for a server)")
+                   help="drafts per verification task (default: chosen by --lookahead-rule)")
+    p.add_argument("--acceptance", type=float, default=None,
+                   help="the drafter's expected acceptance rate (e.g. `draftlab simulate --from-report`'s): the "
+                        "default lookahead is then the one of least expected latency with the --sp servers")
+    p.add_argument("--lookahead-rule", choices=["expected", "no-wait"], default="expected",
+                   help="how the lookahead is chosen when not given: expected (default; needs --acceptance, else "
+                        "no-wait): least expected latency, tasks' waits for a server included; no-wait: the smallest "
+                        "with which no task waits for a server")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--target-latency-ms", type=float, default=0.0,
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
@@ -41,7 +48,7 @@ def dsi_command(a) -> int:
 
     rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
                   a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed,
-                  stops=a.stop)
+                  stops=a.stop, acceptance=a.acceptance, lookahead_rule=a.lookahead_rule)
     if a.json:
         print(json.dumps(rep))
         return 0

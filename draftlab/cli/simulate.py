@@ -15,7 +15,12 @@ def add_simulate_args(p) -> None:
     p.add_argument("--acceptance", type=float, default=None, help="probability a drafted token is accepted (i.i.d.)")
     p.add_argument("--from-report", default=None,
                    help="a `draftlab generate --json` output file: latencies and acceptance measured on your pair")
-    p.add_argument("--lookahead", type=int, default=None, help="DSI lookahead (default: the smallest sufficient one)")
+    p.add_argument("--lookahead", type=int, default=None,
+                   help="DSI lookahead (default: chosen by --lookahead-rule)")
+    p.add_argument("--lookahead-rule", choices=["expected", "no-wait"], default="expected",
+                   help="how DSI's lookahead is chosen when not given (also for --heatmap): expected (default): the "
+                        "one of least expected latency with the --sp servers, tasks' waits included; no-wait: the "
+                        "smallest with which no task waits for a server")
     p.add_argument("--sp", type=positive_int, default=7, help="DSI target servers (SP degree; an 8-GPU node with one "
                    "GPU drafting: 7)")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens generated")
@@ -27,7 +32,7 @@ def add_simulate_args(p) -> None:
 
 
 def simulate_command(a) -> int:
-    from ..parallel.simulate import Config, expected, from_generate, heatmaps, min_lookahead, monte_carlo
+    from ..parallel.simulate import Config, dsi_lookahead, expected, from_generate, heatmaps, monte_carlo
 
     src = {}
     if a.from_report:
@@ -44,23 +49,27 @@ def simulate_command(a) -> int:
         raise ValueError("give --target-ms, --drafter-ms (or --drafter-ratio) and --acceptance, or --from-report")
     if not 0 <= acc <= 1:
         raise ValueError(f"--acceptance {acc}: a probability in [0, 1]")
-    k = a.lookahead or min_lookahead(t_draft, t_target, a.sp)
+    k = a.lookahead or dsi_lookahead(a.lookahead_rule, acc, t_draft, t_target, a.sp, a.tokens, a.prefill_ms)
     c = Config(t_target, t_draft, acc, k, a.sp, a.tokens, a.prefill_ms)
-    rep = {"inputs": {"t_target_ms": t_target, "t_draft_ms": t_draft, "acceptance": acc, "lookahead": k, "sp": a.sp,
-                      "tokens": a.tokens, "from_report": a.from_report}, **expected(c)}
+    rule = "given" if a.lookahead else a.lookahead_rule
+    rep = {"inputs": {"t_target_ms": t_target, "t_draft_ms": t_draft, "acceptance": acc, "lookahead": k,
+                      "lookahead_rule": rule, "sp": a.sp, "tokens": a.tokens, "from_report": a.from_report},
+           **expected(c)}
     if a.monte_carlo:
         rep["monte_carlo"] = monte_carlo(c, a.monte_carlo)
     if a.heatmap:
-        rep["heatmap"] = heatmaps(t_target, a.sp, a.tokens, a.heatmap)["png"]
+        rep["heatmap"] = heatmaps(t_target, a.sp, a.tokens, a.heatmap, lookahead_rule=a.lookahead_rule)["png"]
     if a.json:
         print(json.dumps(rep))
         return 0
     print(f"target {t_target:.3g} ms, drafter {t_draft:.3g} ms, acceptance {acc:.3f}, {a.tokens} tokens; SI lookahead "
-          f"{rep['si_lookahead']} (its best), DSI lookahead {k} on {a.sp} servers "
-          f"({'enough' if rep['sp_sufficient'] else 'too few: tasks wait'}; smallest sufficient {rep['dsi_min_lookahead']})")
-    print("| method | TTFT ms | TPOT ms | total ms |\n|---|---|---|---|")
+          f"{rep['si_lookahead']} (its best), DSI lookahead {k} ({rule}) on {a.sp} servers "
+          f"({'no task waits' if rep['sp_sufficient'] else 'tasks wait'}; smallest with no waits "
+          f"{rep['dsi_min_lookahead']})")
+    print("| method | TTFT ms | TPOT ms | total ms | exact total ms (the text's end included) |\n|---|---|---|---|---|")
     for m in ("non_si", "si", "dsi"):
-        print(f"| {m} | {rep['ttft']:.3g} | {rep['tpot'][m]:.3g} | {rep['total'][m]:.4g} |")
+        print(f"| {m} | {rep['ttft']:.3g} | {rep['tpot'][m]:.3g} | {rep['total'][m]:.4g} | "
+              f"{rep['exact_total'][m]:.4g} |")
     sp = rep["speedup"]
     print(f"\nDSI vs SI {sp['dsi_vs_si']:.2f}x, DSI vs non-SI {sp['dsi_vs_non_si']:.2f}x, SI vs non-SI {sp['si_vs_non_si']:.2f}x")
     return 0

@@ -408,14 +408,17 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
 def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, lookahead: int | None = None,
             target_latency_ms: float = 0.0, draft_latency_ms: float = 0.0, compare: bool = False,
             base: str | None = None, dtype: str | None = None, chat: bool = False, sampling=None,
-            seed: int = 0, stops=(), eos: bool = True, pool: DSI | None = None) -> dict:
+            seed: int = 0, stops=(), eos: bool = True, pool: DSI | None = None, acceptance: float | None = None,
+            lookahead_rule: str = "expected") -> dict:
     """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
     base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies, and HF `generate` as the
     reference for the tokens. prompts: texts, or token id lists. The text ends at the tokenizer's EOS (unless
     eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the drafter's from
-    role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j, "verifier"). The lookahead
-    defaults to the smallest with which no verification task waits for a server, from measured (or emulated)
-    forward times. pool: a running DSI server pool of the same base, latency and sampling to use (and leave
+    role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j, "verifier"). When no
+    lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
+    the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
+    servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens); otherwise ("no-wait", or no
+    acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server pool of the same base, latency and sampling to use (and leave
     running) instead of starting one."""
     import contextlib
 
@@ -426,7 +429,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     from ..serve.generate import encode_prompt, plain_generate, stop_fn
     from ..decode.streams import role_generator
     from ..interop.export import load_export, read_meta
-    from .simulate import min_lookahead
+    from .simulate import dsi_lookahead
 
     sp = pool.sp if pool is not None else sp
     meta = read_meta(export)
@@ -455,9 +458,10 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     measure = lookahead is None
     t_target = target_latency_ms / 1000 or (_forward_s(model, ids[0]) if measure else None)
     t_draft = draft_latency_ms / 1000 or (_forward_s(draft.lm, ids[0]) if measure else None)
-    k = lookahead or min_lookahead(t_draft, t_target, sp)
+    rule = "given" if lookahead else lookahead_rule if acceptance is not None else "no-wait"
+    k = lookahead or dsi_lookahead(rule, acceptance, t_draft, t_target, sp, max_new_tokens)
     ms = lambda t: None if t is None else round(1000 * t, 3)  # noqa: E731
-    report = {"sp": sp, "lookahead": k, "t_target_ms": ms(t_target), "t_draft_ms": ms(t_draft),
+    report = {"sp": sp, "lookahead": k, "lookahead_rule": rule, "t_target_ms": ms(t_target), "t_draft_ms": ms(t_draft),
               "emulated": bool(target_latency_ms or draft_latency_ms), "runs": []}
     with (contextlib.nullcontext(pool) if pool is not None else
           DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None)) as dsi:
