@@ -204,3 +204,77 @@ def test_plain_batch_sizes_decode_plain_steps_with_an_ssm_drafter(tiny_base_dir,
         dec = decoder_for_batch(base, draft, out, B)
         res = dec.generate(prompts, max_new_tokens=10, eos_token_id=tok.eos_token_id)
         assert res.tokens == reference, B
+
+
+# Measured tokens/s of decoding the timing prompts in static batches (rows end at different steps): at batch 1 the
+# 3-chain beats the 7-node tree the estimate picks; at 4 plain decoding beats both finalists (greedy-7's 9.0 is not
+# a finalist with 2 of them: its estimate is the lowest there); at 16 the 1-chain beats plain decoding.
+TIMED = {1: {"greedy-7": 1.5, "chain-3": 1.9, "chain-1": 1.4, "plain": 1.0},
+         4: {"chain-1": 3.5, "chain-3": 3.2, "greedy-7": 9.0, "plain": 3.9},
+         16: {"chain-1": 9.0, "chain-3": 5.0, "greedy-7": 1.0, "plain": 8.0}}
+
+
+def test_schedule_by_timed_chooses_among_the_estimates_finalists_by_measured_tokens_per_s(tmp_path):
+    est = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)
+    assert choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S, by="estimate", tokens_per_s=TIMED) == est
+    sched = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S, by="timed", tokens_per_s=TIMED, finalists=2)
+    got = {e["batch_size"]: e for e in sched["entries"]}
+    assert got[1]["finalists"] == ["greedy-7", "chain-3", "plain"] and got[1]["tree"] == "chain-3"
+    assert got[1]["paths"] == [[0], [0, 0], [0, 0, 0]] and got[1]["tree_size"] == 4 and got[1]["speculate"]
+    assert got[1]["estimated_tokens_per_s"] == pytest.approx(2.2 / 1.1, abs=0.01)  # the estimate of the chosen one
+    assert got[4]["finalists"] == ["chain-1", "chain-3", "plain"]
+    assert not got[4]["speculate"] and got[4]["tree"] == "plain" and got[4]["paths"] == []
+    assert got[4]["fastest_tree"] == "chain-1"  # the fastest drafting finalist, timed
+    assert got[16]["tree"] == "chain-1" and got[16]["speculate"]
+    assert sched["schedule_by"] == "timed" and sched["no_speculation_above"] is None
+    # the engines keep their batches full: their choices stay the estimate's
+    assert sched["estimate_no_speculation_above"] == est["no_speculation_above"] == 4
+    assert [e["estimate_tree"] for e in sched["entries"]] == [e["tree"] for e in est["entries"]]
+    assert vllm_config(sched["entries"], "draft_model", "d") == vllm_config(est["entries"], "draft_model", "d")
+    assert sglang_settings(got[1]) == sglang_settings(est["entries"][0]) == {"num_steps": 3, "eagle_topk": 3,
+                                                                             "num_draft_tokens": 8}
+    out = tmp_path / "t.json"
+    files = write_schedule(out, sched, {}, "ssm", "exp")
+    tree = Tree.load(out)  # draftlab's own decoder gets the timed choice
+    assert tree.paths == Tree.from_paths([[0], [0, 0], [0, 0, 0]]).paths and tree.metadata["schedule_by"] == "timed"
+    assert tree_for_batch(out, 4) is None and tree_for_batch(out, 20).paths == ((0,),)
+    sglang = open(files["sglang"]).read()
+    assert parse_sglang_flags(sglang)["--speculative-eagle-topk"] == "3" and "above batch size 4" in sglang
+    with pytest.raises(ValueError, match="schedule-by"):
+        choose_schedule([1], CANDIDATES, STEP_S, PLAIN_S, by="fastest")
+    with pytest.raises(ValueError, match="tokens/s"):
+        choose_schedule([1], CANDIDATES, STEP_S, PLAIN_S, by="timed")
+
+
+def test_search_tree_schedule_by_timed_decodes_like_plain_greedy_at_every_batch_size(tiny_base_dir, tmp_path,
+                                                                                      capsys):
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.interop.export import load_export
+    from draftlab.serve.generate import plain_generate
+    from draftlab.serve.schedule import TIMED_FINALISTS, decoder_for_batch
+
+    exp, data = search_inputs(tiny_base_dir, tmp_path, "ssm")
+    out = tmp_path / "timed.json"
+    assert main(["search-tree", str(exp), "--data", str(data), "--out", str(out), "--batch-sizes", "1,2,3",
+                 "--schedule-by", "timed", "--max-nodes", "4", "--max-depth", "3", "--calibration-prompts", "6",
+                 "--timing-prompts", "2", "--max-new-tokens", "8", "--timing-rounds", "1", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["schedule_by"] == "timed" and Tree.load(out).metadata["schedule_by"] == "timed"
+    for e in rep["schedule"]:
+        fin = e["finalists"]
+        assert fin[-1] == "plain" and 2 <= len(fin) <= TIMED_FINALISTS + 1 and e["tree"] in fin
+        timed = e["timed_finalists_tokens_per_s"]
+        assert timed[e["tree"]] == max(timed.values())  # the choice is the finalist that decoded fastest here
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    draft, _ = load_export(str(exp), base=base, device="cpu")
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    prompts = [tok(t[:24], add_special_tokens=False).input_ids for t in texts[:6]]
+    reference, _ = plain_generate(base, prompts, 8, Sampling(), tok.eos_token_id)
+    for B in (1, 2, 3, 5):  # static batches of B with the schedule's choice there
+        dec = decoder_for_batch(base, draft, out, B)
+        toks = []
+        for s in range(0, len(prompts), B):
+            toks += dec.generate(prompts[s:s + B], max_new_tokens=8, eos_token_id=tok.eos_token_id).tokens
+        assert toks == reference, B

@@ -35,6 +35,12 @@ def add_search_args(p) -> None:
     p.add_argument("--engine-draft", default=None, metavar="DIR",
                    help="with --batch-sizes: the draft directory the engines load (e.g. `draftlab export --to "
                         "vllm-medusa` output), written into OUT.vllm.json / OUT.sglang.txt (default: EXPORT)")
+    p.add_argument("--schedule-by", choices=["estimate", "timed"], default="estimate",
+                   help="with --batch-sizes: choose each batch size's tree by the estimate B x accept length / step "
+                        "time (a full batch, as continuously batched engines keep it; default) or by the measured "
+                        "tokens/s of decoding the timing prompts in static batches (draftlab's own decoder, whose "
+                        "rows end at different steps), among the top 3 by estimate and plain decoding; the vLLM and "
+                        "SGLang files follow the estimate either way")
     p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
     p.add_argument("--calibration-prompts", type=int, default=64)
     p.add_argument("--timing-prompts", type=int, default=8)
@@ -58,7 +64,7 @@ def schedule_command(a) -> int:
     rep = search_schedule(a.export, a.data, a.out, a.batch_sizes, a.max_nodes, a.max_rank, a.calibration_prompts,
                           a.timing_prompts, a.max_new_tokens, sizes=a.sizes, max_depth=a.max_depth, tp=a.tp,
                           device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,
-                          engine_model=a.engine_draft)
+                          engine_model=a.engine_draft, schedule_by=a.schedule_by)
     if a.json:
         print(json.dumps(rep))
         return 0
@@ -73,7 +79,8 @@ def schedule_command(a) -> int:
     print("\n" + ("speculation did not pay at any batch size measured" if cut == 0 else
                   f"speculation pays up to batch size {top} (the largest measured)" if cut is None else
                   f"plain decoding wins above batch size {cut}") +
-          f" on {rep['hardware']} ({'compiled' if rep['compiled'] else 'eager'} decoding)")
+          f" on {rep['hardware']} ({'compiled' if rep['compiled'] else 'eager'} decoding"
+          f"{', chosen by timed static batches' if rep['schedule_by'] == 'timed' else ''})")
     for what, where in rep["files"].items():
         print(f"{what}: {where}")
     return 0

@@ -32,6 +32,8 @@ from ..decode.tree import Tree
 VLLM_METHOD = {"medusa": "medusa", "ssm": "draft_model", "dflash": "dflash", "eagle3": "eagle3"}
 SGLANG_ALGORITHM = {"ssm": "STANDALONE", "eagle3": "EAGLE3"}
 PLAIN = "plain"
+SCHEDULE_BY = ("estimate", "timed")
+TIMED_FINALISTS = 3  # --schedule-by timed: the candidates with the highest estimates that the timings decide among
 
 
 def is_chain(paths) -> bool:
@@ -49,15 +51,39 @@ def full_batches(prompts: list, batch_size: int, at_least: int = 0) -> list:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
+def cutoff_of(entries: list[dict], key: str = "speculate"):
+    """The largest batch size at which speculation wins (entry[key]) with plain decoding winning at every larger one
+    measured; None: speculation wins at the largest; 0: it never wins."""
+    pays = [e["batch_size"] for e in entries if e[key]]
+    if not pays:
+        return 0
+    return None if entries[-1][key] else max(pays)
+
+
 def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict[int, dict[str, float]],
-                    plain_step_s: dict[int, float]) -> dict:
-    """Per batch size, the candidate with the highest expected tokens/s, and the cut-off batch size. Pure.
+                    plain_step_s: dict[int, float], by: str = "estimate",
+                    tokens_per_s: dict[int, dict[str, float]] | None = None, finalists: int = TIMED_FINALISTS) -> dict:
+    """Per batch size, the candidate to decode with, and the cut-off batch size. Pure.
 
     candidates: {"name", "paths", "accept_length"} each (accept length from the statistics); step_s[B][name] and
-    plain_step_s[B]: measured seconds per verification step at batch size B. Returns {"entries": [one per batch
-    size, ascending], "no_speculation_above": the largest batch size at which speculation wins and above which
-    plain decoding wins at every batch size measured (None: speculation still wins at the largest; 0: it never
-    wins)}. Each entry also names the best chain (its length K; 0 when plain decoding beats every chain)."""
+    plain_step_s[B]: measured seconds per verification step at batch size B. Every candidate's estimate is
+    B x accept length / step time (plain decoding: B / its step time), a batch kept full, as continuously batched
+    engines keep it. by="estimate": the highest estimate wins. by="timed": of the `finalists` candidates with the
+    highest estimates and plain decoding, the one with the highest tokens_per_s[B][name] (tokens_per_s[B]["plain"]
+    for plain decoding) wins: measured tokens/s of decoding the timing prompts in static batches of B, whose rows
+    end at different steps, as draftlab's own decoder runs them.
+
+    Returns {"entries": [one per batch size, ascending], "schedule_by", "no_speculation_above": the largest batch
+    size at which speculation wins and above which plain decoding wins at every batch size measured (None:
+    speculation still wins at the largest; 0: it never wins), "estimate_no_speculation_above": the same by the
+    estimate}. Each entry names the chosen tree (`tree`, `paths`; "plain" and [] where plain decoding wins), the
+    estimate's choice (`estimate_tree`, `estimate_paths`: what SGLang gets) and the best chain by the estimate (its
+    length `chain_length`, 0 when plain decoding beats every chain: what vLLM gets); the engines' choices follow
+    the estimate whatever `by` is."""
+    if by not in SCHEDULE_BY:
+        raise ValueError(f"--schedule-by {by!r}: expected one of {', '.join(SCHEDULE_BY)}")
+    if by == "timed" and tokens_per_s is None:
+        raise ValueError("--schedule-by timed needs the measured tokens/s of every candidate")
     if not batch_sizes:
         raise ValueError("--batch-sizes: give at least one batch size, e.g. 1,2,4,8,16")
     entries = []
@@ -66,33 +92,47 @@ def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict
             raise ValueError(f"batch size {B}: no step time measured")
         plain = B / plain_step_s[B]
         scored = [(B * c["accept_length"] / step_s[B][c["name"]], c) for c in candidates if c["name"] in step_s[B]]
-        best_tps, best = max(scored, key=lambda x: x[0], default=(0.0, None))
+        scored.sort(key=lambda x: -x[0])  # stable: ties keep the candidates' order
+        best_tps, best = scored[0] if scored else (0.0, None)
         chains = [(t, c) for t, c in scored if c["paths"] and is_chain(c["paths"])]
-        chain_tps, chain = max(chains, key=lambda x: x[0], default=(0.0, None))
-        speculate = best is not None and best_tps > plain
+        chain_tps, chain = chains[0] if chains else (0.0, None)
+        estimate_wins = best is not None and best_tps > plain
+        extra = {}
+        if by == "estimate":
+            fastest, fastest_tps, speculate = best, best_tps, estimate_wins
+        else:
+            timed = tokens_per_s.get(B, {})
+            if PLAIN not in timed:
+                raise ValueError(f"batch size {B}: no tokens/s measured for plain decoding")
+            top = [(timed[c["name"]], t, c) for t, c in scored[:finalists] if c["name"] in timed]
+            _, fastest_tps, fastest = max(top, key=lambda x: x[0], default=(0.0, 0.0, None))
+            speculate = fastest is not None and timed[fastest["name"]] > timed[PLAIN]
+            extra = {"finalists": [c["name"] for _, _, c in top] + [PLAIN],
+                     "timed_finalists_tokens_per_s": {**{c["name"]: round(v, 2) for v, _, c in top},
+                                                      PLAIN: round(timed[PLAIN], 2)}}
         entries.append({
-            "batch_size": B, "speculate": speculate,
-            "tree": best["name"] if speculate else PLAIN,
-            "paths": [list(p) for p in best["paths"]] if speculate else [],
-            "tree_size": len(best["paths"]) + 1 if speculate else 1,
-            "accept_length": round(best["accept_length"], 4) if speculate else 1.0,
-            "estimated_tokens_per_s": round(max(best_tps, plain), 2),
+            "batch_size": B, "schedule_by": by, "speculate": speculate,
+            "tree": fastest["name"] if speculate else PLAIN,
+            "paths": [list(p) for p in fastest["paths"]] if speculate else [],
+            "tree_size": len(fastest["paths"]) + 1 if speculate else 1,
+            "accept_length": round(fastest["accept_length"], 4) if speculate else 1.0,
+            "estimated_tokens_per_s": round(fastest_tps if speculate else plain, 2),
             "estimated_plain_tokens_per_s": round(plain, 2),
+            # the estimate's choice (a full batch, as engines keep it): what the SGLang flags hold
+            "estimate_speculate": estimate_wins,
+            "estimate_tree": best["name"] if estimate_wins else PLAIN,
+            "estimate_paths": [list(p) for p in best["paths"]] if estimate_wins else [],
+            "estimate_accept_length": round(best["accept_length"], 4) if estimate_wins else 1.0,
             "chain_length": len(chain["paths"]) if chain is not None and chain_tps > plain else 0,
             "estimated_chain_tokens_per_s": round(chain_tps, 2) if chain is not None else None,
-            # the fastest drafting candidate even where plain decoding beats it (what a tree file must hold)
-            "fastest_tree": best["name"] if best is not None else None,
-            "fastest_tree_paths": [list(p) for p in best["paths"]] if best is not None else [],
-            "estimated_fastest_tree_tokens_per_s": round(best_tps, 2),
+            # the fastest drafting candidate (by `by`) even where plain decoding beats it (what a tree file must hold)
+            "fastest_tree": fastest["name"] if fastest is not None else None,
+            "fastest_tree_paths": [list(p) for p in fastest["paths"]] if fastest is not None else [],
+            "estimated_fastest_tree_tokens_per_s": round(fastest_tps, 2),
+            **extra,
         })
-    pays = [e["batch_size"] for e in entries if e["speculate"]]
-    if not pays:
-        cutoff = 0
-    elif entries[-1]["speculate"]:
-        cutoff = None
-    else:
-        cutoff = max(pays)
-    return {"entries": entries, "no_speculation_above": cutoff}
+    return {"entries": entries, "schedule_by": by, "no_speculation_above": cutoff_of(entries),
+            "estimate_no_speculation_above": cutoff_of(entries, "estimate_speculate")}
 
 
 def vllm_config(entries: list[dict], method: str, model: str) -> dict:
@@ -113,15 +153,27 @@ def vllm_config(entries: list[dict], method: str, model: str) -> dict:
             "num_speculative_tokens_per_batch_size": ranges}
 
 
+def _estimate(entry: dict) -> dict:
+    """An entry's choice by the estimate: tree, paths, accept length (entries written before --schedule-by have
+    only the chosen tree, which was the estimate's)."""
+    if "estimate_paths" in entry:
+        return {"tree": entry["estimate_tree"], "paths": entry["estimate_paths"],
+                "accept_length": entry["estimate_accept_length"]}
+    return {"tree": entry["tree"], "paths": entry["paths"] if entry["speculate"] else [],
+            "accept_length": entry["accept_length"]}
+
+
 def sglang_settings(entry: dict) -> dict | None:
-    """SGLang's three tree settings for one schedule entry, or None when plain decoding wins there.
+    """SGLang's three tree settings for one schedule entry's estimate choice (a continuously batched engine keeps
+    its batch full, as the estimate assumes), or None when plain decoding wins there by the estimate.
 
     num_steps: the tree's depth; eagle_topk: the widest rank used at any depth (SGLang expands the top-k at every
     step); num_draft_tokens: the tree's nodes, root included (SGLang reranks its tree down to this many). With
     topk 1 the tree is a chain and num_draft_tokens = num_steps + 1, as SGLang forces it."""
-    if not entry["speculate"]:
+    paths = _estimate(entry)["paths"]
+    if not paths:
         return None
-    tree = Tree.from_paths(entry["paths"])
+    tree = Tree.from_paths(paths)
     topk = max(tree.topk_per_depth())
     return {"num_steps": tree.depth, "eagle_topk": topk,
             "num_draft_tokens": tree.depth + 1 if topk == 1 else tree.size}
@@ -129,9 +181,9 @@ def sglang_settings(entry: dict) -> dict | None:
 
 def sglang_text(entry: dict, algorithm: str, model: str, cutoff) -> str:
     """The SGLang flags file: comments saying what it is for, then one line of flags (none if plain wins)."""
-    s = sglang_settings(entry)
-    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']} (its tree: "
-             f"{entry['tree']}, {entry['tree_size']} nodes, expected accept length {entry['accept_length']})",
+    s, est = sglang_settings(entry), _estimate(entry)
+    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']} (its tree by the "
+             f"estimate: {est['tree']}, {len(est['paths']) + 1} nodes, expected accept length {est['accept_length']})",
              "# SGLang mainline has no per-batch-size switch (--speculative-adaptive follows the accept length, "
              "not the batch size): these settings hold at every batch size."]
     if cutoff == 0:
@@ -165,7 +217,8 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     entries = schedule["entries"]
     first = entries[0]
     meta = {**metadata, "batch_size": first["batch_size"], "tree_size": first["tree_size"],
-            "expected_accept_length": first["accept_length"], "no_speculation_above": schedule["no_speculation_above"]}
+            "expected_accept_length": first["accept_length"], "no_speculation_above": schedule["no_speculation_above"],
+            "schedule_by": schedule.get("schedule_by", "estimate")}
     paths = first["paths"]
     if not first["speculate"]:  # drafters such as the SSM refuse an empty tree: keep the fastest one, and say so
         paths = first["fastest_tree_paths"]
@@ -185,7 +238,8 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
         written["vllm"] = f"not written: vLLM has no {kind} drafter"
     if kind in SGLANG_ALGORITHM:
         sglang_path.write_text(sglang_text(first, SGLANG_ALGORITHM[kind], engine_model,
-                                           schedule["no_speculation_above"]))
+                                           schedule.get("estimate_no_speculation_above",
+                                                        schedule["no_speculation_above"])))
         written["sglang"] = str(sglang_path)
     else:
         written["sglang"] = f"not written: SGLang's steps / top-k / draft-token settings have no {kind} drafter"
@@ -232,9 +286,11 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
                     max_new_tokens: int = 128, chat: bool = False, prompt_chars: int = 64,
                     sizes: list[int] | None = None, max_depth: int = 8, tp: bool = False,
                     device_map: str | None = None, compile: bool = False, timing_rounds: int = 3,
-                    engine_model: str | None = None) -> dict:
+                    engine_model: str | None = None, schedule_by: str = "estimate") -> dict:
     """search-tree --batch-sizes: statistics once, then at every batch size the candidate trees, chains of every
     length and plain decoding timed (interleaved rounds, fastest kept); writes the schedule and returns a report.
+    schedule_by: "estimate" (B x accept length / step time: a full batch) or "timed" (the tokens/s the timing runs
+    measured, static batches, among the top TIMED_FINALISTS by estimate and plain decoding); see choose_schedule.
     At every batch size B the timing prompts are repeated cyclically to whole batches of B rows (at least as many
     rows as the largest batch size), so every timed batch is full and every batch size decodes about the same work."""
     from ..decode.decoder import NoDraft, SpeculativeDecoder
@@ -244,6 +300,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     from .tree_search import hardware, load_search, rank_statistics, time_trees
 
     batch_sizes = sorted(set(batch_sizes))
+    if schedule_by not in SCHEDULE_BY:  # before loading anything
+        raise ValueError(f"--schedule-by {schedule_by!r}: expected one of {', '.join(SCHEDULE_BY)}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {batch_sizes}: batch sizes must be positive integers, e.g. 1,2,4,8,16")
     ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map)
@@ -283,7 +341,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
         plain_step_s[B] = ms[0]["step_s"]
         step_s[B] = {n: m["step_s"] for n, m in zip(names, ms[1:])}
         measured[B] = {PLAIN: ms[0], **dict(zip(names, ms[1:]))}
-    schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s)
+    timed_tps = {B: {n: m["tokens_per_s"] for n, m in measured[B].items()} for B in batch_sizes}
+    schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s, by=schedule_by, tokens_per_s=timed_tps)
     for e in schedule["entries"]:  # what the decoder did in the timing runs, beside the estimate
         m = measured[e["batch_size"]]
         e["tokens_per_s"] = round(m[e["tree"]]["tokens_per_s"], 2)
@@ -294,8 +353,10 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
               "step_ms": round(1000 * m["step_s"], 3), "tokens_per_s": round(m["tokens_per_s"], 2),
               "measured_accept_length": round(m["accept_length"], 4)}
              for B in batch_sizes for n, m in measured[B].items()]
-    meta = {"name": Path(out).stem, "method": "per batch size: greedy trees and chains timed here, chosen by "
-                                              "batch size x accept length (statistics) / step time",
+    how = ("batch size x accept length (statistics) / step time" if schedule_by == "estimate" else
+           f"the tokens/s of decoding the timing prompts in static batches, among the {TIMED_FINALISTS} highest by "
+           "batch size x accept length (statistics) / step time and plain decoding")
+    meta = {"name": Path(out).stem, "method": f"per batch size: greedy trees and chains timed here, chosen by {how}",
             "export": str(export), "calibration": {"data": str(data), "prompts": len(ctx.calib), "states": stats.n},
             "timing_prompts": len(timing), "timed_rows": {str(B): n for B, n in rows_timed.items()},
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
@@ -303,5 +364,6 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
             "date": datetime.date.today().isoformat(), "measured": table}
     files = write_schedule(out, schedule, meta, draft.kind, engine_model or str(export))
     return {"files": files, "schedule": schedule["entries"], "no_speculation_above": schedule["no_speculation_above"],
+            "estimate_no_speculation_above": schedule["estimate_no_speculation_above"], "schedule_by": schedule_by,
             "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "measured": table,
             "hardware": hardware(), "compiled": compile}
