@@ -245,14 +245,111 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path):
     assert check_export(tmp_path / "m")["checks"][-1]["message"].endswith("SGLang serves no Medusa heads: not compared")
 
 
-def test_kinds_without_an_engine_reading_say_so(base_dir, tmp_path):
+@pytest.fixture(scope="module")
+def dflash_dir(base_dir, tmp_path_factory):
+    """draftlab's DFlash export (blocks of 4, two layers, random weights), as draftlab writes it."""
     from draftlab.base import load_base
 
     base = load_base(str(base_dir), "float32")[0]
-    save_export(build_draft({"type": "dflash"}, base), base, tmp_path / "d", str(base_dir))
-    c = by_name(check_export(tmp_path / "d"))
-    assert c["proposals"]["ok"] is None and c["proposals"]["message"].startswith("not checked for dflash")
+    torch.manual_seed(0)
+    d = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 2}}, base).eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return save_export(d, base, tmp_path_factory.mktemp("dflash") / "export", str(base_dir))
+
+
+def test_a_correct_dflash_export_drafts_the_same_blocks_read_sglangs_way(dflash_dir):
+    rep = check_export(dflash_dir)
+    c = by_name(rep)
+    assert rep["ok"] and c["proposals"]["ok"] is True, rep
     assert c["aux-layer-ids"]["ok"] is True and "hidden_states[id + 1]" in c["aux-layer-ids"]["message"]
+    msg = c["proposals"]["message"]
+    assert msg.startswith("SGLang: the same 3-token chains at all") or "; SGLang: the same 3-token chains at" in msg
+    assert "vLLM: its DFlash reading is not modelled: not compared" in msg
+    assert by_name(check_export(dflash_dir, engine="vllm"))["proposals"]["ok"] is None
+
+
+def test_dflash_target_layer_ids_as_hidden_states_indices(dflash_dir, tmp_path):
+    """target_layer_ids written without the -1 (draftlab's own indexing): DFlash reads each layer one late."""
+    def late(c):
+        c["dflash_config"]["target_layer_ids"] = [i + 1 for i in c["dflash_config"]["target_layer_ids"]]
+
+    c = only_fails(check_export(variant(dflash_dir, tmp_path / "x", cfg=late), engine="sglang"), "aux-layer-ids")
+    assert c["proposals"]["ok"] is False
+    assert "SGLang: first difference at prompt 0 ('Once upon a time'), step " in c["proposals"]["message"]
+    assert ", block position " in c["proposals"]["message"]
+
+
+@pytest.mark.parametrize("how", ["mask", "permuted"])
+def test_dflash_files_that_load_and_draft_other_blocks(dflash_dir, tmp_path, how):
+    """Only the proposals see these: another mask token in config.json, or served weights with layer 0's gate and
+    up projections swapped (same shapes: it loads)."""
+    if how == "mask":
+        rep = check_export(variant(dflash_dir, tmp_path / "x", cfg=lambda c: c["dflash_config"].update(
+            mask_token_id=c["dflash_config"]["mask_token_id"] + 7)), engine="sglang")
+    else:
+        def swap(t):
+            t["layers.0.mlp.gate_proj.weight"], t["layers.0.mlp.up_proj.weight"] = (
+                t["layers.0.mlp.up_proj.weight"], t["layers.0.mlp.gate_proj.weight"])
+
+        served = variant(dflash_dir, tmp_path / "x", tensors=swap)
+        rep = check_export(dflash_dir, engine="sglang", served=str(served))
+    c = only_fails(rep)
+    assert c["proposals"]["ok"] is False and "SGLang: first difference at prompt " in c["proposals"]["message"]
+
+
+def test_ssm_and_ensemble_members_are_read_as_hugging_face_models(base_dir, tmp_path):
+    from draftlab.base import load_base
+    from draftlab.drafters import EnsembleDraft, LookupDraft
+
+    base, tok = load_base(str(base_dir), "float32")
+    torch.manual_seed(0)
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).eval()
+    with torch.no_grad():  # a layer that matters: fresh ones barely move the embeddings' predictions
+        for name, p in ssm.named_parameters():
+            if ".layers." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    exp = save_export(ssm, base, tmp_path / "ssm", str(base_dir), tokenizer=tok)
+    rep = check_export(exp)
+    msg = by_name(rep)["proposals"]["message"]
+    assert rep["ok"] and by_name(rep)["proposals"]["ok"] is True, rep
+    assert "as a Hugging Face causal LM" in msg and "transformers: the same 4-token chains at all" in msg
+
+    def swap(t):  # a served copy with layer 0's gate and up projections swapped
+        p = "model.layers.0.mlp."
+        t[p + "gate_proj.weight"], t[p + "up_proj.weight"] = t[p + "up_proj.weight"], t[p + "gate_proj.weight"]
+
+    c = by_name(check_export(exp, served=str(variant(exp, tmp_path / "bad", tensors=swap))))["proposals"]
+    assert c["ok"] is False and "transformers: first difference at prompt " in c["message"], c
+    ens = save_export(EnsembleDraft([ssm, LookupDraft()], ["small", "ngram"]), base, tmp_path / "ens", str(base_dir),
+                      tokenizer=tok)
+    c = by_name(check_export(ens))["proposals"]
+    assert c["ok"] is True and "member small (ssm, decoded alone): " in c["message"], c
+    assert "transformers: the same 4-token chains" in c["message"]
+    assert "member ngram (lookup): not a Hugging Face model, not compared" in c["message"]
+
+
+def test_hydra_and_lookup_say_no_engine_loads_them(base_dir, tmp_path):
+    """Hydra: draftlab's decode against its own uncached second reading of the files, said to be no engine check;
+    lookup: no weights, nothing compared."""
+    from draftlab.base import load_base
+    from draftlab.drafters import LookupDraft
+
+    base = load_base(str(base_dir), "float32")[0]
+    torch.manual_seed(0)
+    d = build_draft({"type": "hydra", "num_heads": 3, "num_layers": 1, "prefix_attention": True}, base)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_export(d, base, tmp_path / "h", str(base_dir))
+    c = by_name(check_export(tmp_path / "h"))["proposals"]
+    assert c["ok"] is True and c["message"].startswith("no engine loads hydra drafts") and "not an engine check" in \
+        c["message"], c
+    assert "the reload: the same 3-token chains at all" in c["message"]
+    save_export(LookupDraft(), base, tmp_path / "l", str(base_dir))
+    c = by_name(check_export(tmp_path / "l"))["proposals"]
+    assert c["ok"] is None and c["message"].startswith("no engine loads lookup drafts"), c
 
 
 def test_cli_exit_code_and_json(good_dir, tmp_path, capsys):

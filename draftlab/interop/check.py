@@ -4,7 +4,10 @@ Six checks, each one line that names what is wrong, where, and the fix: auxiliar
 convention), draft-vocabulary maps (d2t / t2d), RoPE / max positions against the base's config.json, a
 quantization config an engine would apply to the draft, the tokenizer / chat template against training's, and
 proposals: fixed prompts decoded with draftlab's drafter, each step's chain compared token by token with the
-chain computed from the served files the engine's way (`EngineEagle3`, `vllm_medusa_logits`).
+chain computed from the served files the engine's way (`EngineEagle3`, `vllm_medusa_logits`, `EngineDFlash`; SSMs
+and an ensemble's SSM members: the files loaded as a Hugging Face causal LM). Hydra has no engine: its decode is
+compared with draftlab's own uncached second reading, and the check says it is no engine check; lookup has no
+weights to read.
 
 Engine rules (the loaders' code; sources in docs/interop.md):
 - vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as Hugging Face hidden_states indices (the
@@ -67,9 +70,10 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
         want = [i - 1 for i in head["layers"]]
         ok = ids == want
         return Check("aux-layer-ids", ok, f"dflash_config.target_layer_ids {ids} " + (
-            f"= the layers draftlab trained on {head['layers']} read as hidden_states[id + 1] (z-lab's DFlash code)"
+            f"= the layers draftlab trained on {head['layers']} read as hidden_states[id + 1] (z-lab's DFlash code, "
+            "which SGLang's DFlash model follows)"
             if ok else f"should be {want}: draftlab trained on hidden_states {head['layers']} and DFlash reads "
-                       "hidden_states[id + 1]; fix config.json") + "; vLLM's and SGLang's DFlash readings are not modelled")
+                       "hidden_states[id + 1]; fix config.json") + "; vLLM's DFlash reading is not modelled")
     if head["type"] != "eagle3":
         return Check("aux-layer-ids", None, f"not applicable to {head['type']} (it reads no auxiliary layers)")
     layers, problems, notes = [int(i) for i in head["layers"]], [], []
@@ -158,6 +162,9 @@ def _rope(c: dict) -> tuple[float, dict]:
 
 
 def check_rope(cfg: dict, base_cfg: dict, kind: str, engines: list[str]) -> Check:
+    if kind in ("ssm", "ensemble"):
+        return Check("rope", None, f"not applicable to {kind} (a small LM keeps its own RoPE, not the base's; "
+                                   "draftlab and the engines read it alike from its config.json)")
     if kind not in ("eagle3", "dflash"):
         return Check("rope", None, f"not applicable to {kind} (no attention layer of its own in the served files)")
     msgs = []
@@ -273,15 +280,26 @@ def vllm_medusa_logits(state: dict, cfg: dict, h: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, -2)
 
 
+def _rotary(cfg: dict):
+    """The rotary table a draft's attention gets from its own config.json (not the base's: a changed theta shows)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
+            {"rope_theta": cfg.get("rope_theta", 10000.0),
+             **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
+    return LlamaRotaryEmbedding(config=LlamaConfig(
+        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
+
+
 class EngineEagle3:
     """An EAGLE-3 draft computed from config.json + model.safetensors the engines' way: features of the layers the
     engine captures (each once, in layer order) through fc; x = [input_layernorm(embed) ; hidden_norm(g)], residual
     g; RoPE from the draft's own config; logits over the draft vocabulary, draft id i = target id i + d2t[i]."""
 
     def __init__(self, tensors: dict, cfg: dict, base, captured: list[int]):
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
         self.t = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         self.cfg, self.base, self.layers = cfg, base, sorted(set(captured))
         n_in = self.t["fc.weight"].shape[1] // cfg.get("target_hidden_size", cfg["hidden_size"])
@@ -289,12 +307,7 @@ class EngineEagle3:
         if len(self.layers) != n_in:
             raise ValueError(f"fc reads {n_in} base layers and the engine captures {len(self.layers)} "
                              f"{self.layers}: it would fail to run the draft")
-        rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
-                {"rope_theta": cfg.get("rope_theta", 10000.0),
-                 **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
-        self.rotary = LlamaRotaryEmbedding(config=LlamaConfig(
-            hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
+        self.rotary = _rotary(cfg)
         Vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
         self.targets = torch.arange(Vd) + self.t.get("d2t", torch.zeros(Vd, dtype=torch.long)).long()
         self.eps = cfg["rms_norm_eps"]
@@ -332,6 +345,69 @@ class EngineEagle3:
         return s @ self.t["lm_head.weight"].t()
 
 
+class EngineDFlash:
+    """A DFlash draft computed from config.json + model.safetensors the way z-lab's DFlash model reads them (SGLang's
+    DFlash model follows it): hidden_states[id + 1] for each dflash_config.target_layer_ids entry, in the order
+    given, concatenated, through fc and hidden_norm: the context, which every layer takes as extra keys / values;
+    the block [root, mask_token_id x (block_size - 1)] embedded with the base's embeddings, attending to the
+    context and to all of itself; RoPE from the draft's own config; logits through the base's lm_head.
+    Written from the files alone: draftlab's DFlash module is not used."""
+
+    def __init__(self, tensors: dict, cfg: dict, base):
+        dc = cfg.get("dflash_config") or {}
+        missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in dc]
+        if missing:
+            raise ValueError(f"config.json has no dflash_config.{', dflash_config.'.join(missing)}: the engine cannot "
+                             "build the draft; export again")
+        self.t = {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
+        self.cfg, self.base, self.eps = cfg, base, cfg["rms_norm_eps"]
+        n, H = base.config.num_hidden_layers, base.config.hidden_size
+        ids = [int(i) for i in dc["target_layer_ids"]]
+        if any(not 0 <= i < n for i in ids):
+            raise ValueError(f"dflash_config.target_layer_ids {ids} leave the base's layers 0..{n - 1}: the engine "
+                             "would fail to capture them")
+        self.layers = [i + 1 for i in ids]  # the output of layer i is hidden_states[i + 1]
+        if self.t["fc.weight"].shape[1] != len(ids) * H:
+            raise ValueError(f"fc reads {self.t['fc.weight'].shape[1] // H} base layers and dflash_config."
+                             f"target_layer_ids names {len(ids)}: the engine would fail to run the draft")
+        self.block, self.mask = int(cfg.get("block_size") or dc["block_size"]), int(dc["mask_token_id"])
+        self.rotary = _rotary(cfg)
+
+    def context(self, hidden_states: tuple) -> torch.Tensor:
+        """The context features [S, H] of a text from the base's hidden_states (each [1, S, H])."""
+        feats = torch.cat([hidden_states[l][0].float() for l in self.layers], -1)
+        return _rms(feats @ self.t["fc.weight"].t(), self.t["hidden_norm.weight"], self.eps)
+
+    def block_logits(self, ctx: torch.Tensor, root: int) -> torch.Tensor:
+        """Logits [block_size - 1, V] of the block below `root`, with context ctx [c, H] at positions 0..c-1."""
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        t, c, T, cfg = self.t, ctx.shape[0], self.block, self.cfg
+        nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+        x = self.base.get_input_embeddings()(torch.tensor([root] + [self.mask] * (T - 1))).float()
+        cos, sin = (r[0] for r in self.rotary(x[None], torch.arange(c + T)[None]))  # [c + T, hd]
+        rot = lambda z, a, b: z * a + rotate_half(z) * b
+        split = lambda z, n: z.view(z.shape[0], n, hd).transpose(0, 1)  # [n, len, hd]
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            y = _rms(x, t[p + "input_layernorm.weight"], self.eps)
+            both = torch.cat([ctx, y])  # the context's keys / values, then the block's own
+            q = split(y @ t[p + "self_attn.q_proj.weight"].t(), nh)
+            k = split(both @ t[p + "self_attn.k_proj.weight"].t(), kvh)
+            v = split(both @ t[p + "self_attn.v_proj.weight"].t(), kvh)
+            if p + "self_attn.q_norm.weight" in t:  # Qwen3 blocks
+                q, k = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps), _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
+            q, k = rot(q, cos[c:], sin[c:]), rot(k, cos, sin)
+            k, v = k.repeat_interleave(nh // kvh, 0), v.repeat_interleave(nh // kvh, 0)
+            a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # no mask: context and block, both ways
+            x = x + a.transpose(0, 1).reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].t()
+            y = _rms(x, t[p + "post_attention_layernorm.weight"], self.eps)
+            x = x + (F.silu(y @ t[p + "mlp.gate_proj.weight"].t()) * (y @ t[p + "mlp.up_proj.weight"].t())) \
+                @ t[p + "mlp.down_proj.weight"].t()
+        return _rms(x[1:], t["norm.weight"], self.eps) @ self.base.get_output_embeddings().weight.float().t()
+
+
 class _Recorder(Drafter):
     """A drafter in the decoder, recording each step's chain and how many tokens were committed before it."""
 
@@ -354,14 +430,16 @@ class _Recorder(Drafter):
         self.inner.commit(step)
 
 
-def _first_difference(mine: list[int], logits, targets: torch.Tensor) -> tuple[int, int] | None:
+def _first_difference(mine: list[int], logits, targets: torch.Tensor | None = None) -> tuple[int, int] | None:
     """(depth, engine's token) where the engine's choice differs from draftlab's chain `mine` (ties allowed), else
-    None. logits: the engine's logits at depth 1, 2, ... given mine's tokens above."""
+    None. logits: the engine's logits at depth 1, 2, ... given mine's tokens above; targets: the token id of each
+    logit (a draft vocabulary), None for the whole vocabulary."""
     for d, (x, lg) in enumerate(zip(mine, logits)):
         best = int(lg.argmax())
-        where = (targets == x).nonzero()
-        if int(targets[best]) != x and (len(where) == 0 or float(lg[best] - lg[int(where[0])]) > TIE):
-            return d + 1, int(targets[best])
+        got = best if targets is None else int(targets[best])
+        where = [x] if targets is None else (targets == x).nonzero()
+        if got != x and (len(where) == 0 or float(lg[best] - lg[int(where[0])]) > TIE):
+            return d + 1, got
     return None
 
 
@@ -373,14 +451,67 @@ def _eagle_chain_logits(eng: EngineEagle3, g: torch.Tensor, toks: torch.Tensor, 
         g, toks = torch.cat([g, state[None]]), torch.cat([toks, torch.tensor([x])])
 
 
+def _decode(base, make, tok, prompts: list[str], max_new_tokens: int) -> list:
+    """Each prompt decoded greedily by draftlab with a fresh drafter make(): (prompt ids, the whole text, the base's
+    hidden_states over it, the recorded (committed, chain) steps)."""
+    from ..decode.decoder import SpeculativeDecoder
+
+    runs = []
+    for text in prompts:
+        p = tok.encode(text)
+        rec = _Recorder(make())
+        out = SpeculativeDecoder(base, rec).generate([p], max_new_tokens=max_new_tokens)
+        seq = torch.tensor(p + out.tokens[0])
+        runs.append((p, seq, base(input_ids=seq[None], output_hidden_states=True).hidden_states, rec.steps))
+    return runs
+
+
+def _compare(name: str, runs: list, prompts: list[str], tok, logits_of, targets=None, at: str = "depth") -> tuple[bool, str]:
+    """Every recorded chain against `name`'s reading: logits_of(run index, c, chain) gives its logits at each depth
+    given draftlab's tokens above (c tokens committed before the root seq[c]). The first difference is named."""
+    n, width = 0, 0
+    for i, (p, seq, hs, steps) in enumerate(runs):
+        for s, (done, chain) in enumerate(steps):
+            n, width = n + 1, max(width, len(chain))
+            found = _first_difference(chain, logits_of(i, len(p) + done, chain), targets)
+            if found:
+                d, e = found
+                return False, (f"{name}: first difference at prompt {i} ({prompts[i]!r}), step {s}, {at} {d}: "
+                               f"draftlab proposes {chain[d - 1]} {tok.decode([chain[d - 1]])!r}, {name} read from the "
+                               f"files {e} {tok.decode([e])!r}")
+    return True, f"{name}: the same {width}-token chains at all {n} steps of {len(runs)} prompts"
+
+
+def _check_hf(module, src: Path, decode, prompts: list[str], tok) -> tuple[bool, str]:
+    """An SSM's chains against the Hugging Face causal LM loaded from its files with transformers (a draft model is
+    what vLLM and SGLang load as a plain causal LM), greedy-drafting the same chain: one forward over the text up
+    to the root followed by draftlab's chain."""
+    from transformers import AutoModelForCausalLM
+
+    from ..decode.tree import Tree
+    from ..drafters import SSM_DEFAULT_CHAIN, make_drafter
+
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        return False, f"transformers does not load {src} as a causal LM ({e}): neither would an engine"
+    runs = decode(lambda: make_drafter(module, Tree.chain(SSM_DEFAULT_CHAIN)))
+
+    def logits_of(i, c, chain):
+        ids = torch.cat([runs[i][1][: c + 1], torch.tensor(chain[:-1], dtype=torch.long)])
+        return lm(input_ids=ids[None]).logits[0, c:].float()
+
+    ok, msg = _compare("transformers", runs, prompts, tok, logits_of)
+    return ok, f"{src} as a Hugging Face causal LM (AutoModelForCausalLM; engines run their own code for it): {msg}"
+
+
 @torch.no_grad()
 def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engines: list[str], base, tok,
-                    prompts, max_new_tokens: int) -> Check:
+                    prompts, max_new_tokens: int, served: str | None = None) -> Check:
     kind = meta["head"]["type"]
-    if kind not in ("eagle3", "medusa"):
-        return Check("proposals", None, f"not checked for {kind}: draftlab models the engines' reading of EAGLE-3 and "
-                                        "Medusa (vllm-medusa) drafts only")
-    from ..decode.decoder import SpeculativeDecoder
+    if kind == "lookup":
+        return Check("proposals", None, "no engine loads lookup drafts: they have no weights (an engine's n-gram "
+                                        "proposer is configured, not read from an export); nothing to compare")
     from ..decode.tree import Tree
     from ..drafters import make_drafter
     from ..drafters.eagle import Eagle3Drafter
@@ -390,50 +521,73 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
     except ExportError as e:
         return Check("proposals", False, f"draftlab does not load the export, so there is nothing to compare: {e}")
     base = apply_adapter(base, export_dir, meta)  # Medusa-2: the heads run on the adapted base
-    depth = 4 if kind == "eagle3" else module.num_heads
-    runs = []
-    for text in prompts:
-        p = tok.encode(text)
-        rec = _Recorder(Eagle3Drafter(module, depth, 1, depth + 1) if kind == "eagle3" else
-                        make_drafter(module, Tree.chain(depth)))
-        out = SpeculativeDecoder(base, rec).generate([p], max_new_tokens=max_new_tokens)
-        seq = torch.tensor(p + out.tokens[0])
-        runs.append((p, seq, base(input_ids=seq[None], output_hidden_states=True).hidden_states, rec.steps))
+    prompts = list(prompts)
+    decode = lambda make: _decode(base, make, tok, prompts, max_new_tokens)
+    if kind == "ssm":
+        ok, msg = _check_hf(module, Path(served or export_dir), decode, prompts, tok)
+        return Check("proposals", ok, msg)
+    if kind == "ensemble":  # an engine serves one draft model: each SSM member alone
+        parts, oks = [], []
+        for m, member in zip(meta["head"]["members"], module.members):
+            if member.kind != "ssm":
+                parts.append(f"member {m['name']} ({member.kind}): not a Hugging Face model, not compared")
+                continue
+            ok, msg = _check_hf(member, Path(served or export_dir) / m["dir"], decode, prompts, tok)
+            parts.append(f"member {m['name']} (ssm, decoded alone): {msg}")
+            oks.append(ok)
+        return Check("proposals", all(oks) if oks else None, "; ".join(parts))
+    if kind == "hydra":
+        # No engine to read it the other way: a second reading of the files by draftlab itself, in float32, the
+        # prefix layer run over the whole text at once (no cache), each head given draftlab's chain above it.
+        again = load_export(export_dir, base=base, dtype=torch.float32)[0]
+        runs = decode(lambda: make_drafter(module, Tree.chain(module.num_heads)))
+
+        def logits_of(i, c, chain):
+            seq, hs = runs[i][1], runs[i][2]
+            h = again.context(hs[-1][:, :c].float())[0, c - 1]
+            return (again.head_logits(k, h, torch.tensor([int(seq[c])] + chain[:k])).float() for k in range(len(chain)))
+
+        ok, msg = _compare("the reload", runs, prompts, tok, logits_of)
+        return Check("proposals", ok, "no engine loads hydra drafts (vLLM and SGLang implement no Hydra heads): not an "
+                     "engine check; draftlab's decode compared with draftlab's own second reading of the export's files "
+                     f"(float32, uncached): {msg}")
+    skip = {("medusa", "sglang"): "SGLang serves no Medusa heads: not compared",
+            ("dflash", "vllm"): "vLLM: its DFlash reading is not modelled: not compared"}
+    compared = [e for e in engines if (kind, e) not in skip]
+    make = {"eagle3": lambda: Eagle3Drafter(module, 4, 1, 5),
+            "medusa": lambda: make_drafter(module, Tree.chain(module.num_heads)),
+            "dflash": lambda: make_drafter(module, Tree.chain(module.block_size - 1))}.get(kind)
+    if make is None:
+        return Check("proposals", None, f"not checked for {kind}: draftlab models no engine's reading of it")
+    runs = decode(make) if compared else []
     msgs, oks = [], []
     for engine in engines:
         name = NAMES[engine]
-        if kind == "medusa" and engine == "sglang":
-            msgs.append("SGLang serves no Medusa heads: not compared")
+        if (kind, engine) in skip:
+            msgs.append(skip[kind, engine])
             continue
         try:
-            eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1]) \
-                if kind == "eagle3" else None
+            if kind == "eagle3":
+                eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1])
+            elif kind == "dflash":
+                eng = EngineDFlash(tensors, cfg, base)
         except (ValueError, KeyError) as e:
             msgs.append(f"{name}: {e}")
             oks.append(False)
             continue
-        diff, n = None, 0
-        for i, (p, seq, hs, steps) in enumerate(runs):
-            g_all = eng.fuse(hs) if eng else None
-            for s, (done, chain) in enumerate(steps):
-                c = len(p) + done  # committed tokens before the root seq[c]
-                n += 1
-                if eng is None:
-                    lg = vllm_medusa_logits(tensors, cfg, hs[-1][0, c - 1].float())
-                    logits, targets = iter(lg), torch.arange(lg.shape[-1])
-                else:
-                    logits, targets = _eagle_chain_logits(eng, g_all[:c], seq[1: c + 1], chain), eng.targets
-                found = _first_difference(chain, logits, targets)
-                if found:
-                    d, e = found
-                    diff = (f"{name}: first difference at prompt {i} ({prompts[i]!r}), step {s}, depth {d}: draftlab "
-                            f"proposes {chain[d - 1]} {tok.decode([chain[d - 1]])!r}, {name} read from the files "
-                            f"{e} {tok.decode([e])!r}")
-                    break
-            if diff:
-                break
-        oks.append(diff is None)
-        msgs.append(diff or f"{name}: the same {depth}-token chains at all {n} steps of {len(runs)} prompts")
+        if kind == "eagle3":
+            g = [eng.fuse(r[2]) for r in runs]
+            ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: _eagle_chain_logits(
+                eng, g[i][:c], runs[i][1][1: c + 1], chain), eng.targets)
+        elif kind == "dflash":
+            ctx = [eng.context(r[2]) for r in runs]
+            ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: eng.block_logits(
+                ctx[i][:c], int(runs[i][1][c])), at="block position")
+        else:
+            ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: vllm_medusa_logits(
+                tensors, cfg, runs[i][2][-1][0, c - 1].float()))
+        oks.append(ok)
+        msgs.append(msg)
     return Check("proposals", all(oks) if oks else None, "; ".join(msgs))
 
 
@@ -476,8 +630,8 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),
               check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
               check_tokenizer(d, meta, tok_src)]
-    model = load_base(base_name, "float32")[0] if kind in ("eagle3", "medusa") else None
+    model = load_base(base_name, "float32")[0] if kind != "lookup" else None
     checks.append(check_proposals(d, meta, cfg, tensors, engines, model, tok, list(prompts or DEFAULT_PROMPTS),
-                                  max_new_tokens))
+                                  max_new_tokens, served))
     return {"export": str(d), "kind": kind, "base": base_name, "engines": engines, "served": where,
             "ok": all(c.ok is not False for c in checks), "checks": [asdict(c) for c in checks]}
