@@ -4,7 +4,9 @@
 
 1. `search-tree --batch-sizes` (draftlab.serve.schedule.search_schedule) on the export: statistics from stories of
    the first 90% of the TinyStories sample, then at each batch size the greedy trees, chains and plain decoding
-   timed on this machine; the schedule file goes to benchmarks/results/batch_schedule.tree.json.
+   timed on this machine (every timed batch full), chosen by `--schedule-by` (estimate, the default, or timed:
+   the tokens/s of static batches, as step 2 decodes them); the schedule file goes to
+   benchmarks/results/batch_schedule.tree.json.
 2. On held-out stories (the last 10%), at each batch size, three methods decode the same prompts in batches of
    that size, interleaved in rounds (each keeps its fastest round): the schedule's tree for that batch size
    (plain decoding where the schedule says speculation does not pay), the export's default tree at every batch
@@ -56,6 +58,8 @@ def main() -> None:
     ap.add_argument("--timing-prompts", type=int, default=16, help="search-tree's timing prompts")
     ap.add_argument("--max-nodes", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--schedule-by", choices=["estimate", "timed"], default="estimate",
+                    help="search-tree's --schedule-by: timed fits the schedule to static batches, as decoded here")
     a = ap.parse_args()
     from draftlab.decode.acceptance import Sampling
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
@@ -69,7 +73,8 @@ def main() -> None:
     t0 = time.perf_counter()
     rep = search_schedule(a.export, calibration_file(a.calibration_prompts + a.timing_prompts), str(tree_file),
                           sizes, max_nodes=a.max_nodes, calibration_prompts=a.calibration_prompts,
-                          timing_prompts=a.timing_prompts, max_new_tokens=a.max_new_tokens, timing_rounds=a.rounds)
+                          timing_prompts=a.timing_prompts, max_new_tokens=a.max_new_tokens, timing_rounds=a.rounds,
+                          schedule_by=a.schedule_by)
     search_s = time.perf_counter() - t0
 
     fixed, tok, meta = load_decoder(a.export, tree="default")
@@ -107,7 +112,7 @@ def main() -> None:
     load = open("/proc/loadavg").read().split()[:3]
     write_result("batch_schedule", {
         "export": a.export, "base": meta["base"]["name_or_path"], "prompts": len(prompts), "max_new_tokens": N,
-        "rounds": a.rounds, "fixed_tree": "the export's default tree", "search_s": round(search_s, 1),
+        "rounds": a.rounds, "schedule_by": a.schedule_by, "fixed_tree": "the export's default tree", "search_s": round(search_s, 1),
         "schedule_file": str(tree_file.relative_to(ROOT)), "no_speculation_above": rep["no_speculation_above"],
         "search": [{k: e[k] for k in ("batch_size", "tree", "tree_size", "accept_length", "estimated_tokens_per_s",
                                       "estimated_plain_tokens_per_s", "tokens_per_s", "plain_tokens_per_s",
