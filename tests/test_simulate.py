@@ -4,11 +4,14 @@ smallest-sufficient-lookahead rule, inputs from a generate report, and the comma
 import json
 import random
 
+import numpy as np
 import pytest
 
 from draftlab.cli import main
-from draftlab.parallel.simulate import (Config, best_si_lookahead, dsi_time_per_token, expected, from_generate,
-                               min_lookahead, si_time_per_token, simulate_dsi, simulate_si)
+from draftlab.parallel.simulate import (Config, best_dsi_lookahead, best_si_lookahead, dsi_expected_total,
+                                        dsi_pool_time_per_token, dsi_time_per_token, expected, from_generate,
+                                        grid_expectations, min_lookahead, si_expected_total, si_time_per_token,
+                                        simulate_dsi, simulate_si)
 
 
 @pytest.mark.parametrize("a,k,td", [(0.5, 2, 3.0), (0.8, 5, 1.0), (0.9, 3, 6.0)])
@@ -48,6 +51,78 @@ def test_dsi_is_never_slower_than_si_or_non_si_with_enough_servers():
             assert e["sp_sufficient"]
             assert e["speedup"]["dsi_vs_non_si"] >= 1 - 1e-9, (td, a)
             assert e["speedup"]["dsi_vs_si"] >= 1 - 1e-9, (td, a)
+
+
+@pytest.mark.parametrize("n,a,k,td,sp", [(50, 0.8, 2, 0.05, 7), (50, 0.9, 1, 0.02, 7), (30, 0.6, 3, 0.1, 2),
+                                         (40, 0.7, 4, 0.2, 1), (19, 1.0, 8, 2 / 30, 2)])
+def test_exact_expectations_match_the_event_simulator(n, a, k, td, sp):
+    """dsi_expected_total / si_expected_total are the simulators' exact means (waits for a server and the text's
+    end included): within 4 standard errors of 4,000 seeded runs."""
+    rng, runs = random.Random(3), 4000
+    for sim, exact in (([simulate_dsi(n, a, k, td, 1.0, sp, rng)["time"] for _ in range(runs)],
+                        dsi_expected_total(n, a, k, td, 1.0, sp)),
+                       ([simulate_si(n, a, k, td, 1.0, rng) for _ in range(runs)], si_expected_total(n, a, k, td, 1.0))):
+        mean = sum(sim) / runs
+        se = (sum((x - mean) ** 2 for x in sim) / (runs - 1) / runs) ** 0.5
+        assert abs(mean - exact) <= 4 * se + 1e-9 * n, (mean, exact, se)
+
+
+@pytest.mark.parametrize("a,k,td,sp", [(0.8, 1, 0.05, 7), (0.9, 2, 0.02, 7), (0.6, 1, 0.1, 3), (0.95, 3, 0.01, 7)])
+def test_pool_closed_form_per_token_with_waits(a, k, td, sp):
+    """With too few servers for the lookahead (tasks wait), the per-token closed form is the long-text limit of the
+    exact expectation, and above the enough-servers form; with enough servers it is that form."""
+    n = 20000  # the text's end adds O(1) to the total
+    per_token = (dsi_expected_total(n, a, k, td, 1.0, sp) - 1.0) / (n - 1)
+    assert dsi_pool_time_per_token(a, k, td, 1.0, sp) == pytest.approx(per_token, rel=1e-3)
+    assert dsi_pool_time_per_token(a, k, td, 1.0, sp) > dsi_time_per_token(a, k, td, 1.0)
+    k_min = min_lookahead(td, 1.0, sp)
+    assert dsi_pool_time_per_token(a, k_min, td, 1.0, sp) == pytest.approx(dsi_time_per_token(a, k_min, td, 1.0))
+
+
+@pytest.mark.parametrize("a,td,sp,n", [(0.3, 0.01, 7, 50), (0.6, 0.02, 7, 64), (0.9, 0.05, 3, 40), (1.0, 0.03, 7, 50),
+                                       (0.0, 0.1, 2, 30), (0.8, 0.3, 1, 50)])
+def test_best_lookahead_is_never_worse_than_the_no_wait_one(a, td, sp, n):
+    """best_dsi_lookahead's expected latency (exact for the text, per token in closed form) is at most
+    min_lookahead's, and strictly less where the no-wait rule loses to SI (drafts of 0.01 t_target on 7 servers:
+    no-wait takes 15 and any accepted draft waits for the task after 15 drafts)."""
+    k_min = min_lookahead(td, 1.0, sp)
+    k = best_dsi_lookahead(a, td, 1.0, sp, n)
+    assert dsi_expected_total(n, a, k, td, 1.0, sp) <= dsi_expected_total(n, a, k_min, td, 1.0, sp) * (1 + 1e-12)
+    kt = best_dsi_lookahead(a, td, 1.0, sp)
+    assert kt <= k_min
+    assert dsi_pool_time_per_token(a, kt, td, 1.0, sp) <= dsi_pool_time_per_token(a, k_min, td, 1.0, sp) * (1 + 1e-12)
+    if (a, td) == (0.3, 0.01):
+        assert (k, kt) == (1, 1) and k_min == 15
+        si = min(si_expected_total(n, a, j, td, 1.0) for j in range(n - 1))
+        assert dsi_expected_total(n, a, k_min, td, 1.0, sp) > si > dsi_expected_total(n, a, k, td, 1.0, sp)
+    if (a, td) == (1.0, 0.03):  # the text's last task waits at min_lookahead (5), not at 6
+        assert k == 6 and dsi_expected_total(n, a, 6, td, 1.0, sp) < dsi_expected_total(n, a, 5, td, 1.0, sp)
+
+
+def test_dsi_with_the_best_lookahead_is_never_slower_on_a_coarse_grid():
+    """Over the paper's grid at a coarser step (drafter latency 0.05..1, acceptance 0..1, SP 7), DSI at the chosen
+    lookahead is never slower than SI at its best lookahead or non-SI: per token in closed form and exactly for a
+    30-token text; the no-wait rule is slower at some of these points. The event simulator (common random numbers,
+    paired) agrees at a few of them."""
+    ratios = [0.01] + [round(0.05 * i, 2) for i in range(1, 21)]
+    acc = [round(0.05 * i, 2) for i in range(21)]
+    for n in (None, 30):
+        g = grid_expectations(acc, ratios, 1.0, 7, n_tokens=n)
+        worst = (g["dsi"] / np.minimum(g["si"], g["non_si"])).max()
+        assert worst <= 1 + 1e-9, (n, worst)
+        nw = grid_expectations(acc, ratios, 1.0, 7, n_tokens=n, rule="no-wait")
+        assert (nw["dsi"] / np.minimum(nw["si"], nw["non_si"])).max() > 1.001
+        assert (g["dsi"] <= nw["dsi"] * (1 + 1e-12)).all()
+    runs = 300
+    for i, j in [(6, 0), (12, 2), (16, 5), (19, 10)]:
+        a, td = acc[i], ratios[j]
+        k, ks = int(g["dsi_lookahead"][i, j]), int(g["si_lookahead"][i, j])
+        assert g["dsi"][i, j] == pytest.approx(dsi_expected_total(30, a, k, td, 1.0, 7))
+        diff = [simulate_dsi(30, a, k, td, 1.0, 7, random.Random(r))["time"] - simulate_si(30, a, ks, td, 1.0,
+                random.Random(r)) for r in range(runs)]
+        mean = sum(diff) / runs
+        se = (sum((x - mean) ** 2 for x in diff) / (runs - 1) / runs) ** 0.5
+        assert mean < 4 * se, (a, td, mean, se)
 
 
 def test_smallest_sufficient_lookahead():
@@ -108,5 +183,13 @@ def test_simulate_command(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert png.is_file() and rep["inputs"]["lookahead"] == 2 and rep["sp_sufficient"]
     assert rep["monte_carlo"]["total"]["dsi"] == pytest.approx(rep["total"]["dsi"], rel=0.1)
+    # The default lookahead is the one of least expected latency (waits included); --lookahead-rule no-wait keeps
+    # the smallest with which no task waits (15 here, slower than SI).
+    for rule, k in (("expected", 1), ("no-wait", 15)):
+        assert main(["simulate", "--target-ms", "30", "--drafter-ratio", "0.01", "--acceptance", "0.3", "--tokens",
+                     "50", "--lookahead-rule", rule, "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rep["inputs"]["lookahead"] == k and rep["inputs"]["lookahead_rule"] == rule
+        assert (rep["exact_total"]["dsi"] < rep["exact_total"]["si"]) == (rule == "expected")
     assert main(["simulate", "--target-ms", "30", "--acceptance", "0.8"]) == 2
     assert "--drafter-ms" in capsys.readouterr().err
