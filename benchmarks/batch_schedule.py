@@ -106,13 +106,15 @@ def main() -> None:
         row["schedule_vs_fixed"] = round(best["schedule"]["tokens_per_s"] / best["fixed"]["tokens_per_s"], 3)
         row["schedule_vs_plain"] = round(best["schedule"]["tokens_per_s"] / best["plain"]["tokens_per_s"], 3)
         rows.append(row)
-        print(f"batch {B}: schedule {row['schedule_tree']} ({row['schedule_tree_size']} nodes) {row['schedule']['tokens_per_s']} "
-              f"tok/s, fixed ({row['fixed_tree_size']} nodes) {row['fixed']['tokens_per_s']}, plain "
-              f"{row['plain']['tokens_per_s']}; identical {[row[m]['identical_to_plain_greedy'] for m in methods]}")
+        print(f"batch {B}: schedule {row['schedule_tree']} ({row['schedule_tree_size']} nodes) "
+              f"{row['schedule']['tokens_per_s']} tok/s, fixed ({row['fixed_tree_size']} nodes) "
+              f"{row['fixed']['tokens_per_s']}, plain {row['plain']['tokens_per_s']}; identical "
+              f"{[row[m]['identical_to_plain_greedy'] for m in methods]}")
     load = open("/proc/loadavg").read().split()[:3]
     write_result("batch_schedule", {
         "export": a.export, "base": meta["base"]["name_or_path"], "prompts": len(prompts), "max_new_tokens": N,
-        "rounds": a.rounds, "schedule_by": a.schedule_by, "fixed_tree": "the export's default tree", "search_s": round(search_s, 1),
+        "rounds": a.rounds, "schedule_by": a.schedule_by, "fixed_tree": "the export's default tree",
+        "search_s": round(search_s, 1),
         "schedule_file": str(tree_file.relative_to(ROOT)), "no_speculation_above": rep["no_speculation_above"],
         "search": [{k: e[k] for k in ("batch_size", "tree", "tree_size", "accept_length", "estimated_tokens_per_s",
                                       "estimated_plain_tokens_per_s", "tokens_per_s", "plain_tokens_per_s",

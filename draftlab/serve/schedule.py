@@ -8,7 +8,10 @@ verification step of the whole batch, prefill left out), and each is scored by i
 
 with the accept length from the calibration statistics (the replay of the decoder's walk, see decode/search.py),
 which does not depend on B. The verification forward of a bigger tree costs more at a bigger batch, so the best
-tree shrinks with B and, once the base is compute-bound, plain decoding wins.
+tree shrinks with B and, once the base is compute-bound, plain decoding wins. That estimate models a batch kept
+full (continuously batched engines); --schedule-by timed chooses instead by the measured tokens/s of static
+batches, whose rows end at different steps (draftlab's own decoder), among the top few by estimate and plain
+decoding. Where plain decoding wins, the schedule says so (tree_for_batch gives None, drafter_for_batch NoDraft).
 
 Three outputs (docs/decoding.md, "Schedules per batch size"):
 - a draftlab tree file whose `paths` are the smallest batch size's choice (so `generate --tree FILE` runs it as it
