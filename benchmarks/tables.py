@@ -371,6 +371,30 @@ def dsi(p, d) -> None:
           f"{ms['dsi_vs_si']:.2f} ({es['dsi_vs_si']:.2f}) | {ms['dsi_vs_non_si']:.2f} ({es['dsi_vs_non_si']:.2f}) |")
 
 
+def dsi_grid(p, d) -> None:
+    g = d["grid"]
+    p(f"`benchmarks/dsi_grid.py`; drafter latency {g['drafter_ratio']} of the target's, acceptance "
+      f"{g['acceptance']}, SP {g['sp']}: {g['points']} points; exact: a {g['tokens']}-token text; {d['date']}\n")
+    p("| DSI lookahead rule | expectation | points where DSI is slower than min(SI, non-SI) | worst DSI / min(SI, "
+      "non-SI) (where: acceptance, drafter ratio) | median speedup over min(SI, non-SI) | lookahead below / above "
+      "the no-wait one |")
+    p("|---|---|---|---|---|---|")
+    for rule in ("expected", "no-wait"):
+        for kind, label in (("closed_form", "per token, closed form"), ("exact", "text, exact")):
+            r = d[kind][rule]
+            w = r["worst_at"]
+            p(f"| {rule} | {label} | {r['slower_points']} | {r['worst_dsi_over_best_baseline']:.4f} "
+              f"({w['acceptance']:.2f}, {w['drafter_ratio']:.2f}) | {r['median_speedup_vs_best_baseline']:.3f} | "
+              f"{r['lookahead_below_no_wait']} / {r['lookahead_above_no_wait']} |")
+    s = d.get("simulator")
+    if s:
+        p(f"\nevent simulator ({s['runs_per_point']} runs a point, common random numbers, lookahead rule expected): "
+          f"{s['slower_points_significant']} points where DSI is slower by more than {s['z']:g} standard errors "
+          f"(largest z {s['largest_z_of_dsi_minus_best_baseline']:.2f}; {s['slower_points_mean_only']} with a higher "
+          f"mean at all); simulated means against the exact expectations: DSI max |z| "
+          f"{s['dsi_mean_vs_exact']['max_abs_z']:.2f}, SI {s['si_mean_vs_exact']['max_abs_z']:.2f}")
+
+
 def pipeline(p, d) -> None:
     heading(p, "Pipelined drafting and verification", f"`benchmarks/pipeline.py`; {d['prompts']} MT-Bench first turns "
             f"x {d['max_new_tokens']} tokens, greedy, stories260K + the fkl SSM, {d['in_flight']} groups in flight, "
@@ -486,6 +510,7 @@ TABLES = {
     "eagle": ("eagle", eagle),
     "pipeline": ("pipeline", pipeline),
     "dsi": ("dsi", dsi),
+    "dsi_grid": ("dsi_grid", dsi_grid),
     "tp_decode": ("tp_decode", tp_decode),
     "compiled": ("compiled", compiled),
     "drafter_steps": ("drafter_steps", drafter_steps),
