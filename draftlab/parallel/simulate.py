@@ -20,7 +20,10 @@ The model (times in any unit, per forward):
   drafts before the first rejection, the deciding task is the one sent after ceil(J / k) blocks, so with enough
   servers the expected time per token is (1 - a) (a k t_draft / (1 - a^k) + t_target). Tasks are sent every
   k t_draft and last t_target, so ceil(t_target / (k t_draft)) of them overlap: the smallest lookahead with which
-  a task never waits for a server is k = ceil(t_target / (n t_draft)) (`min_lookahead`).
+  a task never waits for a server is k = ceil(t_target / (n t_draft)) (`min_lookahead`, the no-wait rule). A shorter
+  one makes tasks wait but decides short stretches sooner; the default lookahead is the one of least expected
+  latency with the n servers, waits included (`best_dsi_lookahead`, from `dsi_pool_time_per_token` per token or
+  `dsi_expected_total` for a text: both exact expectations of the event simulator).
 - The end of the text: with R tokens still to generate a stretch has a use for R - 1 drafts at most (the target's
   token after them is the R-th), so the drafter stops there and the stretch's last task verifies those R - 1
   drafts, sent once they are drafted (off the lookahead grid unless k divides R - 1); its token completes the
