@@ -145,6 +145,52 @@ def test_statistics_replay_the_decoder_exactly(kind):
     assert max(measured) > 1.5  # the heads do get tokens accepted, so the replay is really exercised
 
 
+def fit_eagle(base, seqs, vocab=None, steps=80):
+    """An EAGLE-3 drafter fitted to the base's continuations by its own training-time test."""
+    from draftlab.base import base_states
+    from draftlab.config import LossSection
+    from test_eagle import eagle
+
+    d = eagle(base, seed=1, vocab=vocab)
+    if vocab is not None:
+        d.fit_vocab([{"input_ids": s} for s in seqs])
+    L = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
+    with torch.no_grad():
+        states = base_states(base, ids, mask, d.base_layers)
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=2e-2)
+    weight = base.get_output_embeddings().weight
+    d.train()
+    for _ in range(steps):
+        loss = d.objective(states, ids, mask, mask, weight, LossSection())["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_eagle3_ranks_replay_its_chains_exactly(vocab):
+    """EAGLE-3's rank vectors (its training-time test along the true path, over the draft vocabulary) replayed
+    along a chain give what the decoder accepts with a top-1 dynamic tree of that depth."""
+    import random
+
+    from draftlab.decode.tree import DynamicTree
+
+    rng = random.Random("eagle3")
+    base = tiny_llama(layers=4, seed=3)
+    prompts = [[rng.randint(3, 63) for _ in range(rng.randint(2, 6))] for _ in range(5)]
+    eos = greedy_continuations(base, prompts[:1], 24, None)[0][len(prompts[0]) + 12]  # one row ends early
+    seqs = greedy_continuations(base, prompts, 24, eos)
+    draft = fit_eagle(base, seqs, vocab)
+    for depth in (3, 5):
+        per_text = collect_ranks(base, draft, seqs, [len(p) for p in prompts], depth)
+        m = measure(SpeculativeDecoder(base, make_drafter(draft, DynamicTree(depth, 1, depth + 1))), prompts, 1, 24, eos)
+        assert replay_accept_length(Tree.chain(depth), per_text) == pytest.approx(m["accept_length"], abs=1e-12)
+        assert m["accept_length"] > 1.3  # drafts do get accepted past depth 1's misses
+
+
 def test_proposal_trees_are_nested_and_prefix_closed():
     stats = RankStats(sample_ranks([[0.5, 0.3], [0.5, 0.2], [0.4]], 500), max_rank=2)
     trees = proposal_trees(stats, 6)

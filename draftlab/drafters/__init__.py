@@ -198,9 +198,29 @@ def _eagle_drafter(module, tree) -> Drafter:
     return Eagle3Drafter(module, tree.depth, tree.top_k, tree.total_tokens)
 
 
-def _eagle_ranks(module, base, ids, depth):
-    raise ValueError("search-tree over static trees does not apply to eagle3 (dynamic trees); it searches "
-                     "depth / top_k / total_tokens by measured throughput instead")
+@torch.no_grad()
+def _eagle_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """Along the true path, as the training-time test unrolls it: step k at slot t reads the drafter's own state
+    of step k - 1 and predicts x_{t+k+2}, which is what the drafter computes for the depth-(k+1) node on the true
+    path (tests/test_eagle.py). Ranks are over the draft vocabulary; a token outside it is never proposed (rank V).
+    What a chain (a dynamic tree with top_k 1) accepts; the default dynamic trees are rebuilt every step from
+    off-path nodes too, so they have no replay (the training estimate measures them)."""
+    from ..base import base_states
+
+    S, V = ids.shape[1], base.get_output_embeddings().weight.shape[0]
+    states = base_states(base, ids, torch.ones_like(ids), module.base_layers)
+    g = module.fuse(states[:, :, : len(module.base_layers)])
+    as_draft = torch.full((V,), -1, dtype=torch.long, device=ids.device)
+    as_draft[module.draft_ids()] = torch.arange(module.d2t.numel(), device=ids.device)
+    ranks = torch.full((S, depth), V, dtype=torch.long, device=ids.device)
+    for k, o in enumerate(module.unroll(g, ids, torch.ones_like(ids, dtype=torch.bool), depth)):
+        n = S - (k + 2)  # slot t at step k predicts x_{t+k+2}
+        if n > 0:
+            target = as_draft[ids[0, k + 2:]]
+            logits = module.lm_head(module.head_input(o[0, :n]))
+            r = _rank_of(logits, target.clamp(min=0))
+            ranks[:n, k] = torch.where(target >= 0, r, torch.full_like(r, V))
+    return ranks
 
 
 def _eagle_default(module):

@@ -10,10 +10,12 @@ tau takes them):
 3. greedy decoding replayed on them (decode.search.replay_accept_length) along the kind's default tree (what
    the export decodes with) -> `expected_accept_length`, and along a chain as deep as the draft drafts ->
    `expected_accept_length_chain`. On the same texts this is the decoder's own accept length, exactly, for
-   static trees (tests/test_search.py shows it per kind; tests/test_train_accept.py on a trained export).
+   static trees and chains (tests/test_search.py shows it per kind; tests/test_train_accept.py on a trained export).
 Every `train.measure_accept_every` evaluations the same prompts are also decoded (SpeculativeDecoder, greedy,
-the kind's drafter with its default tree over the current draft) -> `measured_accept_length`. EAGLE-3 has no
-rank statistics (its trees are built per step), so it gets the measured figure only.
+the kind's drafter with its default tree over the current draft) -> `measured_accept_length`. EAGLE-3's default
+trees are dynamic (rebuilt every step from off-path nodes' scores too), which no replay of on-path ranks gives:
+its chain is replayed (a top-1 dynamic tree as deep as its training-time test), and its default tree is measured
+at every evaluation.
 
 Processes: the prompts are cut across ranks (prompts[rank::world]) and the figures summed over all of them, so
 every rank ends with the same numbers. A sharded (FSDP) base's forward is a collective: every rank runs as many
@@ -30,9 +32,6 @@ from ..data import prompt_length
 from ..decode.search import replay_counts
 from ..decode.tree import Tree
 from ..drafters import kind_of, make_drafter, text_ranks
-
-NO_RANKS = ("eagle3",)  # kinds whose default tree is dynamic: no rank statistics, measured figures only
-
 
 def accept_prompts(eval_ex: list[dict], n: int) -> list[list[int]]:
     """The prompt parts of the first n held-out examples."""
@@ -77,10 +76,9 @@ class AcceptEstimator:
         self.max_new_tokens = recipe.train.accept_max_new_tokens
         eos = tok.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
-        self.has_ranks = draft.kind not in NO_RANKS
         self.depth = rank_depth(draft)
         default = kind_of(draft.kind).default_tree(draft)
-        self.tree = default if isinstance(default, Tree) else None
+        self.tree = default if isinstance(default, Tree) else None  # None: dynamic, measured at every evaluation
         self.chain = Tree.chain(self.depth)
         self.texts: list | None = None  # this rank's (prompt length, continuation), computed once
 
@@ -112,35 +110,36 @@ class AcceptEstimator:
         return self.accelerator.reduce(t, reduction="sum").tolist()
 
     @torch.no_grad()
-    def evaluate(self, modules, index: int) -> dict:
+    def evaluate(self, modules, index: int, draft=None) -> dict:
         """The figures of this evaluation (every rank calls it; all get the same numbers). modules: the trained
         module(s) to put in eval mode meanwhile (dropout off, Medusa-2's LoRA dropout too); index: which
-        evaluation this is (from its step, so a resumed run measures at the evaluations an uninterrupted one does)."""
+        evaluation this is (from its step, so a resumed run measures at the evaluations an uninterrupted one does);
+        draft: the draft to read (under ZeRO-3 a gathered copy of the trained one; default: the trained one)."""
         if not self.active:
             return {}
+        draft = draft if draft is not None else self.draft
         t0 = time.perf_counter()
         was = [m.training for m in modules]
         for m in modules:
             m.eval()
         try:
             rec = {}
-            if self.has_ranks:
-                if self.texts is None or self.adapted:
-                    self.texts = self._continuations()
-                rec.update(self._expected())
-            if self.every and (index % self.every == 0 or not self.has_ranks) and not self.sharded:
-                rec["measured_accept_length"] = self._measured()
+            if self.texts is None or self.adapted:
+                self.texts = self._continuations()
+            rec.update(self._expected(draft))
+            if self.every and (index % self.every == 0 or self.tree is None) and not self.sharded:
+                rec["measured_accept_length"] = self._measured(draft)
             rec["accept_s"] = round(time.perf_counter() - t0, 3)  # what the figures cost this evaluation
         finally:
             for m, w in zip(modules, was):
                 m.train(w)
         return rec
 
-    def _expected(self) -> dict:
+    def _expected(self, draft) -> dict:
         rows = []
         for item in self.texts:
             plen, seq = item if item is not None else (len(self.prompts[0]), self.prompts[0] + [0, 0])
-            r = text_ranks(self.draft, self.base, seq, plen, self.depth)  # stand-ins run the same base forward
+            r = text_ranks(draft, self.base, seq, plen, self.depth)  # stand-ins run the same base forward
             if item is not None:
                 rows.append(r)
         figures = []
@@ -155,10 +154,10 @@ class AcceptEstimator:
             rec[name] = sums[2 * k] / max(sums[2 * k + 1], 1)
         return rec
 
-    def _measured(self) -> float:
+    def _measured(self, draft) -> float:
         from ..decode.decoder import SpeculativeDecoder
 
-        decoder = SpeculativeDecoder(self.base, make_drafter(self.draft))
+        decoder = SpeculativeDecoder(self.base, make_drafter(draft))
         committed = rows = 0
         for i in self._mine():
             if i is None:
@@ -171,8 +170,8 @@ class AcceptEstimator:
 
 
 def selection_value(record: dict) -> float | None:
-    """What `train.export: best` ranks evaluations by: the default tree's expected accept length; for kinds without
-    rank statistics (EAGLE-3) the measured one, on the evaluations that measure it."""
+    """What `train.export: best` ranks evaluations by: the default tree's expected accept length; where the default
+    tree is dynamic (EAGLE-3) the measured one, on the evaluations that measure it."""
     v = record.get("expected_accept_length", record.get("measured_accept_length"))
     return None if v is None else float(v)
 
