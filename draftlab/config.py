@@ -200,14 +200,13 @@ class TrainSection(_Section):
         None, ge=0, le=4096, description="held-out prompts (the prompt part of the first eval examples) on which "
         "every evaluation computes expected_accept_length (the default tree's) and expected_accept_length_chain: "
         "the base's greedy continuations, the draft's rank statistics along them, greedy decoding replayed; "
-        "0 turns it off; unset: 8, or 0 under DeepSpeed ZeRO-3 (it partitions the draft's parameters)")
+        "0 turns it off; unset: 8 (under DeepSpeed ZeRO-3 read from a gathered copy of the draft)")
     accept_max_new_tokens: int = Field(64, ge=1, le=4096, description="tokens of each accept prompt's greedy "
                                        "continuation (and of the measured decoding)")
     measure_accept_every: int | None = Field(
         None, ge=0, description="every this many evaluations, also decode the accept prompts with the draft "
-        "(SpeculativeDecoder, greedy, the default tree) -> measured_accept_length; EAGLE-3 (no rank statistics) "
-        "measures at every evaluation; 0 = never; unset: 4, or 0 under FSDP / ZeRO-3 (no whole base or draft "
-        "on one process)")
+        "(SpeculativeDecoder, greedy, the default tree) -> measured_accept_length; EAGLE-3 (dynamic default trees) "
+        "measures at every evaluation; 0 = never; unset: 4, or 0 under FSDP (no whole base on one process)")
     export: Literal["best", "last"] = Field(
         "best", description="which weights the final export holds: best = the evaluation with the highest "
         "expected_accept_length (EAGLE-3: measured_accept_length; the last weights when no evaluation had one), "
@@ -222,12 +221,15 @@ class DistributedSection(_Section):
     zero_stage: Literal[2, 3] = Field(2, description="DeepSpeed ZeRO stage (deepspeed only)")
     offload: Literal["none", "cpu"] = Field(
         "none", description="DeepSpeed offload of optimizer state (and of parameters at stage 3) to CPU")
+    zero_extra: dict = Field(default_factory=dict, description="more keys of DeepSpeed's zero_optimization section, "
+                             "over draftlab's (e.g. reduce_bucket_size, stage3_param_persistence_threshold)")
 
     @model_validator(mode="after")
     def _deepspeed_only(self):
         if self.strategy != "deepspeed":
-            if self.zero_stage != 2 or self.offload != "none":
-                raise ValueError("zero_stage and offload are DeepSpeed settings; set distributed.strategy: deepspeed")
+            if self.zero_stage != 2 or self.offload != "none" or self.zero_extra:
+                raise ValueError("zero_stage, offload and zero_extra are DeepSpeed settings; set "
+                                 "distributed.strategy: deepspeed")
         return self
 
 
@@ -312,11 +314,6 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _ensemble_members(self) -> "Recipe":
         t, d = self.train, self.distributed
-        if d.strategy == "deepspeed" and d.zero_stage == 3 and t.accept_prompts:  # (unset is 0 here)
-            raise ValueError(f"train.accept_prompts={t.accept_prompts}: DeepSpeed ZeRO-3 partitions the draft's "
-                             "parameters across processes, so no process has a whole draft to estimate accept length "
-                             "with; set train.accept_prompts: 0 (and train.export: last), or use "
-                             "distributed.zero_stage: 2")
         if d.strategy == "fsdp" and t.measure_accept_every:  # (unset is 0 here)
             raise ValueError(f"train.measure_accept_every={t.measure_accept_every}: decoding needs the whole base in "
                              "one process and FSDP shards it; set train.measure_accept_every: 0 (the expected accept "
@@ -331,6 +328,10 @@ class Recipe(_Section):
             if self.distributed.strategy == "fsdp":
                 raise ValueError("lora: joint training runs the base inside the trained module; use "
                                  "distributed.strategy ddp or deepspeed, not fsdp")
+            if d.strategy == "deepspeed" and d.zero_stage == 3:
+                raise ValueError("lora: ZeRO-3 would partition the adapter inside the base, which the accept "
+                                 "estimate and the export read outside the engine's forward; use "
+                                 "distributed.zero_stage: 2")
         if self.head.type in ("eagle3", "dflash") and self.distributed.strategy == "fsdp":
             raise ValueError(f"head.type {self.head.type} reads the base's token embeddings and rotary table outside the base's "
                              "forward, which an FSDP-sharded base does not allow: use distributed.strategy ddp or "
@@ -351,14 +352,12 @@ class Recipe(_Section):
 
 
 def accept_settings(recipe: Recipe) -> tuple[int, int]:
-    """train.accept_prompts and train.measure_accept_every with their strategy-dependent defaults resolved: ZeRO-3
-    partitions the draft's parameters and FSDP the base's, so neither has a whole model to decode with in one
-    process. (Unset stays unset in config.yaml, so a recipe dumped and moved to another strategy keeps its
-    defaults.)"""
+    """train.accept_prompts and train.measure_accept_every with their strategy-dependent defaults resolved: FSDP
+    shards the base, so no process has a whole base to decode with. (Unset stays unset in config.yaml, so a
+    recipe dumped and moved to another strategy keeps its defaults.)"""
     t, d = recipe.train, recipe.distributed
-    zero3, fsdp = d.strategy == "deepspeed" and d.zero_stage == 3, d.strategy == "fsdp"
-    prompts = t.accept_prompts if t.accept_prompts is not None else (0 if zero3 else 8)
-    every = t.measure_accept_every if t.measure_accept_every is not None else (0 if zero3 or fsdp else 4)
+    prompts = t.accept_prompts if t.accept_prompts is not None else 8
+    every = t.measure_accept_every if t.measure_accept_every is not None else (0 if d.strategy == "fsdp" else 4)
     return prompts, every
 
 

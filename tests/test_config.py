@@ -88,8 +88,8 @@ def test_distributed_section_golden():
         "r.yaml: 2 problems\n"
         "  - `distributed.strategy` = 'fsdp2': use 'ddp', 'deepspeed' or 'fsdp'\n"
         "  - `distributed.zero_stage` = 1: use 2 or 3")
-    with pytest.raises(ConfigError, match="zero_stage and offload are DeepSpeed settings; set distributed.strategy: "
-                                          "deepspeed"):
+    with pytest.raises(ConfigError, match="zero_stage, offload and zero_extra are DeepSpeed settings; set "
+                                          "distributed.strategy: deepspeed"):
         build_recipe(MIN, ["distributed.offload=cpu"])
     r = build_recipe(MIN, ["distributed.strategy=deepspeed", "distributed.zero_stage=3", "distributed.offload=cpu"])
     assert (r.distributed.strategy, r.distributed.zero_stage, r.distributed.offload) == ("deepspeed", 3, "cpu")

@@ -75,6 +75,39 @@ def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kin
     assert len(losses) == 2 and all(x == x for x in losses)
 
 
+@pytest.mark.slow  # a launched training run (about 40 s on 2 cores); CI runs the slow tests
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_zero3_partitioned_draft_is_estimated_and_exported_whole(tiny_base_dir, data_file, tmp_path, kind):
+    """With every parameter partitioned (persistence threshold 0: a tiny draft's parameters would otherwise stay
+    whole, as small ones do at scale), the accept estimate and the export read a gathered copy: figures like a
+    DDP run's, and an export whose tensors are whole (not ZeRO-3's empty local views)."""
+    pytest.importorskip("deepspeed")
+    from draftlab.config import build_recipe
+    from draftlab.interop.export import load_export
+
+    out = tmp_path / "ds"
+    r = ds_recipe(tiny_base_dir, data_file, out, kind, zero_stage=3,
+                  zero_extra={"stage3_param_persistence_threshold": 0}).model_dump(mode="json")
+    r["train"].update(eval_every_steps=1, accept_prompts=2, accept_max_new_tokens=12, measure_accept_every=1)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(build_recipe(r)))
+    p = launch_train(cfg, json_out=True)
+    if p.returncode != 0 and not (out / "metrics.jsonl").exists() and "draftlab train: error" not in p.stderr:
+        pytest.skip("DeepSpeed could not start on this CPU machine: " + p.stderr.strip().splitlines()[-1][:200])
+    assert p.returncode == 0, p.stderr[-3000:]
+    w = weights(out)
+    assert w and all(t.numel() > 0 for t in w.values()), {k: tuple(t.shape) for k, t in w.items() if not t.numel()}
+    evals = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    assert len(evals) == 2
+    for e in evals:
+        assert e["measured_accept_length"] >= 1.0 and e["expected_accept_length_chain"] >= 1.0
+        if kind == "medusa":  # a static default tree: the replay is what the decoder measured
+            assert e["expected_accept_length"] == pytest.approx(e["measured_accept_length"], abs=1e-9)
+    # The export decodes with the weights the run chose, loaded whole.
+    draft, _ = load_export(out / "export")
+    assert sum(t.numel() for t in draft.state_dict().values()) >= sum(t.numel() for t in w.values())
+
+
 @pytest.mark.slow  # a two-process launch importing DeepSpeed (about 40 s on 2 cores); CI runs the slow tests
 def test_multi_process_deepspeed_on_cpu_is_refused(tiny_base_dir, data_file, tmp_path):
     pytest.importorskip("deepspeed")

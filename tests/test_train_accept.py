@@ -31,14 +31,14 @@ def records(out, event="eval"):
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if json.loads(l).get("event") == event]
 
 
-def decoded(out, r):
-    """The decoder's accept length (load_decoder on the export, its default tree, greedy) on the run's accept
-    prompts, pooled over prompts as the estimate is: (accept length, prompts)."""
+def decoded(out, r, tree=None):
+    """The decoder's accept length (load_decoder on the export, its default tree or `tree`, greedy) on the run's
+    accept prompts, pooled over prompts as the estimate is: (accept length, prompts)."""
     from draftlab.data import load_examples
     from draftlab.serve.generate import load_decoder
     from draftlab.train.accept import accept_prompts
 
-    dec, tok, _ = load_decoder(str(out / "export"))
+    dec, tok, _ = load_decoder(str(out / "export"), tree=tree)
     _, eval_ex, _ = load_examples(r.data, tok, seed=r.train.seed)
     prompts = accept_prompts(eval_ex, accept_settings(r)[0])
     committed = rows = 0
@@ -110,7 +110,7 @@ def inject(monkeypatch):
     real = loop.evaluate_run
 
     def evaluate_run(run, step):
-        run.accept.evaluate = lambda modules, index: {"expected_accept_length": ESTIMATES[step]}
+        run.accept.evaluate = lambda modules, index, draft=None: {"expected_accept_length": ESTIMATES[step]}
         return real(run, step)
     monkeypatch.setattr(loop, "evaluate_run", evaluate_run)
 
@@ -169,14 +169,14 @@ def test_options_validate_with_clear_errors(tiny_base_dir, data_file, tmp_path):
     assert "4 problems" in msg and "`train.accept_prompts` = -1" in msg
     assert "`train.export` = 'first': use 'best' or 'last'" in msg
     assert "`train.accept_max_new_tokens` = 0" in msg and "`train.measure_accept_every` = -2" in msg
-    # Unset, they follow the strategy (ZeRO-3 has no whole draft in a process, FSDP no whole base), also for a
-    # recipe dumped under one strategy and moved to another.
-    assert accept_settings(build(dist={"strategy": "deepspeed", "zero_stage": 3})) == (0, 0)
+    # Unset, they follow the strategy (FSDP has no whole base in a process; ZeRO-3 reads a gathered copy of the
+    # draft), also for a recipe dumped under one strategy and moved to another.
+    assert accept_settings(build(dist={"strategy": "deepspeed", "zero_stage": 3})) == (8, 4)
     assert accept_settings(build(dist={"strategy": "fsdp"})) == (8, 0)
     assert accept_settings(build({"accept_prompts": 3, "measure_accept_every": 0})) == (3, 0)
-    with pytest.raises(ConfigError, match=r"problem\n  - train.accept_prompts=4: DeepSpeed ZeRO-3 partitions.*"
-                                          r"zero_stage: 2$"):
-        build({"accept_prompts": 4}, {"strategy": "deepspeed", "zero_stage": 3})
+    medusa2 = {**raw, "lora": {"r": 4}, "distributed": {"strategy": "deepspeed", "zero_stage": 3}}
+    with pytest.raises(ConfigError, match=r"lora: ZeRO-3 would partition the adapter.*zero_stage: 2"):
+        build_recipe(medusa2)
     with pytest.raises(ConfigError, match=r"train.measure_accept_every=2: .*FSDP shards it; set "
                                           r"train.measure_accept_every: 0"):
         build({"measure_accept_every": 2}, {"strategy": "fsdp"})
@@ -187,8 +187,9 @@ def test_options_validate_with_clear_errors(tiny_base_dir, data_file, tmp_path):
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa2"])
 def test_figures_of_kinds_without_a_fixed_base_or_static_tree(tiny_base_dir, data_file, tmp_path, kind):
-    """EAGLE-3 (dynamic trees, no rank statistics): the measured figure at every evaluation, and the export chosen
-    by it. Medusa-2 (the adapter changes the base): continuations from the adapted base, figures like heads'."""
+    """EAGLE-3 (dynamic default trees, which no replay gives): the measured figure at every evaluation, the export
+    chosen by it, and its chain's replayed figure. Medusa-2 (the adapter changes the base): continuations from the
+    adapted base, figures like heads'."""
     out = tmp_path / kind
     r = accept_recipe(tiny_base_dir, data_file, out, kind, max_steps=4, accept_prompts=2, accept_max_new_tokens=16,
                       measure_accept_every=1)
@@ -198,6 +199,7 @@ def test_figures_of_kinds_without_a_fixed_base_or_static_tree(tiny_base_dir, dat
     for e in evals:
         if kind == "eagle3":
             assert 1.0 <= e["measured_accept_length"] and "expected_accept_length" not in e
+            assert 1.0 <= e["expected_accept_length_chain"]
         else:  # the adapted base (in eval mode) decodes exactly what the replay on its own text says
             assert 1.0 <= e["expected_accept_length_chain"]
             assert e["expected_accept_length"] == pytest.approx(e["measured_accept_length"], abs=1e-9)
@@ -208,6 +210,12 @@ def test_figures_of_kinds_without_a_fixed_base_or_static_tree(tiny_base_dir, dat
     chosen = {e["step"]: e for e in evals}[s["export_step"]]
     measured, _ = decoded(out, r)
     assert abs(chosen[meta["by"]] - measured) <= 0.05 * measured
+    if kind == "eagle3":  # the exported evaluation's chain figure: what a top-1 dynamic tree that deep decodes
+        from draftlab.interop.export import load_export
+
+        depth = load_export(out / "export")[0].num_heads
+        chain, _ = decoded(out, r, f"dynamic:{depth},1,{depth + 1}")
+        assert chosen["expected_accept_length_chain"] == pytest.approx(chain, abs=1e-9)
 
 
 def test_accept_prompts_zero_turns_it_off_and_exports_the_last(tiny_base_dir, data_file, tmp_path):

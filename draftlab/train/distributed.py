@@ -97,6 +97,20 @@ def outside_deepspeed(ds_plugin):
             set_hf_deepspeed_config(ds_plugin.dschf)
 
 
+def whole_copy(module, build):
+    """A copy of a ZeRO-3 module with whole parameters: each rank holds a slice of every partitioned parameter
+    (its `.data` is empty), so whatever reads the weights outside the engine's forward (the accept estimate, the
+    export) reads this copy. build() makes an unpartitioned module of the same structure; the weights are
+    gathered into it (a collective: every rank calls this). Costs one whole draft per rank while it lives."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    copy = build()
+    copy.load_state_dict(state)
+    return copy
+
+
 def deepspeed_plugin(recipe: Recipe):
     """Accelerate's DeepSpeed plugin for the heads (ZeRO 2/3, optional CPU offload), or None for DDP."""
     d, t = recipe.distributed, recipe.train
@@ -114,6 +128,7 @@ def deepspeed_plugin(recipe: Recipe):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if d.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    zero.update(d.zero_extra)
     config = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,

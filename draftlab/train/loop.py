@@ -23,7 +23,7 @@ from ..interop.export import save_export
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, outside_deepspeed,
-                          single_process_group_env)
+                          single_process_group_env, whole_copy)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
 from .run_dir import (Metrics, RunDirError, latest_checkpoint, prepare_run_dir, resume_step, save_checkpoint,
                       write_run_config)
@@ -37,6 +37,7 @@ class Run:
     out_dir: Path
     accelerator: object
     use_deepspeed: bool
+    ds_plugin: object = None  # DeepSpeed's plugin (None for DDP / FSDP)
     sharded: bool = False  # the base is FSDP-sharded: its forward is a collective
     base: object = None
     tok: object = None
@@ -59,6 +60,26 @@ class Run:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def partitioned(self) -> bool:
+        """DeepSpeed ZeRO-3: the draft's parameters are partitioned across ranks."""
+        return self.use_deepspeed and self.recipe.distributed.zero_stage == 3
+
+    def whole_objective(self):
+        """The trained objective with whole parameters, to read weights from outside its forward (the accept
+        estimate, the best weights, the export): the module itself, or under ZeRO-3 a gathered copy (a collective:
+        every rank calls this)."""
+        objective = self.accelerator.unwrap_model(self.objective)
+        if not self.partitioned:
+            return objective
+
+        def build():
+            with outside_deepspeed(self.ds_plugin):
+                draft = build_draft(self.recipe.head.model_dump(), self.base).float()
+            return DraftObjective(draft, self.recipe.loss).to(self.accelerator.device)
+
+        return whole_copy(objective, build)
 
 
 def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None,
@@ -117,7 +138,7 @@ def start(recipe: Recipe, overwrite: bool):
         write_run_config(out_dir, recipe)
     accelerator.wait_for_everyone()
     set_seed(t.seed)
-    run = Run(recipe, out_dir, accelerator, use_deepspeed=ds_plugin is not None,
+    run = Run(recipe, out_dir, accelerator, use_deepspeed=ds_plugin is not None, ds_plugin=ds_plugin,
               sharded=recipe.distributed.strategy == "fsdp" and accelerator.num_processes > 1)
     return run, ds_plugin
 
@@ -330,8 +351,11 @@ def evaluate_run(run: Run, step: int) -> dict:
     """Held-out losses and agreement, the accept-length figures, and whether this is the best draft so far."""
     rec = evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
                    run.accelerator, run.lm_weight, run.draft)
-    rec.update(run.accept.evaluate([run.objective], math.ceil(step / run.recipe.train.eval_every_steps)))
-    run.best.offer(step, selection_value(rec), run.accelerator.unwrap_model(run.objective), rec)
+    whole = run.whole_objective() if run.accept.active else None
+    if run.accept.active:
+        rec.update(run.accept.evaluate([run.objective, whole], math.ceil(step / run.recipe.train.eval_every_steps),
+                                       draft=whole.draft))
+    run.best.offer(step, selection_value(rec), whole, rec)
     if run.best.step is not None:
         rec["best_step"] = run.best.step
     return rec
@@ -349,8 +373,8 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
     chosen = export_choice(run, step)
     # The figures of the weights exported: the best evaluation's when an earlier one was better.
     exported_eval = run.best.record if chosen["step"] != step and run.best.record else last_eval
+    objective = run.whole_objective()  # (under ZeRO-3 a gathered copy: every rank takes part)
     if run.is_main:
-        objective = run.accelerator.unwrap_model(run.objective)
         if chosen["step"] != step:  # train.export: best, and an earlier evaluation was better
             run.best.restore(objective)  # (the run ends here: the last weights are in the last checkpoint)
         export = save_export(objective.draft, run.base, run.out_dir / "export", recipe.base.name_or_path,
@@ -371,7 +395,7 @@ def export_choice(run: Run, step: int) -> dict:
     best = run.best
     if run.recipe.train.export == "best" and best.step is not None:
         return {"step": best.step, "value": best.value, "chosen": "best",
-                "by": "expected_accept_length" if run.accept.has_ranks else "measured_accept_length"}
+                "by": "expected_accept_length" if run.accept.tree is not None else "measured_accept_length"}
     why = "last" if run.recipe.train.export == "last" else "last (no evaluation had an accept-length figure)"
     return {"step": step, "value": None, "chosen": why}
 
