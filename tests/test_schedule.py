@@ -204,6 +204,19 @@ def test_plain_batch_sizes_decode_plain_steps_with_an_ssm_drafter(tiny_base_dir,
         dec = decoder_for_batch(base, draft, out, B)
         res = dec.generate(prompts, max_new_tokens=10, eos_token_id=tok.eos_token_id)
         assert res.tokens == reference, B
+    # load_decoder(--tree FILE) follows the schedule call by call: each batch size's drafter, the same tokens.
+    from draftlab.serve.generate import load_decoder
+    from draftlab.serve.schedule import ScheduledDecoder
+
+    dec, _, _ = load_decoder(str(exp), tree=str(out))
+    assert isinstance(dec, ScheduledDecoder)
+    many = prompts * 4  # 16 rows: plain steps there
+    want, _ = plain_generate(base, many, 10, Sampling(), tok.eos_token_id)
+    for rows, ref, drafter in ((prompts[:1], reference[:1], "SSMDrafter"), (prompts, reference, "SSMDrafter"),
+                               (many, want, "NoDraft")):
+        res = dec.generate(rows, max_new_tokens=10, eos_token_id=tok.eos_token_id)
+        assert res.tokens == ref and type(dec.for_batch(len(rows)).drafter).__name__ == drafter, len(rows)
+    assert dec.for_batch(1).drafter.max_nodes != dec.for_batch(4).drafter.max_nodes  # two trees, two decoders
 
 
 # Measured tokens/s of decoding the timing prompts in static batches (rows end at different steps): at batch 1 the

@@ -65,6 +65,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     from ..drafters import LookupDraft, make_drafter
     from ..interop.export import apply_adapter, load_export, read_meta
     from ..decode.tensor_parallel import RankSync, check_launch
+    from .schedule import ScheduledDecoder, is_schedule
 
     check_launch(tp)
     sync = RankSync() if tp else None
@@ -82,6 +83,8 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     device = decoder_device(model)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
+    if tree and is_schedule(tree):  # search-tree --batch-sizes: the tree follows each call's batch size
+        return ScheduledDecoder(model, draft, tree, options, sync=sync, compile=compile), tok, meta
     drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
     return SpeculativeDecoder(model, drafter, sync=sync, compile=compile), tok, meta
 
