@@ -247,6 +247,7 @@ class DSI:
             # completes it. The drafter stops there and the stretch's last task verifies them all.
             cap = end - len(committed) - 1
             drafting, draft_done = None, 0.0  # the draft in progress (draft_next's answer) and when it is done
+            last_done = None  # when this stretch's last draft was done: the next one, back to back, starts there
             decided = None
             # The emulated clock: when each server is next free (the last decision freed them all), the drafter's
             # time, and when each task of this stretch starts and finishes.
@@ -258,7 +259,7 @@ class DSI:
                         d, q = d
                         qs.append(q)
                     drafts.append(d)
-                    drafting = None
+                    drafting, last_done = None, draft_done
                     stats["drafts"] += 1
                     vdraft += td
                 # Tasks that are due: one at 0 drafts, then every `lookahead` drafts; the last one verifies the
@@ -287,7 +288,10 @@ class DSI:
                 # is done draft_latency_s later.
                 if drafting is None and len(drafts) < cap:
                     t0 = time.perf_counter()
-                    drafting, draft_done = draft_next(committed + drafts), t0 + draft_latency_s
+                    drafting = draft_next(committed + drafts)
+                    # Back-to-back drafts keep the emulated pace: one is done draft_latency_s after the last was
+                    # due, not after the loop noticed it (a moment late, every draft), or when computing it ended.
+                    draft_done = max((t0 if last_done is None else last_done) + draft_latency_s, time.perf_counter())
                 # Take what the servers send back: until the draft in progress is done (a freed server gets the next
                 # due task at once, a decision preempts the draft), or, with nothing left to draft, the next reply.
                 if drafting is not None:
@@ -383,22 +387,23 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
     lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process; ends as DSI.generate does."""
     from ..decode.decoder import eos_set
 
-    def wait(t0, latency):
-        while time.perf_counter() - t0 < latency:
-            time.sleep(max(0.0, latency - (time.perf_counter() - t0)))
+    clock = [time.perf_counter()]  # when the last forward was done: each one starts there, back to back
+
+    def wait(latency):  # the forward just computed lasts `latency` from its start (or its computation, if longer)
+        clock[0] = max(clock[0] + latency, time.perf_counter())
+        while time.perf_counter() < clock[0]:
+            time.sleep(clock[0] - time.perf_counter())
 
     target, eos = CachedGreedy(model), eos_set(eos_token_id)
-    t_start = time.perf_counter()
+    t_start = clock[0]
     committed, end = list(prompt), len(prompt) + max_new_tokens
     while len(committed) < end:
         drafts = []
         for _ in range(min(lookahead, end - len(committed) - 1)):  # the target's token after them ends the text
-            t0 = time.perf_counter()
             drafts.append(draft_next(committed + drafts))
-            wait(t0, draft_latency_s)
-        t0 = time.perf_counter()
+            wait(draft_latency_s)
         toks = target.next_tokens(committed, drafts)
-        wait(t0, target_latency_s)
+        wait(target_latency_s)
         bad = next((i for i in range(len(drafts)) if drafts[i] != toks[i]), len(drafts))
         if _extend(committed, len(prompt), drafts[:bad] + [toks[bad]], eos, stop):
             break
