@@ -152,7 +152,7 @@ def test_export_for_vllm_loads_into_its_structure_with_the_same_logits(base, tin
     h = torch.randn(5, base.config.hidden_size)
     torch.testing.assert_close(mirror.logits(h), heads.logits(h))
     # `draftlab check` reads the served files by the same rules.
-    from draftlab.interop.check import vllm_medusa_logits
+    from draftlab.interop.engine_read import vllm_medusa_logits
 
     torch.testing.assert_close(vllm_medusa_logits(state, cfg, h), mirror.logits(h))
     # Without medusa_fc_bias the loader has no bias parameters and would drop them silently: the names differ.

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..drafters.base import Drafter, ExportError, read_safetensors
+from .engine_read import EngineDFlash, EngineEagle3, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint
 
 ENGINES = ("vllm", "sglang")
@@ -259,153 +259,6 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
     if msgs:
         return Check("tokenizer", False, f"served tokenizer {served} vs {where} {trained}: " + "; ".join(msgs))
     return Check("tokenizer", True, f"served tokenizer {served} = {where} {trained} (vocabulary, special ids, chat template)")
-
-
-# --- the engines' readings, computed from the served files ------------------------------------------------------
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def vllm_medusa_logits(state: dict, cfg: dict, h: torch.Tensor) -> torch.Tensor:
-    """[..., K, V] logits of vLLM's Medusa model (blocks.{k}.layers.{l}: x + SiLU(W x + b), the bias only with
-    medusa_fc_bias; lm_heads.{k}) from the base's final hidden state h [..., H]."""
-    out = []
-    for k in range(cfg["num_heads"]):
-        x = h
-        for l in range(cfg["num_hidden_layers"]):
-            b = state.get(f"blocks.{k}.layers.{l}.bias") if cfg.get("medusa_fc_bias") else None
-            x = x + F.silu(F.linear(x, state[f"blocks.{k}.layers.{l}.weight"], b))
-        out.append(F.linear(x, state[f"lm_heads.{k}.weight"]))
-    return torch.stack(out, -2)
-
-
-def _rotary(cfg: dict):
-    """The rotary table a draft's attention gets from its own config.json (not the base's: a changed theta shows)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
-            {"rope_theta": cfg.get("rope_theta", 10000.0),
-             **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
-    return LlamaRotaryEmbedding(config=LlamaConfig(
-        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
-
-
-class EngineEagle3:
-    """An EAGLE-3 draft computed from config.json + model.safetensors the engines' way: features of the layers the
-    engine captures (each once, in layer order) through fc; x = [input_layernorm(embed) ; hidden_norm(g)], residual
-    g; RoPE from the draft's own config; logits over the draft vocabulary, draft id i = target id i + d2t[i]."""
-
-    def __init__(self, tensors: dict, cfg: dict, base, captured: list[int]):
-        self.t = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-        self.cfg, self.base, self.layers = cfg, base, sorted(set(captured))
-        n_in = self.t["fc.weight"].shape[1] // cfg.get("target_hidden_size", cfg["hidden_size"])
-        self.layers = [l for l in self.layers if 0 <= l < base.config.num_hidden_layers]  # captured before layer l
-        if len(self.layers) != n_in:
-            raise ValueError(f"fc reads {n_in} base layers and the engine captures {len(self.layers)} "
-                             f"{self.layers}: it would fail to run the draft")
-        self.rotary = _rotary(cfg)
-        Vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
-        self.targets = torch.arange(Vd) + self.t.get("d2t", torch.zeros(Vd, dtype=torch.long)).long()
-        self.eps = cfg["rms_norm_eps"]
-
-    def fuse(self, hidden_states: tuple) -> torch.Tensor:
-        """fc over the captured layers' states [S, H] each -> g [S, H]."""
-        feats = [hidden_states[l][0].float() for l in self.layers]
-        if self.cfg.get("fc_norm"):
-            feats = [_rms(f, self.t[f"fc_norm.{i}.weight"], self.eps) for i, f in enumerate(feats)]
-        return torch.cat(feats, -1) @ self.t["fc.weight"].t()
-
-    def step(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The layer over entries (features g [T, H], token after each [T]) at positions 0..T-1, causal: the state
-        each entry hands on (norm_output: normalised)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        t, c, p, T = self.t, self.cfg, "midlayer.", g.shape[0]
-        emb = self.base.get_input_embeddings()(tokens).float()
-        x = torch.cat([_rms(emb, t[p + "input_layernorm.weight"], self.eps), _rms(g, t[p + "hidden_norm.weight"], self.eps)], -1)
-        h, kv = c["num_attention_heads"], c["num_key_value_heads"]
-        hd = c.get("head_dim") or c["hidden_size"] // h
-        q, k, v = ((x @ t[p + f"self_attn.{n}_proj.weight"].t()).view(T, -1, hd).transpose(0, 1)[None] for n in "qkv")
-        cos, sin = self.rotary(x[None], torch.arange(T)[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1).reshape(T, -1)
-        res = a @ t[p + "self_attn.o_proj.weight"].t() + g
-        y = _rms(res, t[p + "post_attention_layernorm.weight"], self.eps)
-        out = (F.silu(y @ t[p + "mlp.gate_proj.weight"].t()) * (y @ t[p + "mlp.up_proj.weight"].t())) \
-            @ t[p + "mlp.down_proj.weight"].t() + res
-        return _rms(out, t["norm.weight"], self.eps) if c.get("norm_output") else out
-
-    def logits(self, state: torch.Tensor) -> torch.Tensor:
-        s = state if self.cfg.get("norm_output") else _rms(state, self.t["norm.weight"], self.eps)
-        return s @ self.t["lm_head.weight"].t()
-
-
-class EngineDFlash:
-    """A DFlash draft computed from config.json + model.safetensors the way z-lab's DFlash model reads them (SGLang's
-    DFlash model follows it): hidden_states[id + 1] for each dflash_config.target_layer_ids entry, in the order
-    given, concatenated, through fc and hidden_norm: the context, which every layer takes as extra keys / values;
-    the block [root, mask_token_id x (block_size - 1)] embedded with the base's embeddings, attending to the
-    context and to all of itself; RoPE from the draft's own config; logits through the base's lm_head.
-    Written from the files alone: draftlab's DFlash module is not used."""
-
-    def __init__(self, tensors: dict, cfg: dict, base):
-        dc = cfg.get("dflash_config") or {}
-        missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in dc]
-        if missing:
-            raise ValueError(f"config.json has no dflash_config.{', dflash_config.'.join(missing)}: the engine cannot "
-                             "build the draft; export again")
-        self.t = {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
-        self.cfg, self.base, self.eps = cfg, base, cfg["rms_norm_eps"]
-        n, H = base.config.num_hidden_layers, base.config.hidden_size
-        ids = [int(i) for i in dc["target_layer_ids"]]
-        if any(not 0 <= i < n for i in ids):
-            raise ValueError(f"dflash_config.target_layer_ids {ids} leave the base's layers 0..{n - 1}: the engine "
-                             "would fail to capture them")
-        self.layers = [i + 1 for i in ids]  # the output of layer i is hidden_states[i + 1]
-        if self.t["fc.weight"].shape[1] != len(ids) * H:
-            raise ValueError(f"fc reads {self.t['fc.weight'].shape[1] // H} base layers and dflash_config."
-                             f"target_layer_ids names {len(ids)}: the engine would fail to run the draft")
-        self.block, self.mask = int(cfg.get("block_size") or dc["block_size"]), int(dc["mask_token_id"])
-        self.rotary = _rotary(cfg)
-
-    def context(self, hidden_states: tuple) -> torch.Tensor:
-        """The context features [S, H] of a text from the base's hidden_states (each [1, S, H])."""
-        feats = torch.cat([hidden_states[l][0].float() for l in self.layers], -1)
-        return _rms(feats @ self.t["fc.weight"].t(), self.t["hidden_norm.weight"], self.eps)
-
-    def block_logits(self, ctx: torch.Tensor, root: int) -> torch.Tensor:
-        """Logits [block_size - 1, V] of the block below `root`, with context ctx [c, H] at positions 0..c-1."""
-        from transformers.models.llama.modeling_llama import rotate_half
-
-        t, c, T, cfg = self.t, ctx.shape[0], self.block, self.cfg
-        nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
-        x = self.base.get_input_embeddings()(torch.tensor([root] + [self.mask] * (T - 1))).float()
-        cos, sin = (r[0] for r in self.rotary(x[None], torch.arange(c + T)[None]))  # [c + T, hd]
-        rot = lambda z, a, b: z * a + rotate_half(z) * b
-        split = lambda z, n: z.view(z.shape[0], n, hd).transpose(0, 1)  # [n, len, hd]
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"layers.{i}."
-            y = _rms(x, t[p + "input_layernorm.weight"], self.eps)
-            both = torch.cat([ctx, y])  # the context's keys / values, then the block's own
-            q = split(y @ t[p + "self_attn.q_proj.weight"].t(), nh)
-            k = split(both @ t[p + "self_attn.k_proj.weight"].t(), kvh)
-            v = split(both @ t[p + "self_attn.v_proj.weight"].t(), kvh)
-            if p + "self_attn.q_norm.weight" in t:  # Qwen3 blocks
-                q, k = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps), _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
-            q, k = rot(q, cos[c:], sin[c:]), rot(k, cos, sin)
-            k, v = k.repeat_interleave(nh // kvh, 0), v.repeat_interleave(nh // kvh, 0)
-            a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # no mask: context and block, both ways
-            x = x + a.transpose(0, 1).reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].t()
-            y = _rms(x, t[p + "post_attention_layernorm.weight"], self.eps)
-            x = x + (F.silu(y @ t[p + "mlp.gate_proj.weight"].t()) * (y @ t[p + "mlp.up_proj.weight"].t())) \
-                @ t[p + "mlp.down_proj.weight"].t()
-        return _rms(x[1:], t["norm.weight"], self.eps) @ self.base.get_output_embeddings().weight.float().t()
 
 
 class _Recorder(Drafter):

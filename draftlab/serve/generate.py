@@ -65,7 +65,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     from ..drafters import LookupDraft, make_drafter
     from ..interop.export import apply_adapter, load_export, read_meta
     from ..decode.tensor_parallel import RankSync, check_launch
-    from .schedule import ScheduledDecoder, is_schedule
+    from .scheduled import ScheduledDecoder, is_schedule
 
     check_launch(tp)
     sync = RankSync() if tp else None

@@ -29,6 +29,9 @@ import json
 from pathlib import Path
 
 from ..decode.tree import Tree
+# Decoding by a schedule file lives in scheduled.py (generate imports it without the search); re-exported here.
+from .scheduled import (ScheduledDecoder, decoder_for_batch, drafter_for_batch, is_schedule,  # noqa: F401
+                        tree_for_batch)
 
 # The engine's name for a draftlab export kind (notes: vLLM SpeculativeConfig.method, SGLang
 # --speculative-algorithm). Kinds missing here have no drafter of their kind in that engine.
@@ -247,76 +250,6 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     else:
         written["sglang"] = f"not written: SGLang's steps / top-k / draft-token settings have no {kind} drafter"
     return written
-
-
-def tree_for_batch(path: str | Path, batch_size: int) -> Tree | None:
-    """The tree a schedule file gives for a batch size: the entry of the largest scheduled batch size at or below
-    it (the smallest entry below the schedule). None where that entry is plain decoding: the decoder then runs plain
-    steps (drafter_for_batch gives it NoDraft), not a root-only tree, which drafters such as the SSM refuse. A tree
-    file without a schedule gives its one tree."""
-    data = json.loads(Path(path).read_text())
-    if "schedule" not in data:
-        return Tree.load(path)
-    entries = sorted(data["schedule"], key=lambda e: e["batch_size"])
-    entry = ([e for e in entries if e["batch_size"] <= batch_size] or entries[:1])[-1]
-    if not entry["speculate"] or not entry["paths"]:
-        return None
-    return Tree.from_paths(entry["paths"], {"name": f"{Path(path).stem}@b{entry['batch_size']}", **entry},
-                           source=str(path))
-
-
-def drafter_for_batch(draft, path: str | Path, batch_size: int, **options):
-    """The drafter for a draft module at a batch size by a schedule file: the module's drafter on the scheduled
-    tree, or NoDraft (plain decoding steps) where the schedule says plain decoding wins. Every drafter kind;
-    options go to drafters that take them (ensembles)."""
-    from ..decode.decoder import NoDraft
-    from ..drafters import make_drafter
-
-    tree = tree_for_batch(path, batch_size)
-    return NoDraft() if tree is None else make_drafter(draft, tree, **options)
-
-
-def decoder_for_batch(base, draft, path: str | Path, batch_size: int, drafter_options: dict | None = None,
-                      **options):
-    """A SpeculativeDecoder of base with drafter_for_batch(draft, path, batch_size); options go to the decoder
-    (sync, compile). Greedy outputs are plain greedy's whichever the schedule chose."""
-    from ..decode.decoder import NoDraft, SpeculativeDecoder
-
-    drafter = drafter_for_batch(draft, path, batch_size, **(drafter_options or {}))
-    return SpeculativeDecoder(base, drafter, check_base=not isinstance(drafter, NoDraft), **options)
-
-
-def is_schedule(path) -> bool:
-    """Whether a --tree value names a tree file with a per-batch-size schedule."""
-    try:
-        return Path(path).is_file() and "schedule" in json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
-
-
-class ScheduledDecoder:
-    """What `--tree FILE` gives when FILE holds a schedule: every generate() call decodes with the tree (or plain
-    steps) its batch size gets (decoder_for_batch), one SpeculativeDecoder per distinct choice, made when first
-    needed. Other attributes are those of the batch-size-1 decoder."""
-
-    def __init__(self, base, draft, path: str | Path, drafter_options: dict | None = None, **options):
-        self.path, self._args, self._decoders = str(path), (base, draft, drafter_options, options), {}
-
-    def for_batch(self, batch_size: int):
-        tree = tree_for_batch(self.path, batch_size)
-        key = None if tree is None else tuple(map(tuple, tree.paths))
-        if key not in self._decoders:
-            base, draft, drafter_options, options = self._args
-            self._decoders[key] = decoder_for_batch(base, draft, self.path, batch_size, drafter_options, **options)
-        return self._decoders[key]
-
-    def generate(self, prompts, *args, **kwargs):
-        return self.for_batch(len(prompts)).generate(prompts, *args, **kwargs)
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.for_batch(1), name)
 
 
 def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], max_nodes: int = 64,
