@@ -107,6 +107,14 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
     assert rep["lookahead"] == 3  # ceil(20 / (2 * 4)): the smallest with which no task waits for a server
     run = rep["runs"][0]
     assert len(run["tokens"]) == 24 and len(run["tokens"]) <= run["tasks"] * rep["lookahead"]
+    # With the drafter's acceptance rate the lookahead is the one of least expected latency (waits included).
+    from draftlab.parallel.simulate import best_dsi_lookahead
+
+    assert main(["dsi", str(exp), "--prompt", "Once upon a time", "--sp", "2", "--max-new-tokens", "24",
+                 "--target-latency-ms", "20", "--draft-latency-ms", "4", "--acceptance", "0.3", "--json"]) == 0
+    rep2 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep2["lookahead_rule"] == "expected" and rep2["lookahead"] == best_dsi_lookahead(0.3, 0.004, 0.02, 2, 24) == 2
+    assert rep2["runs"][0]["tokens"] == rep["runs"][0]["tokens"]  # greedy: the lookahead changes the time only
     heads = save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "m",
                         str(stories_dir), tokenizer=tok)
     assert main(["dsi", str(heads), "--prompt", "x"]) == 2
