@@ -230,7 +230,8 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
         paths = first["fastest_tree_paths"]
         meta.update(tree_size=len(paths) + 1, plain_is_faster=True,
                     note=f"plain decoding was faster at batch size {first['batch_size']}; `paths` hold the fastest "
-                         f"tree there ({first['fastest_tree']}) for `generate --tree`, which always drafts")
+                         f"tree there ({first['fastest_tree']}) for readers of the file as one tree (generate and eval "
+                         "follow the schedule: plain steps there)")
     record = {"paths": paths, "metadata": meta, "schedule": entries}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
