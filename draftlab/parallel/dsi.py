@@ -423,8 +423,8 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
     the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
     servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens); otherwise ("no-wait", or no
-    acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server pool of the same base, latency and sampling to use (and leave
-    running) instead of starting one."""
+    acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server
+    pool of the same base, latency and sampling to use (and leave running) instead of starting one."""
     import contextlib
 
     import torch

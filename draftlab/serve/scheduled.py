@@ -61,15 +61,18 @@ class ScheduledDecoder:
     needed. Other attributes are those of the batch-size-1 decoder."""
 
     def __init__(self, base, draft, path: str | Path, drafter_options: dict | None = None, **options):
-        self.path, self._args, self._decoders = str(path), (base, draft, drafter_options, options), {}
+        self.path, self._args = str(path), (base, draft, drafter_options, options)
+        self._decoders, self._by_batch = {}, {}  # choice -> decoder; batch size -> decoder (the file read once each)
 
     def for_batch(self, batch_size: int):
-        tree = tree_for_batch(self.path, batch_size)
-        key = None if tree is None else tuple(map(tuple, tree.paths))
-        if key not in self._decoders:
-            base, draft, drafter_options, options = self._args
-            self._decoders[key] = decoder_for_batch(base, draft, self.path, batch_size, drafter_options, **options)
-        return self._decoders[key]
+        if batch_size not in self._by_batch:
+            tree = tree_for_batch(self.path, batch_size)
+            key = None if tree is None else tuple(map(tuple, tree.paths))
+            if key not in self._decoders:
+                base, draft, drafter_options, options = self._args
+                self._decoders[key] = decoder_for_batch(base, draft, self.path, batch_size, drafter_options, **options)
+            self._by_batch[batch_size] = self._decoders[key]
+        return self._by_batch[batch_size]
 
     def generate(self, prompts, *args, **kwargs):
         return self.for_batch(len(prompts)).generate(prompts, *args, **kwargs)

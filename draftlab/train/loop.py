@@ -351,11 +351,11 @@ def evaluate_run(run: Run, step: int) -> dict:
     """Held-out losses and agreement, the accept-length figures, and whether this is the best draft so far."""
     rec = evaluate(run.objective, run.base, run.eval_ex, run.recipe.train.batch_size, run.tok.pad_token_id,
                    run.accelerator, run.lm_weight, run.draft)
-    whole = run.whole_objective() if run.accept.active else None
-    if run.accept.active:
+    if run.accept.active:  # (no figure otherwise, and offer() keeps nothing without one)
+        whole = run.whole_objective()
         rec.update(run.accept.evaluate([run.objective, whole], math.ceil(step / run.recipe.train.eval_every_steps),
                                        draft=whole.draft))
-    run.best.offer(step, selection_value(rec), whole, rec)
+        run.best.offer(step, selection_value(rec), whole, rec)
     if run.best.step is not None:
         rec["best_step"] = run.best.step
     return rec
