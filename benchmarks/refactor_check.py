@@ -6,6 +6,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
     python benchmarks/refactor_check.py
     python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
     python benchmarks/refactor_check.py --commit C --train recipes/stories260k-hydra++.yaml ...  # + the training loop
+    python benchmarks/refactor_check.py --commit C --compile --export ...  # the static-shape compiled path, plain too
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--train", action="append", default=[], metavar="RECIPE",
                     help="also train these recipes before and after (alternating), compare time and weights")
     ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--compile", action="store_true",
+                    help="compare the static-shape compiled path (torch.compile), with plain decoding on it too")
     a = ap.parse_args()
     old_package(a.commit)
     training = {Path(r).stem: train_check(r, a.train_steps) for r in a.train}
@@ -66,6 +69,14 @@ def main() -> None:
         base = base or after.base
         after.base = before.base = base  # one base object: every method runs the same weights
         pairs[kind] = (before, after)
+    if a.compile:  # each side's own decoder class on its compiled path, over the same drafter objects as above
+        from draftlab_v0.decode.decoder import NoDraft as NoDraftBefore, SpeculativeDecoder as DecoderBefore
+
+        from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+
+        pairs = {"plain": (NoDraftBefore(), NoDraft()), **{k: (b.drafter, f.drafter) for k, (b, f) in pairs.items()}}
+        pairs = {k: (DecoderBefore(base, b, compile=True), SpeculativeDecoder(base, f, compile=True))
+                 for k, (b, f) in pairs.items()}
     eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods["hf_generate"] = hf_method(base, eos, N)
@@ -78,7 +89,7 @@ def main() -> None:
              for k in pairs}
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
-    write_result(a.name, {"before": a.commit, "prompts": len(prompts), "max_new_tokens": N,
+    write_result(a.name, {"before": a.commit, "compiled": a.compile, "prompts": len(prompts), "max_new_tokens": N,
                           "methods": results, "after_over_before": ratio, "same_accept_length": same,
                           **({"training": training} if training else {})})
 

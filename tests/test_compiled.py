@@ -196,3 +196,26 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
     assert rep["compile_s"] > 0 and rep["compiled_plain_tokens_per_s"] > 0
     assert rep["speedup_vs_compiled_plain"] == pytest.approx(rep["tokens_per_s"] / rep["compiled_plain_tokens_per_s"],
                                                              rel=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra++", "ssm", "eagle3"])
+def test_after_warm_up_no_call_compiles_again_so_skipping_guards_is_sound(kind, monkeypatch):
+    """Calls of a signature seen before skip dynamo's guard evaluation (decode.compiled). That is sound only if nothing a
+    compiled graph depends on is left out of the signature: with every guard evaluated, decoding new prompts of the
+    warmed-up shapes must compile no new graph (a Python number read by a graph, a changed stride, would recompile
+    here), and with guards skipped the tokens are the guarded run's."""
+    from draftlab.decode.compiled import _graphs
+
+    base = peaked()
+    warm = [[1, 5, 7, 9, 5, 7], [1, 3]]
+    later = [[[1, 2, 3, 4, 5, 6, 7], [1, 9, 2]], [[1, 4], [1, 8, 8, 3, 6]]]
+    d = drafter(kind, base)
+    monkeypatch.setenv("DRAFTLAB_COMPILE_GUARDS", "1")
+    dec = SpeculativeDecoder(base, d, compile="eager")
+    dec.generate(warm, max_new_tokens=21)
+    before = _graphs()
+    guarded = [dec.generate(p, max_new_tokens=21).tokens for p in later]
+    assert _graphs() == before, f"{kind}: a warmed-up call compiled again"
+    monkeypatch.delenv("DRAFTLAB_COMPILE_GUARDS")
+    assert [dec.generate(p, max_new_tokens=21).tokens for p in later] == guarded
+    assert guarded == [SpeculativeDecoder(base, drafter(kind, base)).generate(p, max_new_tokens=21).tokens for p in later]

@@ -66,7 +66,7 @@ def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export
     assert compiled.steps == eager.steps and compiled.committed == eager.committed
     from draftlab.decode.compiled import compiled_forward
     assert compiled.drafter["decode_path"] == {"static": True, "compile": "eager"} and eager.drafter["decode_path"] is None
-    assert compiled_forward(base, "eager").shapes  # the verifier's forwards went through the compiled forward
+    assert compiled_forward(base, "eager").calls  # the verifier's forwards went through the compiled forward
 
 
 def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_dir, tmp_path):

@@ -1,14 +1,25 @@
-"""Compiled verify forwards for the static-shape decode path.
+"""Compiled calls for the static-shape decode path.
 
-`torch.compile` of the base, shared by every decoder of that model in the process (one compile per model and
-shape set): the default mode on CPU, "reduce-overhead" (CUDA graphs) on a GPU. The static KV cache
-(draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget make every verify forward
-of a run the same shapes, so it compiles once. A model that does not compile falls back to eager, saying why
-in one line (stderr); the tokens are the same either way.
+`Compiled` wraps a function (a base's forward, a drafter's step, the acceptance rule) in `torch.compile` with fixed
+shapes: the default mode on CPU, "reduce-overhead" (CUDA graphs) on a GPU for model forwards. The static KV cache
+(draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget make every call of a run the
+same shapes, so each compiles once. A function that does not compile falls back to eager, saying why in one line
+(stderr); the tokens are the same either way.
+
+Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
+Face model (every parameter, the cache object, config attributes), which on a CPU cost ~0.3 ms, a fifth of a whole
+forward of the 260K-parameter test base, and on a GPU a large share of a small drafter's step. Once a call's
+signature (the shapes, dtypes and devices of every tensor it is given, the values of its other arguments, the
+shapes of the KV-cache buffers and of the tensors the function's object holds, grad mode) has run once with its
+guards, later calls of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
+dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
+graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
+full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
@@ -16,45 +27,150 @@ import weakref
 import torch
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-class CompiledForward:
-    """model(**kwargs) through torch.compile, with an eager fallback; `warmup_s` is the time the first calls
-    of each new shape spent compiling (reported beside the speed figures, never hidden)."""
+def _signature(x, depth: int = 0):
+    """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device (their
+    values are the graph's inputs); plain values by value; containers item by item; other objects (a KV cache, a
+    module) by type and identity, plus the shapes of the tensors they hold (a cache's buffers grow in place)."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, _PLAIN):
+        return x
+    if depth > 2:
+        return (type(x).__name__, id(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v, depth + 1) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v, depth + 1)) for k, v in x.items())
+    if isinstance(x, torch.nn.Module):
+        return (type(x).__name__, id(x), x.training)
+    # Other objects by identity; a transformers StaticCache with its length too (draftlab grows its buffers in place).
+    return (type(x).__name__, id(x), getattr(x, "max_cache_len", None))
 
-    def __init__(self, model, backend: str = "inductor"):
-        self.model, self.backend = model, backend
-        cuda = next(model.parameters()).device.type == "cuda"
-        # inductor: CUDA graphs on a GPU; other backends (aot_eager, eager: tracing without code generation, for
-        # tests and debugging) take no mode.
-        mode = ("reduce-overhead" if cuda else "default") if backend == "inductor" else None
-        self.fn = torch.compile(model, backend=backend, mode=mode, dynamic=False)
+
+def _held(obj):
+    """The shapes of the tensors an object holds (directly, or in a list / tuple: a drafter's KV buffers), which
+    its compiled methods read; its Python numbers are left out: a graph that read one would recompile on every
+    change, which tests rule out (see tests/test_compiled.py)."""
+    out = []
+    for k, v in vars(obj).items():
+        if isinstance(v, (list, tuple)):
+            v = [t for t in v if isinstance(t, torch.Tensor)] or [t for p in v if isinstance(p, (list, tuple))
+                                                                   for t in p if isinstance(t, torch.Tensor)]
+            out.append((k, tuple(_signature(t) for t in v)))
+        elif isinstance(v, torch.Tensor):
+            out.append((k, _signature(v)))
+    return (id(obj), tuple(out))
+
+
+try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU
+    from torch._dynamo.eval_frame import DynamoStance, _set_stance
+
+    _SKIP = DynamoStance("default", skip_guard_eval_unsafe=True)
+except ImportError:  # a torch without it (before 2.6): guards are always evaluated
+    _set_stance = _SKIP = None
+
+
+def _graphs() -> int:
+    """Graphs dynamo compiled so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def guards_skipped() -> bool:
+    """Whether calls of a seen signature skip dynamo's guard evaluation (default yes; DRAFTLAB_COMPILE_GUARDS=1: no)."""
+    return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")
+
+
+class Compiled:
+    """fn through torch.compile with fixed shapes, an eager fallback, and guard evaluation only on a signature's first
+    call (see the module's overview); `warmup_s` is the time the first calls of each new signature spent compiling
+    (reported beside the speed figures, never hidden). graphs: CUDA graphs on a GPU (model forwards)."""
+
+    def __init__(self, fn, backend: str = "inductor", device: str = "cpu", graphs: bool = False,
+                 skip_guards: bool = True):
+        self.model, self.backend = fn, backend  # `model`: what runs when compiling fails (any callable)
+        # inductor: CUDA graphs on a GPU when asked; other backends (aot_eager, eager: tracing without code generation,
+        # for tests and debugging) take no mode.
+        mode = ("reduce-overhead" if device == "cuda" and graphs else "default") if backend == "inductor" else None
+        self.fn = torch.compile(fn, backend=backend, mode=mode, dynamic=False)
+        # dynamo keeps at most `recompile_limit` (8) variants of one code object, and every model of a class shares
+        # its forward's: batch sizes, tree sizes and cache lengths of one server easily pass 8, after which dynamo
+        # would run the forward eagerly without a word.
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
         self.failed: str | None = None
+        self.skip_guards = skip_guards  # False for a function with few guards: its signature would cost more
         self.warmup_s = 0.0
-        self.shapes: set = set()
+        self.calls = 0  # calls that went through the compiled function
+        self.skip: set = set()  # signatures whose guarded first call is done: later calls skip guard evaluation
+        self.guarded: set = set()  # signatures that keep their guards (see __call__)
+        self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
 
-    def __call__(self, **kwargs):
+    def __call__(self, *args, **kwargs):
         if self.failed:
-            return self.model(**kwargs)
-        key = tuple((k, tuple(v.shape)) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        t0 = time.perf_counter()
+            return self.model(*args, **kwargs)
+        self.calls += 1
+        key = None
+        if self.skip_guards and guards_skipped():
+            key = (_signature(args), _signature(kwargs), torch.is_grad_enabled(),
+                   None if self.owner is None else _held(self.owner))
+            if key in self.skip:
+                prior = _set_stance(_SKIP)
+                try:
+                    return self.fn(*args, **kwargs)
+                except RuntimeError as e:  # no compiled variant fits, and dynamo says so rather than run a wrong one:
+                    # the first call ran eagerly (past dynamo's recompile limit). This signature keeps its guards.
+                    if "skip_guard_eval_unsafe" not in str(e):
+                        raise
+                    self.skip.discard(key)
+                    self.guarded.add(key)
+                finally:
+                    _set_stance(prior)
+        graphs, t0 = _graphs(), time.perf_counter()
         try:
-            out = self.fn(**kwargs)
+            out = self.fn(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
-            # error of the model such as out-of-memory, which is raised): decode eagerly, as the reference does
+            # error of the model such as out-of-memory, which is raised): run eagerly, as the reference does
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            print(f"draftlab: {type(self.model).__name__} does not compile ({self.failed}); decoding eagerly",
-                  file=sys.stderr)
-            return self.model(**kwargs)
-        if key not in self.shapes:
-            self.shapes.add(key)
+            name = getattr(self.model, "__qualname__", type(self.model).__name__)
+            print(f"draftlab: {name} does not compile ({self.failed}); decoding eagerly", file=sys.stderr)
+            return self.model(*args, **kwargs)
+        if key is not None and key not in self.guarded:
+            self.skip.add(key)
+        if _graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
         return out
 
 
-def compiled_forward(model, backend: str = "inductor") -> CompiledForward:
+# The name the decoder and the tests use for a model's compiled forward.
+CompiledForward = Compiled
+
+
+def compiled_forward(model, backend: str = "inductor") -> Compiled:
     """The process's compiled forward of `model` with `backend` (made on first use, then shared)."""
     fns = _COMPILED.setdefault(model, {})
     if backend not in fns:
-        fns[backend] = CompiledForward(model, backend)
+        fns[backend] = Compiled(model, backend, next(model.parameters()).device.type, graphs=True)
     return fns[backend]
+
+
+def compiled_function(fn, backend: str, device: str = "cpu") -> Compiled:
+    """The process's compiled form of the function fn for `backend` on a device type (made once, then shared)."""
+    fns = _COMPILED.setdefault(fn, {})
+    if (backend, device) not in fns:
+        fns[(backend, device)] = Compiled(fn, backend, device, skip_guards=False)
+    return fns[(backend, device)]
+
+
+def compiled_method(obj, name: str, backend: str) -> Compiled:
+    """The compiled form of obj's method `name` with `backend` (made once per object and backend): a drafter's step
+    over its own buffers, whose shapes are part of each call's signature."""
+    cache = obj.__dict__.setdefault("_compiled", {})
+    if (name, backend) not in cache:
+        device = next((v.device.type for v in vars(obj).values() if isinstance(v, torch.Tensor)), "cpu")
+        cache[(name, backend)] = Compiled(getattr(obj, name), backend, device)
+    return cache[(name, backend)]

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .interface import Drafter, PromptState, Proposal, StepResult
-from .acceptance import Sampling, accept_sampling, greedy_decision, typical_decision, warp
+from .acceptance import Sampling, accept_sampling, typical_decision, warp
+from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
                     compact_cache, static_slots)
 from .streams import derived_generator
@@ -80,6 +81,8 @@ class Verifier:
         self.static_nodes, self.forward = static_nodes, forward
         self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
         self.device = base.get_output_embeddings().weight.device
+        backend = getattr(forward, "backend", None)  # a compiled verify forward: acceptance compiles alike
+        self.decide = decide if backend is None else compiled_function(decide, backend, self.device.type)
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
         self.prompts = prompts
@@ -126,29 +129,25 @@ class Verifier:
         out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
         sync_device(dev)
         t3 = time.perf_counter()
-        if sampling.typical:
-            last, bonus = typical_decision(tokens, out.logits, view, sampling)
-        elif sampling.temperature > 0:
-            paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
-            last = torch.tensor([p[-1] for p in paths], device=dev)
+        deterministic = sampling.greedy or sampling.typical
+        if deterministic and self.sync is None:  # the rule and the step's bookkeeping in one call (one graph compiled)
+            bonus, order, length, keep, keep_valid, kept_pos, host = self.decide(
+                tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos, sampling)
         else:
-            last, bonus = greedy_decision(tokens, out.logits, view)
-        if self.sync is not None:
-            last, bonus = self.sync.decision(last, bonus)
-        # The accepted path is last's root path: its nodes in depth order, then the rest (never read).
-        on_path = view.ancestors[torch.arange(B, device=dev), last]  # [B, N]
-        order = torch.where(on_path, view.depth, torch.full_like(view.depth, N)).sort(dim=1, stable=True).indices
-        length = on_path.sum(-1)
-        # One device-to-host copy per step: each row's liveness, path length, path nodes, their tokens, the bonus.
-        host = torch.cat([live[:, None].long(), length[:, None], bonus[:, None], order, tokens.gather(1, order)],
-                         1).tolist()
+            if deterministic:
+                last, bonus = typical_decision(tokens, out.logits, view, sampling)  # greedy at temperature 0
+            else:
+                paths, bonus = accept_sampling(tokens, out.logits, view, sampling, generator, prop.q, prop.q_index)
+                last = torch.tensor([p[-1] for p in paths], device=dev)
+            if self.sync is not None:
+                last, bonus = self.sync.decision(last, bonus)
+            order, length, keep, keep_valid, kept_pos, host = path_order(tokens, view.ancestors, view.depth, last,
+                                                                         bonus, live, target.next_pos)
+        host = host.tolist()  # the step's one device-to-host copy
         live_rows = [bool(h[0]) for h in host]
         paths = [h[3: 3 + h[1]] for h in host]
         M = max(h[1] for h in host)
-        in_path = torch.arange(M, device=dev)[None] < length[:, None]  # [B, M]
-        keep = order[:, :M].masked_fill(~in_path, 0)  # padded with the root
-        keep_valid = in_path & live[:, None]
-        kept_pos = target.next_pos[:, None] + torch.arange(M, device=dev)[None]
+        keep, keep_valid, kept_pos = keep[:, :M], keep_valid[:, :M], kept_pos[:, :M]
         # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
         target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
         res.steps += 1
@@ -241,6 +240,30 @@ def pad_proposal(prop: Proposal, n: int) -> Proposal:
     view = TreeView(pad(v.parents, -1), pad(v.depth, 0), pad(v.valid, False), anc)
     q_index = None if prop.q_index is None else pad(prop.q_index, -1)
     return Proposal(pad(prop.tokens, 0), view, prop.q, q_index)
+
+
+def path_order(tokens, ancestors, depth, last, bonus, live, next_pos):
+    """The step's bookkeeping from the last accepted node last [B], all [B, N] wide (the caller cuts them to the
+    longest path M): order (each row's accepted path in depth order, then the other nodes), length [B], keep (the
+    path's nodes, padded with the root), keep_valid (real entries of live rows), kept_pos (their positions), and
+    host [B, 3 + 2N] (liveness, path length, bonus, order, the tokens in that order): what goes to the host."""
+    B, N = tokens.shape
+    on_path = ancestors[torch.arange(B, device=tokens.device), last]  # [B, N]
+    order = torch.where(on_path, depth, torch.full_like(depth, N)).sort(dim=1, stable=True).indices
+    length = on_path.sum(-1)
+    host = torch.cat([live[:, None].long(), length[:, None], bonus[:, None], order, tokens.gather(1, order)], 1)
+    in_path = torch.arange(N, device=tokens.device)[None] < length[:, None]  # [B, N]
+    keep = order.masked_fill(~in_path, 0)
+    kept_pos = next_pos[:, None] + torch.arange(N, device=tokens.device)[None]
+    return order, length, keep, in_path & live[:, None], kept_pos, host
+
+
+def decide(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling):
+    """A deterministic rule (greedy, or typical acceptance) and the step's bookkeeping (path_order) in one function of
+    tensors of fixed shapes, which the compiled path runs as one graph: the bonus token [B], then path_order's."""
+    view = TreeView(parents, depth, valid, ancestors)
+    last, bonus = typical_decision(tokens, logits, view, sampling)  # greedy at temperature 0
+    return (bonus, *path_order(tokens, ancestors, depth, last, bonus, live, next_pos))
 
 
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:

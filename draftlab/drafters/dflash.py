@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decode.acceptance import Sampling, warp
+from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
 from .eagle import RMSNorm
@@ -417,10 +418,7 @@ class DFlashDrafter(Drafter):
         path = self.decode_path or {}
         block = self._block
         if path.get("compile"):
-            backend = path["compile"]
-            if backend not in self._compiled:
-                self._compiled[backend] = torch.compile(self._block, backend=backend, dynamic=False)
-            block = self._compiled[backend]
+            block = compiled_method(self, "_block", path["compile"])
         logits = block(root, full=bool(path.get("static")))[:, : self.tree.depth]  # [B, D, V]
         depth, rank = self.buf.depth[1:], self.buf.rank[1:]
         if B not in self.views:

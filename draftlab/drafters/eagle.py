@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
 
@@ -314,7 +315,7 @@ class Eagle3Drafter(Drafter):
         self.draft_rows = module.draft_ids()
         self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
         self.n = 0
-        self._compiled: dict = {}  # (method, backend) -> its torch.compile
+        self._compiled: dict = {}  # (method, backend) -> its Compiled (decode.compiled.compiled_method)
 
     @property
     def max_nodes(self) -> int:
@@ -386,10 +387,7 @@ class Eagle3Drafter(Drafter):
 
     def _compiled_fn(self, name: str, backend: str):
         """torch.compile of the method `name` (made once per backend)."""
-        key = (name, backend)
-        if key not in self._compiled:
-            self._compiled[key] = torch.compile(getattr(self, name), backend=backend, dynamic=False)
-        return self._compiled[key]
+        return compiled_method(self, name, backend)
 
     def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor,
                         width: int | None = None) -> None:

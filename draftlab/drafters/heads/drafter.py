@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...decode.cache import causal_allowed
+from ...decode.compiled import compiled_method
 from ...decode.tree import Tree, TreeView
 from ..base import Drafter, PromptState, Proposal, StepResult
 
@@ -34,7 +35,7 @@ class HeadsDrafter(Drafter):
         self.prefix = getattr(heads, "prefix_layer", None) is not None
         self.views: dict[int, TreeView] = {}
         self.hidden = self.cache = None
-        self._compiled: dict = {}  # backend -> the compiled fill
+        self._compiled: dict = {}  # (method, backend) -> its Compiled (decode.compiled.compiled_method)
 
     @property
     def max_nodes(self) -> int:
@@ -99,9 +100,7 @@ class HeadsDrafter(Drafter):
         fill = self.fill
         backend = (self.decode_path or {}).get("compile")
         if backend:  # the whole fill (every head, every depth) as one graph of fixed shapes
-            if backend not in self._compiled:
-                self._compiled[backend] = torch.compile(self.fill, backend=backend, dynamic=False)
-            fill = self._compiled[backend]
+            fill = compiled_method(self, "fill", backend)
         return Proposal(fill(root, self.hidden), self.views[B])
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
