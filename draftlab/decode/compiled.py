@@ -7,11 +7,11 @@ same shapes, so each compiles once. A function that does not compile falls back 
 (stderr); the tokens are the same either way.
 
 Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
-Face model (every parameter, the cache object, config attributes), which on a CPU cost ~0.3 ms, a fifth of a whole
-forward of the 260K-parameter test base, and on a GPU a large share of a small drafter's step. Once a call's
-signature (the shapes, dtypes and devices of every tensor it is given, the values of its other arguments, the
-shapes of the KV-cache buffers and of the tensors the function's object holds, grad mode) has run once with its
-guards, later calls of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
+Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a
+whole forward of the 260K-parameter test base. Once a call's signature (the shapes, strides, dtypes and devices of
+every tensor it is given, the values of its other arguments, the KV cache's length, the shapes of the tensors the
+function's object holds, grad mode) has run once with its guards, later calls of that signature skip guard
+evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
 dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
 graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
 full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
@@ -31,9 +31,9 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 def _signature(x, depth: int = 0):
-    """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device (their
-    values are the graph's inputs); plain values by value; containers item by item; other objects (a KV cache, a
-    module) by type and identity, plus the shapes of the tensors they hold (a cache's buffers grow in place)."""
+    """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
+    (their values are the graph's inputs); plain values by value; containers item by item; other objects (a KV
+    cache, a module) by type and identity, a KV cache with its length (StaticSlotCache grows its buffers in place)."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
     if isinstance(x, _PLAIN):
@@ -46,7 +46,6 @@ def _signature(x, depth: int = 0):
         return tuple((k, _signature(v, depth + 1)) for k, v in x.items())
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
-    # Other objects by identity; a transformers StaticCache with its length too (draftlab grows its buffers in place).
     return (type(x).__name__, id(x), getattr(x, "max_cache_len", None))
 
 

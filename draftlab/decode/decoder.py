@@ -132,7 +132,8 @@ class Verifier:
         deterministic = sampling.greedy or sampling.typical
         if deterministic and self.sync is None:  # the rule and the step's bookkeeping in one call (one graph compiled)
             bonus, order, length, keep, keep_valid, kept_pos, host = self.decide(
-                tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos, sampling)
+                tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
+                sampling)
         else:
             if deterministic:
                 last, bonus = typical_decision(tokens, out.logits, view, sampling)  # greedy at temperature 0
