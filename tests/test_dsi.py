@@ -59,15 +59,17 @@ def test_dsi_ends_off_the_lookahead_grid(tiny_base_dir, setup):
             assert out["preemptions"] == 0
 
 
-def test_cached_greedy_equals_recomputing_the_whole_sequence(setup):
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_cached_greedy_equals_recomputing_the_whole_sequence(setup, path):
     """The servers' KV cache keeps the longest common prefix of consecutive tasks: extending, branching behind
-    the last sequence and going back to an earlier one all give the full recomputation's tokens."""
+    the last sequence and going back to an earlier one all give the full recomputation's tokens, on the eager path
+    and on the static-shape one (--compile: chunks of a fixed width, here 3, so some tasks take several)."""
     import torch
 
-    from draftlab.parallel.dsi import CachedGreedy
+    from draftlab.parallel.dsi import greedy_model
 
     model, prompt, ref, V = setup
-    c = CachedGreedy(model)
+    c = greedy_model(model, 3, "eager" if path == "static" else None)
     rng = random.Random(0)
     seq, total = prompt + ref[:10], 0
     for _ in range(25):
@@ -103,7 +105,7 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
     rc = main(["dsi", str(exp), "--prompt", "Once upon a time", "--sp", "2", "--max-new-tokens", "24", "--compare",
                "--target-latency-ms", "20", "--draft-latency-ms", "4", "--json"])
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and rep["identical_to_greedy"] is True and rep["emulated"]
+    assert rc == 0 and rep["identical_to_greedy"] is True and rep["emulated"] and rep["compiled"] is None
     assert rep["lookahead"] == 3  # ceil(20 / (2 * 4)): the smallest with which no task waits for a server
     run = rep["runs"][0]
     assert len(run["tokens"]) == 24 and len(run["tokens"]) <= run["tasks"] * rep["lookahead"]
@@ -124,6 +126,28 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
                  "--temperature", "1.0", "--json"]) == 0
     sampled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]["tokens"]
     assert len(sampled) == 24 and sampled != rep["runs"][0]["tokens"]
+
+
+@pytest.mark.slow  # every server, the drafter and SI / non-SI trace their forwards (dynamo, a few seconds each)
+def test_dsi_command_on_the_compiled_path_gives_the_greedy_tokens(stories_dir, tmp_path, capsys, monkeypatch):
+    """`dsi --compile`: servers, drafter and SI / non-SI on the static-shape compiled path (dynamo's graph capture
+    here), warmed up before anything is timed; the lookahead comes from the compiled path's measured forward times,
+    and the tokens are HF generate's."""
+    import json
+
+    from draftlab.cli import main
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")
+    base, tok = load_base(str(stories_dir), "float32")
+    exp = save_export(build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base), base,
+                      tmp_path / "ssm", str(stories_dir), tokenizer=tok)
+    assert main(["dsi", str(exp), "--prompt", "Once upon a time", "--prompt", "The dog", "--sp", "2",
+                 "--max-new-tokens", "20", "--compare", "--compile", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["compiled"] == "eager" and rep["identical_to_greedy"] is True and not rep["emulated"]
+    assert rep["t_target_ms"] > 0 and rep["t_draft_ms"] > 0 and [len(r["tokens"]) for r in rep["runs"]] == [20, 20]
 
 
 @pytest.mark.slow  # 1500 multi-process generations, about a minute

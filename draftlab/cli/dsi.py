@@ -39,6 +39,9 @@ def add_dsi_args(p) -> None:
     p.add_argument("--base", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--chat", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="the static-shape compiled path (see generate --compile) for the servers, the drafter and "
+                        "--compare's SI / non-SI; everything compiles before it is timed; same tokens")
     p.add_argument("--json", action="store_true")
 
 
@@ -48,7 +51,7 @@ def dsi_command(a) -> int:
 
     rep = run_dsi(a.export, a.prompt, a.sp, a.max_new_tokens, a.lookahead, a.target_latency_ms, a.draft_latency_ms,
                   a.compare, a.base, a.dtype, a.chat, Sampling(a.temperature, a.top_p, a.top_k), a.seed,
-                  stops=a.stop, acceptance=a.acceptance, lookahead_rule=a.lookahead_rule)
+                  stops=a.stop, acceptance=a.acceptance, lookahead_rule=a.lookahead_rule, compile=a.compile)
     if a.json:
         print(json.dumps(rep))
         return 0

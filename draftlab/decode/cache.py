@@ -286,6 +286,15 @@ class StaticSlotCache:
         self.n, self.tentative = start + m, 0
         self.next_pos = self.next_pos + keep_valid.sum(-1)
 
+    def rewind(self, n: int) -> None:
+        """Forget every slot from n on (the sequence went another way after its first n slots); each row's next
+        position counts its valid slots before n."""
+        self.slots[:, n:] = False
+        self.n, self.tentative = n, 0
+        self.next_pos = self.slots[:, :n].sum(-1)
+        for layer in self._layers():
+            layer.cumulative_length.fill_(n)
+
     def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
         out = self.forward(tokens, causal_allowed(valid), (valid.long().cumsum(-1) - 1).clamp(min=0), hidden)
         self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing as mp
+import os
 import queue
 import time
 from typing import Callable
@@ -60,14 +61,9 @@ class CachedGreedy:
         from transformers import DynamicCache
 
         seq = list(prefix) + list(drafts)
-        keep = 0
-        for a, b in zip(self.tokens, seq):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(prefix) - 1)  # the logits from position len(prefix) - 1 on are needed
-        if self.cache is None or keep == 0:
-            self.cache, keep = DynamicCache(config=self.model.config), 0
+        keep = self._reusable(seq, len(prefix))
+        if keep == 0:
+            self.cache = DynamicCache(config=self.model.config)
         else:
             self.cache.crop(keep - len(self.tokens))  # transformers' crop takes minus the tokens to drop
         with torch.no_grad():
@@ -76,9 +72,80 @@ class CachedGreedy:
         self.tokens, self.computed = seq, self.computed + len(seq) - keep
         return out.logits[0, len(prefix) - 1 - keep:]
 
+    def _reusable(self, seq: list[int], n_prefix: int) -> int:
+        """How many leading tokens of seq the cache holds already and may keep (the logits from position
+        n_prefix - 1 on are needed, so at most n_prefix - 1); 0: start again."""
+        keep = 0
+        for a, b in zip(self.tokens, seq):
+            if a != b:
+                break
+            keep += 1
+        return 0 if self.cache is None else min(keep, n_prefix - 1)
+
+
+class StaticGreedy(CachedGreedy):
+    """CachedGreedy on the static-shape path (`--compile`): a preallocated KV cache (decode.cache.StaticSlotCache)
+    and, after a sequence's first forward (its prompt, run eagerly), every forward `width` tokens wide (the new
+    tokens in chunks, padded), so each has one shape and runs through the base's compiled forward (`backend`).
+    The tokens are CachedGreedy's; the width is a speed setting (DSI's lookahead + 1: a task's drafts and one more
+    in one forward)."""
+
+    def __init__(self, model, width: int, backend: str, slots: int = 512):
+        from ..decode.compiled import compiled_forward
+
+        super().__init__(model)
+        self.width, self.slots = width, slots
+        self.forward = compiled_forward(model, backend)
+
+    def logits(self, prefix: list[int], drafts: list[int] = ()):
+        import torch
+
+        from ..decode.cache import StaticSlotCache, causal_allowed, static_slots
+
+        seq = list(prefix) + list(drafts)
+        keep = self._reusable(seq, len(prefix))
+        with torch.no_grad():
+            if keep == 0:
+                self.cache = StaticSlotCache(self.model, 1, static_slots(max(self.slots, len(seq) + self.width)),
+                                             self.forward)
+                ids = torch.tensor([seq], device=self.device)
+                logits = self.cache.prefill(ids, torch.ones_like(ids, dtype=torch.bool))[0].logits[0]
+            else:
+                self.cache.rewind(keep)
+                W, parts = self.width, []
+                depth = torch.arange(W, device=self.device)[None]
+                for i in range(keep, len(seq), W):
+                    chunk = seq[i: i + W]
+                    valid = depth < len(chunk)  # [1, W]
+                    ids = torch.tensor([chunk + [0] * (W - len(chunk))], device=self.device)
+                    out = self.cache.forward(ids, causal_allowed(valid), depth)
+                    self.cache.keep(self.cache.length, depth[:, : len(chunk)], valid[:, : len(chunk)], in_place=True)
+                    parts.append(out.logits[0, : len(chunk)])
+                logits = torch.cat(parts)
+        self.tokens, self.computed = seq, self.computed + len(seq) - keep
+        return logits[len(prefix) - 1 - keep:]
+
+    def warm_up(self) -> float:
+        """Compile the chunk forward (a short sequence, then one that branches off it); returns the seconds spent."""
+        t0 = time.perf_counter()
+        self.logits([1, 2, 3], [4])
+        self.logits([1, 2, 5], [6] * (self.width - 1))
+        self.tokens, self.cache = [], None
+        return time.perf_counter() - t0
+
+
+def greedy_model(model, width: int = 1, backend: str | None = None) -> CachedGreedy:
+    """The model's greedy continuations with a KV cache of the last sequence: on the eager path (backend None) or
+    the compiled static-shape one (warmed up here, so no forward of a timed run compiles)."""
+    if backend is None:
+        return CachedGreedy(model)
+    g = StaticGreedy(model, width, backend)
+    g.warm_up()
+    return g
+
 
 def _server(index: int, base_path: str, dtype: str, device: str, tasks, results, epoch, latency: float,
-            sampling) -> None:
+            sampling, backend: str | None = None, width: int = 1) -> None:
     """A target server (one per device): for (task id, epoch, prefix, drafts) tasks of the current epoch, the
     target's greedy tokens or (sampling) its warped distributions after prefix + drafts[:i], i = 0..len(drafts).
     Replies ("result", index, task id, epoch, tokens or None when preempted); a failure replies ("error", ...)
@@ -94,7 +161,7 @@ def _server(index: int, base_path: str, dtype: str, device: str, tasks, results,
 
         torch.set_num_threads(1)
         model, _ = load_base(base_path, dtype, device)
-        target = CachedGreedy(model)
+        target = greedy_model(model, width, backend)  # compiled: warmed up before it says it is ready
         results.put(("ready", index))
         while True:
             item = tasks.get()
@@ -137,9 +204,12 @@ class DSI:
     every run starts a new epoch, so a result left over from an interrupted run is never taken for a new task's."""
 
     def __init__(self, base_path: str, sp: int, target_latency_s: float = 0.0, dtype: str = "float32",
-                 devices: list[str] | None = None, sampling=None, timeout_s: float = 600.0):
+                 devices: list[str] | None = None, sampling=None, timeout_s: float = 600.0, compile: str | None = None,
+                 width: int = 1):
         """sampling: a draftlab Sampling with temperature > 0 makes the servers return the target's distributions
-        and `generate` sample losslessly (then draft_next returns (token, q)); None: greedy."""
+        and `generate` sample losslessly (then draft_next returns (token, q)); None: greedy. compile: a
+        torch.compile backend: the servers verify on the static-shape path (StaticGreedy, `width` tokens a
+        forward, compiled before they report ready)."""
         devices = devices or server_devices(sp)
         if len(devices) != sp:
             raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
@@ -150,7 +220,7 @@ class DSI:
         self.tasks = [ctx.Queue() for _ in range(sp)]
         self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
         self.procs = [ctx.Process(target=_server, args=(i, base_path, dtype, dev, q, self.results, self.epoch,
-                                                          target_latency_s, self.sampling),
+                                                          target_latency_s, self.sampling, compile, width),
                                   daemon=True, name=f"dsi-server-{i}")
                       for i, (q, dev) in enumerate(zip(self.tasks, devices))]
         try:
@@ -382,9 +452,11 @@ def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen):
 
 
 def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, lookahead: int,
-                target_latency_s: float = 0.0, draft_latency_s: float = 0.0, eos_token_id=None, stop=None) -> dict:
+                target_latency_s: float = 0.0, draft_latency_s: float = 0.0, eos_token_id=None, stop=None,
+                target: CachedGreedy | None = None) -> dict:
     """Speculative inference with the same emulated latencies (draft `lookahead`, verify, repeat), greedy;
-    lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process; ends as DSI.generate does."""
+    lookahead 0 is plain (non-SI) decoding. For comparisons with DSI in one process; ends as DSI.generate does.
+    target: the model's greedy continuations to verify with (greedy_model; default: the eager path's)."""
     from ..decode.decoder import eos_set
 
     clock = [time.perf_counter()]  # when the last forward was done: each one starts there, back to back
@@ -394,7 +466,7 @@ def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, looka
         while time.perf_counter() < clock[0]:
             time.sleep(clock[0] - time.perf_counter())
 
-    target, eos = CachedGreedy(model), eos_set(eos_token_id)
+    target, eos = target or CachedGreedy(model), eos_set(eos_token_id)
     t_start = clock[0]
     committed, end = list(prompt), len(prompt) + max_new_tokens
     while len(committed) < end:
@@ -414,7 +486,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
             target_latency_ms: float = 0.0, draft_latency_ms: float = 0.0, compare: bool = False,
             base: str | None = None, dtype: str | None = None, chat: bool = False, sampling=None,
             seed: int = 0, stops=(), eos: bool = True, pool: DSI | None = None, acceptance: float | None = None,
-            lookahead_rule: str = "expected") -> dict:
+            lookahead_rule: str = "expected", compile: bool | str = False) -> dict:
     """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
     base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies, and HF `generate` as the
     reference for the tokens. prompts: texts, or token id lists. The text ends at the tokenizer's EOS (unless
@@ -424,7 +496,10 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
     servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens); otherwise ("no-wait", or no
     acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server
-    pool of the same base, latency and sampling to use (and leave running) instead of starting one."""
+    pool of the same base, latency and sampling to use (and leave running) instead of starting one. compile: the
+    static-shape compiled path (True: inductor, or DRAFTLAB_COMPILE_BACKEND; a string names a backend) for the
+    servers, the drafter and SI / non-SI, each compiled before anything is timed; the measured forward times that
+    choose the lookahead are then the compiled path's."""
     import contextlib
 
     import torch
@@ -447,7 +522,8 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     sampled = sampling is not None and sampling.temperature > 0
     if sampled and compare:
         raise ValueError("--compare runs SI and non-SI greedily; drop it or --temperature")
-    drafter = CachedGreedy(draft.lm)
+    backend = (os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile) or None
+    drafter = greedy_model(draft.lm, 2, backend)  # the drafter's sequence grows a token at a time
     gen = role_generator(seed, "drafter")
 
     def draft_next(toks):
@@ -461,15 +537,18 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     stop = stop_fn(tok, list(stops))
     # Forward times are measured only when the lookahead is to be derived from them (None: not measured).
     measure = lookahead is None
-    t_target = target_latency_ms / 1000 or (_forward_s(model, ids[0]) if measure else None)
-    t_draft = draft_latency_ms / 1000 or (_forward_s(draft.lm, ids[0]) if measure else None)
+    t_target = target_latency_ms / 1000 or (_forward_s(model, ids[0], backend) if measure else None)
+    t_draft = draft_latency_ms / 1000 or (_forward_s(draft.lm, ids[0], backend) if measure else None)
     rule = "given" if lookahead else lookahead_rule if acceptance is not None else "no-wait"
     k = lookahead or dsi_lookahead(rule, acceptance, t_draft, t_target, sp, max_new_tokens)
     ms = lambda t: None if t is None else round(1000 * t, 3)  # noqa: E731
     report = {"sp": sp, "lookahead": k, "lookahead_rule": rule, "t_target_ms": ms(t_target), "t_draft_ms": ms(t_draft),
-              "emulated": bool(target_latency_ms or draft_latency_ms), "runs": []}
+              "emulated": bool(target_latency_ms or draft_latency_ms), "compiled": backend, "runs": []}
+    if compare:  # SI verifies lookahead + 1 tokens a forward, non-SI one
+        si_target, plain_target = greedy_model(model, k + 1, backend), greedy_model(model, 1, backend)
     with (contextlib.nullcontext(pool) if pool is not None else
-          DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None)) as dsi:
+          DSI(name, sp, target_latency_ms / 1000, dtype, sampling=sampling if sampled else None, compile=backend,
+              width=k + 1)) as dsi:
         for j, p in enumerate(ids):
             r = dsi.generate(p, max_new_tokens, draft_next, k, draft_latency_ms / 1000, seed=seed + j,
                              eos_token_id=eos_id, stop=stop)
@@ -478,8 +557,8 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
             if compare:
                 kw = dict(target_latency_s=target_latency_ms / 1000, draft_latency_s=draft_latency_ms / 1000,
                           eos_token_id=eos_id, stop=stop)
-                si = si_generate(model, p, max_new_tokens, draft_next, k, **kw)
-                plain = si_generate(model, p, max_new_tokens, draft_next, 0, **kw)
+                si = si_generate(model, p, max_new_tokens, draft_next, k, target=si_target, **kw)
+                plain = si_generate(model, p, max_new_tokens, draft_next, 0, target=plain_target, **kw)
                 hf = plain_generate(model, [p], max_new_tokens, Sampling(), eos_id)[0][0]
                 if stop is not None:  # HF generate runs on past a stop string; `generate` cuts there, as DSI does
                     c = stop(0, hf)
@@ -497,20 +576,16 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     return report
 
 
-def _forward_s(model, ids: list[int], reps: int = 5) -> float:
-    """Median time of one cached single-token forward after the prompt (what a decoding step costs)."""
+def _forward_s(model, ids: list[int], backend: str | None = None, reps: int = 5) -> float:
+    """Median time of one cached single-token forward after the prompt (what a decoding step costs), on the path
+    that will run (backend None: eager; else the static-shape compiled one)."""
     import statistics
 
-    import torch
-    from transformers import DynamicCache
-
+    g = greedy_model(model, 1, backend)
     times = []
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            model(input_ids=torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-            cache.crop(-1)
+    g.logits(ids)
+    for i in range(reps):
+        t0 = time.perf_counter()
+        g.logits(ids + [i % 2])  # one token past the cached prompt (another one each time: no reuse)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
