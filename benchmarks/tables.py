@@ -492,6 +492,24 @@ def batch_schedule(p, d) -> None:
           f"{e['plain_tokens_per_s']:.0f} | {e['chain_length']} |")
 
 
+def refactor_check_compiled(p, d) -> None:
+    heading(p, "The compiled path: guards checked once per signature, acceptance as one graph",
+            f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts {d['prompts']} --name "
+            "refactor_check_compiled --export medusa=... --export hydra++=... --export eagle3=...` (exports trained "
+            f"for 250 steps); before = {d['before']}, both on the static-shape compiled path (inductor), same "
+            f"exports, base object and prompts, interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; "
+            f"{where(d)}")
+    keys = phases(d["methods"].values())
+    p(f"| drafter | accept length before / after | tokens/s before | tokens/s after | after / before | {keys} before "
+      "| after |")
+    p("|---|---|---|---|---|---|---|")
+    for k, ratio in d["after_over_before"].items():
+        b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
+        p(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
+          f"{ratio:.3f} | {split(b)} | {split(a)} |")
+    p(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s")
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -506,6 +524,7 @@ TABLES = {
     "refactor_check": ("refactor_check", refactor_check_drafter),
     "refactor_check_verifier": ("refactor_check_verifier", refactor_check_verifier),
     "refactor_check_layout": ("refactor_check_layout", refactor_check_layout),
+    "refactor_check_compiled": ("refactor_check_compiled", refactor_check_compiled),
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
     "train_ensemble": ("train_ensemble", train_ensemble),
