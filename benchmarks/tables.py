@@ -229,14 +229,17 @@ def ssm(p, d) -> None:
           f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
 
 
-def refactor_check(p, d, title: str, setting: str) -> None:
+def refactor_check(p, d, title: str, setting: str, per_phase: bool = False) -> None:
+    """per_phase: also each side's milliseconds per step and phase."""
     heading(p, title, setting)
-    p("| heads | accept length before / after | tokens/s before | tokens/s after | after / before |")
-    p("|---|---|---|---|---|")
+    extra = f" {phases(d['methods'].values())} before | after |" if per_phase else ""
+    p(f"| {'drafter' if per_phase else 'heads'} | accept length before / after | tokens/s before | tokens/s after | "
+      f"after / before |{extra}")
+    p("|---|---|---|---|---|" + ("---|---|" if per_phase else ""))
     for k, ratio in d["after_over_before"].items():
         b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
         p(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
-          f"{ratio:.3f} |")
+          f"{ratio:.3f} |" + (f" {split(b)} | {split(a)} |" if per_phase else ""))
     p(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s")
 
 
@@ -493,21 +496,12 @@ def batch_schedule(p, d) -> None:
 
 
 def refactor_check_compiled(p, d) -> None:
-    heading(p, "The compiled path: guards checked once per signature, acceptance as one graph",
-            f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts {d['prompts']} --name "
-            "refactor_check_compiled --export medusa=... --export hydra++=... --export eagle3=...` (exports trained "
-            f"for 250 steps); before = {d['before']}, both on the static-shape compiled path (inductor), same "
-            f"exports, base object and prompts, interleaved; {d['prompts']} prompts x {d['max_new_tokens']} tokens; "
-            f"{where(d)}")
-    keys = phases(d["methods"].values())
-    p(f"| drafter | accept length before / after | tokens/s before | tokens/s after | after / before | {keys} before "
-      "| after |")
-    p("|---|---|---|---|---|---|---|")
-    for k, ratio in d["after_over_before"].items():
-        b, a = d["methods"][f"{k}_before"], d["methods"][f"{k}_after"]
-        p(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
-          f"{ratio:.3f} | {split(b)} | {split(a)} |")
-    p(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s")
+    refactor_check(p, d, "The compiled path: guards checked once per signature, acceptance as one graph",
+                   f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts {d['prompts']} --name "
+                   "refactor_check_compiled --export medusa=... --export hydra++=... --export eagle3=...` (exports "
+                   f"trained for 250 steps); before = {d['before']}, both on the static-shape compiled path (inductor), "
+                   f"same exports, base object and prompts, interleaved; {d['prompts']} prompts x "
+                   f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
 
 
 TABLES = {
