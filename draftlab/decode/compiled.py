@@ -145,8 +145,12 @@ class Compiled:
         return out
 
 
-# The name the decoder and the tests use for a model's compiled forward.
-CompiledForward = Compiled
+def compile_backend(compile: bool | str) -> str | None:
+    """The torch.compile backend a `compile` option names: True is inductor (or the one DRAFTLAB_COMPILE_BACKEND
+    names, e.g. eager / aot_eager to trace without generating code), a string names one, False / None: no compiling."""
+    if compile is True:
+        return os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor")
+    return compile or None
 
 
 def compiled_forward(model, backend: str = "inductor") -> Compiled:

@@ -12,7 +12,6 @@ masked-out holes.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -74,7 +73,7 @@ class Verifier:
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
                  forward=None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
-        (the drafter's max_nodes); forward: what runs those verify forwards (a CompiledForward, or the base)."""
+        (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -131,7 +130,7 @@ class Verifier:
         t3 = time.perf_counter()
         deterministic = sampling.greedy or sampling.typical
         if deterministic and self.sync is None:  # the rule and the step's bookkeeping in one call (one graph compiled)
-            bonus, order, length, keep, keep_valid, kept_pos, host = self.decide(
+            bonus, length, keep, keep_valid, kept_pos, host = self.decide(
                 tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
                 sampling)
         else:
@@ -142,8 +141,8 @@ class Verifier:
                 last = torch.tensor([p[-1] for p in paths], device=dev)
             if self.sync is not None:
                 last, bonus = self.sync.decision(last, bonus)
-            order, length, keep, keep_valid, kept_pos, host = path_order(tokens, view.ancestors, view.depth, last,
-                                                                         bonus, live, target.next_pos)
+            length, keep, keep_valid, kept_pos, host = path_order(tokens, view.ancestors, view.depth, last, bonus,
+                                                                  live, target.next_pos)
         host = host.tolist()  # the step's one device-to-host copy
         live_rows = [bool(h[0]) for h in host]
         paths = [h[3: 3 + h[1]] for h in host]
@@ -245,9 +244,9 @@ def pad_proposal(prop: Proposal, n: int) -> Proposal:
 
 def path_order(tokens, ancestors, depth, last, bonus, live, next_pos):
     """The step's bookkeeping from the last accepted node last [B], all [B, N] wide (the caller cuts them to the
-    longest path M): order (each row's accepted path in depth order, then the other nodes), length [B], keep (the
-    path's nodes, padded with the root), keep_valid (real entries of live rows), kept_pos (their positions), and
-    host [B, 3 + 2N] (liveness, path length, bonus, order, the tokens in that order): what goes to the host."""
+    longest path M): length [B], keep (the path's nodes in depth order, padded with the root), keep_valid (real
+    entries of live rows), kept_pos (their positions), and host [B, 3 + 2N] (liveness, path length, bonus, the node
+    order: the path first, then the other nodes, and the tokens in that order): what goes to the host."""
     B, N = tokens.shape
     on_path = ancestors[torch.arange(B, device=tokens.device), last]  # [B, N]
     order = torch.where(on_path, depth, torch.full_like(depth, N)).sort(dim=1, stable=True).indices
@@ -256,7 +255,7 @@ def path_order(tokens, ancestors, depth, last, bonus, live, next_pos):
     in_path = torch.arange(N, device=tokens.device)[None] < length[:, None]  # [B, N]
     keep = order.masked_fill(~in_path, 0)
     kept_pos = next_pos[:, None] + torch.arange(N, device=tokens.device)[None]
-    return order, length, keep, in_path & live[:, None], kept_pos, host
+    return length, keep, in_path & live[:, None], kept_pos, host
 
 
 def decide(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling):
@@ -305,10 +304,9 @@ class SpeculativeDecoder:
             raise ValueError("the static-shape / compiled path does not run tensor-parallel yet; drop --compile or --tp")
         self.forward = None
         if compile:
-            from .compiled import compiled_forward
+            from .compiled import compile_backend, compiled_forward
 
-            backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
-            self.forward = compiled_forward(base, backend)
+            self.forward = compiled_forward(base, compile_backend(compile))
 
     def warm_up(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> None:
         """A call outside any timing: a compiled decoder runs the real batch (it compiles for those shapes); an

@@ -355,7 +355,6 @@ class DFlashDrafter(Drafter):
         self.buf = tree.buffers(self.device)
         self.topk = tree.topk_per_depth()
         self.views: dict[int, TreeView] = {}
-        self._compiled: dict = {}
         self.kv = None
 
     @property

@@ -315,7 +315,6 @@ class Eagle3Drafter(Drafter):
         self.draft_rows = module.draft_ids()
         self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
         self.n = 0
-        self._compiled: dict = {}  # (method, backend) -> its Compiled (decode.compiled.compiled_method)
 
     @property
     def max_nodes(self) -> int:
@@ -385,10 +384,6 @@ class Eagle3Drafter(Drafter):
         q, k, v = self.m.midlayer.qkv(e, g, *self.m.rope(g, positions))
         return self.m.advance(self._attend(q, k, v, allowed_new, full), g), k, v
 
-    def _compiled_fn(self, name: str, backend: str):
-        """torch.compile of the method `name` (made once per backend)."""
-        return compiled_method(self, name, backend)
-
     def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor,
                         width: int | None = None) -> None:
         """Append committed entries (base features feats [B, T, n, H], the token after each [B, T]); keep each row's
@@ -404,7 +399,7 @@ class Eagle3Drafter(Drafter):
                 next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(B, width - T)], 1)
                 ok = torch.cat([ok, ok.new_zeros(B, width - T)], 1)
             if path.get("compile"):
-                entries = self._compiled_fn("_entries", path["compile"])
+                entries = compiled_method(self, "_entries", path["compile"])
             out, k, v = entries(feats, next_tokens, ok, full=True)
         else:
             out, k, v = entries(feats, next_tokens, ok)
@@ -431,7 +426,7 @@ class Eagle3Drafter(Drafter):
             self._commit_entries(feats, nxt, ok)
             self.pending = None
         path = self.decode_path or {}
-        draft = self._compiled_fn("_draft", path["compile"]) if path.get("compile") else self._draft
+        draft = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
         return self._rerank(*draft(root, full=bool(path.get("static"))))
 
     def _draft(self, root: torch.Tensor, full: bool = False):

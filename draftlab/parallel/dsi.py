@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing as mp
-import os
 import queue
 import time
 from typing import Callable
@@ -125,13 +124,11 @@ class StaticGreedy(CachedGreedy):
         self.tokens, self.computed = seq, self.computed + len(seq) - keep
         return logits[len(prefix) - 1 - keep:]
 
-    def warm_up(self) -> float:
-        """Compile the chunk forward (a short sequence, then one that branches off it); returns the seconds spent."""
-        t0 = time.perf_counter()
+    def warm_up(self) -> None:
+        """Compile the chunk forward (a short sequence, then one that branches off it), then forget both."""
         self.logits([1, 2, 3], [4])
         self.logits([1, 2, 5], [6] * (self.width - 1))
         self.tokens, self.cache = [], None
-        return time.perf_counter() - t0
 
 
 def greedy_model(model, width: int = 1, backend: str | None = None) -> CachedGreedy:
@@ -506,6 +503,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
 
     from ..base import load_base
     from ..decode.acceptance import Sampling, warp
+    from ..decode.compiled import compile_backend
     from ..serve.generate import encode_prompt, plain_generate, stop_fn
     from ..decode.streams import role_generator
     from ..interop.export import load_export, read_meta
@@ -522,7 +520,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     sampled = sampling is not None and sampling.temperature > 0
     if sampled and compare:
         raise ValueError("--compare runs SI and non-SI greedily; drop it or --temperature")
-    backend = (os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile) or None
+    backend = compile_backend(compile)
     drafter = greedy_model(draft.lm, 2, backend)  # the drafter's sequence grows a token at a time
     gen = role_generator(seed, "drafter")
 

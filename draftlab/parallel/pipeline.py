@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -208,9 +207,9 @@ class DraftPipeline:
         self.device = base.get_output_embeddings().weight.device
         self.forward, path = None, None
         if compile:
-            from ..decode.compiled import compiled_forward
+            from ..decode.compiled import compile_backend, compiled_forward
 
-            backend = os.environ.get("DRAFTLAB_COMPILE_BACKEND", "inductor") if compile is True else compile
+            backend = compile_backend(compile)
             self.forward, path = compiled_forward(base, backend), {"static": True, "compile": backend}
         ctx = mp.get_context("spawn")
         self.inbox, self.pool = ctx.Queue(), ctx.Queue()

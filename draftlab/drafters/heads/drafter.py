@@ -35,7 +35,6 @@ class HeadsDrafter(Drafter):
         self.prefix = getattr(heads, "prefix_layer", None) is not None
         self.views: dict[int, TreeView] = {}
         self.hidden = self.cache = None
-        self._compiled: dict = {}  # (method, backend) -> its Compiled (decode.compiled.compiled_method)
 
     @property
     def max_nodes(self) -> int:
