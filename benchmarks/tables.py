@@ -532,6 +532,7 @@ TABLES = {
     "drafter_steps": ("drafter_steps", drafter_steps),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
+    "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
 }
 
