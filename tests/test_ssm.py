@@ -240,6 +240,30 @@ def test_tree_view_from_parents_and_padding():
         TreeView.of_parents(torch.tensor([[-1, 0, 1]]), torch.tensor([[True, False, True]]))
 
 
+
+@pytest.mark.parametrize("N", [2, 9, 70])
+def test_tree_view_ancestors_equal_a_walk_up_the_parents(N):
+    """Random trees (a deep chain among them: depth N - 1), padded rows, and the max_depth bound a drafter passes."""
+    g = torch.Generator().manual_seed(N)
+    par = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)]),
+                       torch.arange(-1, N - 1)])
+    ok = torch.ones(2, N, dtype=torch.bool)
+    ok[0, N // 2 + 1:] = ~(par[0, N // 2 + 1:] > N // 2) & (torch.rand(N - N // 2 - 1, generator=g) < 0.7)
+    ok[0] &= ok[0].gather(0, par[0].clamp(min=0))  # a padded node parents no valid node
+    want = torch.zeros(2, N, N, dtype=torch.bool)
+    for b in range(2):
+        for i in range(N):
+            j = i
+            while j >= 0 and ok[b, i]:
+                want[b, i, j], j = True, int(par[b, j])
+            want[b, i, i] = True
+    depth = want.sum(-1) - 1
+    v = TreeView.of_parents(par, ok)
+    assert torch.equal(v.ancestors, want) and torch.equal(v.depth, depth)
+    bounded = TreeView.of_parents(par[:1], ok[:1], max_depth=int(depth[0].max()))
+    assert torch.equal(bounded.ancestors, want[:1])
+
+
 # --- building, exporting, loading --------------------------------------------------------------------
 
 def test_init_from_the_base(tiny_base_dir):

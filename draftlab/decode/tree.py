@@ -287,9 +287,11 @@ class TreeView:
         return TreeView(ex(buf.parent), ex(buf.depth), ex(valid), ex(buf.mask), static=buf)
 
     @staticmethod
-    def of_parents(parents: torch.Tensor, valid: torch.Tensor | None = None, check: bool = True) -> "TreeView":
-        """Depths and ancestor sets from per-row parents [B, N] (topological order), by repeated squaring. check:
-        refuse parents out of order (a host sync); a drafter whose trees are ordered by construction skips it."""
+    def of_parents(parents: torch.Tensor, valid: torch.Tensor | None = None, check: bool = True,
+                   max_depth: int | None = None) -> "TreeView":
+        """Depths and ancestor sets from per-row parents [B, N] (topological order), by pointer doubling. check:
+        refuse parents out of order (a host sync); a drafter whose trees are ordered by construction skips it.
+        max_depth: a bound on the trees' depth when the caller knows one (fewer rounds), else N - 1."""
         B, N = parents.shape
         dev = parents.device
         idx = torch.arange(N, device=dev)
@@ -303,13 +305,16 @@ class TreeView:
                                 "every other valid node's parent is an earlier node")
             if bool((valid & ~valid.gather(1, parents.clamp(min=0))).any()):
                 raise TreeError("a proposal's padded node is the parent of a valid node")
-        reach = torch.eye(N, dtype=torch.float32, device=dev).expand(B, N, N).clone()  # [B, N, N]
-        rows, cols = torch.nonzero(parents >= 0, as_tuple=True)
-        reach[rows, cols, parents[rows, cols]] = 1.0
-        # reach holds paths of length <= 1; squaring doubles that, so ceil(log2 N) rounds reach every ancestor.
-        for _ in range(max(1, (N - 1).bit_length())):
-            reach = ((reach + reach @ reach) > 0).float()
-        anc = reach > 0
+        # After r rounds anc[b, i] holds i and its ancestors up to 2^r - 1 steps up, and jump[b, i] is the node 2^r
+        # steps up (N: above the root, an empty row). A round adds the ancestors of the node 2^r steps up, so
+        # bit_length(depth) rounds reach every ancestor, at O(B N^2) per round (no N^3 product).
+        anc = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()  # [B, N, N]
+        jump = torch.where(parents >= 0, parents, N)  # [B, N]
+        empty_row = anc.new_zeros(B, 1, N)
+        above = jump.new_full((B, 1), N)
+        for _ in range(max(1, min(N - 1, max_depth if max_depth is not None else N - 1).bit_length())):
+            anc = anc | torch.cat([anc, empty_row], 1).gather(1, jump[:, :, None].expand(B, N, N))
+            jump = torch.cat([jump, above], 1).gather(1, jump)
         depth = anc.sum(-1) - 1
         return TreeView(parents, depth, valid, anc)
 

@@ -508,7 +508,7 @@ class Eagle3Drafter(Drafter):
         parents = new.gather(1, par.gather(1, order).clamp(min=0))
         parents[:, 0] = -1
         # Ordered by construction: (depth, node) order, and a node's parent is kept before it (prefix-closed).
-        return Proposal(tok.gather(1, order), TreeView.of_parents(parents, check=False))
+        return Proposal(tok.gather(1, order), TreeView.of_parents(parents, check=False, max_depth=self.depth))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
