@@ -28,7 +28,10 @@ KINDS = {"medusa": MEDUSA, "ssm": SSM, "eagle3": EAGLE3, "medusa2": MEDUSA2, "df
 
 def recipe(base_dir, data, out, kind="medusa", **train):
     t = {"lr": 1e-2, "warmup_steps": 1, "batch_size": 2, "max_steps": 4, "save_every_steps": 2,
-         "eval_every_steps": 2, "log_every_steps": 1, **train}
+         "eval_every_steps": 2, "log_every_steps": 1,
+         # The accept figures' decoding (EAGLE-3 measures it at every evaluation) kept short: tests/test_train_accept.py
+         # checks those figures; here they only have to be written.
+         "accept_prompts": 2, "accept_max_new_tokens": 16, **train}
     return build_recipe({"base": {"name_or_path": str(base_dir), "dtype": "float32"}, **KINDS[kind],
                          "data": {"path": str(data), "max_len": 64, "eval_size": 4},
                          "train": t, "output_dir": str(out)})
