@@ -426,8 +426,16 @@ class Eagle3Drafter(Drafter):
             self._commit_entries(feats, nxt, ok)
             self.pending = None
         path = self.decode_path or {}
-        draft = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
-        return self._rerank(*draft(root, full=bool(path.get("static"))))
+        tree = compiled_method(self, "_tree", path["compile"]) if path.get("compile") else self._tree
+        tokens, parents, depth, ancestors = tree(root, full=bool(path.get("static")))
+        return Proposal(tokens, TreeView(parents, depth, torch.ones_like(parents, dtype=torch.bool), ancestors))
+
+    def _tree(self, root: torch.Tensor, full: bool = False):
+        """The step's tree: drafted, reranked and viewed (tokens, parents, depths, ancestors), tensor operations only:
+        on the compiled path one graph."""
+        tokens, parents = self._rerank(*self._draft(root, full))
+        view = TreeView.of_parents(parents, check=False, max_depth=self.depth)
+        return tokens, view.parents, view.depth, view.ancestors
 
     def _draft(self, root: torch.Tensor, full: bool = False):
         """The dynamic tree's candidates: (tokens, parents, depths, scores) [B, n] of every drafted node, root
@@ -490,7 +498,7 @@ class Eagle3Drafter(Drafter):
             n_nodes += child_tok.shape[1]
         return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1)
 
-    def _rerank(self, tok, par, dep, scr) -> Proposal:
+    def _rerank(self, tok, par, dep, scr) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed), in
         (depth, node) order, on the device for all rows at once: ties go to the shallower, then the earlier node."""
         B, n = tok.shape
@@ -508,7 +516,7 @@ class Eagle3Drafter(Drafter):
         parents = new.gather(1, par.gather(1, order).clamp(min=0))
         parents[:, 0] = -1
         # Ordered by construction: (depth, node) order, and a node's parent is kept before it (prefix-closed).
-        return Proposal(tok.gather(1, order), TreeView.of_parents(parents, check=False, max_depth=self.depth))
+        return tok.gather(1, order), parents
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
