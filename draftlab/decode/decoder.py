@@ -84,6 +84,7 @@ class Verifier:
         self.decide = decide if backend is None else compiled_function(decide, backend, self.device.type)
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
+        self.live_host = [True] * len(prompts)  # the same on the host (rows end on the host, in _emit)
         self.prompts = prompts
 
     def prefill(self) -> tuple[PromptState, torch.Tensor]:
@@ -167,11 +168,16 @@ class Verifier:
         res.time_s["verify"] += t3 - t2
         res.time_s["accept"] += t4 - t3
         return StepResult(tokens, paths, keep, keep_valid, length - 1, kept_pos, valid_before, bonus, live.clone(), hidden,
-                          time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3})
+                          time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
+                          host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host))
 
     @property
     def done(self) -> bool:
-        return not bool(self.live.any())
+        return not any(self.live_host)
+
+    def _end(self, b: int) -> None:
+        self.live[b] = False
+        self.live_host[b] = False
 
     def _emit(self, b: int, new: list[int]) -> int:
         """Append committed tokens to row b, ending the row at EOS, max_new_tokens or a stop match;
@@ -182,16 +188,16 @@ class Verifier:
         for i, t in enumerate(new):
             if t in self.eos:
                 new = new[: i + 1]
-                self.live[b] = False
+                self._end(b)
                 break
         out.extend(new)
         if self.stop is not None:
             cut = self.stop(b, out)
             if cut is not None:
                 del out[max(cut, 0):]
-                self.live[b] = False
+                self._end(b)
         if len(out) >= self.max_new:
-            self.live[b] = False
+            self._end(b)
         if self.on_tokens is not None and len(out) > before:
             self.on_tokens(b, out[before:])
         return max(len(out) - before, 0)

@@ -72,6 +72,23 @@ class StepResult:
     # ensemble member whose tree covered only part of the accepted path gets the rest here, per row.
     extra: list[list[int]] | None = None
     time_s: dict = field(default_factory=dict)  # this step's draft / verify / accept seconds (adaptive drafters)
+    # Host copies the decoder already made (its one device-to-host copy per step): each row's tokens along `paths`
+    # and `live` as a list. Drafters read them through path_tokens() / live_rows(), which copy once if absent.
+    host_tokens: list[list[int]] | None = None
+    host_live: list[bool] | None = None
+
+    def path_tokens(self) -> list[list[int]]:
+        """Each row's tokens along its path (root first), on the host."""
+        if self.host_tokens is None:
+            tok = self.tokens.tolist()
+            self.host_tokens = [[tok[b][n] for n in p] for b, p in enumerate(self.paths)]
+        return self.host_tokens
+
+    def live_rows(self) -> list[bool]:
+        """`live` on the host."""
+        if self.host_live is None:
+            self.host_live = self.live.tolist()
+        return self.host_live
 
 
 class Drafter(ABC):

@@ -306,8 +306,11 @@ class EnsembleDrafter(Drafter):
         self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
         self.props = [m.propose(root) if on else None for m, on in zip(self.members, self.on)]
         t1 = time.perf_counter()
-        rows = [self._merge_row(b, int(root[b])) if self.mode == "merge" else self._vote_row(b, int(root[b]))
-                for b in range(root.shape[0])]
+        # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
+        self.host = [None if p is None else (p.view.parents.tolist(), p.view.valid.tolist(), p.tokens.tolist())
+                     for p in self.props]
+        rows = [self._merge_row(b, r) if self.mode == "merge" else self._vote_row(b, r)
+                for b, r in enumerate(root.tolist())]
         self.owners = [r["owners"] for r in rows]
         self.winners = [r.get("winner") for r in rows]
         prop = padded_proposal([(r["tokens"], r["parents"]) for r in rows], root.device)
@@ -327,8 +330,7 @@ class EnsembleDrafter(Drafter):
 
     def _member_nodes(self, m: int, b: int) -> list[tuple[int, int, int]]:
         """(node, parent, token) of member m's valid nodes in row b, in node order (root excluded)."""
-        p = self.props[m]
-        par, ok, tok = p.view.parents[b].tolist(), p.view.valid[b].tolist(), p.tokens[b].tolist()
+        par, ok, tok = (x[b] for x in self.host[m])
         return [(i, par[i], tok[i]) for i in range(1, len(par)) if ok[i]]
 
     def _merge_row(self, b: int, root: int) -> dict:
@@ -395,11 +397,12 @@ class EnsembleDrafter(Drafter):
                 tables.append(p.q)
                 off += p.q.shape[1]
         q_index = torch.full((len(rows), N), -1, dtype=torch.long)
+        member_qi = {m: self.props[m].q_index.tolist() for m in offsets}
         for b, r in enumerate(rows):
             for n, own in enumerate(r["owners"][1:], start=1):
                 (m, i), = own.items()  # sampled drafts are never shared between members
                 if m in offsets:
-                    q_index[b, n] = offsets[m] + int(self.props[m].q_index[b, i])
+                    q_index[b, n] = offsets[m] + member_qi[m][b][i]
         return torch.cat(tables, dim=1), q_index.to(device)
 
     # --- following the text -------------------------------------------------------------------------------
@@ -407,8 +410,8 @@ class EnsembleDrafter(Drafter):
         t0 = time.perf_counter()
         inside = 0.0
         gains: list[float | None] = [None] * len(self.members)
+        committed, live = step.path_tokens(), step.live_rows()
         for m, member in enumerate(self.members):
-            committed = [[int(step.tokens[b, n]) for n in path] for b, path in enumerate(step.paths)]
             if self.props[m] is None:
                 t1 = time.perf_counter()
                 member.follow(committed)
@@ -424,10 +427,11 @@ class EnsembleDrafter(Drafter):
                 paths.append(own)
                 extra.append(committed[b][len(own):])
             t1 = time.perf_counter()
-            member.commit(replace(step, tokens=self.props[m].tokens, paths=paths, extra=extra))
+            member.commit(replace(step, tokens=self.props[m].tokens, paths=paths, extra=extra,
+                                  host_tokens=[c[:len(p)] for c, p in zip(committed, paths)]))
             inside += time.perf_counter() - t1
-            live = [b for b in range(len(paths)) if bool(step.live[b])] or list(range(len(paths)))
-            gains[m] = sum(len(paths[b]) - 1 for b in live) / len(live)
+            rows = [b for b in range(len(paths)) if live[b]] or list(range(len(paths)))
+            gains[m] = sum(len(paths[b]) - 1 for b in rows) / len(rows)
         if self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
@@ -437,7 +441,7 @@ class EnsembleDrafter(Drafter):
 
     def _after_vote(self, step: StepResult) -> None:
         """Once per verified batch: the winners' weights (VoteWeights) and the adaptive length."""
-        rows = [b for b in range(len(step.paths)) if bool(step.keep_valid[b, 0])]  # rows verified in this step
+        rows = [b for b, v in enumerate(step.keep_valid[:, 0].tolist()) if v]  # rows verified in this step
         if not rows:
             return
         won: dict[int, tuple[int, int]] = {}

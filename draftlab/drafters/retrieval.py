@@ -116,10 +116,11 @@ class LookupDrafter(Drafter):
         return padded_proposal(rows, self.device)
 
     def commit(self, step: StepResult) -> None:
-        for b, path in enumerate(step.paths):
-            if bool(step.live[b]):
+        live, toks = step.live_rows(), step.path_tokens()
+        for b in range(len(step.paths)):
+            if live[b]:
                 start = len(self.text.seqs[b])
-                self.text.seqs[b] += [int(step.tokens[b, n]) for n in path]
+                self.text.seqs[b] += toks[b]
                 self.text.seqs[b] += step.extra[b] if step.extra is not None else []
                 self.text.add(b, start)
 

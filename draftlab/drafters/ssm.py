@@ -228,20 +228,19 @@ class SSMDrafter(Drafter):
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
         B, dev = root.shape[0], self.device
-        # 1. Feed what was committed since the last step (an accepted leaf, tokens other drafters proposed, the root),
-        # left-padded.
-        feed = [p + [int(r)] for p, r in zip(self.pending, root.tolist())]
-        P = max(len(f) for f in feed)
+        # 1. Feed what was committed since the last step (an accepted leaf, tokens other drafters proposed: host lists),
+        # then the root (on the device), left-padded: one host-to-device copy, no sync.
+        P = 1 + max(len(p) for p in self.pending)
         if self.decode_path and self.decode_path.get("static"):
             # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
             # more (an ensemble's other members' tokens), so the compiled forward sees one shape, not one per width.
             self.feed_width = P = max(P, self.feed_width)
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        ok = torch.zeros(B, P, dtype=torch.bool, device=dev)
-        for b, f in enumerate(feed):
-            ids[b, P - len(f):] = torch.tensor(f, device=dev)
-            ok[b, P - len(f):] = self.live[b]  # a finished row's tokens are fed as holes
-        logits = self.target.append(ids, ok).logits[:, -1:]  # [B, 1, V] at the root
+        pad = [P - 1 - len(p) for p in self.pending]
+        head = torch.tensor([[0] * n + p for n, p in zip(pad, self.pending)], dtype=torch.long)
+        # A finished row's tokens are fed as holes.
+        okh = torch.tensor([[False] * n + [live] * (P - n) for n, live in zip(pad, self.live)], dtype=torch.bool)
+        ids = torch.cat([head.view(B, P - 1).to(dev, non_blocking=True), root[:, None]], 1)
+        logits = self.target.append(ids, okh.to(dev, non_blocking=True)).logits[:, -1:]  # [B, 1, V] at the root
         self.start = self.target.length
         # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
         # have children of their own. Logits of depth d's nodes are in level order (the root's for d = 0).
@@ -269,23 +268,23 @@ class SSMDrafter(Drafter):
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
-        B, dev = step.keep.shape[0], self.device
         # Tentative slots hold the forwarded tree nodes; keep those on the accepted path (all of it but a
-        # leaf at its end), in order. The root was committed when it was fed.
+        # leaf at its end), in order. The root was committed when it was fed. The paths and the rows' liveness
+        # are the decoder's host copies; the slots to keep go to the device in one copy.
+        live, toks = step.live_rows(), step.path_tokens()
         kept, self.pending = [], []
         for b, path in enumerate(step.paths):
             nodes = path[1:]
-            in_cache = [self.slot[n] for n in nodes if n in self.slot]
-            kept.append(in_cache)
-            leaf = [int(step.tokens[b, nodes[-1]])] if nodes and nodes[-1] not in self.slot else []
+            kept.append([self.slot[n] for n in nodes if n in self.slot])
+            leaf = toks[b][-1:] if nodes and nodes[-1] not in self.slot else []
             extra = step.extra[b] if step.extra is not None else []
-            self.pending.append(leaf + extra if bool(step.live[b]) else [])
-        self.live = step.live.tolist()
+            self.pending.append(leaf + extra if live[b] else [])
+        self.live = live
         M = max((len(k) for k in kept), default=0)
-        keep = torch.zeros(B, M, dtype=torch.long, device=dev)
-        keep_valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
-        for b, k in enumerate(kept):
-            keep[b, : len(k)] = torch.tensor(k, dtype=torch.long, device=dev)
-            keep_valid[b, : len(k)] = bool(step.live[b])
-        self.target.keep(self.start, keep, keep_valid, in_place=all(k == list(range(len(k))) for k in kept))
+        keep = torch.tensor([k + [0] * (M - len(k)) for k in kept], dtype=torch.long).view(len(kept), M)
+        keep_valid = torch.tensor([[live[b]] * len(k) + [False] * (M - len(k)) for b, k in enumerate(kept)],
+                                  dtype=torch.bool).view(len(kept), M)
+        self.target.keep(self.start, keep.to(self.device, non_blocking=True),
+                         keep_valid.to(self.device, non_blocking=True),
+                         in_place=all(k == list(range(len(k))) for k in kept))
 
