@@ -102,9 +102,12 @@ def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, 
         assert torch.allclose(a, b, atol=1e-9) and torch.allclose(a, c, atol=1e-9)
 
 
-def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation():
+@pytest.mark.parametrize("window_min", [256, 4])
+def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation(window_min, monkeypatch):
     """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal
-    the dynamic cache's at every step, also after its buffers filled and the rows' slots were moved together."""
+    the dynamic cache's at every step, also after its buffers filled and the rows' slots were moved together.
+    window_min 4: the forwards attend over 16, then 32 of the 32 slots as the text grows (256: all 32)."""
+    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
     base = tiny_llama(vocab=32, seed=2)
     B, L = 3, 5
     ids = torch.randint(0, 32, (B, L), generator=torch.Generator().manual_seed(0))
@@ -115,7 +118,7 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
         a, _ = dyn.prefill(ids, valid)
         b, _ = st.prefill(ids, valid)
         assert torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
-        defragmented = False
+        defragmented, windows = False, set()
         for step in range(10):
             tree = Tree.expansion([2, 1])
             view = TreeView.of_static(tree.buffers(), B)
@@ -123,6 +126,7 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
             n_before = st.length
             a = dyn.forward(tokens, view.ancestors, view.depth).logits
             b = st.forward(tokens, view.ancestors, view.depth).logits
+            windows.add(st.window)
             defragmented |= st.length < n_before
             assert torch.allclose(a, b, atol=1e-10), step
             paths = [[0, 2, 4] if b == step % B else [0] for b in range(B)]  # one row takes a side branch
@@ -134,10 +138,13 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
             st.keep(st.length, keep, kv)
             assert torch.equal(dyn.next_pos, st.next_pos)
         assert defragmented  # 5 + 10 steps x 3 slots do not fit in 32 without moving the holes out
+        assert windows == ({32} if window_min == 256 else {16, 32})
 
 
-def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for():
-    """A drafter sizes its own cache from the prompt alone; past that the buffers double, contents kept."""
+def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(monkeypatch):
+    """A drafter sizes its own cache from the prompt alone; past that the buffers double, contents kept (and the
+    attention window follows the text: 8 slots first, then 16, 32)."""
+    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", 8)
     base = tiny_llama(vocab=32, seed=3)
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     valid = torch.ones(2, 6, dtype=torch.bool)

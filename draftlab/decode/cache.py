@@ -9,6 +9,8 @@ ancestors) and explicit positions; `keep` then moves the accepted ones into plac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -168,15 +170,48 @@ def slot_cache(model, batch: int, length: int, path: dict | None):
     return StaticSlotCache(model, batch, static_slots(length), forward)
 
 
+WINDOW_MIN = 256  # the smallest attention window (slots)
+
+
+def attention_window(need: int, max_len: int) -> int:
+    """The slots a forward attends over when the first `need` slots are all it can see: the smallest power of two
+    times WINDOW_MIN that holds them (at most max_len). A few window sizes per cache, so a few compiled shapes."""
+    w = WINDOW_MIN
+    while w < need:
+        w *= 2
+    return min(w, max_len)
+
+
+@functools.cache
+def _window_layer():
+    """transformers' StaticLayer whose update returns only the first `window` slots (all of them when window is
+    None): attention then costs what the text written so far needs, not the whole preallocated buffer. One class
+    per process (compiled graphs are guarded on their objects' classes)."""
+    from transformers.cache_utils import StaticLayer
+
+    class WindowLayer(StaticLayer):
+        window: int | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            w = self.window
+            return (keys, values) if w is None or w >= keys.shape[2] else (keys[:, :, :w], values[:, :, :w])
+
+    return WindowLayer
+
+
 class StaticSlotCache:
     """SlotCache's contract on preallocated buffers, so every verify forward has one shape.
 
     The KV cache is transformers' StaticCache of `max_len` slots per row; `valid` [B, max_len] marks the slots
     a row may attend to (committed tokens; the rest are holes or not yet written). A forward over N tree tokens
-    writes slots [length, length + N) in place and attends through a [B, 1, N, max_len] mask, so its shapes
-    depend on (B, N, max_len) only, never on how far decoding got: one compiled graph (and on a GPU one CUDA
-    graph) serves every step. `keep` moves the accepted slots into place inside the buffers (a gather and a
-    write of at most N slots per layer) and rewinds the write pointer.
+    writes slots [length, length + N) in place and attends through a [B, 1, N, W] mask over the first W slots (the
+    attention window: attention_window of the slots written so far, a power of two times 256), so its shapes depend
+    on (B, N, W) only, never on how far decoding got within a window: one compiled graph (and on a GPU one CUDA
+    graph) per window size serves every step. Attending over the window rather than the whole buffer matters where
+    attention is a large part of a forward (a small base on a CPU: a 60-token verify over 512 slots spends most of
+    its time in attention). `keep` moves the accepted slots into place inside the buffers (a gather and a write of
+    at most N slots per layer) and rewinds the write pointer.
 
     forward: the callable that runs the model's verify forwards (the model itself, or a torch.compile of it);
     the prefill (one varying shape per batch) always runs the model eagerly.
@@ -190,6 +225,13 @@ class StaticSlotCache:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        window_layer = _window_layer()
+        # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones) keeps
+        # attending over the whole buffer: one mask serves all its layers.
+        self.windowed = all(type(l).__name__ == "StaticLayer" for l in self.cache.layers)
+        if self.windowed:
+            self.cache.layers = [window_layer(max_len) for _ in self.cache.layers]
+        self.window = max_len  # the slots the next forward attends over (see _set_window)
         self.slots = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)  # valid slots
         self.n = 0  # slots committed (holes included); tentative slots start here
         self.tentative = 0  # slots written since the last keep
@@ -244,11 +286,21 @@ class StaticSlotCache:
         for layer in self._layers():
             layer.cumulative_length.fill_(self.n)
 
+    def _set_window(self, need: int) -> None:
+        """Attend over the window holding the first `need` slots in the next forward. The window is an attribute of
+        the cache object (StaticCache.window), so a compiled forward's call signature holds it (decode.compiled)."""
+        self.window = attention_window(need, self.max_len) if self.windowed else self.max_len
+        self.cache.window = self.window
+        for layer in self.cache.layers:
+            if hasattr(layer, "window"):
+                layer.window = self.window
+
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """allowed [B, N, T] over the tentative slots (the T last written, these N included) -> the additive
-        [B, 1, N, max_len] mask: committed valid slots, the allowed tentative ones, nothing else."""
+        [B, 1, N, window] mask: committed valid slots, the allowed tentative ones, nothing else."""
         B, N, T = allowed.shape
-        full = torch.zeros(B, N, self.max_len, dtype=torch.bool, device=self.device)
+        self._set_window(self.n + T)
+        full = torch.zeros(B, N, self.window, dtype=torch.bool, device=self.device)
         full[:, :, : self.n] = self.slots[:, None, : self.n]
         full[:, :, self.n: self.n + T] = allowed
         mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)

@@ -33,7 +33,8 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 def _signature(x, depth: int = 0):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
     (their values are the graph's inputs); plain values by value; containers item by item; other objects (a KV
-    cache, a module) by type and identity, a KV cache with its length (StaticSlotCache grows its buffers in place)."""
+    cache, a module) by type and identity, a KV cache with its length and attention window (StaticSlotCache grows its
+    buffers in place and attends over a window of them)."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
     if isinstance(x, _PLAIN):
@@ -46,7 +47,7 @@ def _signature(x, depth: int = 0):
         return tuple((k, _signature(v, depth + 1)) for k, v in x.items())
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
-    return (type(x).__name__, id(x), getattr(x, "max_cache_len", None))
+    return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
 
 
 def _held(obj):
