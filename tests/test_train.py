@@ -28,10 +28,7 @@ KINDS = {"medusa": MEDUSA, "ssm": SSM, "eagle3": EAGLE3, "medusa2": MEDUSA2, "df
 
 def recipe(base_dir, data, out, kind="medusa", **train):
     t = {"lr": 1e-2, "warmup_steps": 1, "batch_size": 2, "max_steps": 4, "save_every_steps": 2,
-         "eval_every_steps": 2, "log_every_steps": 1,
-         # The accept figures' decoding (EAGLE-3 measures it at every evaluation) kept short: tests/test_train_accept.py
-         # checks those figures; here they only have to be written.
-         "accept_prompts": 2, "accept_max_new_tokens": 16, **train}
+         "eval_every_steps": 2, "log_every_steps": 1, **train}
     return build_recipe({"base": {"name_or_path": str(base_dir), "dtype": "float32"}, **KINDS[kind],
                          "data": {"path": str(data), "max_len": 64, "eval_size": 4},
                          "train": t, "output_dir": str(out)})
@@ -50,19 +47,22 @@ def weights(out: Path) -> dict:
 
 @pytest.mark.parametrize("kind", ["medusa", "ssm", "eagle3", "medusa2", "dflash"])
 def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path, kind):
-    straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind))
+    # The accept figures' decoding (EAGLE-3 measures it at every evaluation) kept short: tests/test_train_accept.py
+    # checks those figures; here they only have to be the same on both runs.
+    short = {"accept_prompts": 2, "accept_max_new_tokens": 16}
+    straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind, **short))
     assert straight["finished"] and straight["step"] == 4
-    first = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind), stop_after_steps=2)
+    first = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind, **short), stop_after_steps=2)
     assert not first["finished"] and (tmp_path / "b" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
     assert not (tmp_path / "b" / "export").exists()
-    resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind))
+    resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind, **short))
     assert resumed["finished"]
     wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
     # The draft actually moved away from its initialisation.
-    fresh = train(recipe(tiny_base_dir, data_file, tmp_path / "c", kind, max_steps=1, lr=1e-9))
+    fresh = train(recipe(tiny_base_dir, data_file, tmp_path / "c", kind, max_steps=1, lr=1e-9, **short))
     w0 = weights(tmp_path / "c")
     assert fresh["finished"] and any((wa[k] - w0[k]).abs().max() > 1e-4 for k in wa)
 
