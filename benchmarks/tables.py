@@ -533,6 +533,7 @@ TABLES = {
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
+    "compiled_all_kinds": ("compiled_all_kinds", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
 }
 
