@@ -164,6 +164,26 @@ def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(mon
     assert st.max_len >= 6 + 4 * 3 and st.cache.layers[0].keys.shape[2] == st.max_len
 
 
+@pytest.mark.parametrize("kind", ["ssm", "hydra++"])
+def test_later_runs_reuse_the_static_caches_and_give_the_eager_tokens(kind):
+    """A decoder's next run empties and reuses its last static cache (and the drafter its own), so CUDA graphs
+    recorded against their buffers stay valid; a batch of another size gets caches of its own."""
+    base = peaked()
+    d = drafter(kind, base)
+    dec = SpeculativeDecoder(base, d, static=True)
+    own = (lambda: d.target) if kind == "ssm" else (lambda: d.static)  # the drafter's own static cache
+    dec.generate([[1, 5, 7, 9, 5, 7]], max_new_tokens=30)  # a long first run: later ones reuse what it wrote over
+    first, first_own = dec._cache, own()
+    eager = SpeculativeDecoder(base, drafter(kind, base))
+    for prompts in ([[1, 3]], [[1, 8, 8, 3, 6]]):
+        got = dec.generate(prompts, max_new_tokens=21).tokens
+        assert dec._cache is first and own() is first_own
+        assert got == eager.generate(prompts, max_new_tokens=21).tokens
+    two = [[1, 3], [1, 2, 3, 4]]
+    assert dec.generate(two, max_new_tokens=21).tokens == eager.generate(two, max_new_tokens=21).tokens
+    assert dec._cache is not first and dec._cache.batch == 2
+
+
 def test_an_ssm_drafter_keeps_a_static_cache_on_the_compiled_path():
     base = peaked()
     d = drafter("ssm", base)

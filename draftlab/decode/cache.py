@@ -156,10 +156,11 @@ def static_slots(n: int) -> int:
     return -(-n // 256) * 256
 
 
-def slot_cache(model, batch: int, length: int, path: dict | None):
+def slot_cache(model, batch: int, length: int, path: dict | None, reuse=None):
     """The KV cache a model decodes with on the decoder's path: a SlotCache on the eager path (path None or not
     static); on the static-shape path a StaticSlotCache of `length` slots (rounded up to 256, grown if needed)
-    whose tree forwards run through the model's compiled forward when path["compile"] names a backend."""
+    whose tree forwards run through the model's compiled forward when path["compile"] names a backend. reuse: the
+    caller's cache of its previous run, emptied and returned when it fits (see static_slot_cache)."""
     if not path or not path.get("static"):
         return SlotCache(model)
     forward = None
@@ -167,7 +168,19 @@ def slot_cache(model, batch: int, length: int, path: dict | None):
         from .compiled import compiled_forward
 
         forward = compiled_forward(model, path["compile"])
-    return StaticSlotCache(model, batch, static_slots(length), forward)
+    return static_slot_cache(model, batch, static_slots(length), forward, reuse)
+
+
+def static_slot_cache(model, batch: int, size: int, forward=None, reuse=None) -> "StaticSlotCache":
+    """A StaticSlotCache of at least `size` slots: `reuse` (the caller's cache of its previous run) emptied, when it
+    is one for the same model, forward and batch size with as many slots or more; else a new one. Reusing keeps the
+    buffers (and their addresses: CUDA graphs are recorded against them, so a new cache per run would re-record
+    every graph, and past torch's limit of 128 re-records the graphs would no longer be used)."""
+    if (isinstance(reuse, StaticSlotCache) and reuse.model is model and reuse.run is (forward or model)
+            and reuse.batch == batch and reuse.max_len >= size):
+        reuse.reset()
+        return reuse
+    return StaticSlotCache(model, batch, size, forward)
 
 
 WINDOW_MIN = 256  # the smallest attention window (slots)
@@ -244,6 +257,18 @@ class StaticSlotCache:
     @property
     def valid(self) -> torch.Tensor:
         return self.slots[:, : self.n]
+
+    @property
+    def batch(self) -> int:
+        return self.slots.shape[0]
+
+    def reset(self) -> None:
+        """Empty, for another run: no slot is valid and writing starts at slot 0 (the buffers are kept; what they
+        hold is never attended to again)."""
+        self.slots.zero_()
+        self.n, self.tentative, self.next_pos = 0, 0, None
+        for layer in self._layers():
+            layer.cumulative_length.zero_()
 
     def _layers(self):
         return [l for l in self.cache.layers if getattr(l, "is_initialized", False)]

@@ -21,7 +21,7 @@ from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, typical_decision, warp
 from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
-                    compact_cache, static_slots)
+                    compact_cache, static_slot_cache, static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 
@@ -71,13 +71,14 @@ class Verifier:
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
-                 forward=None):
+                 forward=None, cache=None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
-        (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base)."""
+        (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
+        cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
-        self.static_nodes, self.forward = static_nodes, forward
+        self.static_nodes, self.forward, self.target = static_nodes, forward, cache
         self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
         self.device = base.get_output_embeddings().weight.device
         backend = getattr(forward, "backend", None)  # a compiled verify forward: acceptance compiles alike
@@ -100,7 +101,7 @@ class Verifier:
             valid[b, L - len(p):] = True
         if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away)
             size = static_slots(L + self.max_new + 2 * self.static_nodes)
-            self.target = StaticSlotCache(self.base, B, size, self.forward)
+            self.target = static_slot_cache(self.base, B, size, self.forward, reuse=self.target)
         else:
             self.target = SlotCache(self.base)
         out, pos = self.target.prefill(ids, valid, hidden=bool(self.layers))
@@ -338,9 +339,11 @@ class SpeculativeDecoder:
         drafter = self.drafter
         drafter.decode_path = {"static": self.static, "compile": self.forward.backend if self.forward else None}
         drafter_gen = None if generator is None else derived_generator(generator, "drafter")
+        # The static path reuses the last run's cache (one at a time: generate is not re-entrant per decoder).
+        cache, self._cache = getattr(self, "_cache", None), None
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,
-                            static_nodes=drafter.max_nodes if self.static else None, forward=self.forward)
+                            static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)
@@ -357,4 +360,6 @@ class SpeculativeDecoder:
             root = step.bonus
             sync_device(self.device)
             verifier.res.time_s["commit"] += time.perf_counter() - t4
+        if self.static:
+            self._cache = verifier.target
         return verifier.res

@@ -209,7 +209,8 @@ class SSMDrafter(Drafter):
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
         # On the static path: room for the prompt and 256 more slots (rounded up to 256), grown when needed.
-        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path)
+        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path,
+                                 reuse=self.target)
         self.target.prefill(prompt.ids, prompt.valid)
         B = prompt.ids.shape[0]
         self.pending = [[] for _ in range(B)]  # committed tokens not yet in the SSM's cache, per row

@@ -204,6 +204,7 @@ class DraftPipeline:
         forwards through the base's compiled forward, trees padded to the drafter's max_nodes, and the drafter's
         own forwards on its static path. The first run compiles; warm up with a short run before timing."""
         self.base, self.timeout_s, self.seed, self.runs = base, timeout_s, seed, 0
+        self.free_caches: list = []  # static path: finished groups' caches, for the next groups (static_slot_cache)
         self.device = base.get_output_embeddings().weight.device
         self.forward, path = None, None
         if compile:
@@ -263,8 +264,10 @@ class DraftPipeline:
         def open_group() -> None:
             idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
             cursor["prompt"] += len(idx)
+            free = self.free_caches
             v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen,
-                         static_nodes=self.max_nodes if self.forward else None, forward=self.forward)
+                         static_nodes=self.max_nodes if self.forward else None, forward=self.forward,
+                         cache=free.pop() if free else None)
             prompt, root = v.prefill()
             g = cursor["group"]
             open_groups[g] = (v, idx, root.cpu())
@@ -292,6 +295,8 @@ class DraftPipeline:
                 if v.done:
                     _send(self.inbox, ("end", run, g))
                     del open_groups[g]
+                    if self.forward:
+                        self.free_caches.append(v.target)
                     for i, toks in zip(idx, v.res.tokens):
                         res.tokens[i] = toks
                     res.steps += v.res.steps

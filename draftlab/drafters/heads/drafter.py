@@ -53,7 +53,7 @@ class HeadsDrafter(Drafter):
 
     def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
-        self.static = None
+        previous, self.static = getattr(self, "static", None), None
         if not self.prefix:
             self.hidden = hidden[:, -1]
             return
@@ -66,7 +66,7 @@ class HeadsDrafter(Drafter):
             if getattr(self, "_prefix_model", None) is None:
                 self._prefix_model = PrefixModel(self.heads)
             B, L = prompt.valid.shape
-            self.static = slot_cache(self._prefix_model, B, L + 256, self.decode_path)
+            self.static = slot_cache(self._prefix_model, B, L + 256, self.decode_path, reuse=previous)
             self.hidden = self.static.prefill(hidden, prompt.valid)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
