@@ -534,6 +534,7 @@ TABLES = {
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
     "compiled_all_kinds": ("compiled_all_kinds", compiled),
+    "block_drafters_selfdata_full": ("block_drafters_selfdata_full", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
 }
 
