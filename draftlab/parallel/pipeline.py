@@ -285,7 +285,7 @@ class DraftPipeline:
                 _send(self.inbox, ("taken", run, rows))
                 v, idx, root = open_groups[g]
                 tokens = (packed[0] if isinstance(packed, tuple) else packed).tokens
-                live = v.live.cpu()
+                live = torch.tensor(v.live_host)
                 if not torch.equal(tokens[:, 0][live], root[live]):
                     raise PipelineError(f"a proposal for group {g} does not start at its rows' current root (a stale "
                                         "or misrouted message); refusing to verify it")
