@@ -32,31 +32,37 @@ def setup(tiny_base_dir):
     return model, prompt, ref, model.config.vocab_size
 
 
-def test_dsi_tokens_equal_plain_greedy(tiny_base_dir, setup):
+@pytest.fixture(scope="module")
+def dsi(tiny_base_dir):
+    """Three target servers, shared by the default run's greedy cases (a pool starts in a few seconds; generate
+    calls are independent)."""
+    with DSI(str(tiny_base_dir), sp=3) as pool:
+        yield pool
+
+
+def test_dsi_tokens_equal_plain_greedy(dsi, setup):
     model, prompt, ref, V = setup
-    with DSI(str(tiny_base_dir), sp=2) as dsi:
-        for a, k in ((0.0, 1), (0.6, 2), (1.0, 3), (0.9, 5)):
-            out = dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), lookahead=k)
-            assert out["tokens"] == ref, (a, k)
-            if a == 0.0:  # nothing accepted: every token is decided by a task of its own, and more are preempted
-                assert out["tasks"] >= 48 and out["tasks"] - out["preemptions"] >= 48
-            # A stretch's deciding task verified n drafts of the m * lookahead (m + 1 tasks sent), committing
-            # n + 1 <= (m + 1) * lookahead tokens.
-            assert 48 <= out["tasks"] * k
+    for a, k in ((0.0, 1), (0.6, 2), (1.0, 3), (0.9, 5)):
+        out = dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), lookahead=k)
+        assert out["tokens"] == ref, (a, k)
+        if a == 0.0:  # nothing accepted: every token is decided by a task of its own, and more are preempted
+            assert out["tasks"] >= 48 and out["tasks"] - out["preemptions"] >= 48
+        # A stretch's deciding task verified n drafts of the m * lookahead (m + 1 tasks sent), committing
+        # n + 1 <= (m + 1) * lookahead tokens.
+        assert 48 <= out["tasks"] * k
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), lookahead=3)["tokens"] == ref
 
 
-def test_dsi_ends_off_the_lookahead_grid(tiny_base_dir, setup):
+def test_dsi_ends_off_the_lookahead_grid(dsi, setup):
     """Token counts that are not a multiple of the lookahead: the drafter drafts only the n - 1 tokens the text has
     a use for (the target's token after them is the n-th) and the last task verifies them all, off the grid."""
     model, prompt, ref, V = setup
-    with DSI(str(tiny_base_dir), sp=3) as dsi:
-        for n, k in ((7, 4), (13, 5), (48, 7)):
-            out = dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
-            assert out["tokens"] == ref[:n], (n, k)
-            # One stretch: tasks at 0, k, 2k, ... drafts and at n - 1, none preempted.
-            assert out["drafts"] == n - 1 and out["tasks"] == -(-(n - 1) // k) + 1, (n, k, out)
-            assert out["preemptions"] == 0
+    for n, k in ((7, 4), (13, 5), (48, 7)):
+        out = dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
+        assert out["tokens"] == ref[:n], (n, k)
+        # One stretch: tasks at 0, k, 2k, ... drafts and at n - 1, none preempted.
+        assert out["drafts"] == n - 1 and out["tasks"] == -(-(n - 1) // k) + 1, (n, k, out)
+        assert out["preemptions"] == 0
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
@@ -187,17 +193,16 @@ def test_dsi_sampling_is_the_targets_distribution(tmp_path):
     assert wrong > df2 + 4 * (2 * df2) ** 0.5
 
 
-def test_dsi_stops_at_eos_like_hf_generate(tiny_base_dir, setup):
+def test_dsi_stops_at_eos_like_hf_generate(dsi, setup):
     """DSI ends the text at EOS (kept) as HF generate does, and at a stop match; SI likewise."""
     model, prompt, ref, V = setup
     eos = ref[5]  # pretend the 6th greedy token is the end of turn
     want = plain_generate(model, [prompt], 48, Sampling(), eos)[0][0]
     assert want == ref[:ref.index(eos) + 1]
-    with DSI(str(tiny_base_dir), sp=2) as dsi:
-        for a, k in ((0.0, 1), (1.0, 4)):
-            assert dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), k, eos_token_id=eos)["tokens"] == want
-        cut = dsi.generate(prompt, 48, oracle(prompt, ref, 1.0, V, seed=1), 4, stop=lambda _, t: 3 if len(t) >= 3 else None)
-        assert cut["tokens"] == ref[:3]
+    for a, k in ((0.0, 1), (1.0, 4)):
+        assert dsi.generate(prompt, 48, oracle(prompt, ref, a, V, seed=1), k, eos_token_id=eos)["tokens"] == want
+    cut = dsi.generate(prompt, 48, oracle(prompt, ref, 1.0, V, seed=1), 4, stop=lambda _, t: 3 if len(t) >= 3 else None)
+    assert cut["tokens"] == ref[:3]
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), 3, eos_token_id=eos)["tokens"] == want
 
 
@@ -263,9 +268,11 @@ def test_dsi_failed_start_leaks_no_server(tmp_path):
 
     from draftlab.parallel.dsi import DSIError
 
+    servers = lambda: {p.pid for p in mp.active_children() if p.name.startswith("dsi-server")}  # noqa: E731
+    before = servers()  # another test's shared pool may be running in this worker
     with pytest.raises(DSIError, match="(?s)target server.*Traceback"):
         DSI(str(tmp_path / "no-such-model"), sp=2)
-    assert not [p for p in mp.active_children() if p.name.startswith("dsi-server")]
+    assert servers() <= before
 
 
 @pytest.fixture(scope="module")
