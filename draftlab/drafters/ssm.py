@@ -240,7 +240,7 @@ class SSMDrafter(Drafter):
         head = torch.tensor([[0] * n + p for n, p in zip(pad, self.pending)], dtype=torch.long)
         # A finished row's tokens are fed as holes.
         okh = torch.tensor([[False] * n + [live] * (P - n) for n, live in zip(pad, self.live)], dtype=torch.bool)
-        ids = torch.cat([head.view(B, P - 1).to(dev, non_blocking=True), root[:, None]], 1)
+        ids = torch.cat([head.to(dev, non_blocking=True), root[:, None]], 1)
         logits = self.target.append(ids, okh.to(dev, non_blocking=True)).logits[:, -1:]  # [B, 1, V] at the root
         self.start = self.target.length
         # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
@@ -282,9 +282,9 @@ class SSMDrafter(Drafter):
             self.pending.append(leaf + extra if live[b] else [])
         self.live = live
         M = max((len(k) for k in kept), default=0)
-        keep = torch.tensor([k + [0] * (M - len(k)) for k in kept], dtype=torch.long).view(len(kept), M)
+        keep = torch.tensor([k + [0] * (M - len(k)) for k in kept], dtype=torch.long)
         keep_valid = torch.tensor([[live[b]] * len(k) + [False] * (M - len(k)) for b, k in enumerate(kept)],
-                                  dtype=torch.bool).view(len(kept), M)
+                                  dtype=torch.bool)
         self.target.keep(self.start, keep.to(self.device, non_blocking=True),
                          keep_valid.to(self.device, non_blocking=True),
                          in_place=all(k == list(range(len(k))) for k in kept))

@@ -264,10 +264,9 @@ class DraftPipeline:
         def open_group() -> None:
             idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
             cursor["prompt"] += len(idx)
-            free = self.free_caches
             v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen,
                          static_nodes=self.max_nodes if self.forward else None, forward=self.forward,
-                         cache=free.pop() if free else None)
+                         cache=self.free_caches.pop() if self.free_caches else None)
             prompt, root = v.prefill()
             g = cursor["group"]
             open_groups[g] = (v, idx, root.cpu())

@@ -34,7 +34,7 @@ class HeadsDrafter(Drafter):
         self.fill = self._fill_medusa if heads.kind == "medusa" else self._fill_hydra
         self.prefix = getattr(heads, "prefix_layer", None) is not None
         self.views: dict[int, TreeView] = {}
-        self.hidden = self.cache = None
+        self.hidden = self.cache = self.static = None
 
     @property
     def max_nodes(self) -> int:
@@ -53,7 +53,7 @@ class HeadsDrafter(Drafter):
 
     def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
-        previous, self.static = getattr(self, "static", None), None
+        previous, self.static = self.static, None  # previous: reused on the static path
         if not self.prefix:
             self.hidden = hidden[:, -1]
             return
