@@ -55,10 +55,13 @@ def drafter(kind: str, base):
     if kind == "ensemble":
         return EnsembleDrafter([SSMDrafter(near(base), Tree.expansion([1, 2])), SSMDrafter(near(base, 0.4, 2),
                                 Tree.chain(3)), LookupDrafter(num_tokens=2)], mode="merge", node_budget=8)
+    if kind == "ensemble-grouped":  # three SSMs of one shape and tree: one grouped model
+        return EnsembleDrafter([SSMDrafter(near(base, 0.2, s), Tree.expansion([1, 2])) for s in (1, 2, 3)]
+                               + [LookupDrafter(num_tokens=2)], mode="merge", node_budget=8)
     return LookupDrafter(num_tokens=3)
 
 
-KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "lookup"]
+KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "ensemble-grouped", "lookup"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -42,6 +42,81 @@ def test_ensembles_are_exact(seed, mode, budget):
             assert max(res.tree_sizes) == 1 + 5
 
 
+@pytest.mark.parametrize("mode,budget", [("merge", 64), ("merge", 5), ("vote", 0)])
+class PatternScheduler(Scheduler):
+    """Who drafts, by a fixed pattern over the steps."""
+
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def active(self):
+        on = self.pattern[self.steps % len(self.pattern)]
+        self.history.append(on)
+        return on
+
+
+@pytest.mark.parametrize("mode,budget", [("merge", 64), ("merge", 5), ("vote", 0)])
+def test_grouped_members_draft_as_they_do_one_by_one(mode, budget):
+    """Three SSMs of one shape and tree run as one grouped model (one forward per depth for all three): the same
+    trees, accepts and tokens as drafting one by one, greedy exact, with members of the group paused in some steps
+    (a paused member still drafts in the group and follows the text) and the whole group paused in others."""
+    rng = random.Random(0)
+    base = tiny_llama(seed=0)
+    lms = [tiny_llama(seed=0), tiny_llama(seed=30), tiny_llama(seed=31)]  # the base and two random ones
+    pattern = [[True] * 4, [True, False, True, True], [False, False, False, True], [False, True, False, True]]
+
+    def make(batch):
+        tree = Tree.chain(3) if mode == "vote" else Tree.expansion([2, 2])
+        return EnsembleDrafter([SSMDrafter(lm, tree) for lm in lms] + [LookupDrafter(num_tokens=3)], mode=mode,
+                               node_budget=budget, scheduler=PatternScheduler(pattern), length=3, batch_members=batch)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(2, 9))] * 2 for _ in range(3)]
+    runs = {}
+    for batch in (True, False):
+        drafter = make(batch)
+        assert len(drafter.groups) == batch
+        # After every step, the text each member follows in the live rows: tokens in its KV cache and tokens
+        # pending (a paused member one by one feeds them when it drafts again; in a group it drafts anyway).
+        ssms, state, commit = [drafter.groups[0].drafter] if batch else drafter.members[:3], [], drafter.commit
+
+        def spy(step):
+            commit(step)
+            n = torch.cat([d.target.next_pos for d in ssms]).tolist()
+            pending = [p for d in ssms for p in d.pending]
+            live = step.live_rows() * 3
+            state.append([n[r] + len(pending[r]) for r in range(len(n)) if live[r]])
+        drafter.commit = spy
+        res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=24)
+        for prompt, got in zip(prompts, res.tokens):
+            assert got == plain_greedy(base, prompt, 24), (mode, budget, batch)
+        runs[batch] = (res.tokens, res.steps, res.tree_sizes, res.accept_length, state)
+    assert runs[True] == runs[False]
+    assert runs[True][1] > len(pattern)  # every pattern was drafted with
+    assert make(True).describe()["batched_members"] == [["member0", "member1", "member2"]]
+
+
+def test_members_that_do_not_group_draft_one_by_one(monkeypatch, capsys):
+    from draftlab.drafters import ensemble as ens
+    from draftlab.drafters.ssm import GroupError, grouped_lm
+
+    def refuse(lms):
+        raise GroupError("a test's reason")
+    monkeypatch.setattr(ens, "grouped_lm", refuse)
+    base = tiny_llama(seed=0)
+    drafter = EnsembleDrafter([SSMDrafter(tiny_llama(seed=s), Tree.chain(2)) for s in (0, 5)])
+    assert drafter.groups == [] and "member0, member1 draft one by one (a test's reason)" in capsys.readouterr().err
+    res = SpeculativeDecoder(base, drafter).generate([[1, 5, 7]], max_new_tokens=12)
+    assert res.tokens[0] == plain_greedy(base, [1, 5, 7], 12)
+    # Layers without a grouped form are refused, not run wrongly.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = [GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64)) for _ in range(2)]
+    with pytest.raises(GroupError, match="no grouped form"):
+        grouped_lm(gpt2)
+    with pytest.raises(GroupError, match="differ in architecture or shape"):
+        grouped_lm([tiny_llama(seed=0), small_lm(1)])
+
+
 @pytest.mark.slow  # one sample per call; test_sampling_law checks both modes' law batched in the default run
 @pytest.mark.parametrize("mode", ["merge", "vote"])
 def test_ensemble_sampling_keeps_the_base_distribution(mode):

@@ -218,12 +218,15 @@ def test_a_kv_cache_compaction_wrong_after_a_side_branch_is_caught(monkeypatch):
 S_ENS = Sampling(temperature=1.0, top_p=0.95)
 
 
-def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge"):
+def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bool = False):
+    """grouped: both SSMs draft one tree and run as one grouped model (else their trees differ: one by one)."""
     base = peaked_base()
     a, b = near_copy(base, 0.3, seed=1, favour=(3, 7)), near_copy(base, 0.5, seed=2, favour=(0, 4), by=1.0)
-    members = [SSMDrafter(a, Tree.expansion([1, 2, 1])), SSMDrafter(b, Tree.expansion([2, 1])),
+    members = [SSMDrafter(a, Tree.expansion([1, 2, 1])), SSMDrafter(b, Tree.expansion([1, 2, 1] if grouped else [2, 1])),
                LookupDrafter(num_tokens=2)]
-    x, res, log = sample(SpeculativeDecoder(base, EnsembleDrafter(members, mode=mode, length=3)), n, k, S_ENS, seed)
+    drafter = EnsembleDrafter(members, mode=mode, length=3, batch_members=grouped)
+    assert len(drafter.groups) == grouped
+    x, res, log = sample(SpeculativeDecoder(base, drafter), n, k, S_ENS, seed)
     p = conditional_laws(base, prompts(n), x, S_ENS)
     qa, qb = (conditional_laws(m, prompts(n), x, S_ENS) for m in (a, b))
     return x, res, log, base, p, qa, qb
@@ -236,6 +239,31 @@ def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     assert_rejects(law_statistic(x, qb))
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
+
+
+@pytest.mark.parametrize("mode", ["merge", "vote"])
+def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode):
+    """The two SSMs draft as one grouped model (one generator, their rows side by side): each row's draws keep its
+    own member's q."""
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode=mode, grouped=True)
+    assert_deep_accepts(res, log, *((1.1, 0.01) if mode == "vote" else ()))
+    assert_fits(law_checks(x, p, (qa + qb) / 2))
+    if mode == "merge":
+        assert_rejects(law_statistic(x, qb))
+
+
+def test_grouped_ensemble_with_swapped_q_rows_breaks_the_law(monkeypatch):
+    """A negative control: a group that hands each member the other member's q rows (a slicing mistake)."""
+    propose_group = EnsembleDrafter._propose_group
+
+    def swapped(self, g, root):
+        propose_group(self, g, root)
+        a, b = (self.props[m] for m in g.members)
+        if a is not None and b is not None:
+            a.q, b.q = b.q, a.q
+    monkeypatch.setattr(EnsembleDrafter, "_propose_group", swapped)
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, grouped=True)
+    assert not all(c.ok for c in law_checks(x, p, (qa + qb) / 2).values())
 
 
 def test_ensemble_vote_sampling_keeps_the_law_over_several_steps():

@@ -369,8 +369,8 @@ def _load_ensemble(head: dict, export_dir: Path, base):
 
 def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
     """Members with their own default trees (or `tree` for every SSM member); mode and budget from the export,
-    overridable by keyword (mode, node_budget, length, adaptive, scheduler, and `options`: a dict of Scheduler /
-    VoteWeights / AdaptiveLength parameters, see ensemble_parts)."""
+    overridable by keyword (mode, node_budget, length, adaptive, scheduler, batch_members, and `options`: a dict of
+    Scheduler / VoteWeights / AdaptiveLength parameters, see ensemble_parts)."""
     from .ensemble import EnsembleDrafter, ensemble_parts
 
     d = {**module.decode, **{k: v for k, v in decode.items() if v is not None}}
@@ -379,7 +379,8 @@ def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
     scheduler, vote, adaptive = ensemble_parts(d.get("options") or {}, length=d.get("length", 4))
     return EnsembleDrafter(drafters, module.names, mode=d["mode"], node_budget=d["node_budget"],
                            scheduler=scheduler if d.get("scheduler", True) else None, vote=vote,
-                           adaptive=adaptive if d.get("adaptive") else None, length=d.get("length", 4))
+                           adaptive=adaptive if d.get("adaptive") else None, length=d.get("length", 4),
+                           batch_members=d.get("batch_members", True))
 
 
 ENSEMBLE = DraftKind(lambda head, base: None, _save_ensemble, _load_ensemble, _ensemble_drafter,

@@ -9,18 +9,25 @@ vote (Minions): every active member drafts a chain of s tokens; the chains form 
     taking, at each level, the heaviest child; that sequence alone is verified. Member weights follow their
     acceptance (reward / punish), and s adapts online (AdaptiveLength).
 A Scheduler decides which members draft each step, so a useless member stops costing time.
+
+Members that are small LMs of one architecture and shape drafting one tree run as one grouped model (ssm.grouped_lm):
+one forward per tree depth for all of them, their rows side by side, instead of one per member. A paused member of a
+group still drafts (its rows cost next to nothing beside the others'); its tree is left out of the merge or vote.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..decode.tree import Tree
+from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
 from .retrieval import padded_proposal
+from .ssm import GroupError, SSMDrafter, group_key, grouped_lm
 
 
 @dataclass
@@ -208,6 +215,15 @@ class AdaptiveLength:
         self.period, self.since = self.since, 0  # the trend compares the next period with this one
 
 
+@dataclass
+class MemberGroup:
+    """Ensemble members (indices) drafting as one grouped model, and this step's proposal of the whole group."""
+
+    members: list[int]
+    drafter: SSMDrafter
+    prop: Proposal | None = None
+
+
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
     them (min_share, decay, warmup, probe_every; reward_factor, punish_factor, reward_threshold,
@@ -236,7 +252,7 @@ class EnsembleDrafter(Drafter):
 
     def __init__(self, members: list[Drafter], names: list[str] | None = None, mode: str = "merge",
                  node_budget: int = 64, scheduler: Scheduler | None = None, vote: VoteWeights | None = None,
-                 adaptive: AdaptiveLength | None = None, length: int = 4):
+                 adaptive: AdaptiveLength | None = None, length: int = 4, batch_members: bool = True):
         if mode not in ("merge", "vote"):
             raise ValueError(f"ensemble mode {mode!r}: use merge or vote")
         if not members:
@@ -250,8 +266,33 @@ class EnsembleDrafter(Drafter):
         # Seconds spent in the members' own proposals and commits, and in the ensemble's bookkeeping (merging,
         # voting, weights, schedule): the latter is the ensemble's overhead.
         self.time_s = {"members": 0.0, "ensemble": 0.0}
+        self.groups: list[MemberGroup] = []
         if mode == "vote":  # every member drafts a chain: of the adaptive length, or of `length` tokens
             self._set_length(self.adaptive.s if self.adaptive is not None else length)
+        if batch_members:
+            self.groups = self._group()
+        self.grouped = {m for g in self.groups for m in g.members}
+
+    def _group(self) -> list["MemberGroup"]:
+        """Groups of two or more SSM members of one architecture, shape and tree, each run as one grouped model; a
+        set of such members whose layers do not group drafts one by one, said in one line."""
+        buckets: dict = {}
+        for m, d in enumerate(self.members):
+            if isinstance(d, SSMDrafter):
+                key = (group_key(d.lm), d.tree.paths)
+                buckets.setdefault(key, []).append(m)
+        groups = []
+        for ms in buckets.values():
+            if len(ms) < 2:
+                continue
+            try:
+                lm = grouped_lm([self.members[m].lm for m in ms])
+            except GroupError as e:
+                print(f"draftlab: ensemble members {', '.join(self.names[m] for m in ms)} draft one by one ({e})",
+                      file=sys.stderr)
+                continue
+            groups.append(MemberGroup(ms, SSMDrafter(lm, self.members[ms[0]].tree)))
+        return groups
 
     @property
     def max_nodes(self) -> int:
@@ -262,6 +303,8 @@ class EnsembleDrafter(Drafter):
     def describe(self) -> dict:
         d = {"kind": "ensemble", "mode": self.mode, "members": [m.describe() for m in self.members],
              "max_nodes": self.max_nodes}
+        if self.groups:
+            d["batched_members"] = [[self.names[m] for m in g.members] for g in self.groups]
         if self.mode == "vote":
             d.update(weights=[round(w, 3) for w in self.vote.weights], verified_batches=self.vote.updates)
         if self.adaptive is not None:
@@ -272,10 +315,17 @@ class EnsembleDrafter(Drafter):
     # --- state --------------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         self.sampling = sampling
-        for m in self.members:
+        for i, m in enumerate(self.members):
+            if i in self.grouped:
+                continue
             m.decode_path = self.decode_path
             sub = replace(prompt, hidden={l: prompt.hidden[l] for l in m.hidden_layers})
             m.begin(sub, sampling, generator)
+        for g in self.groups:  # the prompt once per member, member-major
+            g.drafter.decode_path = self.decode_path
+            k = len(g.members)
+            g.drafter.begin(PromptState(prompt.ids.repeat(k, 1), prompt.valid.repeat(k, 1),
+                                        prompt.positions.repeat(k, 1)), sampling, generator)
         n = len(self.members)
         if self.scheduler is not None:
             self.scheduler.reset(n)
@@ -289,7 +339,7 @@ class EnsembleDrafter(Drafter):
 
     def _set_length(self, s: int) -> None:
         self.length = s
-        for m in self.members:
+        for m in self.members + [g.drafter for g in getattr(self, "groups", [])]:
             if hasattr(m, "set_tree"):
                 m.set_tree(Tree.chain(s))
             elif hasattr(m, "num_tokens"):
@@ -304,11 +354,14 @@ class EnsembleDrafter(Drafter):
         if self.adaptive is not None and self.length != self.adaptive.s:  # moved by a step of a sharing drafter
             self._set_length(self.adaptive.s)
         self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
-        self.props = [m.propose(root) if on else None for m, on in zip(self.members, self.on)]
-        t1 = time.perf_counter()
+        self.props = [m.propose(root) if on and i not in self.grouped else None
+                      for i, (m, on) in enumerate(zip(self.members, self.on))]
         # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
         self.host = [None if p is None else (p.view.parents.tolist(), p.view.valid.tolist(), p.tokens.tolist())
                      for p in self.props]
+        for g in self.groups:
+            self._propose_group(g, root)
+        t1 = time.perf_counter()
         rows = [self._merge_row(b, r) if self.mode == "merge" else self._vote_row(b, r)
                 for b, r in enumerate(root.tolist())]
         self.owners = [r["owners"] for r in rows]
@@ -322,6 +375,22 @@ class EnsembleDrafter(Drafter):
         self.time_s["members"] += t1 - t0
         self.time_s["ensemble"] += time.perf_counter() - t1
         return prop
+
+    def _propose_group(self, g: "MemberGroup", root: torch.Tensor) -> None:
+        """One proposal for the whole group (the root once per member), split into the active members' proposals."""
+        g.prop = None
+        if not any(self.on[m] for m in g.members):
+            return
+        B = root.shape[0]
+        g.prop = p = g.drafter.propose(root.repeat(len(g.members)))
+        view = TreeView.of_static(g.drafter.buf, B)
+        parents, valid, tokens = view.parents.tolist(), view.valid.tolist(), p.tokens.tolist()
+        for j, m in enumerate(g.members):
+            if self.on[m]:
+                rows = slice(j * B, (j + 1) * B)
+                self.props[m] = Proposal(p.tokens[rows], view, None if p.q is None else p.q[rows],
+                                         None if p.q_index is None else p.q_index[rows])
+                self.host[m] = (parents, valid, tokens[rows])
 
     @property
     def _lossless_sampling(self) -> bool:
@@ -411,33 +480,52 @@ class EnsembleDrafter(Drafter):
         inside = 0.0
         gains: list[float | None] = [None] * len(self.members)
         committed, live = step.path_tokens(), step.live_rows()
-        for m, member in enumerate(self.members):
-            if self.props[m] is None:
-                t1 = time.perf_counter()
-                member.follow(committed)
-                inside += time.perf_counter() - t1
+        own = {}  # member -> its own nodes along each row's accepted path
+        for m, p in enumerate(self.props):
+            if p is None:
                 continue
-            paths, extra = [], []
-            for b, path in enumerate(step.paths):
-                own = [0]
-                for n in path[1:]:
-                    if m not in self.owners[b][n]:
-                        break
-                    own.append(self.owners[b][n][m])
-                paths.append(own)
-                extra.append(committed[b][len(own):])
-            t1 = time.perf_counter()
-            member.commit(replace(step, tokens=self.props[m].tokens, paths=paths, extra=extra,
-                                  host_tokens=[c[:len(p)] for c, p in zip(committed, paths)]))
-            inside += time.perf_counter() - t1
+            own[m] = paths = [self._own_path(m, b, path) for b, path in enumerate(step.paths)]
             rows = [b for b in range(len(paths)) if live[b]] or list(range(len(paths)))
             gains[m] = sum(len(paths[b]) - 1 for b in rows) / len(rows)
+        for m, member in enumerate(self.members):
+            if m in self.grouped:
+                continue
+            t1 = time.perf_counter()
+            if m not in own:
+                member.follow(committed)
+            else:
+                member.commit(self._member_step(step, self.props[m].tokens, own[m], committed))
+            inside += time.perf_counter() - t1
+        for g in self.groups:
+            t1 = time.perf_counter()
+            if g.prop is None:
+                g.drafter.follow(committed * len(g.members))
+            else:  # a paused member's rows keep their root only, and take the rest of the text as extra tokens
+                paths = [p for m in g.members for p in own.get(m, [[0]] * len(committed))]
+                g.drafter.commit(replace(self._member_step(step, g.prop.tokens, paths, committed * len(g.members)),
+                                         host_live=live * len(g.members)))
+            inside += time.perf_counter() - t1
         if self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
             self._after_vote(step)
         self.time_s["members"] += inside
         self.time_s["ensemble"] += time.perf_counter() - t0 - inside
+
+    def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
+        """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""
+        own = [0]
+        for n in path[1:]:
+            if m not in self.owners[b][n]:
+                break
+            own.append(self.owners[b][n][m])
+        return own
+
+    @staticmethod
+    def _member_step(step: StepResult, tokens: torch.Tensor, paths: list[list[int]], committed: list[list[int]]):
+        """The step as a member sees it: its own tree's tokens and paths, and the committed tokens past them."""
+        return replace(step, tokens=tokens, paths=paths, extra=[c[len(p):] for c, p in zip(committed, paths)],
+                       host_tokens=[c[:len(p)] for c, p in zip(committed, paths)])
 
     def _after_vote(self, step: StepResult) -> None:
         """Once per verified batch: the winners' weights (VoteWeights) and the adaptive length."""

@@ -9,6 +9,9 @@ which follows the accepted path without a re-prefill.
 
 from __future__ import annotations
 
+import json
+import weakref
+
 import torch
 from torch import nn
 
@@ -140,6 +143,126 @@ def build_ssm(head: dict, base) -> SSMDraft:
     module = SSMDraft(lm, {"source": c.get("name_or_path") or "config", "init": init})
     module.init_from_base(base, init)
     return module
+
+
+# --- several SSMs as one model ----------------------------------------------------------------------
+
+class GroupError(ValueError):
+    """Small LMs that cannot run as one grouped model (different architectures or shapes, an unsupported layer)."""
+
+
+class GroupedLinear(nn.Module):
+    """M linear layers as one: rows [M * B', ..., in] (member-major) -> one batched matmul per call."""
+
+    def __init__(self, layers: list[nn.Linear]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.stack([l.weight.detach().transpose(0, 1) for l in layers]),
+                                   requires_grad=False)  # [M, in, out]
+        bias = [l.bias for l in layers]
+        self.bias = None if bias[0] is None else nn.Parameter(torch.stack([b.detach() for b in bias])[:, None],
+                                                             requires_grad=False)  # [M, 1, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        M = self.weight.shape[0]
+        xs = x.reshape(M, -1, x.shape[-1])
+        y = torch.bmm(xs, self.weight) if self.bias is None else torch.baddbmm(self.bias, xs, self.weight)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class GroupedEmbedding(nn.Module):
+    """M embedding tables as one: row r of the ids reads member r // B' (member-major rows)."""
+
+    def __init__(self, tables: list[nn.Embedding]):
+        super().__init__()
+        w = torch.stack([t.weight.detach() for t in tables])  # [M, V, H]
+        self.M, self.V = w.shape[0], w.shape[1]
+        self.weight = nn.Parameter(w.reshape(-1, w.shape[-1]), requires_grad=False)  # [M * V, H]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        member = torch.arange(ids.shape[0], device=ids.device) // (ids.shape[0] // self.M)
+        return nn.functional.embedding(ids + (member * self.V).view(-1, *([1] * (ids.dim() - 1))), self.weight)
+
+
+class GroupedParams(nn.Module):
+    """M copies of a module whose parameters are vectors over the last dimension (RMS norms): the members' vectors
+    stacked [M, 1, H] replace them in one copy of the module, which then runs on rows [M, B' * ..., H]."""
+
+    def __init__(self, modules: list[nn.Module]):
+        super().__init__()
+        import copy
+
+        self.inner = copy.deepcopy(modules[0])
+        for name, p in list(modules[0].named_parameters(recurse=False)):
+            delattr(self.inner, name)
+            self.inner.register_buffer(name, torch.stack([getattr(m, name).detach() for m in modules])[:, None])
+        self.M = len(modules)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.inner(x.reshape(self.M, -1, x.shape[-1]), *args, **kwargs)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def group_key(lm) -> tuple:
+    """What small LMs must share to run as one grouped model: class, config (but where it was loaded from) and the
+    shapes of their parameters."""
+    cfg = {k: v for k, v in lm.config.to_dict().items() if k != "_name_or_path"}
+    return (type(lm).__name__, json.dumps(cfg, sort_keys=True, default=str),
+            tuple((n, tuple(p.shape)) for n, p in lm.named_parameters()))
+
+
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # first member -> [(weak refs to all, group)]
+
+
+@torch.no_grad()
+def grouped_lm(lms: list) -> nn.Module:
+    """One causal LM that runs M small LMs of one architecture and shape side by side: a batch of M * B rows,
+    member-major (rows m * B .. m * B + B - 1 are member m's), each row through its own member's weights, one call
+    per layer kind instead of M. Built from a copy of the first member whose linear layers, embeddings and norms
+    hold all members' weights (batched matmuls); checked against the members' own logits once, so an architecture
+    whose layers do not group raises GroupError instead of drafting wrongly. Made once per list of members."""
+    import copy
+
+    first = lms[0]
+    for refs, group in _GROUPS.get(first, []):
+        if len(refs) == len(lms) and all(r() is lm for r, lm in zip(refs, lms)):
+            return group
+    if len({group_key(lm) for lm in lms}) > 1:
+        raise GroupError("the members differ in architecture or shape")
+    group = copy.deepcopy(first).eval()
+    named = [dict(lm.named_modules()) for lm in lms]
+    for name, mod in list(group.named_modules()):
+        own = list(mod.named_parameters(recurse=False))
+        if not own:
+            continue
+        parts = [n[name] for n in named]
+        if isinstance(mod, nn.Linear):
+            new = GroupedLinear(parts)
+        elif isinstance(mod, nn.Embedding):
+            new = GroupedEmbedding(parts)
+        elif all(p.dim() == 1 for _, p in own) and not any(True for _ in mod.children()):
+            new = GroupedParams(parts)
+        else:
+            raise GroupError(f"layer {name} ({type(mod).__name__}) has no grouped form")
+        parent, _, attr = name.rpartition(".")
+        setattr(group.get_submodule(parent) if parent else group, attr, new)
+    # The check: every member's logits on its own rows, within float rounding.
+    V = first.get_output_embeddings().weight.shape[0]
+    dev = next(first.parameters()).device
+    ids = torch.randint(0, V, (len(lms), 6), generator=torch.Generator().manual_seed(0)).to(dev)
+    try:
+        got = group(input_ids=ids).logits.float()
+    except Exception as e:  # noqa: BLE001 - any failure means the layers do not group
+        raise GroupError(f"a grouped forward failed ({type(e).__name__}: {e})") from None
+    ref = torch.cat([lm(input_ids=ids[m:m + 1]).logits.float() for m, lm in enumerate(lms)])
+    err = ((got - ref).abs().max() / (ref.abs().max() + 1e-6)).item()
+    tol = 1e-4 if next(first.parameters()).dtype in (torch.float32, torch.float64) else 3e-2
+    if not err < tol:
+        raise GroupError(f"grouped logits differ from the members' by {err:.3g}")
+    from ..decode.cache import mark_tree_support
+
+    mark_tree_support(group)  # each member passed the tree probe, and the group computes what they compute
+    _GROUPS.setdefault(first, []).append(([weakref.ref(lm) for lm in lms], group))
+    return group
 
 
 # --- decoding -------------------------------------------------------------------------------------
