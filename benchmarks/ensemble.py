@@ -7,7 +7,9 @@ process, prompt by prompt, interleaved, after a warm-up:
 2. adaptive speculation length (vote mode, one member) against every fixed length;
 3. the scheduler's effect when one member is deliberately bad (an untrained SSM);
 4. the share of step time the ensemble's own bookkeeping (merging, voting, weights, schedule) takes;
-5. one sampled run (temperature 0.8): tau and tokens/s against plain HF sampling.
+5. one sampled run (temperature 0.8): tau and tokens/s against plain HF sampling;
+6. members drafting as one grouped model (the default) against one by one, eager and compiled, next to the best
+   member alone and draftlab's compiled plain loop (compile warm-up reported).
 
     python benchmarks/train_ensemble.py && python benchmarks/ensemble.py
 """
@@ -37,7 +39,7 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.base import load_base
     from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.serve.generate import encode_prompt, plain_generate
     from draftlab.decode.tree import Tree
     from draftlab.drafters import build_draft
@@ -54,14 +56,19 @@ def main() -> None:
     chain = lambda ms: [SSMDrafter(m.lm, Tree.chain(c)) for m in ms]
     drafters = {}
 
-    def method(name, drafter):
+    warmup_s = {}
+
+    def method(name, drafter, compile=False):
         drafters[name] = drafter
-        run, warm = run_decoder(SpeculativeDecoder(base, drafter), eos, N), []
+        run, warm = run_decoder(SpeculativeDecoder(base, drafter, compile=compile), eos, N), []
 
         def timed(ids):
+            t0 = time.perf_counter()
             out = run(ids)
-            if not warm and isinstance(drafter, EnsembleDrafter):  # compare() warms every method up first
-                drafter.time_s = {k: 0.0 for k in drafter.time_s}
+            if not warm:  # compare() warms every method up first (compiling, for compiled ones)
+                warmup_s[name] = round(time.perf_counter() - t0, 2)
+                if isinstance(drafter, EnsembleDrafter):
+                    drafter.time_s = {k: 0.0 for k in drafter.time_s}
             warm.append(True)
             return out
         return timed
@@ -91,7 +98,20 @@ def main() -> None:
     methods["good+bad"] = method("good+bad", EnsembleDrafter(chain([best, bad]), mode="merge", node_budget=32))
     methods["good+bad_scheduled"] = method("good+bad_scheduled", EnsembleDrafter(
         chain([best, bad]), mode="merge", node_budget=32, scheduler=sched))
+    # 6. Grouped members (the default above) against one by one, eager and compiled.
+    boost = ens["boost"]
+    methods["plain_compiled"] = method("plain_compiled", NoDraft(), compile=True)
+    methods["boost_member1_compiled"] = method("boost_member1_compiled", chain(boost[:1])[0], compile=True)
+    for mode, kw in (("merge", {"node_budget": 32}), ("vote", {"length": c})):
+        for grouped, tag in ((True, ""), (False, "_one_by_one")):
+            if not grouped:
+                methods[f"boost_{mode}5{tag}"] = method(f"boost_{mode}5{tag}", EnsembleDrafter(
+                    chain(boost), mode=mode, batch_members=False, **kw))
+            methods[f"boost_{mode}5{tag}_compiled"] = method(f"boost_{mode}5{tag}_compiled", EnsembleDrafter(
+                chain(boost), mode=mode, batch_members=grouped, **kw), compile=True)
     results = compare(methods, prompts)
+    for k, w in warmup_s.items():
+        results[k]["warmup_s"] = w
     for k, r in results.items():
         d = drafters.get(k)
         if isinstance(d, EnsembleDrafter):
@@ -135,13 +155,32 @@ def main() -> None:
     out = {"prompts": len(prompts), "max_new_tokens": N, "chain": c, "methods": results, "sizes": sizes,
            "fixed_lengths": {s: results[f"fixed{s}"]["tokens_per_s"] for s in lengths},
            "adaptive": {"tokens_per_s": results["adaptive"]["tokens_per_s"], "lengths": adaptive.history},
-           "scheduler": {"bad_member_active_share": round(sched_share, 3)}, "sampled": sampled}
+           "scheduler": {"bad_member_active_share": round(sched_share, 3)}, "sampled": sampled,
+           "grouped": grouped_summary(results)}
     plots(out)
     for k, r in results.items():
         print(f"{k:24s} accept {r.get('accept_length', '-'):>6} tok/s {r['tokens_per_s']:7.1f} "
               f"speedup {r['speedup']:.2f} identical {r['identical_to_baseline']}")
     print("sampled", sampled, "scheduler", out["scheduler"])
     write_result("ensemble", out)
+
+
+def grouped_summary(results: dict) -> dict:
+    """Section 6: 5-member ensembles (boost-tuned) grouped vs one by one, eager and compiled, as tokens/s over the
+    best member alone on the same path and over draftlab's compiled plain loop."""
+    eager = [k for k in results if k.startswith("boost_member") and not k.endswith("_compiled")]
+    out = {"best_member_eager": max(eager, key=lambda k: results[k]["tokens_per_s"]),
+           "best_member_compiled": "boost_member1_compiled"}  # member 1 alone has the highest accept length
+    for path, suffix in (("eager", ""), ("compiled", "_compiled")):
+        best = results[out[f"best_member_{path}"]]
+        for mode in ("merge", "vote"):
+            for tag in ("", "_one_by_one"):
+                r = results[f"boost_{mode}5{tag}{suffix}"]
+                out[f"{mode}5{tag or '_grouped'}_{path}"] = {
+                    "tokens_per_s": r["tokens_per_s"], "accept_length": r.get("accept_length"),
+                    "vs_best_member": round(r["tokens_per_s"] / best["tokens_per_s"], 3),
+                    "vs_plain_compiled": round(r["tokens_per_s"] / results["plain_compiled"]["tokens_per_s"], 3)}
+    return out
 
 
 def plots(out: dict) -> None:

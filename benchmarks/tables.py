@@ -94,10 +94,14 @@ def kinds(p) -> None:
       "[ensemble.py](docs/benchmarks.md#ensembles-at-decoding-time) |")
     p("| lookup | continuations of the text's last n-gram found earlier in it (no model) | - | - | - | - | - | "
       "not benchmarked on its own |")
+    runs = {"eagle.py": e, "ssm.py": s, "ensemble.py": en}
+    places = {where(d) for d in runs.values()}
+    on = (lambda d: "") if len(places) == 1 else (lambda d: f"; {where(d)}")
     p(f"\nPlain decoding of the same base, in the same run: {e['baseline_tokens_per_s']:.0f} tokens/s in `eagle.py` "
-      f"({e['prompts']} prompts), {s['methods']['hf_generate']['tokens_per_s']:.0f} in `ssm.py` ({s['prompts']} prompts), "
-      f"{en['methods']['hf_generate']['tokens_per_s']:.0f} in `ensemble.py` ({en['prompts']} prompts); "
-      f"{e['max_new_tokens']} new tokens per prompt; {where(e)}.")
+      f"({e['prompts']} prompts{on(e)}), {s['methods']['hf_generate']['tokens_per_s']:.0f} in `ssm.py` "
+      f"({s['prompts']} prompts{on(s)}), {en['methods']['hf_generate']['tokens_per_s']:.0f} in `ensemble.py` "
+      f"({en['prompts']} prompts{on(en)}); {e['max_new_tokens']} new tokens per prompt"
+      + (f"; {places.pop()}." if len(places) == 1 else ". Speedups compare methods of one run only."))
 
 
 def recipes(p) -> None:
@@ -330,18 +334,31 @@ def ensemble(p, d) -> None:
           f"{z['independent']['merge'][k]:.3f} | {z['independent']['vote'][k]:.3f} |")
     p("\n(accept length: tokens committed per base forward; 1 member = that member alone)\n")
     p(f"| method | accept length | tokens/s | speedup | identical | {phases(d['methods'].values())} | "
-      "ensemble bookkeeping ms/step (share) |\n|---|---|---|---|---|---|---|")
+      "ensemble bookkeeping ms/step (share) | warm-up s (compile included) |\n|---|---|---|---|---|---|---|---|")
     for m, r in d["methods"].items():
         ov = (f"{r['ensemble_overhead_ms_per_step']:.2f} ({100 * r['ensemble_overhead_share']:.1f}%)"
               if "ensemble_overhead_ms_per_step" in r else "-")
         p(f"| {m} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
-          f"{r['identical_to_baseline']} | {split(r)} | {ov} |")
+          f"{r['identical_to_baseline']} | {split(r)} | {ov} | {r.get('warmup_s', '-')} |")
     sm = d["sampled"]
     p(f"\nScheduler: the untrained member drafted in {100 * d['scheduler']['bad_member_active_share']:.0f}% of "
       f"the steps after warm-up. Sampled (T = 0.8): plain HF {sm['hf_sample']['tokens_per_s']:.0f} tokens/s; "
       f"one member {sm['single']['tokens_per_s']:.0f} tokens/s (accept {sm['single']['accept_length']}); "
       f"boosted 5-member merge {sm['boost_merge5']['tokens_per_s']:.0f} tokens/s (accept "
       f"{sm['boost_merge5']['accept_length']}).")
+    g = d.get("grouped")
+    if g:
+        p("\nFive boost-tuned members drafting as one grouped model (the default; `_one_by_one`: each member its own "
+          "forwards), tokens/s and its ratio to the best member alone on the same path "
+          f"(eager: {g['best_member_eager']}; compiled: {g['best_member_compiled']}) and to draftlab's compiled plain "
+          "loop:\n")
+        p("| ensemble | eager tokens/s | vs best member | compiled tokens/s | vs best member | vs compiled plain |\n"
+          "|---|---|---|---|---|---|")
+        for mode in ("merge", "vote"):
+            for tag in ("_grouped", "_one_by_one"):
+                e, c = g[f"{mode}5{tag}_eager"], g[f"{mode}5{tag}_compiled"]
+                p(f"| {mode}, {tag[1:].replace('_', ' ')} | {e['tokens_per_s']:.0f} | {e['vs_best_member']:.2f}x | "
+                  f"{c['tokens_per_s']:.0f} | {c['vs_best_member']:.2f}x | {c['vs_plain_compiled']:.2f}x |")
 
 
 def eagle(p, d) -> None:
