@@ -1,5 +1,5 @@
 """A base split over processes (tensor parallel, gloo on CPU) under the tree decoder: the same tokens as one
-process, for heads, Hydra++ and SSM drafters, greedy and seeded sampling."""
+process, for heads, Hydra++ and SSM drafters, greedy and seeded sampling, eager and compiled."""
 
 import json
 import os
@@ -14,9 +14,9 @@ from test_decoder import noisy_heads
 from tp_worker import PROMPTS, decode_all
 
 
-def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
+def torchrun(n: int, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", **(env or {})}
     return run_cmd(cmd, timeout, env=env)
 
 
@@ -59,6 +59,21 @@ def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_p
     for key, run in ref.items():
         assert ranks[0]["runs"][key] == run, key
         assert all(len(t) == 24 for t in run["tokens"])
+
+
+@pytest.mark.slow  # multi-process (gloo) and compiling
+def test_tensor_parallel_compiled_decoding_gives_the_single_process_tokens(exports, tmp_path):
+    """The static-shape path with the base's verify forward compiled, on a base split over two processes: the
+    single process's eager tokens, greedy and sampled, on every rank (rank 0's proposals and decisions broadcast as
+    on the eager path)."""
+    out = tmp_path / "tp.json"
+    p = torchrun(2, str(REPO / "tests" / "tp_worker.py"), str(out), *exports, env={"TP_COMPILE": "inductor"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"tp.json.rank{r}").read_text()) for r in range(2)]
+    ref = single_process(exports)
+    for r in ranks:
+        assert r["compiled"], r["compile_failed"]
+        assert r["runs"] == ref
 
 
 @pytest.mark.slow  # two torchrun launches of the CLI; the decoding itself is covered by the worker test above

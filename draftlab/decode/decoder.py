@@ -307,8 +307,6 @@ class SpeculativeDecoder:
         self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
-        if self.static and sync is not None:
-            raise ValueError("the static-shape / compiled path does not run tensor-parallel yet; drop --compile or --tp")
         self.forward = None
         if compile:
             from .compiled import compile_backend, compiled_forward
