@@ -105,6 +105,33 @@ def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, 
         assert torch.allclose(a, b, atol=1e-9) and torch.allclose(a, c, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
+def test_ssm_logits_at_every_level_are_the_same_on_the_static_path(kind):
+    """The SSM's tree levels as one call on the static path (masks built from the cache's committed slots and
+    length) give the logits of the eager path's forward per level: finer than tokens, which a near-tie-free draft
+    would keep even with a wrong mask."""
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    seen = []
+    for opts in ({}, {"static": True}):
+        d = drafter(kind, base)
+        lm = d.groups[0].drafter.lm if kind == "ensemble-grouped" else d.lm
+        seen.append([])
+        hook = lm.register_forward_hook(lambda m, i, out: seen[-1].append(out.logits.clone()))
+        SpeculativeDecoder(base, d, **opts).generate(prompts, max_new_tokens=21)
+        hook.remove()
+    assert len(seen[0]) == len(seen[1]) > 3 * 3  # the prefill, then per step a feed and the levels
+    full = 0
+    for a, b in zip(seen[0][1:], seen[1][1:]):  # (the prefills differ at the padding)
+        # Feeds are one width on the static path (left-padded), the tokens pending on the eager one: their last
+        # position (the root) is what the drafter reads. Levels have one shape on both paths.
+        if a.shape == b.shape:
+            full += 1
+            assert torch.allclose(a, b, atol=1e-9)
+        assert torch.allclose(a[:, -1], b[:, -1], atol=1e-9)
+    assert full > len(seen[0]) // 3
+
+
 @pytest.mark.parametrize("window_min", [256, 4])
 def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation(window_min, monkeypatch):
     """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal

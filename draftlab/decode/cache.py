@@ -336,6 +336,15 @@ class StaticSlotCache:
         mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~full, torch.finfo(self.dtype).min)[:, None]
 
+    def reserve(self, n: int) -> int:
+        """Room for n tentative slots written by the caller's own forwards of the model (a drafter's tree levels in
+        one compiled call, which builds its masks from `slots`, the committed length and this window): the window
+        that holds them, which every such forward attends over."""
+        self._check_room(n)
+        self._set_window(self.n + self.tentative + n)
+        self.tentative += n
+        return self.window
+
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
         self._check_room(ids.shape[1])
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)

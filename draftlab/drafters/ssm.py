@@ -17,6 +17,7 @@ from torch import nn
 
 from ..decode.acceptance import Sampling, warp
 from ..decode.cache import check_tree_support, slot_cache
+from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
 
@@ -370,6 +371,8 @@ class SSMDrafter(Drafter):
         # have children of their own. Logits of depth d's nodes are in level order (the root's for d = 0).
         tokens = torch.zeros(B, self.tree.size, dtype=torch.long, device=dev)
         tokens[:, 0] = root
+        if self._fused():
+            return Proposal(self._levels_call(logits, tokens), self._view(B))
         dist: list = []
         for d, lv in enumerate(self.levels):
             if d > 0:
@@ -378,12 +381,52 @@ class SSMDrafter(Drafter):
                 logits = out.logits  # [B, n_d, V]: every node with children at depth d > 0 is forwarded
             cand = self._children(logits, lv["k"], dist)  # [B, n_d, k]
             tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
-        prop = Proposal(tokens, self.views[B])
+        prop = Proposal(tokens, self._view(B))
         if dist:
             prop.q, prop.q_index = torch.cat(dist, dim=1), self.q_index[None].expand(B, -1)  # [B, 1 + internal, V]
         return prop
+
+    def _view(self, B: int) -> TreeView:
+        if B not in self.views:
+            self.views[B] = TreeView.of_static(self.buf, B)
+        return self.views[B]
+
+    def _fused(self) -> bool:
+        """Greedy drafting on the static path: the tree's levels below the root run as one call (compiled: one
+        graph) instead of one forward call each; sampled drafts keep the loop (their draws use the generator)."""
+        path = self.decode_path or {}
+        return bool(path.get("static")) and self.sampling.temperature <= 0 and len(self.levels) > 1
+
+    def _levels_call(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The tree's levels below the root in one call: the internal nodes' slots reserved up front, masks built
+        from the cache's committed slots and length (tensors), so the call's shapes are the same every step."""
+        cache = self.target
+        n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before the levels
+        window = cache.reserve(len(self.internal))
+        path = self.decode_path
+        fn = compiled_method(self, "_levels", path["compile"]) if path.get("compile") else self._levels
+        return fn(logits, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths)
+
+    def _levels(self, logits, tokens, slots, n, next_pos, window: int, paths):
+        """Greedy children of every level (the root's from logits [B, 1, V]) and forwards of the nodes with children,
+        writing tentative slots n, n + 1, ... in forward order (the internal nodes). Tensor operations only."""
+        B, dev = tokens.shape[0], tokens.device
+        rel = torch.arange(window, device=dev) - n  # slot -> its index among the tentative slots
+        committed = slots[:, None, :window]  # [B, 1, W]: committed valid slots (tentative ones are not yet valid)
+        dtype = next(self.lm.parameters()).dtype
+        for d, lv in enumerate(self.levels):
+            if d > 0:
+                allowed = lv["allowed"]  # [n_d, T]: the tentative slots written so far, these included
+                T = allowed.shape[1]
+                tent = allowed[:, rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [n_d, W]
+                mask = torch.zeros(B, len(lv["forward"]), window, dtype=dtype, device=dev)
+                mask.masked_fill_(~(committed | tent[None]), torch.finfo(dtype).min)
+                logits = self.lm(input_ids=tokens[:, lv["forward"]], attention_mask=mask[:, None],
+                                 position_ids=next_pos[:, None] + lv["fwd_depth"][None], past_key_values=self.target.cache,
+                                 use_cache=True).logits
+            cand = logits.topk(lv["k"], dim=-1).indices  # [B, n_d, k]
+            tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
+        return tokens
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):
