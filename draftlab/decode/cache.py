@@ -337,13 +337,18 @@ class StaticSlotCache:
         return mask.masked_fill_(~full, torch.finfo(self.dtype).min)[:, None]
 
     def reserve(self, n: int) -> int:
-        """Room for n tentative slots written by the caller's own forwards of the model (a drafter's tree levels in
-        one compiled call, which builds its masks from `slots`, the committed length and this window): the window
-        that holds them, which every such forward attends over."""
+        """Room for n tentative slots written by the caller's own forwards of the model (a drafter's feed and tree
+        levels in one compiled call, which builds its masks from `slots`, the committed length and this window): the
+        window that holds them, which every such forward attends over."""
         self._check_room(n)
         self._set_window(self.n + self.tentative + n)
         self.tentative += n
         return self.window
+
+    def commit_reserved(self, m: int) -> None:
+        """The first m reserved slots were committed by the caller (it set their `slots` and the rows' next_pos)."""
+        self.n += m
+        self.tentative -= m
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
         self._check_room(ids.shape[1])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, warp
-from ..decode.cache import check_tree_support, slot_cache
+from ..decode.cache import causal_allowed, check_tree_support, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
@@ -364,15 +364,15 @@ class SSMDrafter(Drafter):
         head = torch.tensor([[0] * n + p for n, p in zip(pad, self.pending)], dtype=torch.long)
         # A finished row's tokens are fed as holes.
         okh = torch.tensor([[False] * n + [live] * (P - n) for n, live in zip(pad, self.live)], dtype=torch.bool)
-        ids = torch.cat([head.to(dev, non_blocking=True), root[:, None]], 1)
-        logits = self.target.append(ids, okh.to(dev, non_blocking=True)).logits[:, -1:]  # [B, 1, V] at the root
-        self.start = self.target.length
-        # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
-        # have children of their own. Logits of depth d's nodes are in level order (the root's for d = 0).
+        ids, okh = torch.cat([head.to(dev, non_blocking=True), root[:, None]], 1), okh.to(dev, non_blocking=True)
         tokens = torch.zeros(B, self.tree.size, dtype=torch.long, device=dev)
         tokens[:, 0] = root
         if self._fused():
-            return Proposal(self._levels_call(logits, tokens), self._view(B))
+            return Proposal(self._fused_call(ids, okh, tokens), self._view(B))
+        logits = self.target.append(ids, okh).logits[:, -1:]  # [B, 1, V] at the root
+        self.start = self.target.length
+        # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
+        # have children of their own. Logits of depth d's nodes are in level order (the root's for d = 0).
         dist: list = []
         for d, lv in enumerate(self.levels):
             if d > 0:
@@ -392,41 +392,58 @@ class SSMDrafter(Drafter):
         return self.views[B]
 
     def _fused(self) -> bool:
-        """Greedy drafting on the static path: the tree's levels below the root run as one call (compiled: one
-        graph) instead of one forward call each; sampled drafts keep the loop (their draws use the generator)."""
+        """Greedy drafting on the static path: the feed and the tree's levels run as one call (compiled: one graph)
+        instead of one forward call each; sampled drafts keep the loop (their draws use the generator)."""
         path = self.decode_path or {}
-        return bool(path.get("static")) and self.sampling.temperature <= 0 and len(self.levels) > 1
+        return bool(path.get("static")) and self.sampling.temperature <= 0
 
-    def _levels_call(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The tree's levels below the root in one call: the internal nodes' slots reserved up front, masks built
-        from the cache's committed slots and length (tensors), so the call's shapes are the same every step."""
-        cache = self.target
-        n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before the levels
-        window = cache.reserve(len(self.internal))
+    def _fused_call(self, ids: torch.Tensor, ok: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The feed and the tree's levels in one call: the feed's and the internal nodes' slots reserved up front,
+        masks built from the cache's committed slots and length (tensors), so the call's shapes are the same every
+        step; the feed is committed, the nodes stay tentative (commit keeps the accepted ones)."""
+        cache, P = self.target, ids.shape[1]
+        window = cache.reserve(P + len(self.internal))
+        n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before the feed
         path = self.decode_path
-        fn = compiled_method(self, "_levels", path["compile"]) if path.get("compile") else self._levels
-        return fn(logits, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths)
+        fn = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
+        tokens, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths)
+        cache.commit_reserved(P)
+        self.start = cache.length
+        return tokens
 
-    def _levels(self, logits, tokens, slots, n, next_pos, window: int, paths):
-        """Greedy children of every level (the root's from logits [B, 1, V]) and forwards of the nodes with children,
-        writing tentative slots n, n + 1, ... in forward order (the internal nodes). Tensor operations only."""
-        B, dev = tokens.shape[0], tokens.device
-        rel = torch.arange(window, device=dev) - n  # slot -> its index among the tentative slots
-        committed = slots[:, None, :window]  # [B, 1, W]: committed valid slots (tentative ones are not yet valid)
+    def _forward(self, ids, allowed, depth, slots, n, next_pos, window: int):
+        """The SSM over ids [B, N] at positions next_pos + depth, writing the slots from n (a tensor) on: each sees
+        the committed valid slots and the tentative ones allowed [B or 1, N, T] marks. Tensor operations only."""
+        B, N = ids.shape
+        T = allowed.shape[-1]
+        rel = torch.arange(window, device=ids.device) - n  # slot -> its index among the tentative slots
+        tent = allowed[..., rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [B or 1, N, W]
         dtype = next(self.lm.parameters()).dtype
+        mask = torch.zeros(B, N, window, dtype=dtype, device=ids.device)
+        mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)
+        return self.lm(input_ids=ids, attention_mask=mask[:, None], position_ids=next_pos[:, None] + depth,
+                       past_key_values=self.target.cache, use_cache=True).logits
+
+    def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths):
+        """The feed ids [B, P] (ok marks real tokens; left-padded), committed at slots n .. n + P, then greedy
+        children of every level (the root's from the feed's last logits) and forwards of the nodes with children,
+        written tentatively after the feed in forward order (the internal nodes). Tensor operations only: returns
+        the tree's tokens and the rows' next positions after the feed."""
+        P = ids.shape[1]
+        logits = self._forward(ids, causal_allowed(ok), (ok.long().cumsum(-1) - 1).clamp(min=0), slots, n, next_pos,
+                               window)[:, -1:]
+        rel = torch.arange(slots.shape[1], device=ids.device) - n  # the feed's slots: rel 0 .. P - 1
+        fed = ok.gather(1, rel.clamp(0, P - 1)[None].expand(ok.shape[0], -1)) & ((rel >= 0) & (rel < P))
+        slots |= fed  # in place: the cache's valid slots now hold the feed's real tokens
+        next_pos = next_pos + ok.sum(-1)
+        n = n + P
         for d, lv in enumerate(self.levels):
             if d > 0:
-                allowed = lv["allowed"]  # [n_d, T]: the tentative slots written so far, these included
-                T = allowed.shape[1]
-                tent = allowed[:, rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [n_d, W]
-                mask = torch.zeros(B, len(lv["forward"]), window, dtype=dtype, device=dev)
-                mask.masked_fill_(~(committed | tent[None]), torch.finfo(dtype).min)
-                logits = self.lm(input_ids=tokens[:, lv["forward"]], attention_mask=mask[:, None],
-                                 position_ids=next_pos[:, None] + lv["fwd_depth"][None], past_key_values=self.target.cache,
-                                 use_cache=True).logits
+                logits = self._forward(tokens[:, lv["forward"]], lv["allowed"][None], lv["fwd_depth"][None], slots, n,
+                                       next_pos, window)
             cand = logits.topk(lv["k"], dim=-1).indices  # [B, n_d, k]
             tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
-        return tokens
+        return tokens, next_pos
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):
