@@ -428,7 +428,8 @@ class SSMDrafter(Drafter):
         """The feed ids [B, P] (ok marks real tokens; left-padded), committed at slots n .. n + P, then greedy
         children of every level (the root's from the feed's last logits) and forwards of the nodes with children,
         written tentatively after the feed in forward order (the internal nodes). Tensor operations only: returns
-        the tree's tokens and the rows' next positions after the feed."""
+        the tree's tokens and the rows' next positions after the feed. window and paths (the tree, read through
+        self.levels) are arguments so that the compiled call's signature holds them: a new tree compiles anew."""
         P = ids.shape[1]
         logits = self._forward(ids, causal_allowed(ok), (ok.long().cumsum(-1) - 1).clamp(min=0), slots, n, next_pos,
                                window)[:, -1:]
