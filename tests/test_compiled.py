@@ -132,6 +132,22 @@ def test_ssm_logits_at_every_level_are_the_same_on_the_static_path(kind):
     assert full > len(seen[0]) // 3
 
 
+@pytest.mark.slow  # traces one graph per chain length (about 15 s)
+def test_trees_that_change_between_steps_decode_exactly_on_the_compiled_path():
+    """Minions' adaptive speculation length changes the members' chains between steps: every length is a call of
+    its own signature on the compiled path (never an earlier tree's graph), greedy exact."""
+    from draftlab.drafters.ensemble import AdaptiveLength
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    ref = SpeculativeDecoder(base, drafter("ssm", base)).generate(prompts, max_new_tokens=24).tokens
+    adaptive = AdaptiveLength(s=1, s_min=1, s_max=3, decision_threshold=2)
+    d = EnsembleDrafter([SSMDrafter(near(base, 0.2, s), Tree.chain(1)) for s in (1, 2)], mode="vote", adaptive=adaptive)
+    assert d.groups  # the two members draft as one grouped model
+    assert SpeculativeDecoder(base, d, compile="eager").generate(prompts, max_new_tokens=24).tokens == ref
+    assert len(set(adaptive.history)) >= 3
+
+
 @pytest.mark.parametrize("window_min", [256, 4])
 def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation(window_min, monkeypatch):
     """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal
