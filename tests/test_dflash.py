@@ -109,11 +109,14 @@ def _peaked():
     return base
 
 
-@pytest.mark.parametrize("path", [{"static": True}, pytest.param({"compile": "eager"}, marks=pytest.mark.slow)])
-def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_one(path):
+@pytest.mark.parametrize("path,window_min", [({"static": True}, 256), ({"static": True}, 4),
+                                             pytest.param({"compile": "eager"}, 256, marks=pytest.mark.slow)])
+def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_one(path, window_min, monkeypatch):
     """A block drafter trained for a few steps on the base's own greedy text accepts several tokens per step;
     the static-shape path (and, with the slow tests, the compiled one: dynamo's graph capture) gives the eager
-    tokens and steps, with EOS in the middle of a block."""
+    tokens and steps, with EOS in the middle of a block. window_min 4: the block reads windows of 8, 16 and 32 of
+    its 256 context slots as the text grows."""
+    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
     base = _peaked()
     d = dflash(base, seed=1, block_size=4, num_anchors=64)
     text = torch.tensor([[1] + plain_greedy(base, [1], 40), [1, 5] + plain_greedy(base, [1, 5], 39)])

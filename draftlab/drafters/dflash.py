@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decode.acceptance import Sampling, warp
+from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
@@ -340,8 +341,10 @@ class DFlashDrafter(Drafter):
     """Drafts the block below the root in one forward and fills a static rank-path tree from it: depth d holds
     block position d's top-k (greedy) or i.i.d. samples of its warped distribution q_d (sampling; q given, so
     verification keeps the base's law). The context keys / values of every committed position are kept per
-    draft layer, in a buffer that grows by doubling; on the static path the whole buffer is read (its unused
-    slots masked), so the block forward keeps one shape and runs compiled when the decoder compiles."""
+    draft layer, in a buffer that grows by doubling; on the static path the block reads a window of it (the
+    first 256, 512, ... entries, whichever holds the committed ones; unused slots masked), so the block forward
+    has a few shapes per run and runs compiled when the decoder compiles. Commits are one width on the static
+    path, their projections compiled too."""
 
     def __init__(self, module: DFlashDraft, tree: Tree):
         if tree.depth > module.block_size - 1:
@@ -366,9 +369,14 @@ class DFlashDrafter(Drafter):
                 "tree_depth": self.tree.depth, "tree": self.tree.metadata.get("name", "")}
 
     # --- the context cache ----------------------------------------------------------------------------------
-    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> None:
-        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T]) into the cache."""
-        kv = self.m.context_kv(self.m.context(feats), positions)
+    def _entries(self, feats: torch.Tensor, positions: torch.Tensor) -> list:
+        """Each draft layer's context keys / values of base features feats [B, T, n, H] at positions [B, T]."""
+        return self.m.context_kv(self.m.context(feats), positions)
+
+    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor, backend=None) -> None:
+        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T]) into the cache;
+        backend: their projections through torch.compile (commits, one width on the static path)."""
+        kv = (compiled_method(self, "_entries", backend) if backend else self._entries)(feats, positions)
         T = ok.shape[1]
         if self.kv is None or self.n + T > self.valid.shape[1]:
             from ..decode.cache import static_slots
@@ -400,10 +408,12 @@ class DFlashDrafter(Drafter):
         # The root's position: one past each row's last prompt position (prompts are left-padded).
         self.next_pos = prompt.positions[:, -1] + 1
 
-    def _block(self, root: torch.Tensor, full: bool = False) -> torch.Tensor:
-        """Logits [B, block_size - 1, V] of the block below root [B], in one forward over the context cache."""
+    def _block(self, root: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Logits [B, block_size - 1, V] of the block below root [B], in one forward over the context cache: its
+        first `window` entries (the static path: a power of two times 256 holding the committed ones, so a few
+        shapes per run), else the committed ones."""
         B, T = root.shape[0], self.m.block_size
-        n = self.valid.shape[1] if full else self.n
+        n = self.n if window is None else window
         ids = self.m.block_input(root)  # [B, T]
         pos = self.next_pos[:, None] + torch.arange(T, device=root.device)
         ctx_allowed = self.valid[:, None, :n].expand(B, T, n)
@@ -418,7 +428,8 @@ class DFlashDrafter(Drafter):
         block = self._block
         if path.get("compile"):
             block = compiled_method(self, "_block", path["compile"])
-        logits = block(root, full=bool(path.get("static")))[:, : self.tree.depth]  # [B, D, V]
+        window = attention_window(self.n, self.valid.shape[1]) if path.get("static") else None
+        logits = block(root, window)[:, : self.tree.depth]  # [B, D, V]
         depth, rank = self.buf.depth[1:], self.buf.rank[1:]
         if B not in self.views:
             self.views[B] = TreeView.of_static(self.buf, B)
@@ -446,5 +457,5 @@ class DFlashDrafter(Drafter):
             pad = W - ok.shape[1]
             feats = F.pad(feats, (0, 0, 0, 0, 0, pad))
             ok, positions = F.pad(ok, (0, pad)), F.pad(positions, (0, pad))
-        self._append(feats, positions, ok)
+        self._append(feats, positions, ok, (self.decode_path or {}).get("compile"))
         self.next_pos = self.next_pos + step.keep_valid.sum(-1)
