@@ -132,6 +132,39 @@ def test_ssm_logits_at_every_level_are_the_same_on_the_static_path(kind):
     assert full > len(seen[0]) // 3
 
 
+@pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
+def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
+    """Sampled SSM children are drawn inside the static path's one drafting call, from uniforms the drafter's own
+    generator gave before it in the eager loop's order: the same tree tokens and q at every step, so the same
+    output, as the eager loop (also traced by dynamo)."""
+    from draftlab.decode.acceptance import Sampling
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    runs = []
+    for opts in ({}, {"static": True}, {"compile": "eager"}):
+        d = drafter(kind, base)
+        ssm = d.groups[0].drafter if kind == "ensemble-grouped" else d
+        props, propose = [], ssm.propose
+
+        def record(root, propose=propose, props=props):
+            p = propose(root)
+            props.append((p.tokens.clone(), p.q.clone()))
+            return p
+
+        ssm.propose = record
+        out = SpeculativeDecoder(base, d, **opts).generate(prompts, max_new_tokens=21,
+                                                           sampling=Sampling(temperature=1.0, top_k=8),
+                                                           generator=torch.Generator().manual_seed(3))
+        runs.append((out.tokens, props))
+    tokens, props = runs[0]
+    assert len(props) > 3
+    for other, other_props in runs[1:]:
+        assert other == tokens and len(other_props) == len(props)
+        for (t, q), (t0, q0) in zip(other_props, props):
+            assert torch.equal(t, t0) and torch.allclose(q, q0, atol=1e-7)
+
+
 @pytest.mark.slow  # traces one graph per chain length (about 15 s)
 def test_trees_that_change_between_steps_decode_exactly_on_the_compiled_path():
     """Minions' adaptive speculation length changes the members' chains between steps: every length is a call of

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from draftlab.decode.acceptance import Sampling, accept_sampling, warp
+from draftlab.decode.acceptance import Sampling, accept_sampling, draw, warp
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.search import default_tree
 from draftlab.decode.tree import Tree, TreeError, TreeView
@@ -456,3 +456,15 @@ def test_typical_epsilon_and_alpha_default_as_medusa_and_are_checked():
         sampling_from_args(a)
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--prompt", "p", "--typical", "--typical-epsilon", "1.5"])
+
+
+def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
+    """draw(q, u): the drafters' in-graph sampler. Uniform edges (0, and just below 1) land on tokens with mass,
+    and 200k draws match q (a max deviation far above it fails: q reversed)."""
+    q = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]])
+    edges = torch.tensor([[[0.0, 0.5 - 1e-7, 0.5, 0.7, 1 - 1e-7]]])
+    assert draw(q[None], edges).tolist() == [[[1, 1, 3, 4, 4]]]
+    u = torch.rand(1, 200_000, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(draw(q, u)[0], minlength=6).double() / u.numel()
+    assert (freq - q[0]).abs().max() < 0.005
+    assert (freq - q[0].flip(0)).abs().max() > 0.1

@@ -218,7 +218,7 @@ def test_a_kv_cache_compaction_wrong_after_a_side_branch_is_caught(monkeypatch):
 S_ENS = Sampling(temperature=1.0, top_p=0.95)
 
 
-def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bool = False):
+def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bool = False, **decoder_options):
     """grouped: both SSMs draft one tree and run as one grouped model (else their trees differ: one by one)."""
     base = peaked_base()
     a, b = near_copy(base, 0.3, seed=1, favour=(3, 7)), near_copy(base, 0.5, seed=2, favour=(0, 4), by=1.0)
@@ -226,7 +226,7 @@ def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bo
                LookupDrafter(num_tokens=2)]
     drafter = EnsembleDrafter(members, mode=mode, length=3, batch_members=grouped)
     assert len(drafter.groups) == grouped
-    x, res, log = sample(SpeculativeDecoder(base, drafter), n, k, S_ENS, seed)
+    x, res, log = sample(SpeculativeDecoder(base, drafter, **decoder_options), n, k, S_ENS, seed)
     p = conditional_laws(base, prompts(n), x, S_ENS)
     qa, qb = (conditional_laws(m, prompts(n), x, S_ENS) for m in (a, b))
     return x, res, log, base, p, qa, qb
@@ -241,11 +241,11 @@ def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
 
 
-@pytest.mark.parametrize("mode", ["merge", "vote"])
-def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode):
+@pytest.mark.parametrize("mode,compile", [("merge", None), ("vote", None), ("merge", "eager")])
+def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode, compile):
     """The two SSMs draft as one grouped model (one generator, their rows side by side): each row's draws keep its
-    own member's q."""
-    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode=mode, grouped=True)
+    own member's q; also through the static path's one drafting call (compile: traced by dynamo)."""
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode=mode, grouped=True, compile=compile)
     assert_deep_accepts(res, log, *((1.1, 0.01) if mode == "vote" else ()))
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     if mode == "merge":

@@ -67,6 +67,16 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
+def draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Samples from the distributions q [..., V] by inverse CDF, given uniforms u [..., k] in [0, 1) (k draws per
+    distribution, i.i.d. when u is): index i is drawn when cdf[i - 1] <= u * total < cdf[i], so a zero-probability
+    token is never drawn. Tensor operations only (it runs inside compiled graphs, the uniforms drawn outside them
+    from the role's own generator)."""
+    cdf = q.float().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[..., -1:]).contiguous(), right=True)
+    return idx.clamp(max=q.shape[-1] - 1)
+
+
 def _deepest(ok: torch.Tensor, view: TreeView) -> torch.Tensor:
     """Per row, the deepest node whose whole root path is ok (ties: the earliest node), [B] on the device."""
     # A node counts only if it and all its ancestors are ok: [B, N, N] & -> [B, N].

@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..decode.acceptance import Sampling, warp
+from ..decode.acceptance import Sampling, draw, warp
 from ..decode.cache import causal_allowed, check_tree_support, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
@@ -346,9 +346,11 @@ class SSMDrafter(Drafter):
             return logits.topk(k, dim=-1).indices
         q = warp(logits, self.sampling)  # [B, P, V]
         dist.append(q)
-        B, P, V = q.shape
-        draws = torch.multinomial(q.reshape(B * P, V), k, replacement=True, generator=self.generator)
-        return draws.reshape(B, P, k)
+        return draw(q, self._uniforms(q.shape[0], q.shape[1], k))
+
+    def _uniforms(self, B: int, P: int, k: int) -> torch.Tensor:
+        """Uniforms for k draws from each of P distributions per row, from the drafter's own generator."""
+        return torch.rand(B, P, k, generator=self.generator, device=self.device)
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
@@ -368,7 +370,11 @@ class SSMDrafter(Drafter):
         tokens = torch.zeros(B, self.tree.size, dtype=torch.long, device=dev)
         tokens[:, 0] = root
         if self._fused():
-            return Proposal(self._fused_call(ids, okh, tokens), self._view(B))
+            tokens, q = self._fused_call(ids, okh, tokens)
+            prop = Proposal(tokens, self._view(B))
+            if q is not None:
+                prop.q, prop.q_index = q, self.q_index[None].expand(B, -1)
+            return prop
         logits = self.target.append(ids, okh).logits[:, -1:]  # [B, 1, V] at the root
         self.start = self.target.length
         # 2. Depth by depth: the children of every depth-d node that has some, then forward those of them that
@@ -392,24 +398,29 @@ class SSMDrafter(Drafter):
         return self.views[B]
 
     def _fused(self) -> bool:
-        """Greedy drafting on the static path: the feed and the tree's levels run as one call (compiled: one graph)
-        instead of one forward call each; sampled drafts keep the loop (their draws use the generator)."""
-        path = self.decode_path or {}
-        return bool(path.get("static")) and self.sampling.temperature <= 0
+        """On the static path the feed and the tree's levels run as one call (compiled: one graph) instead of one
+        forward call each; sampled drafts take their uniforms from the generator before the call."""
+        return bool((self.decode_path or {}).get("static"))
 
-    def _fused_call(self, ids: torch.Tensor, ok: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _fused_call(self, ids: torch.Tensor, ok: torch.Tensor, tokens: torch.Tensor):
         """The feed and the tree's levels in one call: the feed's and the internal nodes' slots reserved up front,
         masks built from the cache's committed slots and length (tensors), so the call's shapes are the same every
-        step; the feed is committed, the nodes stay tentative (commit keeps the accepted ones)."""
+        step; the feed is committed, the nodes stay tentative (commit keeps the accepted ones). Returns the tree's
+        tokens and, when sampling, q [B, 1 + internal, V]. Sampled children are drawn from uniforms taken from the
+        generator level by level before the call, in the order and shapes the eager loop takes them, so both paths
+        draw the same tokens."""
         cache, P = self.target, ids.shape[1]
         window = cache.reserve(P + len(self.internal))
         n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before the feed
         path = self.decode_path
         fn = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
-        tokens, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths)
+        sampled = self.sampling.temperature > 0
+        us = [self._uniforms(ids.shape[0], len(lv["parents"]), lv["k"]) for lv in self.levels] if sampled else None
+        tokens, q, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths,
+                                       us, self.sampling if sampled else None)
         cache.commit_reserved(P)
         self.start = cache.length
-        return tokens
+        return tokens, q
 
     def _forward(self, ids, allowed, depth, slots, n, next_pos, window: int):
         """The SSM over ids [B, N] at positions next_pos + depth, writing the slots from n (a tensor) on: each sees
@@ -424,12 +435,13 @@ class SSMDrafter(Drafter):
         return self.lm(input_ids=ids, attention_mask=mask[:, None], position_ids=next_pos[:, None] + depth,
                        past_key_values=self.target.cache, use_cache=True).logits
 
-    def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths):
-        """The feed ids [B, P] (ok marks real tokens; left-padded), committed at slots n .. n + P, then greedy
-        children of every level (the root's from the feed's last logits) and forwards of the nodes with children,
-        written tentatively after the feed in forward order (the internal nodes). Tensor operations only: returns
-        the tree's tokens and the rows' next positions after the feed. window and paths (the tree, read through
-        self.levels) are arguments so that the compiled call's signature holds them: a new tree compiles anew."""
+    def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths, us=None, sampling=None):
+        """The feed ids [B, P] (ok marks real tokens; left-padded), committed at slots n .. n + P, then the children
+        of every level (the root's from the feed's last logits; top-k, or with `sampling` draws from q by the
+        level's uniforms us[d]) and forwards of the nodes with children, written tentatively after the feed in
+        forward order (the internal nodes). Tensor operations only: returns the tree's tokens, q (sampling) and the
+        rows' next positions after the feed. window, paths (the tree, read through self.levels) and sampling are
+        arguments so that the compiled call's signature holds them: a new tree or sampling compiles anew."""
         P = ids.shape[1]
         logits = self._forward(ids, causal_allowed(ok), (ok.long().cumsum(-1) - 1).clamp(min=0), slots, n, next_pos,
                                window)[:, -1:]
@@ -438,13 +450,18 @@ class SSMDrafter(Drafter):
         slots |= fed  # in place: the cache's valid slots now hold the feed's real tokens
         next_pos = next_pos + ok.sum(-1)
         n = n + P
+        dist = []
         for d, lv in enumerate(self.levels):
             if d > 0:
                 logits = self._forward(tokens[:, lv["forward"]], lv["allowed"][None], lv["fwd_depth"][None], slots, n,
                                        next_pos, window)
-            cand = logits.topk(lv["k"], dim=-1).indices  # [B, n_d, k]
+            if sampling is None:
+                cand = logits.topk(lv["k"], dim=-1).indices  # [B, n_d, k]
+            else:
+                dist.append(warp(logits, sampling))
+                cand = draw(dist[-1], us[d])
             tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
-        return tokens, next_pos
+        return tokens, torch.cat(dist, dim=1) if dist else None, next_pos
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):
