@@ -163,6 +163,18 @@ def test_loss_weights_decay_over_block_positions_and_anchors_need_supervision():
     assert bool(torch.isfinite(per).all())
 
 
+def test_evaluation_anchors_are_the_same_per_batch_every_time_and_differ_between_batches():
+    base = tiny_llama(layers=4, seed=6)
+    d = dflash(base, seed=6, block_size=4, num_anchors=4).eval()
+    a, b = torch.randint(3, 64, (2, 32), generator=torch.Generator().manual_seed(1)), torch.randint(
+        3, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    mask, valid = torch.ones_like(a), torch.ones_like(a, dtype=torch.bool)
+    first = d.anchors(a, mask, valid)[0]
+    torch.manual_seed(5)  # the global stream does not move them
+    assert torch.equal(d.anchors(a, mask, valid)[0], first)
+    assert not torch.equal(d.anchors(b, mask, valid)[0], first)
+
+
 def test_distillation_targets_the_base_distribution():
     """With loss.distill_weight 1 the target is the base's distribution at a+k-1 (speculators'), not the data token:
     on random text, a draft that outputs exactly the base's next-token logits there has zero divergence."""
