@@ -83,20 +83,23 @@ def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
 @pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
 def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, monkeypatch):
     """Hydra++'s prefix layer and EAGLE-3's layer on the static path (commits padded to one width, the padding
-    left as holes) give the drafter the same state after every commit as the eager path: finer than tokens."""
+    left as holes; Hydra++'s run in the next proposal's call) give the drafter the same state after every commit
+    as the eager path, as its next proposal reads it: finer than tokens."""
     from draftlab.drafters.eagle import Eagle3Drafter
     from draftlab.drafters.heads.drafter import HeadsDrafter
 
-    cls, attr = (HeadsDrafter, "hidden") if kind == "hydra++" else (Eagle3Drafter, "out")
+    # Hydra++ on the static path computes the state in the proposal that reads it: recorded after proposals.
+    cls, attr, method = (HeadsDrafter, "hidden", "propose") if kind == "hydra++" else (Eagle3Drafter, "out", "commit")
     base = peaked()
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
     seen = []
-    commit = cls.commit
+    original = getattr(cls, method)
 
-    def recording(self, step):
-        commit(self, step)
+    def recording(self, arg):
+        out = original(self, arg)
         seen[-1].append(getattr(self, attr).clone())
-    monkeypatch.setattr(cls, "commit", recording)
+        return out
+    monkeypatch.setattr(cls, method, recording)
     for opts in ({}, {"static": True}, {"compile": "eager"}):
         seen.append([])
         SpeculativeDecoder(base, drafter(kind, base), **opts).generate(prompts, max_new_tokens=21)

@@ -34,7 +34,7 @@ class HeadsDrafter(Drafter):
         self.fill = self._fill_medusa if heads.kind == "medusa" else self._fill_hydra
         self.prefix = getattr(heads, "prefix_layer", None) is not None
         self.views: dict[int, TreeView] = {}
-        self.hidden = self.cache = self.static = None
+        self.hidden = self.cache = self.static = self.pending = None
 
     @property
     def max_nodes(self) -> int:
@@ -53,7 +53,7 @@ class HeadsDrafter(Drafter):
 
     def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
-        previous, self.static = self.static, None  # previous: reused on the static path
+        previous, self.static, self.pending = self.static, None, None  # previous: reused on the static path
         if not self.prefix:
             self.hidden = hidden[:, -1]
             return
@@ -79,12 +79,13 @@ class HeadsDrafter(Drafter):
         hidden = step.hidden[-1]  # [B, M, H] base states of the kept nodes
         B, M, H = hidden.shape
         rows = torch.arange(B, device=hidden.device)
-        if self.static is not None:
+        if self.static is not None:  # the prefix layer runs at the next proposal, in its call (see _commit_fill)
             W = self.tree.depth + 1
             states, valid = hidden.new_zeros(B, W, H), step.keep_valid.new_zeros(B, W)
             states[:, :M], valid[:, :M] = hidden, step.keep_valid
-            hidden = self.static.append(states, valid).last_hidden_state
-        elif self.prefix:
+            self.pending = (states, valid, step.last)
+            return
+        if self.prefix:
             vb = self.valid
             allowed = torch.cat([vb[:, None, :].expand(B, M, vb.shape[1]), causal_allowed(step.keep_valid)], dim=2)
             hidden = self.heads.prefix(hidden, allowed, step.positions, self.cache)
@@ -98,9 +99,44 @@ class HeadsDrafter(Drafter):
             self.views[B] = TreeView.of_static(self.buf, B)
         fill = self.fill
         backend = (self.decode_path or {}).get("compile")
+        if self.pending is not None:
+            return Proposal(self._commit_and_fill(root, backend), self.views[B])
         if backend:  # the whole fill (every head, every depth) as one graph of fixed shapes
             fill = compiled_method(self, "fill", backend)
         return Proposal(fill(root, self.hidden), self.views[B])
+
+    def _commit_and_fill(self, root: torch.Tensor, backend: str | None) -> torch.Tensor:
+        """Hydra++ on the static path: the last commit's prefix-layer forward and the fill as one call (compiled:
+        one graph), its slots reserved up front and its masks built from the cache's committed slots and length
+        (tensors), so every step has one shape."""
+        states, valid, last = self.pending
+        self.pending = None
+        cache = self.static
+        window = cache.reserve(valid.shape[1])
+        n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before these
+        fn = compiled_method(self, "_commit_fill", backend) if backend else self._commit_fill
+        tokens, self.hidden, cache.next_pos = fn(root, states, valid, last, cache.slots, n, cache.next_pos, window)
+        cache.commit_reserved(valid.shape[1])
+        return tokens
+
+    def _commit_fill(self, root, states, valid, last, slots, n, next_pos, window: int):
+        """The prefix layer over the committed states [B, W, H] (valid [B, W] marks real ones; the rest become
+        holes) at slots n .. n + W, then the fill from its output at each row's last kept node. Tensor operations
+        only: returns the tree's tokens, the heads' new state and the rows' next positions."""
+        B, W = valid.shape
+        rel = torch.arange(window, device=valid.device) - n  # slot -> its index among the W new ones
+        new = (rel >= 0) & (rel < W)
+        tent = causal_allowed(valid)[..., rel.clamp(0, W - 1)] & new  # [B, W, window]
+        dtype = states.dtype
+        mask = torch.zeros(B, W, window, dtype=dtype, device=valid.device)
+        mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)
+        pos = next_pos[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
+        h = self._prefix_model(inputs_embeds=states, attention_mask=mask[:, None], position_ids=pos,
+                               past_key_values=self.static.cache, use_cache=True).last_hidden_state
+        rel = torch.arange(slots.shape[1], device=valid.device) - n
+        slots |= valid.gather(1, rel.clamp(0, W - 1)[None].expand(B, -1)) & ((rel >= 0) & (rel < W))
+        hidden = h[torch.arange(B, device=h.device), last]
+        return self.fill(root, hidden), hidden, next_pos + valid.sum(-1)
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
