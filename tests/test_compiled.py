@@ -83,23 +83,22 @@ def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
 @pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
 def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, monkeypatch):
     """Hydra++'s prefix layer and EAGLE-3's layer on the static path (commits padded to one width, the padding
-    left as holes; Hydra++'s run in the next proposal's call) give the drafter the same state after every commit
-    as the eager path, as its next proposal reads it: finer than tokens."""
+    left as holes, run in the next proposal's call) give the drafter the same state after every commit as the
+    eager path, as its next proposal reads it: finer than tokens."""
     from draftlab.drafters.eagle import Eagle3Drafter
     from draftlab.drafters.heads.drafter import HeadsDrafter
 
-    # Hydra++ on the static path computes the state in the proposal that reads it: recorded after proposals.
-    cls, attr, method = (HeadsDrafter, "hidden", "propose") if kind == "hydra++" else (Eagle3Drafter, "out", "commit")
+    cls, attr = (HeadsDrafter, "hidden") if kind == "hydra++" else (Eagle3Drafter, "out")
     base = peaked()
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
     seen = []
-    original = getattr(cls, method)
+    propose = cls.propose
 
-    def recording(self, arg):
-        out = original(self, arg)
+    def recording(self, root):
+        out = propose(self, root)
         seen[-1].append(getattr(self, attr).clone())
         return out
-    monkeypatch.setattr(cls, method, recording)
+    monkeypatch.setattr(cls, "propose", recording)
     for opts in ({}, {"static": True}, {"compile": "eager"}):
         seen.append([])
         SpeculativeDecoder(base, drafter(kind, base), **opts).generate(prompts, max_new_tokens=21)

@@ -314,6 +314,7 @@ class Eagle3Drafter(Drafter):
         self.dtype = module.fc.weight.dtype
         self.draft_rows = module.draft_ids()
         self.k = self.v = self.valid = self.out = None  # the draft's KV cache (empty until begin's prompt)
+        self.staged = None  # the static path's last commit, entered at the next proposal
         self.n = 0
 
     @property
@@ -348,6 +349,15 @@ class Eagle3Drafter(Drafter):
     def _append(self, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
         """Committed entries into the preallocated cache (doubled, in 256-slot steps, when full)."""
         T = k.shape[2]
+        self._room(T, k, v, ok)
+        self.k[:, :, self.n: self.n + T] = k
+        self.v[:, :, self.n: self.n + T] = v
+        self.valid[:, self.n: self.n + T] = ok
+        self.n += T
+
+    def _room(self, T: int, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
+        """Room in the cache for T more entries shaped like k, v [B, kv_heads, *, d] and ok [B, *]: the buffers
+        doubled (in 256-slot steps) when full, their committed entries copied."""
         if self.k is None or self.n + T > self.k.shape[2]:
             from ..decode.cache import static_slots
 
@@ -363,15 +373,10 @@ class Eagle3Drafter(Drafter):
             if self.valid is not None:
                 valid[:, : self.n] = self.valid[:, : self.n]
             self.valid = valid
-        self.k[:, :, self.n: self.n + T] = k
-        self.v[:, :, self.n: self.n + T] = v
-        self.valid[:, self.n: self.n + T] = ok
-        self.n += T
 
     def _entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor, full: bool = False):
         """One layer pass for committed entries (features feats [B, T, n, H], the token after each [B, T], valid
-        ok [B, T]) over the cache: their outputs [B, T, H] and keys / values. Tensor operations only: with full
-        (the whole buffer read) its shapes are fixed, and the compiled path runs it as one graph."""
+        ok [B, T]) over the cache: their outputs [B, T, H] and keys / values. Tensor operations only."""
         from ..decode.cache import causal_allowed
 
         g = self.m.fuse(feats)
@@ -384,39 +389,41 @@ class Eagle3Drafter(Drafter):
         q, k, v = self.m.midlayer.qkv(e, g, *self.m.rope(g, positions))
         return self.m.advance(self._attend(q, k, v, allowed_new, full), g), k, v
 
-    def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor,
-                        width: int | None = None) -> None:
+    def _commit_entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor) -> None:
         """Append committed entries (base features feats [B, T, n, H], the token after each [B, T]); keep each row's
-        last valid output as the state the next tree starts from. width: on the static path, pad to this many
-        entries (not valid ones, holes in the cache) so the forward has one shape, compiled when the decoder
-        compiles."""
-        path = self.decode_path or {}
-        entries = self._entries
-        if width is not None and path.get("static") and self.k is not None:
-            B, T = next_tokens.shape
-            if T < width:
-                feats = torch.cat([feats, feats.new_zeros(B, width - T, *feats.shape[2:])], 1)
-                next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(B, width - T)], 1)
-                ok = torch.cat([ok, ok.new_zeros(B, width - T)], 1)
-            if path.get("compile"):
-                entries = compiled_method(self, "_entries", path["compile"])
-            out, k, v = entries(feats, next_tokens, ok, full=True)
-        else:
-            out, k, v = entries(feats, next_tokens, ok)
-        B, T = next_tokens.shape
+        last valid output as the state the next tree starts from (eager: the prompt, and every commit off the
+        static path)."""
+        out, k, v = self._entries(feats, next_tokens, ok)
         self._append(k, v, ok)
-        self.next_pos = self.next_pos + ok.sum(-1)
+        self.out, self.next_pos = self._last_out(out, ok, self.out), self.next_pos + ok.sum(-1)
+
+    @staticmethod
+    def _last_out(out: torch.Tensor, ok: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+        """Each row's output at its last valid entry (a row with none keeps prev)."""
+        B, T = ok.shape
         last = (ok.long() * torch.arange(1, T + 1, device=ok.device)).argmax(-1)  # each row's last valid entry
-        rows = torch.arange(B, device=ok.device)
-        take = ok.any(-1)
-        self.out = torch.where(take[:, None], out[rows, last], self.out if self.out is not None else out[rows, last])
+        new = out[torch.arange(B, device=ok.device), last]
+        return new if prev is None else torch.where(ok.any(-1)[:, None], new, prev)
+
+    def _commit_tree(self, root, feats, next_tokens, ok, n):
+        """The static path's step, tensor operations only (compiled: one graph): the last commit's entries (padded
+        to one width, the padding holes) through the layer over the whole buffer and written to it at slots
+        n .. n + W (n a tensor), then the tree from the new state. Returns the tree (as _tree) and the state."""
+        out, k, v = self._entries(feats, next_tokens, ok, full=True)
+        at = n + torch.arange(ok.shape[1], device=ok.device)
+        self.k.index_copy_(2, at, k.to(self.k.dtype))
+        self.v.index_copy_(2, at, v.to(self.v.dtype))
+        self.valid.index_copy_(1, at, ok)
+        out, next_pos = self._last_out(out, ok, self.out), self.next_pos + ok.sum(-1)
+        return (*self._tree(root, True, out, next_pos), out, next_pos)
 
     # --- the interface ---------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
-        self.k = self.v = self.valid = self.out = None
+        self.k = self.v = self.valid = self.out = self.staged = None
         self.n = 0  # committed entries in the cache
         self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
         self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
+        self.feats_like = (self.pending[0].dtype, self.pending[0].shape[2:])  # a commit's features: [n, H]
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
@@ -426,23 +433,46 @@ class Eagle3Drafter(Drafter):
             self._commit_entries(feats, nxt, ok)
             self.pending = None
         path = self.decode_path or {}
-        tree = compiled_method(self, "_tree", path["compile"]) if path.get("compile") else self._tree
-        tokens, parents, depth, ancestors = tree(root, full=bool(path.get("static")))
+        if path.get("static"):
+            tokens, parents, depth, ancestors = self._static_step(root, path.get("compile"))
+        else:
+            tokens, parents, depth, ancestors = self._tree(root)
         return Proposal(tokens, TreeView(parents, depth, torch.ones_like(parents, dtype=torch.bool), ancestors))
 
-    def _tree(self, root: torch.Tensor, full: bool = False):
-        """The step's tree: drafted, reranked and viewed (tokens, parents, depths, ancestors), tensor operations only:
-        on the compiled path one graph."""
-        tokens, parents = self._rerank(*self._draft(root, full))
+    def _static_step(self, root: torch.Tensor, backend: str | None):
+        """The last commit's entries and this step's tree as one call (see _commit_tree); the first step after the
+        prompt commits an empty (all holes) set of entries, so every step is the same call."""
+        if self.staged is None:
+            B, W = root.shape[0], self.depth + 1
+            dtype, shape = self.feats_like
+            self.staged = (torch.zeros(B, W, *shape, dtype=dtype, device=root.device), root.new_zeros(B, W),
+                           self.valid.new_zeros(B, W))
+        feats, nxt, ok = self.staged
+        self.staged = None
+        W = ok.shape[1]
+        self._room(W, self.k, self.v, self.valid)
+        n = torch.tensor(self.n, device=self.device)
+        fn = compiled_method(self, "_commit_tree", backend) if backend else self._commit_tree
+        tokens, parents, depth, ancestors, self.out, self.next_pos = fn(root, feats, nxt, ok, n)
+        self.n += W
+        return tokens, parents, depth, ancestors
+
+    def _tree(self, root: torch.Tensor, full: bool = False, out=None, next_pos=None):
+        """The step's tree: drafted, reranked and viewed (tokens, parents, depths, ancestors), tensor operations
+        only. out / next_pos: the state to draft from (default: the drafter's)."""
+        tokens, parents = self._rerank(*self._draft(root, full, out, next_pos))
         view = TreeView.of_parents(parents, check=False, max_depth=self.depth)
         return tokens, view.parents, view.depth, view.ancestors
 
-    def _draft(self, root: torch.Tensor, full: bool = False):
+    def _draft(self, root: torch.Tensor, full: bool = False, out=None, next_pos=None):
         """The dynamic tree's candidates: (tokens, parents, depths, scores) [B, n] of every drafted node, root
         first. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
-        buffer): on the compiled path this whole function is one graph."""
+        buffer): on the compiled path this whole function is part of one graph. out / next_pos: the state to
+        draft from (default: the drafter's)."""
+        out = self.out if out is None else out
+        next_pos = self.next_pos if next_pos is None else next_pos
         B, dev = root.shape[0], root.device
-        logp = torch.log_softmax(self.m.lm_head(self.m.head_input(self.out)).float(), -1)  # [B, Vd] below the root
+        logp = torch.log_softmax(self.m.lm_head(self.m.head_input(out)).float(), -1)  # [B, Vd] below the root
         # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
         score0, idx0 = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [B, k]
         tok = [root[:, None], self.draft_rows[idx0]]
@@ -464,7 +494,7 @@ class Eagle3Drafter(Drafter):
             parents = all_par.gather(1, exp_nodes)  # their parents (node ids)
             # Their g: the parent's output (root's = committed state; others = their entry's output).
             if d == 1:
-                g = self.out[:, None].expand(B, k_exp, -1)
+                g = out[:, None].expand(B, k_exp, -1)
                 anc_rows = torch.zeros(B, k_exp, ent_nodes.shape[1], dtype=torch.bool, device=dev)
             else:
                 slot = (ent_nodes[:, None, :] == parents[:, :, None]).float().argmax(-1)  # parent's entry index
@@ -474,7 +504,7 @@ class Eagle3Drafter(Drafter):
             T_prev = ent_nodes.shape[1]
             allowed_new = torch.cat([anc_rows, torch.eye(k_exp, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)],
                                     -1)  # [B, k_exp, T_prev + k_exp]
-            positions = self.next_pos[:, None] - 1 + d  # a depth-d node is the entry at (root position) - 1 + d
+            positions = next_pos[:, None] - 1 + d  # a depth-d node is the entry at (root position) - 1 + d
             emb = self.m.embed(all_tok.gather(1, exp_nodes)).to(self.dtype)
             q, k_, v_ = self.m.midlayer.qkv(emb, g, *self.m.rope(g, positions.expand(B, k_exp)))
             kk = k_ if kk is None else torch.cat([kk, k_], 2)
@@ -527,4 +557,11 @@ class Eagle3Drafter(Drafter):
         # The token after kept node i is kept node i + 1's, and after the last one the bonus (on the device).
         nxt = torch.cat([step.tokens.gather(1, step.keep[:, 1:]), step.bonus[:, None]], 1)
         nxt[torch.arange(B, device=nxt.device), step.last] = step.bonus
-        self._commit_entries(feats, nxt, step.keep_valid, width=self.depth + 1)
+        ok = step.keep_valid
+        if (self.decode_path or {}).get("static"):  # padded to one width; they go in at the next proposal's call
+            W = self.depth + 1
+            pad = W - M
+            self.staged = (torch.nn.functional.pad(feats, (0, 0, 0, 0, 0, pad)), torch.nn.functional.pad(nxt, (0, pad)),
+                           torch.nn.functional.pad(ok, (0, pad)))
+            return
+        self._commit_entries(feats, nxt, ok)
