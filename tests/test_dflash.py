@@ -109,6 +109,33 @@ def _peaked():
     return base
 
 
+@pytest.mark.parametrize("window_min", [256, 4])
+def test_block_logits_at_every_step_are_the_same_on_the_static_path(window_min, monkeypatch):
+    """On the static path a commit's context entries are written in the next proposal's call (padded to one width,
+    the padding holes; windows of 8-32 slots with window_min 4): the block's logits at every step equal the eager
+    path's, finer than tokens."""
+    from draftlab.drafters.dflash import DFlashDrafter
+
+    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
+    base = _peaked()
+    d = dflash(base, seed=3, block_size=4).eval()
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    seen, block = [], DFlashDrafter._block
+
+    def recording(self, *args):
+        out = block(self, *args)
+        seen[-1].append(out.clone())
+        return out
+    monkeypatch.setattr(DFlashDrafter, "_block", recording)
+    for opts in ({}, {"static": True}):
+        seen.append([])
+        SpeculativeDecoder(base, make_drafter(d, tree), **opts).generate(prompts, max_new_tokens=21)
+    assert len(seen[0]) == len(seen[1]) > 5
+    for a, b in zip(*seen):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("path,window_min", [({"static": True}, 256), ({"static": True}, 4),
                                              pytest.param({"compile": "eager"}, 256, marks=pytest.mark.slow)])
 def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_one(path, window_min, monkeypatch):

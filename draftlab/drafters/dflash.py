@@ -344,8 +344,8 @@ class DFlashDrafter(Drafter):
     verification keeps the base's law). The context keys / values of every committed position are kept per
     draft layer, in a buffer that grows by doubling; on the static path the block reads a window of it (the
     first 256, 512, ... entries, whichever holds the committed ones; unused slots masked), so the block forward
-    has a few shapes per run and runs compiled when the decoder compiles. Commits are one width on the static
-    path, their projections compiled too."""
+    has a few shapes per run and runs compiled when the decoder compiles. On the static path a commit's entries
+    (one width, padded with holes) are projected and written at the next proposal, in the block's call."""
 
     def __init__(self, module: DFlashDraft, tree: Tree):
         if tree.depth > module.block_size - 1:
@@ -374,11 +374,19 @@ class DFlashDrafter(Drafter):
         """Each draft layer's context keys / values of base features feats [B, T, n, H] at positions [B, T]."""
         return self.m.context_kv(self.m.context(feats), positions)
 
-    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor, backend=None) -> None:
-        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T]) into the cache;
-        backend: their projections through torch.compile (commits, one width on the static path)."""
-        kv = (compiled_method(self, "_entries", backend) if backend else self._entries)(feats, positions)
+    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> None:
+        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T]) into the cache."""
+        kv = self._entries(feats, positions)
         T = ok.shape[1]
+        self._room(T, kv, ok)
+        for (kb, vb), (k, v) in zip(self.kv, kv):
+            kb[:, :, self.n: self.n + T], vb[:, :, self.n: self.n + T] = k, v
+        self.valid[:, self.n: self.n + T] = ok
+        self.n += T
+
+    def _room(self, T: int, kv: list, ok: torch.Tensor) -> None:
+        """Room in the cache for T more entries shaped like kv (per layer (k, v) [B, kv_heads, *, d]) and ok [B, *]:
+        the buffers doubled (in 256-slot steps) when full, their committed entries copied."""
         if self.kv is None or self.n + T > self.valid.shape[1]:
             from ..decode.cache import static_slots
 
@@ -394,29 +402,27 @@ class DFlashDrafter(Drafter):
             if self.kv is not None:
                 valid[:, : self.n] = self.valid[:, : self.n]
             self.kv, self.valid = grown, valid
-        for (kb, vb), (k, v) in zip(self.kv, kv):
-            kb[:, :, self.n: self.n + T], vb[:, :, self.n: self.n + T] = k, v
-        self.valid[:, self.n: self.n + T] = ok
-        self.n += T
 
     # --- the interface ----------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
-        self.kv, self.n = None, 0
+        self.kv, self.n, self.staged = None, 0, None
         feats = torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2)  # [B, L, n, H]
+        self.feats_like = (feats.dtype, feats.shape[2:])  # a commit's features: [n, H]
         with torch.no_grad():
             self._append(feats, prompt.positions, prompt.valid.bool())
         # The root's position: one past each row's last prompt position (prompts are left-padded).
         self.next_pos = prompt.positions[:, -1] + 1
 
-    def _block(self, root: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    def _block(self, root: torch.Tensor, window: int | None = None, next_pos=None) -> torch.Tensor:
         """Logits [B, block_size - 1, V] of the block below root [B], in one forward over the context cache: its
         first `window` entries (the static path: a power of two times 256 holding the committed ones, so a few
-        shapes per run), else the committed ones."""
+        shapes per run), else the committed ones. next_pos: the root's positions (default: the drafter's)."""
         B, T = root.shape[0], self.m.block_size
         n = self.n if window is None else window
         ids = self.m.block_input(root)  # [B, T]
-        pos = self.next_pos[:, None] + torch.arange(T, device=root.device)
+        next_pos = self.next_pos if next_pos is None else next_pos
+        pos = next_pos[:, None] + torch.arange(T, device=root.device)
         ctx_allowed = self.valid[:, None, :n].expand(B, T, n)
         kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
         out = self.m.draft(ids, pos, kv, ctx_allowed)
@@ -426,11 +432,8 @@ class DFlashDrafter(Drafter):
     def propose(self, root: torch.Tensor) -> Proposal:
         B = root.shape[0]
         path = self.decode_path or {}
-        block = self._block
-        if path.get("compile"):
-            block = compiled_method(self, "_block", path["compile"])
-        window = attention_window(self.n, self.valid.shape[1]) if path.get("static") else None
-        logits = block(root, window)[:, : self.tree.depth]  # [B, D, V]
+        logits = self._static_block(root, path.get("compile")) if path.get("static") else self._block(root)
+        logits = logits[:, : self.tree.depth]  # [B, D, V]
         depth, rank = self.buf.depth[1:], self.buf.rank[1:]
         if B not in self.views:
             self.views[B] = TreeView.of_static(self.buf, B)
@@ -448,15 +451,46 @@ class DFlashDrafter(Drafter):
         q_index = torch.cat([torch.full((1,), -1, device=root.device, dtype=torch.long), depth - 1])
         return Proposal(tokens, self.views[B], q=q, q_index=q_index[None].expand(B, -1))
 
+    def _static_block(self, root: torch.Tensor, backend: str | None) -> torch.Tensor:
+        """The last commit's context entries and the block as one call (see _commit_block); the first step after the
+        prompt commits an empty (all holes) set of entries, so every step is the same call."""
+        if self.staged is None:
+            B, W = root.shape[0], self.tree.depth + 1
+            dtype, shape = self.feats_like
+            self.staged = (torch.zeros(B, W, *shape, dtype=dtype, device=root.device), root.new_zeros(B, W),
+                           self.valid.new_zeros(B, W))
+        feats, positions, ok = self.staged
+        self.staged = None
+        W = ok.shape[1]
+        self._room(W, self.kv, self.valid)
+        n = torch.tensor(self.n, device=root.device)
+        window = attention_window(self.n + W, self.valid.shape[1])
+        fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
+        logits, self.next_pos = fn(root, feats, positions, ok, n, window)
+        self.n += W
+        return logits
+
+    def _commit_block(self, root, feats, positions, ok, n, window: int):
+        """The static path's step, tensor operations only (compiled: one graph): the last commit's context entries
+        (padded to one width, the padding holes) projected and written to the cache at slots n .. n + W (n a
+        tensor), then the block (as _block, over the first `window` entries). Returns its logits and the root's
+        positions."""
+        at = n + torch.arange(ok.shape[1], device=ok.device)
+        for (kb, vb), (k, v) in zip(self.kv, self._entries(feats, positions)):
+            kb.index_copy_(2, at, k.to(kb.dtype))
+            vb.index_copy_(2, at, v.to(vb.dtype))
+        self.valid.index_copy_(1, at, ok)
+        next_pos = self.next_pos + ok.sum(-1)
+        return self._block(root, window, next_pos), next_pos
+
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H] at the kept nodes
         ok = step.keep_valid
         positions = step.positions
-        W = self.tree.depth + 1
-        if (self.decode_path or {}).get("static") and ok.shape[1] < W:  # one commit width: the cache grows in fixed steps
-            pad = W - ok.shape[1]
-            feats = F.pad(feats, (0, 0, 0, 0, 0, pad))
-            ok, positions = F.pad(ok, (0, pad)), F.pad(positions, (0, pad))
-        self._append(feats, positions, ok, (self.decode_path or {}).get("compile"))
-        self.next_pos = self.next_pos + step.keep_valid.sum(-1)
+        if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
+            pad = self.tree.depth + 1 - ok.shape[1]
+            self.staged = (F.pad(feats, (0, 0, 0, 0, 0, pad)), F.pad(positions, (0, pad)), F.pad(ok, (0, pad)))
+            return
+        self._append(feats, positions, ok)
+        self.next_pos = self.next_pos + ok.sum(-1)
