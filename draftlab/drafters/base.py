@@ -26,6 +26,14 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
+def empty_commit(B: int, W: int, feats_like: tuple, device) -> tuple:
+    """A commit of W entries per row that are all holes: (features [B, W, *shape] of feats_like's (dtype, shape),
+    token ids or positions [B, W], valid [B, W] all False). A drafter that enters a commit in its next proposal's
+    call gives its first proposal after the prompt this one, so every step is the same call."""
+    dtype, shape = feats_like
+    return (torch.zeros(B, W, *shape, dtype=dtype, device=device), torch.zeros(B, W, dtype=torch.long, device=device),
+            torch.zeros(B, W, dtype=torch.bool, device=device))
+
 
 class ReadsBase:
     """For draft modules that read the frozen base's embeddings and rotary table (EAGLE-3, DFlash): the base is held

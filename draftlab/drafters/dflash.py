@@ -44,7 +44,7 @@ from ..decode.acceptance import Sampling, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit
 from .eagle import RMSNorm
 
 
@@ -455,10 +455,7 @@ class DFlashDrafter(Drafter):
         """The last commit's context entries and the block as one call (see _commit_block); the first step after the
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
         if self.staged is None:
-            B, W = root.shape[0], self.tree.depth + 1
-            dtype, shape = self.feats_like
-            self.staged = (torch.zeros(B, W, *shape, dtype=dtype, device=root.device), root.new_zeros(B, W),
-                           self.valid.new_zeros(B, W))
+            self.staged = empty_commit(root.shape[0], self.tree.depth + 1, self.feats_like, root.device)
         feats, positions, ok = self.staged
         self.staged = None
         W = ok.shape[1]

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit
 
 
 class RMSNorm(nn.Module):
@@ -443,10 +443,7 @@ class Eagle3Drafter(Drafter):
         """The last commit's entries and this step's tree as one call (see _commit_tree); the first step after the
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
         if self.staged is None:
-            B, W = root.shape[0], self.depth + 1
-            dtype, shape = self.feats_like
-            self.staged = (torch.zeros(B, W, *shape, dtype=dtype, device=root.device), root.new_zeros(B, W),
-                           self.valid.new_zeros(B, W))
+            self.staged = empty_commit(root.shape[0], self.depth + 1, self.feats_like, root.device)
         feats, nxt, ok = self.staged
         self.staged = None
         W = ok.shape[1]
