@@ -454,7 +454,8 @@ class DFlashDrafter(Drafter):
     def _static_block(self, root: torch.Tensor, backend: str | None) -> torch.Tensor:
         """The last commit's context entries and the block as one call (see _commit_block); the first step after the
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
-        if self.staged is None:
+        empty = self.staged is None  # its holes are written over by the next commit: n stays
+        if empty:
             self.staged = empty_commit(root.shape[0], self.tree.depth + 1, self.feats_like, root.device)
         feats, positions, ok = self.staged
         self.staged = None
@@ -464,7 +465,7 @@ class DFlashDrafter(Drafter):
         window = attention_window(self.n + W, self.valid.shape[1])
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
         logits, self.next_pos = fn(root, feats, positions, ok, n, window)
-        self.n += W
+        self.n += 0 if empty else W
         return logits
 
     def _commit_block(self, root, feats, positions, ok, n, window: int):

@@ -442,7 +442,8 @@ class Eagle3Drafter(Drafter):
     def _static_step(self, root: torch.Tensor, backend: str | None):
         """The last commit's entries and this step's tree as one call (see _commit_tree); the first step after the
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
-        if self.staged is None:
+        empty = self.staged is None  # its holes are written over by the next commit: n stays
+        if empty:
             self.staged = empty_commit(root.shape[0], self.depth + 1, self.feats_like, root.device)
         feats, nxt, ok = self.staged
         self.staged = None
@@ -451,7 +452,7 @@ class Eagle3Drafter(Drafter):
         n = torch.tensor(self.n, device=self.device)
         fn = compiled_method(self, "_commit_tree", backend) if backend else self._commit_tree
         tokens, parents, depth, ancestors, self.out, self.next_pos = fn(root, feats, nxt, ok, n)
-        self.n += W
+        self.n += 0 if empty else W
         return tokens, parents, depth, ancestors
 
     def _tree(self, root: torch.Tensor, full: bool = False, out=None, next_pos=None):
