@@ -27,8 +27,12 @@ def hf_method(base, eos: int, n: int, **kw):
     return run
 
 
-def draftlab_method(decoder, eos: int, n: int):
-    return lambda ids: decoder.generate([ids], n, eos_token_id=eos)
+def draftlab_method(decoder, eos: int, n: int, sampling=None, seed: int = 0):
+    """draftlab's decoder on one prompt: greedy, or with `sampling` from a generator seeded alike for every prompt."""
+    if sampling is None:
+        return lambda ids: decoder.generate([ids], n, eos_token_id=eos)
+    return lambda ids: decoder.generate([ids], n, eos_token_id=eos, sampling=sampling,
+                                        generator=torch.Generator(device=decoder.base.device).manual_seed(seed))
 
 
 def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_generate",
@@ -37,13 +41,15 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
     are against `reference`, or for the methods named in `references` against the method given there (a method
     that decodes another base, e.g. Medusa-2's adapted one; references must come first in `methods`)."""
     references = references or {}
-    # The warm-up decodes the shortest and the longest prompt in full: a compiled method's shapes (its static cache's
-    # size bucket, a drafter cache's growth) follow the prompt's length and the run's, and a shape first met inside
+    # The warm-up decodes every prompt in full: a compiled method's shapes (its static cache's size bucket, a drafter
+    # cache's growth) follow the prompt's length and the number of steps the run takes, and a shape first met inside
     # the timed loop would put its compile time there, on whichever method meets it first (methods share dynamo's
-    # compiled variants of one model). It once warmed up on 8 tokens of the first prompt, which missed the
-    # 512-slot cache of 60-node trees.
+    # compiled variants of one model). It once warmed up on 8 tokens of the first prompt, which missed the 512-slot
+    # cache of 60-node trees, then on the shortest and the longest prompt, which missed the draft caches that grow
+    # with a run's steps (EAGLE-3's, DFlash's: a cold compile of EAGLE-3's drafting graph inside the timed loop cost
+    # it 30 ms per step). The compile time stays reported, as each method's warm-up.
     for fn in methods.values():
-        for ids in {len(p): p for p in sorted(prompts, key=len)[:: max(len(prompts) - 1, 1)]}.values():
+        for ids in prompts:
             fn(ids)
     stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "committed": 0, "split": {}, "identical": 0} for m in methods}
     for ids in prompts:

@@ -7,6 +7,8 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
     python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
     python benchmarks/refactor_check.py --commit C --train recipes/stories260k-hydra++.yaml ...  # + the training loop
     python benchmarks/refactor_check.py --commit C --compile --export ...  # the static-shape compiled path, plain too
+    python benchmarks/refactor_check.py --commit C --temperature 0.8 --export ...  # sampled decoding (the two sides
+        # draw differently where their samplers differ: compare time per step and accept length, not tokens)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=60)
     ap.add_argument("--compile", action="store_true",
                     help="compare the static-shape compiled path (torch.compile), with plain decoding on it too")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decoding at this temperature")
     a = ap.parse_args()
     old_package(a.commit)
     training = {Path(r).stem: train_check(r, a.train_steps) for r in a.train}
@@ -80,16 +83,23 @@ def main() -> None:
     eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods["hf_generate"] = hf_method(base, eos, N)
+    sampled = {}
+    if a.temperature > 0:  # each side's own Sampling class
+        from draftlab_v0.decode.acceptance import Sampling as SamplingBefore
+
+        from draftlab.decode.acceptance import Sampling
+
+        sampled = {"before": SamplingBefore(temperature=a.temperature), "after": Sampling(temperature=a.temperature)}
     for kind, (before, after) in pairs.items():
-        methods[f"{kind}_before"] = draftlab_method(before, eos, N)
-        methods[f"{kind}_after"] = draftlab_method(after, eos, N)
+        methods[f"{kind}_before"] = draftlab_method(before, eos, N, sampled.get("before"))
+        methods[f"{kind}_after"] = draftlab_method(after, eos, N, sampled.get("after"))
     results = compare(methods, prompts)
     print_table(results)
     ratio = {k: round(results[f"{k}_after"]["tokens_per_s"] / results[f"{k}_before"]["tokens_per_s"], 3)
              for k in pairs}
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
-    write_result(a.name, {"before": a.commit, "compiled": a.compile, "prompts": len(prompts), "max_new_tokens": N,
+    write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature, "prompts": len(prompts), "max_new_tokens": N,
                           "methods": results, "after_over_before": ratio, "same_accept_length": same,
                           **({"training": training} if training else {})})
 

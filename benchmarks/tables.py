@@ -552,6 +552,7 @@ TABLES = {
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
     "compiled_all_kinds": ("compiled_all_kinds", compiled),
     "block_drafters_selfdata_full": ("block_drafters_selfdata_full", compiled),
+    "compiled_all_kinds_6ep": ("compiled_all_kinds_6ep", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
 }
 
