@@ -53,12 +53,21 @@ def test_dsi_tokens_equal_plain_greedy(dsi, setup):
     assert si_generate(model, prompt, 48, oracle(prompt, ref, 0.7, V, seed=2), lookahead=3)["tokens"] == ref
 
 
-def test_dsi_ends_off_the_lookahead_grid(dsi, setup):
+@pytest.fixture(scope="module")
+def slow_target_dsi(tiny_base_dir):
+    """Servers whose forwards last at least 50 ms: an instant drafter has all its drafts long before the first reply
+    (with instant servers a reply to the task at 0 drafts could win that race on a busy machine and end the stretch
+    after one token)."""
+    with DSI(str(tiny_base_dir), sp=3, target_latency_s=0.05) as pool:
+        yield pool
+
+
+def test_dsi_ends_off_the_lookahead_grid(slow_target_dsi, setup):
     """Token counts that are not a multiple of the lookahead: the drafter drafts only the n - 1 tokens the text has
     a use for (the target's token after them is the n-th) and the last task verifies them all, off the grid."""
     model, prompt, ref, V = setup
     for n, k in ((7, 4), (13, 5), (48, 7)):
-        out = dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
+        out = slow_target_dsi.generate(prompt, n, oracle(prompt, ref, 1.0, V, seed=4), lookahead=k)
         assert out["tokens"] == ref[:n], (n, k)
         # One stretch: tasks at 0, k, 2k, ... drafts and at n - 1, none preempted.
         assert out["drafts"] == n - 1 and out["tasks"] == -(-(n - 1) // k) + 1, (n, k, out)
