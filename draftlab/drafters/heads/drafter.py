@@ -127,7 +127,7 @@ class HeadsDrafter(Drafter):
         rel = torch.arange(window, device=valid.device) - n  # slot -> its index among the W new ones
         new = (rel >= 0) & (rel < W)
         tent = causal_allowed(valid)[..., rel.clamp(0, W - 1)] & new  # [B, W, window]
-        dtype = states.dtype
+        dtype = self.static.dtype  # the prefix layer's (its attention takes a mask of its own dtype)
         mask = torch.zeros(B, W, window, dtype=dtype, device=valid.device)
         mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)
         pos = next_pos[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
