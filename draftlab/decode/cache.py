@@ -48,6 +48,27 @@ def causal_allowed(valid: torch.Tensor) -> torch.Tensor:
     return (causal[None] & valid[:, None, :].bool()) | torch.eye(S, dtype=torch.bool, device=valid.device)[None]
 
 
+def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, window: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, N, window] of N entries a caller's own forward writes into a static cache
+    whose slots from n (a tensor: the committed ones before them) it reserved (StaticSlotCache.reserve): each entry
+    sees the committed valid slots (slots [B, >= window]) and the reserved ones allowed [B or 1, N, T] marks.
+    Tensor operations only, so one compiled graph serves every step."""
+    T = allowed.shape[-1]
+    rel = torch.arange(window, device=slots.device) - n  # slot -> its index among the reserved ones
+    tent = allowed[..., rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [B or 1, N, window]
+    mask = torch.zeros(slots.shape[0], allowed.shape[-2], window, dtype=dtype, device=slots.device)
+    return mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)[:, None]
+
+
+def mark_valid(slots: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> None:
+    """In place: the reserved slots n .. n + T - 1 (n a tensor) become valid where ok [B, T] is (the caller committed
+    them; StaticSlotCache.commit_reserved then counts them). Tensor operations only."""
+    T = ok.shape[1]
+    rel = torch.arange(slots.shape[1], device=slots.device) - n
+    slots |= ok.gather(1, rel.clamp(0, T - 1)[None].expand(ok.shape[0], -1)) & ((rel >= 0) & (rel < T))
+
+
 class SlotCache:
     """A model, its DynamicCache, and per row: which slots are valid and the next position."""
 

@@ -26,6 +26,12 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
+def pad_commit(W: int, *parts: torch.Tensor) -> tuple:
+    """A commit's tensors [B, M, ...] (features, token ids or positions, valid) padded with zeros to W entries along
+    dim 1: the padding is holes (not valid), so the commits of a static path all have one shape."""
+    return tuple(torch.cat([t, t.new_zeros(t.shape[0], W - t.shape[1], *t.shape[2:])], 1) for t in parts)
+
+
 def empty_commit(B: int, W: int, feats_like: tuple, device) -> tuple:
     """A commit of W entries per row that are all holes: (features [B, W, *shape] of feats_like's (dtype, shape),
     token ids or positions [B, W], valid [B, W] all False). A drafter that enters a commit in its next proposal's

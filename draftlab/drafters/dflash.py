@@ -44,7 +44,7 @@ from ..decode.acceptance import Sampling, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit, pad_commit
 from .eagle import RMSNorm
 
 
@@ -487,8 +487,7 @@ class DFlashDrafter(Drafter):
         ok = step.keep_valid
         positions = step.positions
         if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
-            pad = self.tree.depth + 1 - ok.shape[1]
-            self.staged = (F.pad(feats, (0, 0, 0, 0, 0, pad)), F.pad(positions, (0, pad)), F.pad(ok, (0, pad)))
+            self.staged = pad_commit(self.tree.depth + 1, feats, positions, ok)
             return
         self._append(feats, positions, ok)
         self.next_pos = self.next_pos + ok.sum(-1)

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit, pad_commit
 
 
 class RMSNorm(nn.Module):
@@ -436,7 +436,7 @@ class Eagle3Drafter(Drafter):
         if path.get("static"):
             tokens, parents, depth, ancestors = self._static_step(root, path.get("compile"))
         else:
-            tokens, parents, depth, ancestors = self._tree(root)
+            tokens, parents, depth, ancestors = self._tree(root, False, self.out, self.next_pos)
         return Proposal(tokens, TreeView(parents, depth, torch.ones_like(parents, dtype=torch.bool), ancestors))
 
     def _static_step(self, root: torch.Tensor, backend: str | None):
@@ -455,20 +455,18 @@ class Eagle3Drafter(Drafter):
         self.n += 0 if empty else W
         return tokens, parents, depth, ancestors
 
-    def _tree(self, root: torch.Tensor, full: bool = False, out=None, next_pos=None):
+    def _tree(self, root: torch.Tensor, full: bool, out: torch.Tensor, next_pos: torch.Tensor):
         """The step's tree: drafted, reranked and viewed (tokens, parents, depths, ancestors), tensor operations
-        only. out / next_pos: the state to draft from (default: the drafter's)."""
+        only. out / next_pos: the state to draft from."""
         tokens, parents = self._rerank(*self._draft(root, full, out, next_pos))
         view = TreeView.of_parents(parents, check=False, max_depth=self.depth)
         return tokens, view.parents, view.depth, view.ancestors
 
-    def _draft(self, root: torch.Tensor, full: bool = False, out=None, next_pos=None):
+    def _draft(self, root: torch.Tensor, full: bool, out: torch.Tensor, next_pos: torch.Tensor):
         """The dynamic tree's candidates: (tokens, parents, depths, scores) [B, n] of every drafted node, root
         first. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
         buffer): on the compiled path this whole function is part of one graph. out / next_pos: the state to
-        draft from (default: the drafter's)."""
-        out = self.out if out is None else out
-        next_pos = self.next_pos if next_pos is None else next_pos
+        draft from (the committed output and the root's positions)."""
         B, dev = root.shape[0], root.device
         logp = torch.log_softmax(self.m.lm_head(self.m.head_input(out)).float(), -1)  # [B, Vd] below the root
         # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
@@ -550,16 +548,13 @@ class Eagle3Drafter(Drafter):
     def commit(self, step: StepResult) -> None:
         # Entries for the committed positions from the base's true features: (feature at node, next token), the
         # last one's next token being the bonus. Tentative tree entries were never added to the cache.
-        B, M = step.keep.shape
+        B = step.keep.shape[0]
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
         # The token after kept node i is kept node i + 1's, and after the last one the bonus (on the device).
         nxt = torch.cat([step.tokens.gather(1, step.keep[:, 1:]), step.bonus[:, None]], 1)
         nxt[torch.arange(B, device=nxt.device), step.last] = step.bonus
         ok = step.keep_valid
         if (self.decode_path or {}).get("static"):  # padded to one width; they go in at the next proposal's call
-            W = self.depth + 1
-            pad = W - M
-            self.staged = (torch.nn.functional.pad(feats, (0, 0, 0, 0, 0, pad)), torch.nn.functional.pad(nxt, (0, pad)),
-                           torch.nn.functional.pad(ok, (0, pad)))
+            self.staged = pad_commit(self.depth + 1, feats, nxt, ok)
             return
         self._commit_entries(feats, nxt, ok)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, draw, warp
-from ..decode.cache import causal_allowed, check_tree_support, slot_cache
+from ..decode.cache import causal_allowed, check_tree_support, mark_valid, reserved_mask, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
@@ -425,14 +425,8 @@ class SSMDrafter(Drafter):
     def _forward(self, ids, allowed, depth, slots, n, next_pos, window: int):
         """The SSM over ids [B, N] at positions next_pos + depth, writing the slots from n (a tensor) on: each sees
         the committed valid slots and the tentative ones allowed [B or 1, N, T] marks. Tensor operations only."""
-        B, N = ids.shape
-        T = allowed.shape[-1]
-        rel = torch.arange(window, device=ids.device) - n  # slot -> its index among the tentative slots
-        tent = allowed[..., rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [B or 1, N, W]
-        dtype = next(self.lm.parameters()).dtype
-        mask = torch.zeros(B, N, window, dtype=dtype, device=ids.device)
-        mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)
-        return self.lm(input_ids=ids, attention_mask=mask[:, None], position_ids=next_pos[:, None] + depth,
+        mask = reserved_mask(allowed, slots, n, window, next(self.lm.parameters()).dtype)
+        return self.lm(input_ids=ids, attention_mask=mask, position_ids=next_pos[:, None] + depth,
                        past_key_values=self.target.cache, use_cache=True).logits
 
     def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths, us=None, sampling=None):
@@ -445,9 +439,7 @@ class SSMDrafter(Drafter):
         P = ids.shape[1]
         logits = self._forward(ids, causal_allowed(ok), (ok.long().cumsum(-1) - 1).clamp(min=0), slots, n, next_pos,
                                window)[:, -1:]
-        rel = torch.arange(slots.shape[1], device=ids.device) - n  # the feed's slots: rel 0 .. P - 1
-        fed = ok.gather(1, rel.clamp(0, P - 1)[None].expand(ok.shape[0], -1)) & ((rel >= 0) & (rel < P))
-        slots |= fed  # in place: the cache's valid slots now hold the feed's real tokens
+        mark_valid(slots, ok, n)  # the cache's valid slots now hold the feed's real tokens
         next_pos = next_pos + ok.sum(-1)
         n = n + P
         dist = []

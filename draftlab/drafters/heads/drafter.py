@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ...decode.cache import causal_allowed
+from ...decode.cache import causal_allowed, mark_valid, reserved_mask
 from ...decode.compiled import compiled_method
 from ...decode.tree import Tree, TreeView
-from ..base import Drafter, PromptState, Proposal, StepResult
+from ..base import Drafter, PromptState, Proposal, StepResult, pad_commit
 
 
 class HeadsDrafter(Drafter):
@@ -80,10 +80,7 @@ class HeadsDrafter(Drafter):
         B, M, H = hidden.shape
         rows = torch.arange(B, device=hidden.device)
         if self.static is not None:  # the prefix layer runs at the next proposal, in its call (see _commit_fill)
-            W = self.tree.depth + 1
-            states, valid = hidden.new_zeros(B, W, H), step.keep_valid.new_zeros(B, W)
-            states[:, :M], valid[:, :M] = hidden, step.keep_valid
-            self.pending = (states, valid, step.last)
+            self.pending = (*pad_commit(self.tree.depth + 1, hidden, step.keep_valid), step.last)
             return
         if self.prefix:
             vb = self.valid
@@ -123,19 +120,13 @@ class HeadsDrafter(Drafter):
         """The prefix layer over the committed states [B, W, H] (valid [B, W] marks real ones; the rest become
         holes) at slots n .. n + W, then the fill from its output at each row's last kept node. Tensor operations
         only: returns the tree's tokens, the heads' new state and the rows' next positions."""
-        B, W = valid.shape
-        rel = torch.arange(window, device=valid.device) - n  # slot -> its index among the W new ones
-        new = (rel >= 0) & (rel < W)
-        tent = causal_allowed(valid)[..., rel.clamp(0, W - 1)] & new  # [B, W, window]
-        dtype = self.static.dtype  # the prefix layer's (its attention takes a mask of its own dtype)
-        mask = torch.zeros(B, W, window, dtype=dtype, device=valid.device)
-        mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)
+        # The mask in the prefix layer's dtype (its attention takes a mask of its own dtype).
+        mask = reserved_mask(causal_allowed(valid), slots, n, window, self.static.dtype)
         pos = next_pos[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
-        h = self._prefix_model(inputs_embeds=states, attention_mask=mask[:, None], position_ids=pos,
+        h = self._prefix_model(inputs_embeds=states, attention_mask=mask, position_ids=pos,
                                past_key_values=self.static.cache, use_cache=True).last_hidden_state
-        rel = torch.arange(slots.shape[1], device=valid.device) - n
-        slots |= valid.gather(1, rel.clamp(0, W - 1)[None].expand(B, -1)) & ((rel >= 0) & (rel < W))
-        hidden = h[torch.arange(B, device=h.device), last]
+        mark_valid(slots, valid, n)
+        hidden = h[torch.arange(h.shape[0], device=h.device), last]
         return self.fill(root, hidden), hidden, next_pos + valid.sum(-1)
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
