@@ -1,7 +1,7 @@
 """Compiled calls for the static-shape decode path.
 
 `Compiled` wraps a function (a base's forward, a drafter's step, the acceptance rule) in `torch.compile` with fixed
-shapes: the default mode on CPU, "reduce-overhead" (CUDA graphs) on a GPU for model forwards. The static KV cache
+shapes: on a CPU inductor's C++ wrapper (see cpp_wrapper), "reduce-overhead" (CUDA graphs) on a GPU for model forwards. The static KV cache
 (draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget make every call of a run the
 same shapes, so each compiles once. A function that does not compile falls back to eager, saying why in one line
 (stderr); the tokens are the same either way.
@@ -78,6 +78,16 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def cpp_wrapper() -> bool:
+    """Whether inductor graphs on a CPU call their kernels from generated C++ rather than Python (default yes;
+    DRAFTLAB_CPP_WRAPPER=0: no). A verify forward of a small base is a few dozen kernels and matmuls of microseconds
+    each, so the Python lines between them are a large part of its time. Not in a tensor-parallel process: graphs
+    over sharded weights take a device mesh, which the C++ wrapper cannot pass."""
+    if os.environ.get("DRAFTLAB_CPP_WRAPPER", "1") in ("0", "false", "no"):
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def guards_skipped() -> bool:
     """Whether calls of a seen signature skip dynamo's guard evaluation (default yes; DRAFTLAB_COMPILE_GUARDS=1: no)."""
     return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")
@@ -94,7 +104,10 @@ class Compiled:
         # inductor: CUDA graphs on a GPU when asked; other backends (aot_eager, eager: tracing without code generation,
         # for tests and debugging) take no mode.
         mode = ("reduce-overhead" if device == "cuda" and graphs else "default") if backend == "inductor" else None
-        self.fn = torch.compile(fn, backend=backend, mode=mode, dynamic=False)
+        options = None
+        if mode == "default" and device == "cpu" and cpp_wrapper():
+            mode, options = None, {"cpp_wrapper": True}  # see cpp_wrapper (torch.compile takes a mode or options)
+        self.fn = torch.compile(fn, backend=backend, mode=mode, options=options, dynamic=False)
         # dynamo keeps at most `recompile_limit` (8) variants of one code object, and every model of a class shares
         # its forward's: batch sizes, tree sizes and cache lengths of one server easily pass 8, after which dynamo
         # would run the forward eagerly without a word.
