@@ -521,6 +521,18 @@ def refactor_check_compiled(p, d) -> None:
                    f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
 
 
+def refactor_check_compiled_exports(title: str, name: str):
+    """A --compile refactor check on the exports of "Every drafter kind at full training" (runs/...)."""
+    def table(p, d) -> None:
+        refactor_check(p, d, title, f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts "
+                       f"{d['prompts']} --name {name} --export hydra++=runs/full-hydra++/export --export "
+                       "eagle3=runs/e6-eagle3-self/export --export dflash=runs/e6-dflash-self/export --export "
+                       f"ssm=runs/ssm-member1/export`; before = {d['before']}, both on the static-shape compiled path "
+                       f"(inductor), same exports, base object and prompts, interleaved; {d['prompts']} prompts x "
+                       f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
+    return table
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -554,6 +566,10 @@ TABLES = {
     "block_drafters_selfdata_full": ("block_drafters_selfdata_full", compiled),
     "compiled_all_kinds_6ep": ("compiled_all_kinds_6ep", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
+    "refactor_check_cpp_wrapper": ("refactor_check_cpp_wrapper", refactor_check_compiled_exports(
+        "Inductor's C++ wrapper on a CPU", "refactor_check_cpp_wrapper")),
+    "refactor_check_keep_on_device": ("refactor_check_keep_on_device", refactor_check_compiled_exports(
+        "The KV cache keeps the accepted paths inside the acceptance graph", "refactor_check_keep_on_device")),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from draftlab.decode.cache import SlotCache, StaticSlotCache
+from draftlab.decode.cache import SlotCache, StaticSlotCache, keep_on_device
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import DynamicTree, Tree, TreeView
 from draftlab.drafters import build_draft, make_drafter
@@ -187,17 +187,20 @@ def test_trees_that_change_between_steps_decode_exactly_on_the_compiled_path():
 def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragmentation(window_min, monkeypatch):
     """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal
     the dynamic cache's at every step, also after its buffers filled and the rows' slots were moved together.
-    window_min 4: the forwards attend over 16, then 32 of the 32 slots as the text grows (256: all 32)."""
+    window_min 4: the forwards attend over 16, then 32 of the 32 slots as the text grows (256: all 32). A third cache
+    keeps with keep_on_device (tensor operations only, as the compiled acceptance graph runs it): it ends every step
+    in the same state as the one that keeps on the host."""
     monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
     base = tiny_llama(vocab=32, seed=2)
     B, L = 3, 5
     ids = torch.randint(0, 32, (B, L), generator=torch.Generator().manual_seed(0))
     valid = torch.ones(B, L, dtype=torch.bool)
     valid[1, :2] = False
-    dyn, st = SlotCache(base), StaticSlotCache(base, B, 32)
+    dyn, st, dev = SlotCache(base), StaticSlotCache(base, B, 32), StaticSlotCache(base, B, 32)
     with torch.no_grad():
         a, _ = dyn.prefill(ids, valid)
         b, _ = st.prefill(ids, valid)
+        dev.prefill(ids, valid)
         assert torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
         defragmented, windows = False, set()
         for step in range(10):
@@ -207,6 +210,7 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
             n_before = st.length
             a = dyn.forward(tokens, view.ancestors, view.depth).logits
             b = st.forward(tokens, view.ancestors, view.depth).logits
+            assert torch.allclose(dev.forward(tokens, view.ancestors, view.depth).logits, b, atol=1e-10), step
             windows.add(st.window)
             defragmented |= st.length < n_before
             assert torch.allclose(a, b, atol=1e-10), step
@@ -218,6 +222,15 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
             dyn.keep(start, keep, kv)
             st.keep(st.length, keep, kv)
             assert torch.equal(dyn.next_pos, st.next_pos)
+            N = tree.size
+            full = torch.cat([keep, torch.zeros(B, N - M, dtype=torch.long)], 1)
+            full_valid = torch.cat([kv, torch.zeros(B, N - M, dtype=torch.bool)], 1)
+            dev.kept(M, keep_on_device(*dev.device_state(), dev.slots, full, full_valid, kv.sum(-1), dev.next_pos))
+            assert torch.equal(dev.next_pos, st.next_pos) and dev.length == st.length
+            assert torch.equal(dev.slots, st.slots) and int(dev.cache.layers[0].cumulative_length) == st.length
+            held = st.valid[:, None, :, None]  # holes are never attended to: what they hold may differ
+            for x, y in zip(dev.device_state()[0], st.device_state()[0]):
+                assert torch.equal(x[:, :, :st.length] * held, y[:, :, :st.length] * held)
         assert defragmented  # 5 + 10 steps x 3 slots do not fit in 32 without moving the holes out
         assert windows == ({32} if window_min == 256 else {16, 32})
 

@@ -403,6 +403,16 @@ class StaticSlotCache:
         self.n, self.tentative = start + m, 0
         self.next_pos = self.next_pos + keep_valid.sum(-1)
 
+    def device_state(self) -> tuple[list, list]:
+        """The tensors keep_on_device updates: every layer's keys and values, and every layer's write pointer."""
+        layers = self._layers()
+        return [t for l in layers for t in (l.keys, l.values)], [l.cumulative_length for l in layers]
+
+    def kept(self, m: int, next_pos: torch.Tensor) -> None:
+        """The host's side of keep_on_device: the first m tentative slots are now committed (holes included), and
+        the rows' next positions are next_pos."""
+        self.n, self.tentative, self.next_pos = self.n + m, 0, next_pos
+
     def rewind(self, n: int) -> None:
         """Forget every slot from n on (the sequence went another way after its first n slots); each row's next
         position counts its valid slots before n."""
@@ -417,6 +427,27 @@ class StaticSlotCache:
         self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),
                   valid.bool(), in_place=True)
         return out
+
+
+def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor,
+                   length: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+    """StaticSlotCache.keep after a forward over N tentative slots, with tensor operations only, so it runs inside
+    the verify step's compiled acceptance graph: keep [B, N] (each row's kept path first; the entries past it, which
+    keep_valid [B, N] marks False, become holes) moves tentative slot n + keep[b, i] to n + i in every key and value
+    buffer of kv, the N slots' validity becomes keep_valid, and every layer's write pointer (cumulative, which the
+    forward advanced to n + N) goes back to n + M, M the longest path of length [B]. Returns the rows' next positions;
+    the host then calls StaticSlotCache.kept(M, ...)."""
+    N = keep.shape[1]
+    n = cumulative[0] - N
+    at = n + torch.arange(N, device=keep.device)  # the tentative slots
+    for t in kv:  # [B, heads, L, d]
+        B, H, _, d = t.shape
+        t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
+    slots.index_copy_(1, at, keep_valid)
+    end = n + length.max()  # holes of the shorter rows included
+    for c in cumulative:
+        c.copy_(end)
+    return next_pos + keep_valid.sum(-1)
 
 
 def _inputs(x: torch.Tensor) -> dict:

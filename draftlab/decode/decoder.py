@@ -21,7 +21,7 @@ from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, typical_decision, warp
 from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
-                    compact_cache, static_slot_cache, static_slots)
+                    compact_cache, keep_on_device, static_slot_cache, static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 
@@ -82,7 +82,8 @@ class Verifier:
         self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
         self.device = base.get_output_embeddings().weight.device
         backend = getattr(forward, "backend", None)  # a compiled verify forward: acceptance compiles alike
-        self.decide = decide if backend is None else compiled_function(decide, backend, self.device.type)
+        rule = decide_and_keep if static_nodes else decide  # the static cache keeps the path in the same call
+        self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
         self.live_host = [True] * len(prompts)  # the same on the host (rows end on the host, in _emit)
@@ -131,10 +132,12 @@ class Verifier:
         sync_device(dev)
         t3 = time.perf_counter()
         deterministic = sampling.greedy or sampling.typical
-        if deterministic and self.sync is None:  # the rule and the step's bookkeeping in one call (one graph compiled)
-            bonus, length, keep, keep_valid, kept_pos, host = self.decide(
+        on_device = deterministic and self.sync is None
+        if on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)
+            static = (target.device_state(), target.slots) if self.static_nodes else ()
+            bonus, length, keep, keep_valid, kept_pos, host, *next_pos = self.decide(
                 tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
-                sampling)
+                sampling, *static)
         else:
             if deterministic:
                 last, bonus = typical_decision(tokens, out.logits, view, sampling)  # greedy at temperature 0
@@ -150,8 +153,10 @@ class Verifier:
         paths = [h[3: 3 + h[1]] for h in host]
         M = max(h[1] for h in host)
         keep, keep_valid, kept_pos = keep[:, :M], keep_valid[:, :M], kept_pos[:, :M]
-        # Paths that are prefixes of the node order (chains, root-only accepts) are already in place.
-        target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
+        if on_device and self.static_nodes:  # the KV cache kept the paths in decide_and_keep
+            target.kept(M, next_pos[0])
+        else:  # paths that are prefixes of the node order (chains, root-only accepts) are already in place
+            target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
         res.steps += 1
         res.rows_per_step.append(sum(live_rows))
         res.tree_sizes.append(N)
@@ -271,6 +276,17 @@ def decide(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sam
     view = TreeView(parents, depth, valid, ancestors)
     last, bonus = typical_decision(tokens, logits, view, sampling)  # greedy at temperature 0
     return (bonus, *path_order(tokens, ancestors, depth, last, bonus, live, next_pos))
+
+
+def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state,
+                    slots):
+    """decide, then the static KV cache keeps each row's accepted path (decode.cache.keep_on_device; state: the
+    cache's device_state, slots its valid slots), in the same graph: decide's values and the rows' next positions."""
+    bonus, length, keep, keep_valid, kept_pos, host = decide(tokens, logits, parents, depth, valid, ancestors, live,
+                                                             next_pos, sampling)
+    kv, cumulative = state
+    return bonus, length, keep, keep_valid, kept_pos, host, keep_on_device(kv, cumulative, slots, keep, keep_valid,
+                                                                           length, next_pos)
 
 
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
