@@ -152,11 +152,10 @@ class Verifier:
         live_rows = [bool(h[0]) for h in host]
         paths = [h[3: 3 + h[1]] for h in host]
         M = max(h[1] for h in host)
-        keep, keep_valid, kept_pos = keep[:, :M], keep_valid[:, :M], kept_pos[:, :M]
         if on_device and self.static_nodes:  # the KV cache kept the paths in decide_and_keep
             target.kept(M, next_pos[0])
         else:  # paths that are prefixes of the node order (chains, root-only accepts) are already in place
-            target.keep(start, keep, keep_valid, in_place=all(p == list(range(len(p))) for p in paths))
+            target.keep(start, keep[:, :M], keep_valid[:, :M], in_place=all(p == list(range(len(p))) for p in paths))
         res.steps += 1
         res.rows_per_step.append(sum(live_rows))
         res.tree_sizes.append(N)
@@ -166,16 +165,15 @@ class Verifier:
                 # Only what is emitted counts: accepted tokens past EOS or max_new_tokens are not committed.
                 committed += self._emit(b, h[3 + N + 1: 3 + N + h[1]] + [h[2]])
         res.committed.append(committed)
-        hidden = {l: h.gather(1, keep[:, :, None].expand(B, M, h.shape[-1]))  # [B, M, H]
-                  for l, h in _layers(out, self.layers).items()}
         sync_device(dev)
         t4 = time.perf_counter()
         res.time_s["draft"] += draft_s
         res.time_s["verify"] += t3 - t2
         res.time_s["accept"] += t4 - t3
-        return StepResult(tokens, paths, keep, keep_valid, length - 1, kept_pos, valid_before, bonus, live.clone(), hidden,
-                          time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
-                          host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host))
+        return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before, bonus,
+                          live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
+                          host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host),
+                          states=_layers(out, self.layers), full=(keep, keep_valid, kept_pos))
 
     @property
     def done(self) -> bool:

@@ -56,6 +56,11 @@ class StepResult:
     hidden: the base's states at the kept nodes, [B, M, H] per requested layer. valid_before [B, L]: the
     base cache's valid slots before this step; positions [B, M] of the kept nodes; bonus [B]: the base's
     token after the last accepted node (the next root).
+
+    M is the step's longest path, so those shapes change from step to step. A drafter on the static path reads
+    fixed-width ones instead (`fixed`): the base's states at every tree node, and keep, keep_valid and positions
+    at the tree's full width N (their first M entries are the ones above, the rest are holes), so it can gather the
+    kept states inside its own compiled call.
     """
 
     tokens: torch.Tensor
@@ -67,7 +72,7 @@ class StepResult:
     valid_before: torch.Tensor
     bonus: torch.Tensor
     live: torch.Tensor  # [B] bool, after this step's tokens were emitted
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept_hidden: dict[int, torch.Tensor] | None = None  # `hidden`, when the caller has it (else gathered from states)
     # Committed tokens after the end of `paths` (before the bonus) that the drafter did not propose itself: an
     # ensemble member whose tree covered only part of the accepted path gets the rest here, per row.
     extra: list[list[int]] | None = None
@@ -76,6 +81,25 @@ class StepResult:
     # and `live` as a list. Drafters read them through path_tokens() / live_rows(), which copy once if absent.
     host_tokens: list[list[int]] | None = None
     host_live: list[bool] | None = None
+    # The base's states at every tree node, [B, N, H] per requested layer, and keep / keep_valid / positions at the
+    # tree's full width N (see `fixed`).
+    states: dict[int, torch.Tensor] | None = None
+    full: tuple | None = None
+
+    @property
+    def hidden(self) -> dict[int, torch.Tensor]:
+        if self.kept_hidden is None:
+            B, M = self.keep.shape
+            self.kept_hidden = {l: h.gather(1, self.keep[:, :, None].expand(B, M, h.shape[-1]))
+                                for l, h in (self.states or {}).items()}
+        return self.kept_hidden
+
+    def fixed(self, W: int, layers: tuple) -> tuple:
+        """The step at one width W (at least the longest possible path: a tree's depth + 1) for drafters of the
+        static path: (states: the base's states at every node for each of `layers`, a tuple; keep, keep_valid and
+        positions [B, W], the entries past a row's path holes). Slices only, no device work."""
+        keep, keep_valid, positions = self.full
+        return tuple(self.states[l] for l in layers), keep[:, :W], keep_valid[:, :W], positions[:, :W]
 
     def path_tokens(self) -> list[list[int]]:
         """Each row's tokens along its path (root first), on the host."""

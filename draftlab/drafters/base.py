@@ -26,19 +26,21 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
-def pad_commit(W: int, *parts: torch.Tensor) -> tuple:
-    """A commit's tensors [B, M, ...] (features, token ids or positions, valid) padded with zeros to W entries along
-    dim 1: the padding is holes (not valid), so the commits of a static path all have one shape."""
-    return tuple(torch.cat([t, t.new_zeros(t.shape[0], W - t.shape[1], *t.shape[2:])], 1) for t in parts)
+def gather_kept(states: tuple, keep: torch.Tensor) -> torch.Tensor:
+    """The base's states at the kept nodes, [B, W, n, H] (n: len(states)), from its states at every tree node (a
+    tuple of [B, N, H], StepResult.fixed) and keep [B, W]. Tensor operations only (inside a drafter's compiled
+    call)."""
+    return torch.stack([h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1])) for h in states], 2)
 
 
-def empty_commit(B: int, W: int, feats_like: tuple, device) -> tuple:
-    """A commit of W entries per row that are all holes: (features [B, W, *shape] of feats_like's (dtype, shape),
-    token ids or positions [B, W], valid [B, W] all False). A drafter that enters a commit in its next proposal's
-    call gives its first proposal after the prompt this one, so every step is the same call."""
-    dtype, shape = feats_like
-    return (torch.zeros(B, W, *shape, dtype=dtype, device=device), torch.zeros(B, W, dtype=torch.long, device=device),
-            torch.zeros(B, W, dtype=torch.bool, device=device))
+def empty_fixed(B: int, W: int, N: int, states_like: tuple, device) -> tuple:
+    """A StepResult.fixed(W) of a tree of N nodes whose W entries are all holes: (states, keep, keep_valid,
+    positions), laid out as the decoder's own (states_like: (dtype, H, layers)). A drafter that enters a commit in its
+    next proposal's call gives its first proposal after the prompt this one, so every step is the same call."""
+    dtype, H, layers = states_like
+    states = tuple(torch.zeros(B, N, H, dtype=dtype, device=device) for _ in range(layers))
+    zeros = torch.zeros(B, N, dtype=torch.long, device=device)
+    return states, zeros[:, :W], zeros.bool()[:, :W], zeros[:, :W]
 
 
 class ReadsBase:

@@ -44,7 +44,7 @@ from ..decode.acceptance import Sampling, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit, pad_commit
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept
 from .eagle import RMSNorm
 
 
@@ -408,7 +408,7 @@ class DFlashDrafter(Drafter):
         self.sampling, self.generator = sampling, generator
         self.kv, self.n, self.staged = None, 0, None
         feats = torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2)  # [B, L, n, H]
-        self.feats_like = (feats.dtype, feats.shape[2:])  # a commit's features: [n, H]
+        self.states_like = (feats.dtype, feats.shape[3], feats.shape[2])  # a step's base states (empty_fixed)
         with torch.no_grad():
             self._append(feats, prompt.positions, prompt.valid.bool())
         # The root's position: one past each row's last prompt position (prompts are left-padded).
@@ -456,25 +456,26 @@ class DFlashDrafter(Drafter):
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
         empty = self.staged is None  # its holes are written over by the next commit: n stays
         if empty:
-            self.staged = empty_commit(root.shape[0], self.tree.depth + 1, self.feats_like, root.device)
-        feats, positions, ok = self.staged
+            self.staged = empty_fixed(root.shape[0], self.tree.depth + 1, self.max_nodes, self.states_like,
+                                      root.device)
+        states, keep, ok, positions = self.staged
         self.staged = None
         W = ok.shape[1]
         self._room(W, self.kv, self.valid)
         n = torch.tensor(self.n, device=root.device)
         window = attention_window(self.n + W, self.valid.shape[1])
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
-        logits, self.next_pos = fn(root, feats, positions, ok, n, window)
+        logits, self.next_pos = fn(root, states, keep, positions, ok, n, window)
         self.n += 0 if empty else W
         return logits
 
-    def _commit_block(self, root, feats, positions, ok, n, window: int):
+    def _commit_block(self, root, states, keep, positions, ok, n, window: int):
         """The static path's step, tensor operations only (compiled: one graph): the last commit's context entries
-        (padded to one width, the padding holes) projected and written to the cache at slots n .. n + W (n a
-        tensor), then the block (as _block, over the first `window` entries). Returns its logits and the root's
-        positions."""
+        (the base's states at every tree node gathered at keep [B, W]; the entries ok [B, W] leaves out are holes)
+        projected and written to the cache at slots n .. n + W (n a tensor), then the block (as _block, over the
+        first `window` entries). Returns its logits and the root's positions."""
         at = n + torch.arange(ok.shape[1], device=ok.device)
-        for (kb, vb), (k, v) in zip(self.kv, self._entries(feats, positions)):
+        for (kb, vb), (k, v) in zip(self.kv, self._entries(gather_kept(states, keep), positions)):
             kb.index_copy_(2, at, k.to(kb.dtype))
             vb.index_copy_(2, at, v.to(vb.dtype))
         self.valid.index_copy_(1, at, ok)
@@ -483,11 +484,11 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
+        if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
+            self.staged = step.fixed(self.tree.depth + 1, self.hidden_layers)
+            return
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H] at the kept nodes
         ok = step.keep_valid
         positions = step.positions
-        if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
-            self.staged = pad_commit(self.tree.depth + 1, feats, positions, ok)
-            return
         self._append(feats, positions, ok)
         self.next_pos = self.next_pos + ok.sum(-1)

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_commit, pad_commit
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept
 
 
 class RMSNorm(nn.Module):
@@ -405,11 +405,12 @@ class Eagle3Drafter(Drafter):
         new = out[torch.arange(B, device=ok.device), last]
         return new if prev is None else torch.where(ok.any(-1)[:, None], new, prev)
 
-    def _commit_tree(self, root, feats, next_tokens, ok, n):
-        """The static path's step, tensor operations only (compiled: one graph): the last commit's entries (padded
-        to one width, the padding holes) through the layer over the whole buffer and written to it at slots
-        n .. n + W (n a tensor), then the tree from the new state. Returns the tree (as _tree) and the state."""
-        out, k, v = self._entries(feats, next_tokens, ok, full=True)
+    def _commit_tree(self, root, states, keep, ok, tokens, bonus, last, n):
+        """The static path's step, tensor operations only (compiled: one graph): the last commit's entries (the
+        base's states at every tree node gathered at keep [B, W], each with the token after it; the entries ok
+        [B, W] leaves out are holes) through the layer over the whole buffer and written to it at slots n .. n + W
+        (n a tensor), then the tree from the new state. Returns the tree (as _tree) and the state."""
+        out, k, v = self._entries(gather_kept(states, keep), _next_tokens(tokens, keep, bonus, last), ok, full=True)
         at = n + torch.arange(ok.shape[1], device=ok.device)
         self.k.index_copy_(2, at, k.to(self.k.dtype))
         self.v.index_copy_(2, at, v.to(self.v.dtype))
@@ -423,7 +424,8 @@ class Eagle3Drafter(Drafter):
         self.n = 0  # committed entries in the cache
         self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
         self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
-        self.feats_like = (self.pending[0].dtype, self.pending[0].shape[2:])  # a commit's features: [n, H]
+        feats = self.pending[0]
+        self.states_like = (feats.dtype, feats.shape[3], feats.shape[2])  # a step's base states (empty_fixed)
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
@@ -444,14 +446,18 @@ class Eagle3Drafter(Drafter):
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
         empty = self.staged is None  # its holes are written over by the next commit: n stays
         if empty:
-            self.staged = empty_commit(root.shape[0], self.depth + 1, self.feats_like, root.device)
-        feats, nxt, ok = self.staged
+            B = root.shape[0]
+            states, keep, ok, _ = empty_fixed(B, self.depth + 1, self.max_nodes, self.states_like, root.device)
+            zeros = torch.zeros(B, dtype=torch.long, device=root.device)
+            self.staged = (states, keep, ok, torch.zeros(B, self.max_nodes, dtype=torch.long, device=root.device),
+                           zeros, zeros)
+        states, keep, ok, tokens, bonus, last = self.staged
         self.staged = None
         W = ok.shape[1]
         self._room(W, self.k, self.v, self.valid)
         n = torch.tensor(self.n, device=self.device)
         fn = compiled_method(self, "_commit_tree", backend) if backend else self._commit_tree
-        tokens, parents, depth, ancestors, self.out, self.next_pos = fn(root, feats, nxt, ok, n)
+        tokens, parents, depth, ancestors, self.out, self.next_pos = fn(root, states, keep, ok, tokens, bonus, last, n)
         self.n += 0 if empty else W
         return tokens, parents, depth, ancestors
 
@@ -548,13 +554,17 @@ class Eagle3Drafter(Drafter):
     def commit(self, step: StepResult) -> None:
         # Entries for the committed positions from the base's true features: (feature at node, next token), the
         # last one's next token being the bonus. Tentative tree entries were never added to the cache.
-        B = step.keep.shape[0]
-        feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
-        # The token after kept node i is kept node i + 1's, and after the last one the bonus (on the device).
-        nxt = torch.cat([step.tokens.gather(1, step.keep[:, 1:]), step.bonus[:, None]], 1)
-        nxt[torch.arange(B, device=nxt.device), step.last] = step.bonus
-        ok = step.keep_valid
-        if (self.decode_path or {}).get("static"):  # padded to one width; they go in at the next proposal's call
-            self.staged = pad_commit(self.depth + 1, feats, nxt, ok)
+        if (self.decode_path or {}).get("static"):  # at one width; they go in at the next proposal's call
+            states, keep, ok, _ = step.fixed(self.depth + 1, self.hidden_layers)
+            self.staged = (states, keep, ok, step.tokens, step.bonus, step.last)
             return
-        self._commit_entries(feats, nxt, ok)
+        feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
+        nxt = _next_tokens(step.tokens, step.keep, step.bonus, step.last)
+        self._commit_entries(feats, nxt, step.keep_valid)
+
+
+def _next_tokens(tokens: torch.Tensor, keep: torch.Tensor, bonus: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The token after each kept node [B, W]: kept node i + 1's, and after the last one (last [B]) the bonus (past
+    it: whatever keep's padding points at, holes). Tensor operations only."""
+    nxt = torch.cat([tokens.gather(1, keep[:, 1:]), bonus[:, None]], 1)
+    return nxt.scatter(1, last[:, None], bonus[:, None])

@@ -7,7 +7,7 @@ import torch
 from ...decode.cache import causal_allowed, mark_valid, reserved_mask
 from ...decode.compiled import compiled_method
 from ...decode.tree import Tree, TreeView
-from ..base import Drafter, PromptState, Proposal, StepResult, pad_commit
+from ..base import Drafter, PromptState, Proposal, StepResult, gather_kept
 
 
 class HeadsDrafter(Drafter):
@@ -76,12 +76,13 @@ class HeadsDrafter(Drafter):
         self.hidden = self.heads.prefix(hidden, causal_allowed(prompt.valid), prompt.positions, self.cache)[:, -1]
 
     def commit(self, step: StepResult) -> None:
+        if self.static is not None:  # the prefix layer runs at the next proposal, in its call (see _commit_fill)
+            states, keep, ok, _ = step.fixed(self.tree.depth + 1, self.hidden_layers)
+            self.pending = (states, keep, ok, step.last)
+            return
         hidden = step.hidden[-1]  # [B, M, H] base states of the kept nodes
         B, M, H = hidden.shape
         rows = torch.arange(B, device=hidden.device)
-        if self.static is not None:  # the prefix layer runs at the next proposal, in its call (see _commit_fill)
-            self.pending = (*pad_commit(self.tree.depth + 1, hidden, step.keep_valid), step.last)
-            return
         if self.prefix:
             vb = self.valid
             allowed = torch.cat([vb[:, None, :].expand(B, M, vb.shape[1]), causal_allowed(step.keep_valid)], dim=2)
@@ -106,20 +107,23 @@ class HeadsDrafter(Drafter):
         """Hydra++ on the static path: the last commit's prefix-layer forward and the fill as one call (compiled:
         one graph), its slots reserved up front and its masks built from the cache's committed slots and length
         (tensors), so every step has one shape."""
-        states, valid, last = self.pending
+        states, keep, valid, last = self.pending
         self.pending = None
         cache = self.static
         window = cache.reserve(valid.shape[1])
         n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before these
         fn = compiled_method(self, "_commit_fill", backend) if backend else self._commit_fill
-        tokens, self.hidden, cache.next_pos = fn(root, states, valid, last, cache.slots, n, cache.next_pos, window)
+        tokens, self.hidden, cache.next_pos = fn(root, states, keep, valid, last, cache.slots, n, cache.next_pos,
+                                                 window)
         cache.commit_reserved(valid.shape[1])
         return tokens
 
-    def _commit_fill(self, root, states, valid, last, slots, n, next_pos, window: int):
-        """The prefix layer over the committed states [B, W, H] (valid [B, W] marks real ones; the rest become
-        holes) at slots n .. n + W, then the fill from its output at each row's last kept node. Tensor operations
-        only: returns the tree's tokens, the heads' new state and the rows' next positions."""
+    def _commit_fill(self, root, states, keep, valid, last, slots, n, next_pos, window: int):
+        """The prefix layer over the committed states (the base's states at every tree node, gathered at keep
+        [B, W]; valid [B, W] marks real ones, the rest become holes) at slots n .. n + W, then the fill from its
+        output at each row's last kept node. Tensor operations only: returns the tree's tokens, the heads' new state
+        and the rows' next positions."""
+        states = gather_kept(states, keep)[:, :, 0]  # [B, W, H]
         # The mask in the prefix layer's dtype (its attention takes a mask of its own dtype).
         mask = reserved_mask(causal_allowed(valid), slots, n, window, self.static.dtype)
         pos = next_pos[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
