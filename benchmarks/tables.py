@@ -566,6 +566,8 @@ TABLES = {
     "block_drafters_selfdata_full": ("block_drafters_selfdata_full", compiled),
     "compiled_all_kinds_6ep": ("compiled_all_kinds_6ep", compiled),
     "batch_schedule": ("batch_schedule", batch_schedule),
+    "compiled_all_kinds_fused": ("compiled_all_kinds_fused", compiled),
+    "compiled_all_kinds_dc71163": ("compiled_all_kinds_dc71163", compiled),
     "refactor_check_cpp_wrapper": ("refactor_check_cpp_wrapper", refactor_check_compiled_exports(
         "Inductor's C++ wrapper on a CPU", "refactor_check_cpp_wrapper")),
     "refactor_check_keep_on_device": ("refactor_check_keep_on_device", refactor_check_compiled_exports(
