@@ -1,10 +1,10 @@
 """Compiled calls for the static-shape decode path.
 
 `Compiled` wraps a function (a base's forward, a drafter's step, the acceptance rule) in `torch.compile` with fixed
-shapes: on a CPU inductor's C++ wrapper (see cpp_wrapper), "reduce-overhead" (CUDA graphs) on a GPU for model forwards. The static KV cache
-(draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget make every call of a run the
-same shapes, so each compiles once. A function that does not compile falls back to eager, saying why in one line
-(stderr); the tokens are the same either way.
+shapes: inductor's C++ wrapper on a CPU (see cpp_wrapper), "reduce-overhead" (CUDA graphs) on a GPU for model
+forwards. The static KV cache (draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget
+make every call of a run the same shapes, so each compiles once. A function that does not compile falls back to
+eager, saying why in one line (stderr); the tokens are the same either way.
 
 Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
 Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a

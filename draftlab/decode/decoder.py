@@ -125,7 +125,7 @@ class Verifier:
         if self.static_nodes:
             prop = pad_proposal(prop, self.static_nodes)
         tokens, view = prop.tokens, prop.view  # [B, N]
-        B, N = tokens.shape
+        N = tokens.shape[1]
         t2 = time.perf_counter()
         start, valid_before = target.length, target.valid
         out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
@@ -170,8 +170,8 @@ class Verifier:
         res.time_s["draft"] += draft_s
         res.time_s["verify"] += t3 - t2
         res.time_s["accept"] += t4 - t3
-        return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before, bonus,
-                          live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
+        return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before,
+                          bonus, live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
                           host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host),
                           states=_layers(out, self.layers), full=(keep, keep_valid, kept_pos))
 
