@@ -99,8 +99,8 @@ def main() -> None:
              for k in pairs}
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
-    write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature, "prompts": len(prompts), "max_new_tokens": N,
-                          "methods": results, "after_over_before": ratio, "same_accept_length": same,
+    write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
+                          "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio, "same_accept_length": same,
                           **({"training": training} if training else {})})
 
 

@@ -446,12 +446,11 @@ class Eagle3Drafter(Drafter):
         prompt commits an empty (all holes) set of entries, so every step is the same call."""
         empty = self.staged is None  # its holes are written over by the next commit: n stays
         if empty:
-            B = root.shape[0]
-            states, keep, ok, _ = empty_fixed(B, self.depth + 1, self.max_nodes, self.states_like, root.device)
-            zeros = torch.zeros(B, dtype=torch.long, device=root.device)
-            self.staged = (states, keep, ok, torch.zeros(B, self.max_nodes, dtype=torch.long, device=root.device),
-                           zeros, zeros)
-        states, keep, ok, tokens, bonus, last = self.staged
+            B, dev = root.shape[0], root.device
+            zeros = torch.zeros(B, dtype=torch.long, device=dev)
+            self.staged = (empty_fixed(B, self.depth + 1, self.max_nodes, self.states_like, dev),
+                           torch.zeros(B, self.max_nodes, dtype=torch.long, device=dev), zeros, zeros)
+        (states, keep, ok, _), tokens, bonus, last = self.staged
         self.staged = None
         W = ok.shape[1]
         self._room(W, self.k, self.v, self.valid)
@@ -555,8 +554,7 @@ class Eagle3Drafter(Drafter):
         # Entries for the committed positions from the base's true features: (feature at node, next token), the
         # last one's next token being the bonus. Tentative tree entries were never added to the cache.
         if (self.decode_path or {}).get("static"):  # at one width; they go in at the next proposal's call
-            states, keep, ok, _ = step.fixed(self.depth + 1, self.hidden_layers)
-            self.staged = (states, keep, ok, step.tokens, step.bonus, step.last)
+            self.staged = (step.fixed(self.depth + 1, self.hidden_layers), step.tokens, step.bonus, step.last)
             return
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H]
         nxt = _next_tokens(step.tokens, step.keep, step.bonus, step.last)
