@@ -440,13 +440,14 @@ def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.
     N = keep.shape[1]
     n = cumulative[0] - N
     at = n + torch.arange(N, device=keep.device)  # the tentative slots
-    for t in kv:  # [B, heads, L, d]
-        B, H, _, d = t.shape
-        t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
     slots.index_copy_(1, at, keep_valid)
-    end = n + length.max()  # holes of the shorter rows included
-    for c in cumulative:
-        c.copy_(end)
+    if N > 1:  # one node (plain decoding) is a path of one: its slot stays and the pointers are right (2L ops fewer)
+        for t in kv:  # [B, heads, L, d]
+            B, H, _, d = t.shape
+            t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
+        end = n + length.max()  # holes of the shorter rows included
+        for c in cumulative:
+            c.copy_(end)
     return next_pos + keep_valid.sum(-1)
 
 
