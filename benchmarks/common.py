@@ -131,9 +131,11 @@ def _oracle_class():
         the committed text ("truth") and proposes each rank-0 token of the tree correctly with probability alpha
         (other ranks: wrong tokens); drafting costs nothing. When bf16 rounding makes the decoder commit another
         token than plain generate would (a near-tie), it re-derives truth from the committed text with plain
-        generate; that time is kept apart (excluded_s) and the events are counted (resyncs)."""
+        generate, or with `continuation(text, n)` (n greedy tokens after text) where given; that time is kept apart
+        (excluded_s) and the events are counted (resyncs)."""
 
-        def __init__(self, base, prompt: list[int], truth: list[int], tree, alpha: float, seed: int = 0):
+        def __init__(self, base, prompt: list[int], truth: list[int], tree, alpha: float, seed: int = 0,
+                     continuation=None):
             import random
 
             from draftlab.decode.tree import TreeView
@@ -146,6 +148,7 @@ def _oracle_class():
             self.depth, self.rank = self.buf.depth.tolist(), self.buf.rank.tolist()
             self.V = base.config.vocab_size
             self.excluded_s, self.resyncs = 0.0, 0
+            self.continuation = continuation
 
         @property
         def max_nodes(self):
@@ -181,14 +184,19 @@ def _oracle_class():
 
             start = len(self.text) - len(self.prompt)
             self.text += new
-            if self.truth[start:start + len(new)] != new or len(self.truth) < start + len(new) + 16:
+            ahead = max(self.depth) + 1  # truth the next proposal reads past the committed text
+            if self.truth[start:start + len(new)] != new or len(self.truth) < start + len(new) + ahead:
                 sync()
                 t0 = time.perf_counter()
                 self.resyncs += self.truth[start:start + len(new)] != new
-                ids = torch.tensor([self.text], device=self.dev)
-                cont = self.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                          temperature=None, top_p=None, top_k=None, pad_token_id=0)[0, ids.shape[1]:]
-                self.truth = self.text[len(self.prompt):] + cont.tolist()
+                if self.continuation is not None:
+                    cont = list(self.continuation(self.text, 32))
+                else:
+                    ids = torch.tensor([self.text], device=self.dev)
+                    cont = self.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                              do_sample=False, temperature=None, top_p=None, top_k=None,
+                                              pad_token_id=0)[0, ids.shape[1]:].tolist()
+                self.truth = self.text[len(self.prompt):] + cont
                 sync()
                 self.excluded_s += time.perf_counter() - t0
 

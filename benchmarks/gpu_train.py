@@ -1,5 +1,7 @@
 """bf16 training steps on a GPU at 7B scale, through the real trainer: Medusa heads, Hydra++ (prefix attention,
-distillation, 4-layer heads) and a distilled SSM (2 layers, 768 wide, projected embeddings) on a random-weight
+distillation, 4-layer heads), a distilled SSM (2 layers, 768 wide, projected embeddings), an EAGLE-3 layer (7
+training-time-test steps) and a DFlash block drafter (5 layers, blocks of 16, 512 anchors per sequence; the
+defaults of both) on a random-weight
 Llama-2-7B-shaped base (32 layers, 4096 wide, 32k vocabulary; bfloat16, frozen) with ShareGPT conversations.
 
 The weights are random, so the losses and accuracies say nothing; what this measures is that each recipe runs
@@ -28,6 +30,8 @@ DRAFTS = {
     "ssm": {"head": {"type": "ssm", "ssm": {"num_layers": 2, "hidden_size": 768, "num_attention_heads": 12,
                                             "intermediate_size": 3072, "init": "project"}},
             "loss": {"distill_weight": 1.0, "divergence": "fkl"}},
+    "eagle3": {"head": {"type": "eagle3"}},
+    "dflash": {"head": {"type": "dflash"}},
 }
 
 

@@ -299,8 +299,30 @@ def gpu_decode(p, d) -> None:
           f"{r['speedup']:.2f}x | {split(r)} | {r['bf16_resyncs']} |")
 
 
-def gpu_train(p, d) -> None:
-    heading(p, "bf16 training steps on a GPU", f"`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
+def gpu_compiled(p, d, title: str) -> None:
+    heading(p, title, f"`{d['command']}`; {d['device']}, torch {d['torch']}, transformers {d['transformers']}, "
+            f"{d['date']}; random-weight Llama-2-7B shape, {d['dtype']}, batch 1, {d['context']}-token random prompt, "
+            f"{d['new_tokens']} new tokens, median of {d['reps']} runs per method")
+    p(f"Weights read per decoding step: {d['step_weight_gb']:.1f} GB; device-to-device copy measured in the run: "
+      f"{d['copy_bandwidth_tbps']:.2f} TB/s (spec sheet: {d['nominal_tbps']} TB/s).\n")
+    p("| method | tokens/s | vs fastest plain | accept length | ms/step (verify / accept) | share of the bandwidth "
+      "bound | warm-up s (compiling) | first token unlike HF's eager greedy (its first run) |")
+    p("|---|---|---|---|---|---|---|---|")
+    for m, r in d["methods"].items():
+        ph = r.get("phases_ms_per_step")
+        ms = f"{r['ms_per_step']:.2f} ({ph['verify']:.2f} / {ph['accept']:.2f})" if ph else f"{r['ms_per_token']:.2f}"
+        share = f"{r['bandwidth_share']:.0%}" if "bandwidth_share" in r else "-"
+        warm = f"{r['warmup_s']:.1f}" + (f" ({r['compile_s']:.1f})" if r.get("compile_s") else "")
+        diff = "none" if r["first_difference"] is None else r["first_difference"]
+        p(f"| {m} | {r['tokens_per_s']:.1f} | {r['vs_fastest_plain']:.2f}x | {r.get('accept_length', 1.0):.2f} | "
+          f"{ms} | {share} | {warm} | {diff} |")
+    p("\n| compiled verify forward | tree size | alone ms | in the loop ms | in the loop / alone |\n|---|---|---|---|---|")
+    for m, r in d["verify_alone"].items():
+        p(f"| {m} | {r['tree_size']} | {r['alone_ms']:.2f} | {r['in_loop_ms']:.2f} | {r['in_loop_over_alone']:.3f} |")
+
+
+def gpu_train(p, d, title: str = "bf16 training steps on a GPU") -> None:
+    heading(p, title, f"`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
             f"{d['date']}; random-weight Llama-2-7B shape in bfloat16, batch {d['batch_size']} x up to {d['max_len']} "
             f"tokens of ShareGPT, {d['steps']} steps")
     p("| draft | trainable parameters | training tokens/s | peak GPU memory GiB | wall s |\n|---|---|---|---|---|")
@@ -550,6 +572,10 @@ TABLES = {
     "refactor_check_compiled": ("refactor_check_compiled", refactor_check_compiled),
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
+    "gpu_train_block": ("gpu_train_block", lambda p, d: gpu_train(p, d, "EAGLE-3 and DFlash training steps on a GPU")),
+    "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
+    "gpu_compiled_before": ("gpu_compiled_before", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU, before plain steps skipped their KV keep, with the eager methods")),
     "train_ensemble": ("train_ensemble", train_ensemble),
     "ensemble": ("ensemble", ensemble),
     "eagle": ("eagle", eagle),

@@ -1,0 +1,256 @@
+"""Compiled decoding on a GPU at 7B scale (issue 20's GPU targets): a random-weight Llama-2-7B-shaped base in
+bfloat16, batch 1, a 512-token random prompt, 128 new tokens.
+
+Methods, each warmed up once (the warm-up compiles; its time is reported), then timed `--reps` times in rounds
+(every method once per round) and the median kept:
+- hf_generate: HF `generate`, dynamic cache, eager (the default a user has);
+- plain_eager / plain_compiled: draftlab's plain loop (NoDraft) eager, and on the static-shape path through
+  torch.compile with CUDA graphs (mode reduce-overhead): the fastest plain decoding draftlab has;
+- oracle_eager / oracle_compiled: the decoder with an oracle drafter (benchmarks/common.py, Oracle) that proposes
+  each rank-0 token of the tree correctly with probability alpha and costs nothing to draft, on the default tree
+  for 4 heads (25 nodes) and any other --trees: the speedup a drafter of that acceptance can reach;
+- hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
+
+Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
+bytes of weights one decoding step reads (every parameter but the input embedding, of which one row is read), and
+so plain decoding's share of the bandwidth bound; and the compiled verify forward timed alone (the same static
+cache, shapes and compiled graph, outside the loop) against its time per step inside the loop.
+
+Random weights make near-ties everywhere, and a compiled forward or one over N tree tokens rounds differently from
+HF's one-token eager step in bf16, so outputs are compared with HF's (identical / first difference) but not
+required to match; the oracle re-derives its truth where the committed text left it (with draftlab's compiled
+plain loop; time excluded, events counted as bf16 re-syncs).
+
+    python benchmarks/gpu_compiled.py --out $OUT          # on a GPU machine (a few minutes, mostly compiling)
+    python benchmarks/gpu_compiled.py --tiny --no-hf-compile   # a CPU smoke test of this script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from common import ROOT, SHAPE_7B, Oracle, random_llama, sync, timed
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=512, max_position_embeddings=2048)
+NOMINAL_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "A100-SXM4-80GB": 2.04}  # spec sheets
+
+
+def copy_bandwidth(dev: str) -> float | None:
+    """Bytes read + written per second by a device-to-device copy of 4 GiB (median of 10)."""
+    if dev != "cuda":
+        return None
+    x = torch.empty(2 ** 31, dtype=torch.bfloat16, device=dev)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), reps=10, warmup=2)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 ** 32 / (ms / 1000)
+
+
+def step_bytes(base) -> int:
+    """Weight bytes one decoding step reads: every parameter, less the input embedding but one row of it."""
+    emb = base.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in base.parameters())
+    return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--alpha", type=float, default=0.8)
+    ap.add_argument("--trees", nargs="*", default=["default-4h-25"], help="default-4h-25 and/or chain-K")
+    ap.add_argument("--no-hf-compile", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="skip draftlab's eager methods (a shorter run)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
+    a = ap.parse_args()
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+    from draftlab.decode.search import default_tree
+    from draftlab.decode.tree import Tree, TreeView
+
+    t_start = time.perf_counter()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shape, dtype = (TINY, "float32") if a.tiny else (SHAPE_7B, "bfloat16")
+    base = random_llama(shape, dtype, dev)
+    V, N = base.config.vocab_size, a.new_tokens
+    prompt = torch.randint(3, V, (1, a.context), generator=torch.Generator().manual_seed(0)).tolist()[0]
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "shape": shape, "dtype": dtype, "context": a.context,
+           "new_tokens": N, "alpha": a.alpha, "reps": a.reps, "methods": {}, "errors": {}}
+    path = out_dir / ("gpu_compiled_tiny.json" if a.tiny else "gpu_compiled.json")
+
+    def save():
+        res["wall_s"] = round(time.perf_counter() - t_start, 1)
+        path.write_text(json.dumps(res, indent=2))
+
+    bw = copy_bandwidth(dev)
+    res["copy_bandwidth_tbps"] = None if bw is None else round(bw / 1e12, 3)
+    res["nominal_tbps"] = next((v for k, v in NOMINAL_TBPS.items() if k in res["device"]), None)
+    res["step_weight_gb"] = round(step_bytes(base) / 1e9, 3)
+    print({k: res[k] for k in ("device", "copy_bandwidth_tbps", "nominal_tbps", "step_weight_gb")}, flush=True)
+
+    ids = torch.tensor([prompt], device=dev)
+
+    def hf(**kw):
+        return lambda: base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, pad_token_id=0,
+                                     **kw)[0, a.context:].tolist()
+
+    truth = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N + 16, do_sample=False,
+                          temperature=None, top_p=None, top_k=None, pad_token_id=0)[0, a.context:].tolist()
+    plain_compiled = SpeculativeDecoder(base, NoDraft(), compile=True)
+    continuation = lambda text, n: plain_compiled.generate([text], n).tokens[0]
+    trees = {"default-4h-25": default_tree(4, 24), **{f"chain-{k}": Tree.chain(k) for k in range(1, 9)}}
+
+    # name -> (run() -> (tokens, Result or None, excluded seconds), decoder or None)
+    methods: dict = {"hf_generate": (lambda: (hf()(), None, 0.0), None)}
+
+    def decoder_method(dec, make=None):
+        def run(rep=0):
+            if make is not None:
+                dec.drafter = make(rep)
+            r = dec.generate([prompt], N)
+            return r.tokens[0], r, getattr(dec.drafter, "excluded_s", 0.0)
+        return run, dec
+
+    kinds = (("compiled", True),) if a.no_eager else (("eager", False), ("compiled", True))
+    if not a.no_eager:
+        methods["plain_eager"] = decoder_method(SpeculativeDecoder(base, NoDraft()))
+    methods["plain_compiled"] = decoder_method(plain_compiled)
+    for name in a.trees:
+        tree = trees[name]
+        for kind, compiled in kinds:
+            make = lambda rep, tree=tree: Oracle(base, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
+            methods[f"oracle_{name}_{kind}"] = decoder_method(SpeculativeDecoder(base, make(0), compile=compiled), make)
+    if not a.no_hf_compile:
+        from transformers import CompileConfig
+
+        cc = CompileConfig(mode="reduce-overhead" if dev == "cuda" else "default")
+        cc._compile_all_devices = True  # on a CPU too (the smoke test)
+        methods["hf_static_compiled"] = (lambda: (hf(cache_implementation="static", compile_config=cc)(), None, 0.0),
+                                         None)
+
+    def timed_run(fn, *args):
+        sync()
+        t0 = time.perf_counter()
+        toks, r, excluded = fn(*args)
+        sync()
+        return time.perf_counter() - t0 - excluded, toks, r
+
+    # Warm-up (compiles), in order: a method that fails is reported and left out of the timed rounds.
+    live = {}
+    for name, (fn, dec) in methods.items():
+        try:
+            before = dec.compile_s if dec is not None else 0.0  # decoders of one base share its compiled forward
+            wall, toks, r = timed_run(fn)
+            live[name] = []
+            res["methods"][name] = {"warmup_s": round(wall, 2),
+                                    "compile_s": round(dec.compile_s - before, 2) if dec is not None else None}
+            if dec is not None and dec.forward is not None and dec.forward.failed:
+                res["methods"][name]["compile_failed"] = dec.forward.failed
+            print(name, "warm-up", res["methods"][name], flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other methods
+            res["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{name} failed in its warm-up:\n{traceback.format_exc()}", flush=True)
+        save()
+
+    def summarize(final: bool) -> list | None:
+        """Rows from the runs so far (saved after every round: a run cut short keeps its rounds)."""
+        hf_tokens = None
+        for name, runs in live.items():
+            wall, toks, r = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+            if name == "hf_generate":
+                hf_tokens = toks
+            row = res["methods"][name]
+            row.update(tokens_per_s=round(N / wall, 1), ms_per_token=round(1000 * wall / N, 3),
+                       runs_tokens_per_s=[round(N / w, 1) for w, _, _ in runs])
+            diff = next((i for i, (x, y) in enumerate(zip(toks, truth)) if x != y), None)
+            row.update(identical_to_hf=diff is None and len(toks) == N, first_difference=diff)
+            if r is not None:
+                row.update(steps=r.steps, accept_length=round(r.accept_length, 3),
+                           ms_per_step=round(1000 * wall / r.steps, 3),
+                           phases_ms_per_step={k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items()
+                                               if k != "prefill"})
+                drafter = methods[name][1].drafter
+                if hasattr(drafter, "resyncs"):
+                    row["bf16_resyncs"] = drafter.resyncs
+            if final:
+                print(name, row, flush=True)
+        speed = {m: row["tokens_per_s"] for m, row in res["methods"].items() if "tokens_per_s" in row}
+        fastest = max((m for m in ("hf_generate", "hf_static_compiled", "plain_eager", "plain_compiled")
+                       if m in speed), key=speed.get, default=None)
+        res["fastest_plain"] = fastest
+        for name, row in res["methods"].items():
+            if name in speed:
+                if "hf_generate" in speed:
+                    row["vs_hf_generate"] = round(speed[name] / speed["hf_generate"], 3)
+                if fastest:
+                    row["vs_fastest_plain"] = round(speed[name] / speed[fastest], 3)
+                if name.startswith(("plain", "hf")) and bw:
+                    # a plain step reads every weight once: its bandwidth bound over its measured time
+                    row["bandwidth_share"] = round(step_bytes(base) / (row["ms_per_token"] / 1000) / bw, 3)
+        save()
+        return hf_tokens
+
+    for rep in range(a.reps):
+        for name in list(live):
+            fn, dec = methods[name]
+            try:
+                live[name].append(timed_run(fn, *([rep] if dec is not None else [])))
+            except Exception as e:  # noqa: BLE001
+                res["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+                print(f"{name} failed:\n{traceback.format_exc()}", flush=True)
+                del live[name]
+        summarize(final=False)
+    hf_tokens = summarize(final=True)
+
+    # The compiled verify forward alone: the same decoder's static cache, graph and window, outside the loop.
+    alone = {}
+    for name in ("plain_compiled", *(f"oracle_{t}_compiled" for t in a.trees)):
+        if name not in live:
+            continue
+        try:
+            dec = methods[name][1]
+            cache = dec._cache
+            n0 = a.context + N // 2  # a length the run went through: the same attention window
+            size = dec.drafter.max_nodes
+            tree = Tree.from_paths([]) if size == 1 else trees[name[len("oracle_"):-len("_compiled")]]
+            view = TreeView.of_static(tree.buffers(dev), 1)
+            toks = torch.randint(3, V, (1, size), device=dev)
+            cache.rewind(n0)
+
+            def verify():  # the forward as the loop times it (mask included), then back to n0 (timed apart)
+                cache.forward(toks, view.ancestors, view.depth)
+                cache.rewind(n0)
+            ms = timed(verify, reps=20, warmup=3) - timed(lambda: cache.rewind(n0), reps=20, warmup=3)
+            inside = res["methods"][name]["phases_ms_per_step"]["verify"]
+            alone[name] = {"tree_size": size, "alone_ms": round(ms, 3), "in_loop_ms": inside,
+                           "in_loop_over_alone": round(inside / ms, 3)}
+            print("verify alone", name, alone[name], flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["errors"][f"verify_alone_{name}"] = f"{type(e).__name__}: {e}"[:500]
+            print(traceback.format_exc(), flush=True)
+    res["verify_alone"] = alone
+    res["inductor_counters"] = dict(torch._dynamo.utils.counters["inductor"])  # cudagraph_skips among them
+    res["identical_hf_vs_truth"] = hf_tokens == truth[:N] if hf_tokens is not None else None
+    save()
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
