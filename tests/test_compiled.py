@@ -66,6 +66,11 @@ KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "ensemble-gr
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
+    """... and every compiled call traces as whole graphs: a graph break would run Python between its pieces on every
+    call (a DFlash call once read Tree.depth, a max() dynamo cannot trace, inside its graph)."""
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
     base = peaked()
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]  # uneven, left-padded
     eager = SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21)
@@ -78,6 +83,7 @@ def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
             got = dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
             assert got.tokens == r.tokens, (kind, opts, e)
             assert got.steps == r.steps
+    assert not counters["graph_break"], (kind, list(counters["graph_break"]))
 
 
 @pytest.mark.parametrize("kind", ["hydra++", "eagle3"])

@@ -171,6 +171,20 @@ def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_on
         assert got.tokens == r.tokens and got.steps == r.steps, (path, e)
 
 
+def test_the_compiled_block_call_traces_as_one_graph():
+    """The drafter's compiled call (the last commit's entries, the block, the greedy tree's tokens) has no graph break:
+    a break would run Python between its pieces on every step. It once had one: it read Tree.depth (a max() with a
+    default, which dynamo cannot trace)."""
+    from torch._dynamo.utils import counters
+
+    base = tiny_llama(layers=4, seed=2)
+    counters["graph_break"].clear()
+    dec = SpeculativeDecoder(base, make_drafter(dflash(base, seed=3), Tree.from_paths([[0], [1], [0, 0]])),
+                             compile="eager")
+    assert len(dec.generate([[1, 5, 7, 9, 5, 7], [1, 3]], max_new_tokens=12).tokens[0]) == 12
+    assert not counters["graph_break"], list(counters["graph_break"])
+
+
 def test_loss_weights_decay_over_block_positions_and_anchors_need_supervision():
     base = tiny_llama(layers=4, seed=6)
     d = dflash(base, seed=6, block_size=4, loss_decay_gamma=2.0)

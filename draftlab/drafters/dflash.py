@@ -390,7 +390,7 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(module.base_layers)
         self.device, self.dtype = module.fc.weight.device, module.fc.weight.dtype
         self.buf = tree.buffers(self.device)
-        self.topk = tree.topk_per_depth()
+        self.topk, self.depth = tree.topk_per_depth(), tree.depth  # plain ints, read inside the compiled call
         self.views: dict[int, TreeView] = {}
         self.kv = None
 
@@ -461,18 +461,28 @@ class DFlashDrafter(Drafter):
         out = self.m.draft(ids, pos, kv, ctx_allowed)
         return self.m.logits(out[:, 1:]).float()
 
+    def _greedy(self, root: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy tree's tokens [B, N] from the block's logits [B, block_size - 1, V]: the root, then each node's
+        rank-th candidate at its depth."""
+        cand = logits[:, : self.depth].topk(max(self.topk), dim=-1).indices  # [B, D, kmax]
+        return torch.cat([root[:, None], cand[:, self.buf.depth[1:] - 1, self.buf.rank[1:]]], 1)
+
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
         B = root.shape[0]
         path = self.decode_path or {}
-        logits = self._static_block(root, path.get("compile")) if path.get("static") else self._block(root)
-        logits = logits[:, : self.tree.depth]  # [B, D, V]
-        depth, rank = self.buf.depth[1:], self.buf.rank[1:]
+        greedy = self.sampling.temperature <= 0
+        if path.get("static"):  # greedy: the tree's tokens come out of the compiled call
+            out = self._static_block(root, path.get("compile"), greedy)
+        else:
+            out = self._block(root)
+            out = self._greedy(root, out) if greedy else out
         if B not in self.views:
             self.views[B] = TreeView.of_static(self.buf, B)
-        if self.sampling.temperature <= 0:
-            cand = logits.topk(max(self.topk), dim=-1).indices  # [B, D, kmax]
-            return Proposal(torch.cat([root[:, None], cand[:, depth - 1, rank]], 1), self.views[B])
+        if greedy:
+            return Proposal(out, self.views[B])
+        logits = out[:, : self.depth]  # [B, D, V]
+        depth = self.buf.depth[1:]
         # Sampling: every depth-d node is an i.i.d. draw from q_d (its siblings too); q_d does not depend on the
         # drafted path (the block is drafted in parallel), so one row of q per depth serves all its nodes.
         q = warp(logits, self.sampling)  # [B, D, V]
@@ -484,9 +494,10 @@ class DFlashDrafter(Drafter):
         q_index = torch.cat([torch.full((1,), -1, device=root.device, dtype=torch.long), depth - 1])
         return Proposal(tokens, self.views[B], q=q, q_index=q_index[None].expand(B, -1))
 
-    def _static_block(self, root: torch.Tensor, backend: str | None) -> torch.Tensor:
-        """The last commit's context entries and the block as one call (see _commit_block); the first step after the
-        prompt commits an empty (all holes) set of entries, so every step is the same call."""
+    def _static_block(self, root: torch.Tensor, backend: str | None, greedy: bool = False) -> torch.Tensor:
+        """The last commit's context entries and the block as one call (see _commit_block): the block's logits, or
+        with greedy the tree's tokens; the first step after the prompt commits an empty (all holes) set of entries,
+        so every step is the same call."""
         empty = self.staged is None  # its holes are written over by the next commit: n stays
         if empty:
             self.staged = empty_fixed(root.shape[0], self.tree.depth + 1, self.max_nodes, self.states_like,
@@ -498,22 +509,23 @@ class DFlashDrafter(Drafter):
         n = torch.tensor(self.n, device=root.device)
         window = attention_window(self.n + W, self.valid.shape[1])
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
-        logits, self.next_pos = fn(root, states, keep, positions, ok, n, window)
+        out, self.next_pos = fn(root, states, keep, positions, ok, n, window, greedy)
         self.n += 0 if empty else W
-        return logits
+        return out
 
-    def _commit_block(self, root, states, keep, positions, ok, n, window: int):
+    def _commit_block(self, root, states, keep, positions, ok, n, window: int, greedy: bool = False):
         """The static path's step, tensor operations only (compiled: one graph): the last commit's context entries
         (the base's states at every tree node gathered at keep [B, W]; the entries ok [B, W] leaves out are holes)
         projected and written to the cache at slots n .. n + W (n a tensor), then the block (as _block, over the
-        first `window` entries). Returns its logits and the root's positions."""
+        first `window` entries). Returns its logits (greedy: the tree's tokens) and the root's positions."""
         at = n + torch.arange(ok.shape[1], device=ok.device)
         for (kb, vb), (k, v) in zip(self.kv, self._entries(gather_kept(states, keep), positions)):
             kb.index_copy_(2, at, k.to(kb.dtype))
             vb.index_copy_(2, at, v.to(vb.dtype))
         self.valid.index_copy_(1, at, ok)
         next_pos = self.next_pos + ok.sum(-1)
-        return self._block(root, window, next_pos), next_pos
+        logits = self._block(root, window, next_pos)
+        return (self._greedy(root, logits) if greedy else logits), next_pos
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
