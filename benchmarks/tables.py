@@ -555,6 +555,14 @@ def refactor_check_compiled_exports(title: str, name: str):
     return table
 
 
+def refactor_check_session_cpu(p, d) -> None:
+    refactor_check(p, d, "Plain steps that keep nothing, DFlash's greedy tree inside its call (CPU)",
+                   f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts {d['prompts']} --export "
+                   "dflash=runs/e6-dflash-self/export --name refactor_check_session_cpu`; before = "
+                   f"{d['before']}, both on the static-shape compiled path (inductor), interleaved; {d['prompts']} "
+                   f"prompts x {d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -572,6 +580,8 @@ TABLES = {
     "refactor_check_compiled": ("refactor_check_compiled", refactor_check_compiled),
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
+    "dflash_anchors": ("dflash_anchors", compiled),
+    "refactor_check_session_cpu": ("refactor_check_session_cpu", refactor_check_session_cpu),
     "gpu_train_block": ("gpu_train_block", lambda p, d: gpu_train(p, d, "EAGLE-3 and DFlash training steps on a GPU")),
     "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
     "gpu_compiled_before": ("gpu_compiled_before", lambda p, d: gpu_compiled(
