@@ -581,6 +581,7 @@ TABLES = {
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
     "dflash_anchors": ("dflash_anchors", compiled),
+    "eagle3_trees": ("eagle3_trees", compiled),
     "refactor_check_session_cpu": ("refactor_check_session_cpu", refactor_check_session_cpu),
     "gpu_train_block": ("gpu_train_block", lambda p, d: gpu_train(p, d, "EAGLE-3 and DFlash training steps on a GPU")),
     "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
