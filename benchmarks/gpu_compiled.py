@@ -22,7 +22,7 @@ required to match; the oracle re-derives its truth where the committed text left
 plain loop; time excluded, events counted as bf16 re-syncs).
 
     python benchmarks/gpu_compiled.py --out $OUT          # on a GPU machine (a few minutes, mostly compiling)
-    python benchmarks/gpu_compiled.py --tiny --no-hf-compile   # a CPU smoke test of this script
+    python benchmarks/gpu_compiled.py --tiny --no-hf-compile --out /tmp/gc   # a CPU smoke test of this script
 """
 
 from __future__ import annotations

@@ -194,9 +194,9 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
     """Random trees and accepted paths, rows keeping different counts (holes): the static cache's logits equal
     the dynamic cache's at every step, also after its buffers filled and the rows' slots were moved together.
     window_min 4: the forwards attend over 16, then 32 of the 32 slots as the text grows, 8 after the defragmentation
-    (256: all 32). A third cache
-    keeps with keep_on_device (tensor operations only, as the compiled acceptance graph runs it): it ends every step
-    in the same state as the one that keeps on the host, also after plain steps (one node), where it moves nothing."""
+    (256: all 32). A third cache keeps with keep_on_device (tensor operations only, as the compiled acceptance graph
+    runs it): it ends every step in the same state as the one that keeps on the host, also after plain steps (one
+    node), where it moves nothing."""
     monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
     base = tiny_llama(vocab=32, seed=2)
     B, L = 3, 5

@@ -441,7 +441,7 @@ def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.
     n = cumulative[0] - N
     at = n + torch.arange(N, device=keep.device)  # the tentative slots
     slots.index_copy_(1, at, keep_valid)
-    if N > 1:  # one node (plain decoding) is a path of one: its slot stays and the pointers are right (2L ops fewer)
+    if N > 1:  # one node (plain decoding) is a path of one: its slot stays where it was written, the pointers are right
         for t in kv:  # [B, heads, L, d]
             B, H, _, d = t.shape
             t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
