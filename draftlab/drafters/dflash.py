@@ -77,7 +77,7 @@ def blocks_attention(q, k, v, ctx_k, ctx_v, ctx_allowed, A: int) -> torch.Tensor
 
     Through scaled_dot_product_attention over chunks of G blocks with G*T about C: a chunk's keys are the context
     and its own G blocks, masked to [allowed context ; same block]. The fused kernels keep no [A*T, C] scores or
-    probabilities for backward (at the paper's 512 anchors x 16 over 2,048 tokens, batch 4, 32 heads: 8 GiB per
+    probabilities for backward (at the default 512 anchors x 16 over 2,048 tokens, batch 4, 32 heads: 8 GiB per
     layer in float32, what made a 5-layer drafter on a 7B base run out of an H200's memory); memory is linear in
     A*T and the arithmetic at most twice that of the context and own block alone (the chunk's other blocks are
     masked out)."""
@@ -390,7 +390,7 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(module.base_layers)
         self.device, self.dtype = module.fc.weight.device, module.fc.weight.dtype
         self.buf = tree.buffers(self.device)
-        self.topk, self.depth = tree.topk_per_depth(), tree.depth  # plain ints, read inside the compiled call
+        self.topk, self.depth = tree.topk_per_depth(), tree.depth  # plain numbers, read inside the compiled call
         self.views: dict[int, TreeView] = {}
         self.kv = None
 
