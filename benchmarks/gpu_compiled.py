@@ -101,7 +101,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     res["copy_bandwidth_tbps"] = None if bw is None else round(bw / 1e12, 3)
     res["nominal_tbps"] = next((v for k, v in NOMINAL_TBPS.items() if k in res["device"]), None)
-    res["step_weight_gb"] = round(step_bytes(base) / 1e9, 3)
+    weights = step_bytes(base)
+    res["step_weight_gb"] = round(weights / 1e9, 3)
     print({k: res[k] for k in ("device", "copy_bandwidth_tbps", "nominal_tbps", "step_weight_gb")}, flush=True)
 
     ids = torch.tensor([prompt], device=dev)
@@ -203,7 +204,7 @@ def main() -> None:
                     row["vs_fastest_plain"] = round(speed[name] / speed[fastest], 3)
                 if name.startswith(("plain", "hf")) and bw:
                     # a plain step reads every weight once: its bandwidth bound over its measured time
-                    row["bandwidth_share"] = round(step_bytes(base) / (row["ms_per_token"] / 1000) / bw, 3)
+                    row["bandwidth_share"] = round(weights / (row["ms_per_token"] / 1000) / bw, 3)
         save()
         return hf_tokens
 

@@ -26,6 +26,14 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
+def rank_tree_tokens(root: torch.Tensor, logits: torch.Tensor, buf, topk: list[int]) -> torch.Tensor:
+    """A static rank tree's tokens [B, N] from per-depth logits [B, >= D, V] (D = len(topk), topk the candidates each
+    depth needs): the root, then each node's rank-th most likely token at its depth (buf: the tree's TreeBuffers).
+    Tensor operations only (inside a drafter's compiled call)."""
+    cand = logits[:, : len(topk)].topk(max(topk, default=1), dim=-1).indices  # [B, D, kmax]
+    return torch.cat([root[:, None], cand[:, buf.depth[1:] - 1, buf.rank[1:]]], 1)
+
+
 def gather_kept(states: tuple, keep: torch.Tensor) -> torch.Tensor:
     """The base's states at the kept nodes, [B, W, n, H] (n: len(states)), from its states at every tree node (a
     tuple of [B, N, H], StepResult.fixed) and keep [B, W]. Tensor operations only (inside a drafter's compiled

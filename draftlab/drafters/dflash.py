@@ -44,7 +44,8 @@ from ..decode.acceptance import Sampling, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept
+from .base import (Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept,
+                   rank_tree_tokens)
 from .eagle import RMSNorm
 
 
@@ -390,7 +391,7 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(module.base_layers)
         self.device, self.dtype = module.fc.weight.device, module.fc.weight.dtype
         self.buf = tree.buffers(self.device)
-        self.topk, self.depth = tree.topk_per_depth(), tree.depth  # plain numbers, read inside the compiled call
+        self.topk = tree.topk_per_depth()  # plain ints, read inside the compiled call (Tree.depth is not traceable)
         self.views: dict[int, TreeView] = {}
         self.kv = None
 
@@ -461,12 +462,6 @@ class DFlashDrafter(Drafter):
         out = self.m.draft(ids, pos, kv, ctx_allowed)
         return self.m.logits(out[:, 1:]).float()
 
-    def _greedy(self, root: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy tree's tokens [B, N] from the block's logits [B, block_size - 1, V]: the root, then each node's
-        rank-th candidate at its depth."""
-        cand = logits[:, : self.depth].topk(max(self.topk), dim=-1).indices  # [B, D, kmax]
-        return torch.cat([root[:, None], cand[:, self.buf.depth[1:] - 1, self.buf.rank[1:]]], 1)
-
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:
         B = root.shape[0]
@@ -476,12 +471,12 @@ class DFlashDrafter(Drafter):
             out = self._static_block(root, path.get("compile"), greedy)
         else:
             out = self._block(root)
-            out = self._greedy(root, out) if greedy else out
+            out = rank_tree_tokens(root, out, self.buf, self.topk) if greedy else out
         if B not in self.views:
             self.views[B] = TreeView.of_static(self.buf, B)
         if greedy:
             return Proposal(out, self.views[B])
-        logits = out[:, : self.depth]  # [B, D, V]
+        logits = out[:, : len(self.topk)]  # [B, D, V]
         depth = self.buf.depth[1:]
         # Sampling: every depth-d node is an i.i.d. draw from q_d (its siblings too); q_d does not depend on the
         # drafted path (the block is drafted in parallel), so one row of q per depth serves all its nodes.
@@ -525,7 +520,7 @@ class DFlashDrafter(Drafter):
         self.valid.index_copy_(1, at, ok)
         next_pos = self.next_pos + ok.sum(-1)
         logits = self._block(root, window, next_pos)
-        return (self._greedy(root, logits) if greedy else logits), next_pos
+        return (rank_tree_tokens(root, logits, self.buf, self.topk) if greedy else logits), next_pos
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:

@@ -7,7 +7,7 @@ import torch
 from ...decode.cache import causal_allowed, mark_valid, reserved_mask
 from ...decode.compiled import compiled_method
 from ...decode.tree import Tree, TreeView
-from ..base import Drafter, PromptState, Proposal, StepResult, gather_kept
+from ..base import Drafter, PromptState, Proposal, StepResult, gather_kept, rank_tree_tokens
 
 
 class HeadsDrafter(Drafter):
@@ -135,11 +135,7 @@ class HeadsDrafter(Drafter):
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
-        logits = self.heads.logits(hidden.to(self.dtype))
-        kmax = max(self.topk, default=1)
-        cand = logits[:, : len(self.topk)].topk(kmax, dim=-1).indices  # [B, D, kmax]
-        depth, rank = self.buf.depth[1:], self.buf.rank[1:]
-        return torch.cat([root[:, None], cand[:, depth - 1, rank]], dim=1)
+        return rank_tree_tokens(root, self.heads.logits(hidden.to(self.dtype)), self.buf, self.topk)
 
     def _fill_hydra(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Depth by depth: head d runs once over every depth-d node that has children, each conditioned on
