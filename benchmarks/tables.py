@@ -494,6 +494,24 @@ def compiled(p, d) -> None:
           f"{r.get('warmup_s', '-')} |")
 
 
+def step_bounds(p, d) -> None:
+    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    same = all(r["identical_to_plain"] for r in d["methods"].values())
+    heading(p, "Where a compiled step's time goes, and the kernel-only bound", f"`benchmarks/step_bounds.py`; "
+            f"{exports}; base `{d['base']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens (kernels profiled "
+            f"on the first {d['profiled_prompts']}), greedy, batch 1, compiled; outputs "
+            f"{'identical to' if same else 'NOT all identical to'} plain decoding; {where(d)}")
+    p("| method | tree size | accept length | tokens/s | vs plain | ms/step | compiled kernels ms/step (share): per call "
+      "| kernel-only bound vs plain | target | accept length the target needs, kernels only |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    for k, r in d["methods"].items():
+        target = f"{r['target']}x" if r.get("target") else "-"
+        calls = ", ".join(f"{g} {v['kernels_ms']:.2f}" for g, v in r["graphs"].items() if v["kernels_ms"] >= 0.02)
+        p(f"| {k} | {r['tree_size']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup_vs_plain']:.2f}x | {r['step_ms']:.2f} | {r['kernels_ms']:.2f} ({r['kernel_share']:.0%}): "
+          f"{calls} | {r['bound_vs_plain']:.2f}x | {target} | {r.get('accept_for_target', '-')} |")
+
+
 def drafter_steps(p, d) -> None:
     heading(p, "Per-step costs, eager vs compiled", f"`benchmarks/drafter_steps.py`; untrained drafters on "
             f"{d['base']} (they accept little: the figures are costs per step, not speedups); {d['prompts']} prompts x "
@@ -596,6 +614,7 @@ TABLES = {
     "tp_decode": ("tp_decode", tp_decode),
     "compiled": ("compiled", compiled),
     "drafter_steps": ("drafter_steps", drafter_steps),
+    "step_bounds": ("step_bounds", step_bounds),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),

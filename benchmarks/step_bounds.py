@@ -1,0 +1,152 @@
+"""Where a compiled decoding step's time goes, and the speedup each drafter could reach if nothing but its compiled
+kernels cost time.
+
+    python benchmarks/step_bounds.py EXPORT [EXPORT ...] [--prompts 20] [--profiled-prompts 6] [--name step_bounds]
+
+EXPORT is written as for benchmarks/compiled.py (LABEL=DIR@TREE). Greedy, batch 1, held-out TinyStories prompts,
+every method on the static-shape compiled path (draftlab's plain loop and each export's drafter), warmed up first.
+
+After a warm-up over every prompt (it compiles), each prompt goes through every method in turn:
+1. timed, no profiler: wall milliseconds per step, tokens per second and accept length;
+2. for the first --profiled-prompts prompts, again under torch.profiler (CPU), right after its timed run, so the
+   machine's drifting speed affects both alike. Each call of a compiled function is labelled (the base's verify
+   forward, the acceptance graph, each drafter call by its name), and the time spent inside the compiled graphs'
+   generated code (inductor's "## Call CompiledFxGraph" events: the kernels and, with the C++ wrapper, the C++
+   that calls them) is summed per label and step.
+
+Per method: the step's wall time split into compiled kernels (per label) and everything else (dynamo's entry and
+guards, the Python and eager tensor operations between the calls, the host copy and bookkeeping); and the bound:
+tokens per second if a step cost only its kernels (accept length / kernel ms), against plain decoding's bound. A
+bound below a target says that no cut of overhead reaches the target with that drafter, tree and base on this
+machine; only cheaper kernels, a smaller tree or a higher accept length can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from common import ROOT, heldout_story_prompts, write_result
+from compiled import parse_export
+from tables import step_bounds as render
+
+TARGETS = {"eagle3": 1.5, "hydra++": 1.6, "hydra": 1.6, "ssm": 1.3}  # issue 20's CPU targets vs plain
+
+
+def graph_ms(prof, into: dict) -> None:
+    """Add a profile's milliseconds spent in compiled graphs' generated code, per label of the enclosing compiled
+    call, and the calls of each label, to into[label] = [ms, calls]."""
+    for e in prof.events():
+        if e.name.startswith("draftlab::"):
+            into.setdefault(e.name[len("draftlab::"):], [0.0, 0])[1] += 1
+        if not e.name.startswith("## Call CompiledFxGraph"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("draftlab::"):
+            p = p.cpu_parent
+        label = p.name[len("draftlab::"):] if p is not None else "other"
+        into.setdefault(label, [0.0, 0])[0] += e.cpu_time_total / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("exports", nargs="+", help="export directories of one base (LABEL=DIR@TREE)")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--profiled-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--name", default="step_bounds")
+    a = ap.parse_args()
+    from draftlab.decode import compiled as compiled_mod
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+    from draftlab.serve.generate import encode_prompt, load_decoder
+
+    specs = [parse_export(e, None) for e in a.exports]
+    first, tok, meta = load_decoder(specs[0][1], tree=specs[0][2])
+    base, eos, N = first.base, tok.eos_token_id, a.max_new_tokens
+    prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
+    decoders = {"plain": SpeculativeDecoder(base, NoDraft(), compile=True)}
+    exports = {}
+    for i, (label, e, tree) in enumerate(specs):
+        d, m = first, meta
+        if i:
+            d, _, m = load_decoder(e, tree=tree)
+            d.base = base
+            if hasattr(d.drafter, "m"):
+                d.drafter.m.attach_base(base)
+        kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
+        exports[kind] = e.replace(str(ROOT) + "/", "") + (f"@{tree}" if tree else "")
+        decoders[kind] = SpeculativeDecoder(base, d.drafter, compile=True)
+
+    # Label every compiled call (the profile attributes graph time to the label of the call it ran in).
+    def label(c) -> str:
+        if c.model is base:
+            return "verify forward"
+        name = getattr(c.model, "__qualname__", None) or type(c.model).__name__
+        return "acceptance" if name in ("decide", "decide_and_keep") else f"draft: {name}"
+
+    call = compiled_mod.Compiled.__call__
+
+    def labelled(self, *args, **kwargs):
+        with torch.profiler.record_function(f"draftlab::{label(self)}"):
+            return call(self, *args, **kwargs)
+
+    run = {k: (lambda ids, d=d: d.generate([ids], N, eos_token_id=eos)) for k, d in decoders.items()}
+    warm = {}
+    for k, fn in run.items():  # warm-up: every prompt, so every shape the timed runs meet is compiled (decode.compare)
+        t0 = time.perf_counter()
+        for p in prompts:
+            fn(p)
+        warm[k] = round(time.perf_counter() - t0, 2)
+    wall, steps, tokens, outputs = defaultdict(float), defaultdict(int), defaultdict(int), defaultdict(list)
+    graphs, profiled_steps = defaultdict(dict), defaultdict(int)
+    for i, p in enumerate(prompts):  # interleaved: each prompt through every method, timed, then profiled
+        for k, fn in run.items():
+            t0 = time.perf_counter()
+            r = fn(p)
+            wall[k] += time.perf_counter() - t0
+            steps[k] += r.steps
+            tokens[k] += r.new_tokens
+            outputs[k].append(r.tokens[0])
+            if i >= a.profiled_prompts:
+                continue
+            compiled_mod.Compiled.__call__ = labelled
+            try:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    profiled_steps[k] += fn(p).steps
+            finally:
+                compiled_mod.Compiled.__call__ = call
+            graph_ms(prof, graphs[k])
+    profiles = {k: {g: {"kernels_ms": round(ms / profiled_steps[k], 4),
+                        "calls_per_step": round(calls / profiled_steps[k], 2)}
+                    for g, (ms, calls) in sorted(v.items(), key=lambda kv: -kv[1][0])} for k, v in graphs.items()}
+    results = {}
+    for k in run:
+        step_ms = wall[k] / steps[k] * 1e3
+        kernels = sum(v["kernels_ms"] for v in profiles[k].values())
+        accept = tokens[k] / steps[k]
+        results[k] = {"tree_size": decoders[k].drafter.max_nodes, "accept_length": round(accept, 3),
+                      "tokens_per_s": round(tokens[k] / wall[k], 1), "step_ms": round(step_ms, 3),
+                      "kernels_ms": round(kernels, 3), "other_ms": round(step_ms - kernels, 3),
+                      "kernel_share": round(kernels / step_ms, 3), "graphs": profiles[k],
+                      "bound_tokens_per_s": round(accept / kernels * 1e3, 1), "warmup_s": warm[k],
+                      "identical_to_plain": outputs[k] == outputs["plain"]}
+    plain = results["plain"]
+    for k, r in results.items():
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3)
+        r["bound_vs_plain"] = round(r["bound_tokens_per_s"] / plain["bound_tokens_per_s"], 3)
+        r["target"] = TARGETS.get(k.split("-")[0])
+        if r["target"]:  # the accept length at which this step's kernels alone would just reach the target
+            r["accept_for_target"] = round(r["target"] * plain["bound_tokens_per_s"] * r["kernels_ms"] / 1e3, 2)
+    data = write_result(a.name, {"exports": exports, "prompts": len(prompts), "profiled_prompts": a.profiled_prompts,
+                          "max_new_tokens": N, "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
+                          "torch_threads": torch.get_num_threads(), "methods": results})
+    print()
+    render(print, json.loads(data.read_text()))
+
+
+if __name__ == "__main__":
+    main()
