@@ -10,7 +10,8 @@ After a warm-up over every prompt (it compiles), each prompt goes through every 
 1. timed, no profiler: wall milliseconds per step, tokens per second and accept length;
 2. for the first --profiled-prompts prompts, again under torch.profiler (CPU), right after its timed run, so the
    machine's drifting speed affects both alike. Each call of a compiled function is labelled (the base's verify
-   forward, the acceptance graph, each drafter call by its name), and the time spent inside the compiled graphs'
+   forward and the acceptance graph, or the two as one call where the step is fused, each drafter call by its
+   name), and the time spent inside the compiled graphs'
    generated code (inductor's "## Call CompiledFxGraph" events: the kernels and, with the C++ wrapper, the C++
    that calls them) is summed per label and step.
 
@@ -86,6 +87,8 @@ def main() -> None:
         if c.model is base:
             return "verify forward"
         name = getattr(c.model, "__qualname__", None) or type(c.model).__name__
+        if name == "verify_and_keep":  # the fused verify step (docs/decoding.md)
+            return "verify forward + acceptance"
         return "acceptance" if name in ("decide", "decide_and_keep") else f"draft: {name}"
 
     call = compiled_mod.Compiled.__call__

@@ -628,6 +628,8 @@ TABLES = {
         "Inductor's C++ wrapper on a CPU", "refactor_check_cpp_wrapper")),
     "refactor_check_keep_on_device": ("refactor_check_keep_on_device", refactor_check_compiled_exports(
         "The KV cache keeps the accepted paths inside the acceptance graph", "refactor_check_keep_on_device")),
+    "refactor_check_fused_step": ("refactor_check_fused_step", refactor_check_compiled_exports(
+        "Verify, decide and keep in one compiled call (CPU)", "refactor_check_fused_step")),
     "refactor_check_fixed_commit": ("refactor_check_fixed_commit", refactor_check_compiled_exports(
         "Drafters gather their commit's base states inside their own call", "refactor_check_fixed_commit")),
 }

@@ -348,3 +348,44 @@ def test_after_warm_up_no_call_compiles_again_so_skipping_guards_is_sound(kind, 
     monkeypatch.delenv("DRAFTLAB_COMPILE_GUARDS")
     assert [dec.generate(p, max_new_tokens=21).tokens for p in later] == guarded
     assert guarded == [SpeculativeDecoder(base, drafter(kind, base)).generate(p, max_new_tokens=21).tokens for p in later]
+
+
+def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
+    """On a CPU the compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
+    DRAFTLAB_FUSED_STEP=0 splits it into the verify forward and the acceptance graph. Both give the eager tokens,
+    greedy and with typical acceptance (its thresholds are in the graph), with drafters that read the base's states
+    from the step (Hydra++, EAGLE-3) too, and the fused call is the one that ran. On a GPU it is opt-in."""
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.decoder import fused_step
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9], [1, 3]]
+    for kind, sampling in (("hydra++", None), ("eagle3", None), ("hydra++", Sampling(temperature=0.7, typical=True))):
+        run = lambda **kw: SpeculativeDecoder(base, drafter(kind, base), **kw).generate(  # noqa: E731
+            prompts, max_new_tokens=21, sampling=sampling).tokens
+        ref = run()
+        fused = fused_step("eager", "cpu")
+        calls = fused.calls
+        assert run(compile="eager") == ref, kind
+        assert fused.calls > calls
+        monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "0")
+        calls = fused.calls
+        assert fused_step("eager", "cpu") is None
+        assert run(compile="eager") == ref, kind
+        assert fused.calls == calls
+        monkeypatch.delenv("DRAFTLAB_FUSED_STEP")
+    assert fused_step("eager", "cuda") is None
+    monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
+    assert fused_step("eager", "cuda") is not None
+
+
+def test_signatures_hold_settings_by_value():
+    """A compiled call's signature (decode.compiled) holds a dataclass of settings by its values: the fused verify
+    step bakes the sampling settings into its graph, so equal settings in a new object must reuse it, and other
+    settings must not skip the guards that tell its variants apart."""
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.compiled import _signature
+
+    assert _signature(Sampling()) == _signature(Sampling())
+    assert _signature(Sampling(typical=True)) != _signature(Sampling())
+    assert _signature(Sampling(typical=True, posterior_threshold=0.2)) != _signature(Sampling(typical=True))

@@ -64,9 +64,9 @@ def test_compiled_pipeline_gives_the_eager_pipelines_tokens_and_steps(ssm_export
     eager, compiled = runs
     assert compiled.tokens == eager.tokens == [plain_greedy(base, p, 16) for p in prompts]
     assert compiled.steps == eager.steps and compiled.committed == eager.committed
-    from draftlab.decode.compiled import compiled_forward
+    from draftlab.decode.decoder import fused_step
     assert compiled.drafter["decode_path"] == {"static": True, "compile": "eager"} and eager.drafter["decode_path"] is None
-    assert compiled_forward(base, "eager").calls  # the verifier's forwards went through the compiled forward
+    assert fused_step("eager", "cpu").calls  # the verifier's steps went through the compiled (fused) verify step
 
 
 def test_pipeline_groups_share_one_vote_and_adaptive_length(ssm_export, stories_dir, tmp_path):

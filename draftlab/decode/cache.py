@@ -271,7 +271,7 @@ class StaticSlotCache:
         if self.windowed:
             self.cache.layers = [window_layer(max_len) for _ in self.cache.layers]
         self.window = max_len  # the slots the next forward attends over (see _set_window)
-        self.slots = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)  # valid slots
+        self.slots = _static(torch.zeros(batch, max_len, dtype=torch.bool, device=self.device))  # valid slots
         self.n = 0  # slots committed (holes included); tentative slots start here
         self.tentative = 0  # slots written since the last keep
         self.next_pos: torch.Tensor | None = None
@@ -320,7 +320,7 @@ class StaticSlotCache:
                 setattr(layer, name, new)
             layer.max_cache_len = size
         self.cache.max_cache_len = size
-        self.slots = torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1)
+        self.slots = _static(torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1))
         self.max_len = size
 
     def _defragment(self) -> None:
@@ -333,7 +333,7 @@ class StaticSlotCache:
                 t.copy_(t.gather(2, order[:, None, :, None].expand_as(t)))
         counts = self.slots.sum(-1)
         self.n = int(counts.max())
-        self.slots = torch.arange(self.max_len, device=self.device)[None] < counts[:, None]
+        self.slots.copy_(torch.arange(self.max_len, device=self.device)[None] < counts[:, None])  # in place: its address
         for layer in self._layers():
             layer.cumulative_length.fill_(self.n)
 
@@ -383,11 +383,17 @@ class StaticSlotCache:
         return out, pos
 
     def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
+        return self.run(**self.tree_inputs(tokens, allowed, depth, hidden))
+
+    def tree_inputs(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False) -> dict:
+        """The model's keyword arguments for a forward over N tree tokens written at the next N slots (room made,
+        the slots counted as tentative): what `forward` runs, and what the decoder's fused verify step
+        (decode.decoder.verify_and_keep) runs inside its own graph."""
         N = tokens.shape[1]
         self._check_room(N)
         self.tentative += N
-        return self.run(**_inputs(tokens), attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
-                        past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        return dict(**_inputs(tokens), attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
+                    past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         m = keep.shape[1]
@@ -427,6 +433,14 @@ class StaticSlotCache:
         self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),
                   valid.bool(), in_place=True)
         return out
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """t, marked as a buffer whose address never changes (as transformers marks its StaticCache's): a CUDA graph that
+    writes it in place (the fused verify step keeps the accepted slots' validity in `slots`) may then be recorded."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
 
 
 def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor,

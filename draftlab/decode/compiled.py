@@ -19,6 +19,7 @@ full guard evaluation on every call (the reference, for debugging), and tests ch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -32,9 +33,9 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 def _signature(x, depth: int = 0):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
-    (their values are the graph's inputs); plain values by value; containers item by item; other objects (a KV
-    cache, a module) by type and identity, a KV cache with its length and attention window (StaticSlotCache grows its
-    buffers in place and attends over a window of them)."""
+    (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; other
+    objects (a KV cache, a module) by type and identity, a KV cache with its length and attention window
+    (StaticSlotCache grows its buffers in place and attends over a window of them)."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.stride(), x.dtype, x.device.type, x.requires_grad)
     if isinstance(x, _PLAIN):
@@ -47,6 +48,8 @@ def _signature(x, depth: int = 0):
         return tuple((k, _signature(v, depth + 1)) for k, v in x.items())
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
+        return (type(x).__name__, *(_signature(getattr(x, f.name), depth + 1) for f in dataclasses.fields(x)))
     return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
 
 
@@ -175,12 +178,14 @@ def compiled_forward(model, backend: str = "inductor") -> Compiled:
     return fns[backend]
 
 
-def compiled_function(fn, backend: str, device: str = "cpu") -> Compiled:
-    """The process's compiled form of the function fn for `backend` on a device type (made once, then shared)."""
+def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = False, skip_guards: bool = False) -> Compiled:
+    """The process's compiled form of the function fn for `backend` on a device type (made once, then shared).
+    graphs, skip_guards: as Compiled's (a function of a few tensors evaluates its guards faster than its signature)."""
     fns = _COMPILED.setdefault(fn, {})
-    if (backend, device) not in fns:
-        fns[(backend, device)] = Compiled(fn, backend, device, skip_guards=False)
-    return fns[(backend, device)]
+    key = (backend, device, graphs, skip_guards)
+    if key not in fns:
+        fns[key] = Compiled(fn, backend, device, graphs=graphs, skip_guards=skip_guards)
+    return fns[key]
 
 
 def compiled_method(obj, name: str, backend: str) -> Compiled:

@@ -12,6 +12,7 @@ masked-out holes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -84,6 +85,8 @@ class Verifier:
         backend = getattr(forward, "backend", None)  # a compiled verify forward: acceptance compiles alike
         rule = decide_and_keep if static_nodes else decide  # the static cache keeps the path in the same call
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
+        # The compiled static path verifies, decides and keeps in one call (see fused_step).
+        self.fused = fused_step(backend, self.device.type) if static_nodes and sync is None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
         self.live_host = [True] * len(prompts)  # the same on the host (rows end on the host, in _emit)
@@ -128,12 +131,23 @@ class Verifier:
         N = tokens.shape[1]
         t2 = time.perf_counter()
         start, valid_before = target.length, target.valid
-        out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
-        sync_device(dev)
-        t3 = time.perf_counter()
         deterministic = sampling.greedy or sampling.typical
         on_device = deterministic and self.sync is None
-        if on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)
+        fused = on_device and self.fused is not None
+        if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
+            states, decided = self.fused(
+                self.base, target.tree_inputs(tokens, view.ancestors, view.depth, hidden=bool(self.layers)),
+                self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
+                sampling, target.device_state(), target.slots)
+            states = dict(zip(self.layers, states))
+        else:
+            out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
+            states = _layers(out, self.layers)
+        sync_device(dev)
+        t3 = time.perf_counter()
+        if fused:
+            bonus, length, keep, keep_valid, kept_pos, host, *next_pos = decided
+        elif on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)
             static = (target.device_state(), target.slots) if self.static_nodes else ()
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = self.decide(
                 tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
@@ -173,7 +187,7 @@ class Verifier:
         return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before,
                           bonus, live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
                           host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host),
-                          states=_layers(out, self.layers), full=(keep, keep_valid, kept_pos))
+                          states=states, full=(keep, keep_valid, kept_pos))
 
     @property
     def done(self) -> bool:
@@ -287,6 +301,29 @@ def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next
                                                                            length, next_pos)
 
 
+def verify_and_keep(model, inputs: dict, layers: tuple, tokens, parents, depth, valid, ancestors, live, next_pos,
+                    sampling: Sampling, state, slots):
+    """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
+    graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.tree_inputs), then
+    decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
+    values."""
+    out = model(**inputs)
+    return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
+        tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
+
+
+def fused_step(backend: str | None, device: str):
+    """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), when
+    the device type runs it: a CPU by default, a GPU only with DRAFTLAB_FUSED_STEP=1 until it has been measured there
+    (under CUDA graphs its outputs are overwritten by the next replay, as the forward's are); DRAFTLAB_FUSED_STEP=0
+    turns it off everywhere. Its signature holds the base and the cache, so guards are evaluated once per
+    signature (decode.compiled)."""
+    flag = os.environ.get("DRAFTLAB_FUSED_STEP", "")
+    if backend is None or flag in ("0", "false", "no") or (device != "cpu" and flag not in ("1", "true", "yes")):
+        return None
+    return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True)
+
+
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
     """The base's first token after the prompt [B]: argmax when greedy, a sample from the warped p otherwise."""
     if sampling.temperature <= 0 or sampling.typical:
@@ -336,9 +373,22 @@ class SpeculativeDecoder:
             self.generate(prompts[:1], max_new_tokens=min(max_new_tokens, 8), **kwargs)
 
     @property
+    def _compiled(self) -> list:
+        """The base's compiled calls: its verify forward, and the fused verify step where the device runs one."""
+        if self.forward is None:
+            return []
+        fused = fused_step(self.forward.backend, self.device.type) if self.sync is None else None
+        return [self.forward] + ([fused] if fused is not None else [])
+
+    @property
     def compile_s(self) -> float:
-        """Seconds the compiled forwards spent compiling so far (0 on the eager path)."""
-        return self.forward.warmup_s if self.forward is not None else 0.0
+        """Seconds the base's compiled calls spent compiling so far (0 on the eager path)."""
+        return sum(c.warmup_s for c in self._compiled)
+
+    @property
+    def compile_failed(self) -> str | None:
+        """Why the base's verify forward (or the fused verify step) runs eagerly, if it does."""
+        return next((c.failed for c in self._compiled if c.failed), None)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,

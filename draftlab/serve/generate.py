@@ -199,7 +199,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
     }
     if decoder.forward is not None:
         report["compile_s"] = round(decoder.compile_s, 3)
-        report["compile_failed"] = decoder.forward.failed
+        report["compile_failed"] = decoder.compile_failed
     if compare:
         plain_generate(decoder.base, ids[:1], 4, sampling, eos, seed)  # warm-up
         base_tokens, base_t = plain_generate(decoder.base, ids, max_new_tokens, sampling, eos, seed)
