@@ -120,8 +120,8 @@ def main() -> None:
         if m in decoders:
             r["tree_size"] = decoders[m].drafter.max_nodes
             r["compile_s"] = round(decoders[m].compile_s, 2)
-            if decoders[m].forward is not None and decoders[m].forward.failed:
-                r["compile_failed"] = decoders[m].forward.failed
+            if decoders[m].compile_failed:
+                r["compile_failed"] = decoders[m].compile_failed
     print(f"\nfastest plain decoding: {fastest}")
     print("| method | tree size | accept length | tokens/s | vs HF generate | vs fastest plain | identical | "
           "draft/verify/accept/commit ms per step | warm-up s |")

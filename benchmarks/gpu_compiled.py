@@ -9,6 +9,9 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
 - oracle_eager / oracle_compiled: the decoder with an oracle drafter (benchmarks/common.py, Oracle) that proposes
   each rank-0 token of the tree correctly with probability alpha and costs nothing to draft, on the default tree
   for 4 heads (25 nodes) and any other --trees: the speedup a drafter of that acceptance can reach;
+- with --fused-step, plain_compiled_fused and oracle_*_compiled_fused: the same with the verify step fused (the
+  forward, the acceptance rule and the KV keep in one call, so one CUDA graph; docs/decoding.md), which a GPU
+  does not run by default until measured;
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
 Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
@@ -74,6 +77,8 @@ def main() -> None:
     ap.add_argument("--no-hf-compile", action="store_true")
     ap.add_argument("--no-eager", action="store_true", help="skip draftlab's eager methods (a shorter run)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
+    ap.add_argument("--fused-step", action="store_true", help="also plain and the oracle with the verify step fused "
+                    "(forward, acceptance and keep in one call: one CUDA graph; off by default on a GPU)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.search import default_tree
@@ -133,11 +138,16 @@ def main() -> None:
     if not a.no_eager:
         methods["plain_eager"] = decoder_method(SpeculativeDecoder(base, NoDraft()))
     methods["plain_compiled"] = decoder_method(plain_compiled)
+    if a.fused_step:
+        methods["plain_compiled_fused"] = decoder_method(SpeculativeDecoder(base, NoDraft(), compile=True, fused=True))
     for name in a.trees:
         tree = trees[name]
+        make = lambda rep, tree=tree: Oracle(base, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
         for kind, compiled in kinds:
-            make = lambda rep, tree=tree: Oracle(base, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
             methods[f"oracle_{name}_{kind}"] = decoder_method(SpeculativeDecoder(base, make(0), compile=compiled), make)
+        if a.fused_step:
+            methods[f"oracle_{name}_compiled_fused"] = decoder_method(
+                SpeculativeDecoder(base, make(0), compile=True, fused=True), make)
     if not a.no_hf_compile:
         from transformers import CompileConfig
 
@@ -162,8 +172,8 @@ def main() -> None:
             live[name] = []
             res["methods"][name] = {"warmup_s": round(wall, 2),
                                     "compile_s": round(dec.compile_s - before, 2) if dec is not None else None}
-            if dec is not None and dec.forward is not None and dec.forward.failed:
-                res["methods"][name]["compile_failed"] = dec.forward.failed
+            if dec is not None and dec.compile_failed:
+                res["methods"][name]["compile_failed"] = dec.compile_failed
             print(name, "warm-up", res["methods"][name], flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on with the other methods
             res["errors"][name] = f"{type(e).__name__}: {e}"[:500]
@@ -193,7 +203,8 @@ def main() -> None:
             if final:
                 print(name, row, flush=True)
         speed = {m: row["tokens_per_s"] for m, row in res["methods"].items() if "tokens_per_s" in row}
-        fastest = max((m for m in ("hf_generate", "hf_static_compiled", "plain_eager", "plain_compiled")
+        fastest = max((m for m in ("hf_generate", "hf_static_compiled", "plain_eager", "plain_compiled",
+                                   "plain_compiled_fused")
                        if m in speed), key=speed.get, default=None)
         res["fastest_plain"] = fastest
         for name, row in res["methods"].items():

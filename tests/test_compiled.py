@@ -374,7 +374,8 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
         assert run(compile="eager") == ref, kind
         assert fused.calls == calls
         monkeypatch.delenv("DRAFTLAB_FUSED_STEP")
-    assert fused_step("eager", "cuda") is None
+    assert SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", fused=False).step is None
+    assert fused_step("eager", "cuda") is None and fused_step("eager", "cuda", on=True) is not None
     monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
     assert fused_step("eager", "cuda") is not None
 

@@ -72,10 +72,11 @@ class Verifier:
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
-                 forward=None, cache=None):
+                 forward=None, cache=None, fused: bool | None = None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
         (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
-        cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache)."""
+        cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
+        fused: whether a compiled static path verifies in one call (fused_step; None: the device's default)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -86,7 +87,7 @@ class Verifier:
         rule = decide_and_keep if static_nodes else decide  # the static cache keeps the path in the same call
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
-        self.fused = fused_step(backend, self.device.type) if static_nodes and sync is None else None
+        self.fused = fused_step(backend, self.device.type, fused) if static_nodes and sync is None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
         self.live_host = [True] * len(prompts)  # the same on the host (rows end on the host, in _emit)
@@ -312,14 +313,16 @@ def verify_and_keep(model, inputs: dict, layers: tuple, tokens, parents, depth, 
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
 
 
-def fused_step(backend: str | None, device: str):
-    """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), when
-    the device type runs it: a CPU by default, a GPU only with DRAFTLAB_FUSED_STEP=1 until it has been measured there
-    (under CUDA graphs its outputs are overwritten by the next replay, as the forward's are); DRAFTLAB_FUSED_STEP=0
-    turns it off everywhere. Its signature holds the base and the cache, so guards are evaluated once per
-    signature (decode.compiled)."""
-    flag = os.environ.get("DRAFTLAB_FUSED_STEP", "")
-    if backend is None or flag in ("0", "false", "no") or (device != "cpu" and flag not in ("1", "true", "yes")):
+def fused_step(backend: str | None, device: str, on: bool | None = None):
+    """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
+    `on`; on=None is the device type's default: on for a CPU, off for a GPU until it has been measured there (under
+    CUDA graphs the step's outputs are overwritten by the next replay, as the forward's are), and
+    DRAFTLAB_FUSED_STEP=1 / 0 sets that default everywhere. Its signature holds the base and the cache, so guards
+    are evaluated once per signature (decode.compiled)."""
+    if on is None:
+        flag = os.environ.get("DRAFTLAB_FUSED_STEP", "")
+        on = flag in ("1", "true", "yes") or (device == "cpu" and flag not in ("0", "false", "no"))
+    if backend is None or not on:
         return None
     return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True)
 
@@ -342,12 +345,13 @@ class SpeculativeDecoder:
     draftlab.decode.tensor_parallel.RankSync when the base is tensor-parallel over several processes."""
 
     def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None, compile: bool | str = False,
-                 static: bool | None = None):
+                 static: bool | None = None, fused: bool | None = None):
         """compile: the fast path, verify forwards of one shape (static KV cache, trees padded to the drafter's
         max_nodes) through torch.compile (CUDA graphs on a GPU); True is the inductor backend (or the one
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
-        the same tokens."""
+        the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
+        default: the device's)."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -358,11 +362,12 @@ class SpeculativeDecoder:
         self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
-        self.forward = None
+        self.forward = self.step = None
         if compile:
             from .compiled import compile_backend, compiled_forward
 
             self.forward = compiled_forward(base, compile_backend(compile))
+            self.step = fused_step(self.forward.backend, self.device.type, fused) if sync is None else None
 
     def warm_up(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> None:
         """A call outside any timing: a compiled decoder runs the real batch (it compiles for those shapes); an
@@ -373,22 +378,15 @@ class SpeculativeDecoder:
             self.generate(prompts[:1], max_new_tokens=min(max_new_tokens, 8), **kwargs)
 
     @property
-    def _compiled(self) -> list:
-        """The base's compiled calls: its verify forward, and the fused verify step where the device runs one."""
-        if self.forward is None:
-            return []
-        fused = fused_step(self.forward.backend, self.device.type) if self.sync is None else None
-        return [self.forward] + ([fused] if fused is not None else [])
-
-    @property
     def compile_s(self) -> float:
-        """Seconds the base's compiled calls spent compiling so far (0 on the eager path)."""
-        return sum(c.warmup_s for c in self._compiled)
+        """Seconds the base's compiled calls (its verify forward, the fused verify step) spent compiling so far (0 on
+        the eager path)."""
+        return sum(c.warmup_s for c in (self.forward, self.step) if c is not None)
 
     @property
     def compile_failed(self) -> str | None:
         """Why the base's verify forward (or the fused verify step) runs eagerly, if it does."""
-        return next((c.failed for c in self._compiled if c.failed), None)
+        return next((c.failed for c in (self.forward, self.step) if c is not None and c.failed), None)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,
@@ -405,7 +403,8 @@ class SpeculativeDecoder:
         cache, self._cache = getattr(self, "_cache", None), None
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,
-                            static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache)
+                            static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache,
+                            fused=self.step is not None)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)
