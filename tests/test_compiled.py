@@ -324,6 +324,9 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
     assert rep["compile_s"] > 0 and rep["compiled_plain_tokens_per_s"] > 0
     assert rep["speedup_vs_compiled_plain"] == pytest.approx(rep["tokens_per_s"] / rep["compiled_plain_tokens_per_s"],
                                                              rel=1e-2)
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "8", "--compare",
+                 "--compile"]) == 0
+    assert "; compiled plain decoding " in capsys.readouterr().err  # the human-readable line names both baselines
 
 
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow)  # CI's slow run has them
