@@ -630,6 +630,8 @@ TABLES = {
         "The KV cache keeps the accepted paths inside the acceptance graph", "refactor_check_keep_on_device")),
     "refactor_check_fused_step": ("refactor_check_fused_step", refactor_check_compiled_exports(
         "Verify, decide and keep in one compiled call (CPU)", "refactor_check_fused_step")),
+    "refactor_check_mask_in_graph": ("refactor_check_mask_in_graph", refactor_check_compiled_exports(
+        "The fused verify step builds its mask and positions in its graph (CPU)", "refactor_check_mask_in_graph")),
     "refactor_check_fixed_commit": ("refactor_check_fixed_commit", refactor_check_compiled_exports(
         "Drafters gather their commit's base states inside their own call", "refactor_check_fixed_commit")),
 }

@@ -383,17 +383,19 @@ class StaticSlotCache:
         return out, pos
 
     def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
-        return self.run(**self.tree_inputs(tokens, allowed, depth, hidden))
+        return self.run(**self.open(tokens, hidden), attention_mask=self._mask(allowed),
+                        position_ids=self.next_pos[:, None] + depth)
 
-    def tree_inputs(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False) -> dict:
-        """The model's keyword arguments for a forward over N tree tokens written at the next N slots (room made,
-        the slots counted as tentative): what `forward` runs, and what the decoder's fused verify step
-        (decode.decoder.verify_and_keep) runs inside its own graph."""
+    def open(self, tokens: torch.Tensor, hidden: bool = False) -> dict:
+        """Room for a forward over tokens [B, N] written at the next N slots, counted as tentative, with the window
+        that holds them set; the model's keyword arguments for it but its mask and positions. `forward` adds those
+        (built eagerly); the decoder's fused verify step (decode.decoder.verify_and_keep) builds them in its graph,
+        from the slots, the write pointer and this window (reserved_mask)."""
         N = tokens.shape[1]
         self._check_room(N)
         self.tentative += N
-        return dict(**_inputs(tokens), attention_mask=self._mask(allowed), position_ids=self.next_pos[:, None] + depth,
-                    past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        self._set_window(self.n + self.tentative)
+        return dict(**_inputs(tokens), past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         m = keep.shape[1]

@@ -22,7 +22,7 @@ from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, typical_decision, warp
 from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
-                    compact_cache, keep_on_device, static_slot_cache, static_slots)
+                    compact_cache, keep_on_device, reserved_mask, static_slot_cache, static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 
@@ -137,9 +137,9 @@ class Verifier:
         fused = on_device and self.fused is not None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
             states, decided = self.fused(
-                self.base, target.tree_inputs(tokens, view.ancestors, view.depth, hidden=bool(self.layers)),
-                self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
-                sampling, target.device_state(), target.slots)
+                self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.dtype, self.layers,
+                tokens, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos, sampling,
+                target.device_state(), target.slots)
             states = dict(zip(self.layers, states))
         else:
             out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
@@ -302,13 +302,16 @@ def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next
                                                                            length, next_pos)
 
 
-def verify_and_keep(model, inputs: dict, layers: tuple, tokens, parents, depth, valid, ancestors, live, next_pos,
-                    sampling: Sampling, state, slots):
+def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth, valid,
+                    ancestors, live, next_pos, sampling: Sampling, state, slots):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
-    graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.tree_inputs), then
+    graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
+    the attention window and its positions built here, from the cache's valid slots and write pointer), then
     decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
     values."""
-    out = model(**inputs)
+    kv, cumulative = state
+    mask = reserved_mask(ancestors, slots, cumulative[0], window, dtype)  # before the forward moves the pointer
+    out = model(**inputs, attention_mask=mask, position_ids=next_pos[:, None] + depth)
     return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
 
