@@ -632,6 +632,8 @@ TABLES = {
         "Verify, decide and keep in one compiled call (CPU)", "refactor_check_fused_step")),
     "refactor_check_mask_in_graph": ("refactor_check_mask_in_graph", refactor_check_compiled_exports(
         "The fused verify step builds its mask and positions in its graph (CPU)", "refactor_check_mask_in_graph")),
+    "refactor_check_signature": ("refactor_check_signature", refactor_check_compiled_exports(
+        "A cheaper call signature for compiled calls (CPU)", "refactor_check_signature")),
     "refactor_check_fixed_commit": ("refactor_check_fixed_commit", refactor_check_compiled_exports(
         "Drafters gather their commit's base states inside their own call", "refactor_check_fixed_commit")),
 }
