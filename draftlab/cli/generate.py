@@ -78,7 +78,7 @@ def generate_command(a) -> int:
         if "compiled_plain_tokens_per_s" in rep:
             line += (f"; compiled plain decoding {rep['compiled_plain_tokens_per_s']:.1f} tokens/s, speedup "
                      f"{rep['speedup_vs_compiled_plain']:.2f}x")
-            if rep["speedup_vs_compiled_plain"] < 1:
+            if rep["speedup_vs_compiled_plain"] < 1 and not a.export.startswith("lookup"):
                 line += (f"\nplain decoding is faster on this machine with this tree: `draftlab search-tree "
                          f"{a.export} --data FILE --compile` times trees on the compiled path and picks the fastest")
     print(line, file=sys.stderr)
