@@ -34,6 +34,26 @@ def parse_export(spec: str, tree: str | None) -> tuple[str | None, str, str | No
     return label or None, path, own or tree
 
 
+def load_exports(exports: list[str], tree: str | None = None) -> tuple:
+    """The drafters of exports of one base (each LABEL=DIR@TREE, parse_export; tree: the default TREE) on one base
+    object, so every method runs the same weights: (tokenizer, first export's meta, base, rows), a row per export
+    (kind: its label, else its head type; dir; tree; drafter; meta)."""
+    from draftlab.serve.generate import load_decoder
+
+    rows, base, first = [], None, None
+    for label, path, own in (parse_export(e, tree) for e in exports):
+        d, tok, m = load_decoder(path, tree=own)
+        if base is None:
+            base, first = d.base, (tok, m)
+        else:
+            d.base = base
+            if hasattr(d.drafter, "m"):
+                d.drafter.m.attach_base(base)
+        kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
+        rows.append((kind, path, own, d.drafter, m))
+    return (*first, base, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="+", help="export directories of one base")
@@ -45,11 +65,10 @@ def main() -> None:
     ap.add_argument("--tree", default=None, help="tree for every export (a file, e.g. from search-tree --compile)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
-    from draftlab.serve.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt
 
-    specs = [parse_export(e, a.tree) for e in a.exports]
-    first, tok, meta = load_decoder(specs[0][1], tree=specs[0][2])
-    base, eos, N = first.base, tok.eos_token_id, a.max_new_tokens
+    tok, meta, base, rows = load_exports(a.exports, a.tree)
+    eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     methods = {"hf_generate": hf_method(base, eos, N)}
     decoders = {}
@@ -86,18 +105,11 @@ def main() -> None:
     add("plain_eager", NoDraft(), False)
     add("plain_compiled", NoDraft(), True)
     kinds, trees, steps = {}, {}, {}
-    for i, (label, e, tree) in enumerate(specs):
-        d, _, m = first, tok, meta
-        if i:
-            d, _, m = load_decoder(e, tree=tree)
-            d.base = base  # one base object for all, so every method runs the same weights
-            if hasattr(d.drafter, "m"):
-                d.drafter.m.attach_base(base)
-        kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
+    for kind, e, tree, drafter, m in rows:
         kinds[kind], trees[kind] = e, tree
         steps[kind] = (m.get("training") or {}).get("steps")  # optimizer steps the export was trained for
-        add(f"{kind}_eager", d.drafter, False)
-        add(f"{kind}_compiled", d.drafter, True)
+        add(f"{kind}_eager", drafter, False)
+        add(f"{kind}_compiled", drafter, True)
     try:
         results = compare(methods, prompts)
     except Exception as err:  # noqa: BLE001 - HF's compiled generate may not run here; the rest still can

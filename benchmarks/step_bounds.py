@@ -11,9 +11,8 @@ After a warm-up over every prompt (it compiles), each prompt goes through every 
 2. for the first --profiled-prompts prompts, again under torch.profiler (CPU), right after its timed run, so the
    machine's drifting speed affects both alike. Each call of a compiled function is labelled (the base's verify
    forward and the acceptance graph, or the two as one call where the step is fused, each drafter call by its
-   name), and the time spent inside the compiled graphs'
-   generated code (inductor's "## Call CompiledFxGraph" events: the kernels and, with the C++ wrapper, the C++
-   that calls them) is summed per label and step.
+   name), and the time spent inside the compiled graphs' generated code (inductor's "## Call CompiledFxGraph"
+   events: the kernels and, with the C++ wrapper, the C++ that calls them) is summed per label and step.
 
 Per method: the step's wall time split into compiled kernels (per label) and everything else (dynamo's entry and
 guards, the Python and eager tensor operations between the calls, the host copy and bookkeeping); and the bound:
@@ -32,7 +31,7 @@ from collections import defaultdict
 import torch
 
 from common import ROOT, heldout_story_prompts, write_result
-from compiled import parse_export
+from compiled import load_exports
 from tables import step_bounds as render
 
 TARGETS = {"eagle3": 1.5, "hydra++": 1.6, "hydra": 1.6, "ssm": 1.3}  # issue 20's CPU targets vs plain
@@ -63,24 +62,16 @@ def main() -> None:
     a = ap.parse_args()
     from draftlab.decode import compiled as compiled_mod
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
-    from draftlab.serve.generate import encode_prompt, load_decoder
+    from draftlab.serve.generate import encode_prompt
 
-    specs = [parse_export(e, None) for e in a.exports]
-    first, tok, meta = load_decoder(specs[0][1], tree=specs[0][2])
-    base, eos, N = first.base, tok.eos_token_id, a.max_new_tokens
+    tok, meta, base, rows = load_exports(a.exports)
+    eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
     decoders = {"plain": SpeculativeDecoder(base, NoDraft(), compile=True)}
     exports = {}
-    for i, (label, e, tree) in enumerate(specs):
-        d, m = first, meta
-        if i:
-            d, _, m = load_decoder(e, tree=tree)
-            d.base = base
-            if hasattr(d.drafter, "m"):
-                d.drafter.m.attach_base(base)
-        kind = label or m["head"]["type"] + ("++" if m["head"].get("prefix_attention") else "")
+    for kind, e, tree, drafter, _ in rows:
         exports[kind] = e.replace(str(ROOT) + "/", "") + (f"@{tree}" if tree else "")
-        decoders[kind] = SpeculativeDecoder(base, d.drafter, compile=True)
+        decoders[kind] = SpeculativeDecoder(base, drafter, compile=True)
 
     # Label every compiled call (the profile attributes graph time to the label of the call it ran in).
     def label(c) -> str:

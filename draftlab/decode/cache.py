@@ -347,10 +347,10 @@ class StaticSlotCache:
                 layer.window = self.window
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """allowed [B, N, T] over the tentative slots (the T last written, these N included) -> the additive
-        [B, 1, N, window] mask: committed valid slots, the allowed tentative ones, nothing else."""
+        """allowed [B, N, T] over the tentative slots (the T last written, these N included; `open` set the window
+        that holds them) -> the additive [B, 1, N, window] mask: committed valid slots, the allowed tentative ones,
+        nothing else."""
         B, N, T = allowed.shape
-        self._set_window(self.n + T)
         full = torch.zeros(B, N, self.window, dtype=torch.bool, device=self.device)
         full[:, :, : self.n] = self.slots[:, None, : self.n]
         full[:, :, self.n: self.n + T] = allowed
@@ -372,11 +372,8 @@ class StaticSlotCache:
         self.tentative -= m
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
-        self._check_room(ids.shape[1])
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        self.tentative = ids.shape[1]
-        out = self.model(**_inputs(ids), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos,
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        out = self.model(**self.open(ids, hidden), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
         L = ids.shape[1]
         self.slots[:, :L] = valid.bool()
         self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)

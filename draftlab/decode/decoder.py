@@ -309,8 +309,8 @@ def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers
     the attention window and its positions built here, from the cache's valid slots and write pointer), then
     decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
     values."""
-    kv, cumulative = state
-    mask = reserved_mask(ancestors, slots, cumulative[0], window, dtype)  # before the forward moves the pointer
+    written = state[1][0]  # the first layer's write pointer: the committed slots, before the forward moves it
+    mask = reserved_mask(ancestors, slots, written, window, dtype)
     out = model(**inputs, attention_mask=mask, position_ids=next_pos[:, None] + depth)
     return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
