@@ -80,6 +80,8 @@ def main() -> None:
         name = getattr(c.model, "__qualname__", None) or type(c.model).__name__
         if name == "verify_and_keep":  # the fused verify step (docs/decoding.md)
             return "verify forward + acceptance"
+        if name == "verify_keep_and_draft":  # the chained step: the drafter's commit and proposal too
+            return "verify forward + acceptance + draft"
         return "acceptance" if name in ("decide", "decide_and_keep") else f"draft: {name}"
 
     call = compiled_mod.Compiled.__call__

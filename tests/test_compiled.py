@@ -89,8 +89,8 @@ def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
 @pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
 def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, monkeypatch):
     """Hydra++'s prefix layer and EAGLE-3's layer on the static path (commits padded to one width, the padding
-    left as holes, run in the next proposal's call) give the drafter the same state after every commit as the
-    eager path, as its next proposal reads it: finer than tokens."""
+    left as holes, run in the next proposal's call, or in the verification's call: the chained step) give the
+    drafter the same state after every commit as the eager path, as its next proposal reads it: finer than tokens."""
     from draftlab.drafters.eagle import Eagle3Drafter
     from draftlab.drafters.heads.drafter import HeadsDrafter
 
@@ -98,19 +98,23 @@ def test_drafter_states_after_each_commit_are_the_same_on_the_static_path(kind, 
     base = peaked()
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
     seen = []
-    propose = cls.propose
 
-    def recording(self, root):
-        out = propose(self, root)
-        seen[-1].append(getattr(self, attr).clone())
-        return out
-    monkeypatch.setattr(cls, "propose", recording)
-    for opts in ({}, {"static": True}, {"compile": "eager"}):
+    def recording(method):
+        def record(self, *args):
+            out = method(self, *args)
+            seen[-1].append(getattr(self, attr).clone())
+            return out
+        return record
+    monkeypatch.setattr(cls, "propose", recording(cls.propose))
+    monkeypatch.setattr(cls, "chained", recording(cls.chained))
+    runs = ({}, {"static": True}, {"compile": "eager", "chained": False}, {"compile": "eager"})
+    for opts in runs:
         seen.append([])
-        SpeculativeDecoder(base, drafter(kind, base), **opts).generate(prompts, max_new_tokens=21)
-    assert len(seen[0]) == len(seen[1]) == len(seen[2]) > 3
-    for a, b, c in zip(*seen):
-        assert torch.allclose(a, b, atol=1e-9) and torch.allclose(a, c, atol=1e-9)
+        res = SpeculativeDecoder(base, drafter(kind, base), **opts).generate(prompts, max_new_tokens=21)
+    assert res.chained_steps == res.steps  # the last run's steps all drafted in the verification's call
+    assert len({len(s) for s in seen}) == 1 and len(seen[0]) > 3
+    for states in zip(*seen):
+        assert all(torch.allclose(states[0], s, atol=1e-9) for s in states[1:])
 
 
 @pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
@@ -369,18 +373,77 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
         ref = run()
         fused = fused_step("eager", "cpu")
         calls = fused.calls
-        assert run(compile="eager") == ref, kind
+        assert run(compile="eager", chained=False) == ref, kind  # (the chained step: the next test)
         assert fused.calls > calls
         monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "0")
         calls = fused.calls
         assert fused_step("eager", "cpu") is None
-        assert run(compile="eager") == ref, kind
+        assert run(compile="eager") == ref, kind  # (no fused step: no chained step either)
         assert fused.calls == calls
         monkeypatch.delenv("DRAFTLAB_FUSED_STEP")
     assert SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", fused=False).step is None
     assert fused_step("eager", "cuda") is None and fused_step("eager", "cuda", on=True) is not None
     monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
     assert fused_step("eager", "cuda") is not None
+
+
+# (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
+@pytest.mark.parametrize("kind", ["hydra++", "dflash"] + [pytest.param(k, marks=pytest.mark.slow)
+                                                          for k in ("medusa", "eagle3")])
+def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
+    """Where the verify step is fused, drafters whose commit and next proposal are one tensor-only call run it inside
+    the verification's call (decode.decoder.verify_keep_and_draft): one compiled call per step. Chained and split
+    calls give the eager tokens (batch of uneven prompts, EOS mid-run, greedy and typical acceptance), every step
+    after the first proposal is chained, and chained=False / DRAFTLAB_CHAINED_STEP=0 turn it off. Drafters whose
+    proposal draws from a generator (DFlash at temperature > 0) and those without a chained step (SSMs) keep
+    their own calls."""
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.decoder import chained_step
+    from draftlab.drafters.dflash import DFlashDrafter
+
+    base = peaked()
+
+    def make():
+        if kind != "dflash":
+            return drafter(kind, base)
+        torch.manual_seed(0)
+        module = build_draft({"type": "dflash", "dflash": {"num_layers": 1, "block_size": 4}}, base).to(base.dtype)
+        return DFlashDrafter(module.eval(), Tree.from_paths([[0], [1], [0, 0], [0, 0, 0]]))
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    typical = Sampling(temperature=0.7, typical=True)
+    eager = SpeculativeDecoder(base, make()).generate(prompts, max_new_tokens=21)
+    assert eager.accept_length > 1.0  # some steps commit drafted tokens: the chained commit keeps paths
+    eos = eager.tokens[0][9]
+    for sampling in (None, typical):
+        ref = SpeculativeDecoder(base, make()).generate(prompts, max_new_tokens=21, sampling=sampling,
+                                                        eos_token_id=eos)
+        chained = SpeculativeDecoder(base, make(), compile="eager").generate(prompts, max_new_tokens=21,
+                                                                             sampling=sampling, eos_token_id=eos)
+        split = SpeculativeDecoder(base, make(), compile="eager", chained=False).generate(
+            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=eos)
+        assert chained.tokens == split.tokens == ref.tokens, (kind, sampling)
+        assert split.chained_steps == 0
+        if kind == "dflash" and sampling is typical:  # its sampled block is drawn outside any call
+            assert chained.chained_steps == 0
+        else:
+            assert chained.chained_steps == chained.steps > 3
+    assert SpeculativeDecoder(base, make(), compile="eager", fused=False).chain is None
+    monkeypatch.setenv("DRAFTLAB_CHAINED_STEP", "0")
+    assert chained_step("eager", "cpu") is None
+    assert SpeculativeDecoder(base, make(), compile="eager").generate(prompts, max_new_tokens=5).chained_steps == 0
+
+
+def test_a_chained_calls_signature_holds_the_drafters_buffers():
+    """The chained step takes the drafter as an argument; its signature, which decides whether dynamo's guards are
+    skipped, holds the shapes of the drafter's tensors (its KV buffers grow), not only its identity."""
+    from draftlab.decode.compiled import _signature
+
+    base = peaked()
+    d = drafter("eagle3", base)
+    SpeculativeDecoder(base, d, static=True).generate([[1, 5, 7]], max_new_tokens=5)
+    before = _signature((d,))
+    d.k = torch.cat([d.k, d.k], 2)  # a grown buffer
+    assert _signature((d,)) != before
 
 
 def test_signatures_hold_settings_by_value():

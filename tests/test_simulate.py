@@ -174,6 +174,9 @@ def test_inputs_from_a_generate_report():
     got = from_generate(rep)
     assert got["acceptance"] == pytest.approx(a, abs=1e-3)
     assert got["t_target"] == pytest.approx(0.03) and got["t_draft"] == pytest.approx(0.002)
+    # A report whose drafting ran inside its verification calls (the chained step) has no drafting time to read.
+    with pytest.raises(ValueError, match="DRAFTLAB_CHAINED_STEP=0"):
+        from_generate({**rep, "chained_steps": 40})
 
 
 def test_simulate_command(tmp_path, capsys):

@@ -33,7 +33,8 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 def _signature(x, depth: int = 0):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
-    (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; other
+    (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; an object
+    whose class sets `signature_holds` (a drafter) by identity and the shapes of the tensors it holds (_held); other
     objects (a KV cache, a module) by type and identity, a KV cache with its length and attention window
     (StaticSlotCache grows its buffers in place and attends over a window of them)."""
     # Every call of a compiled function computes this (tens of tensors for a verify step): plain attribute reads,
@@ -52,6 +53,8 @@ def _signature(x, depth: int = 0):
         return (type(x).__name__, id(x), x.training)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
         return (type(x).__name__, *(_signature(getattr(x, f.name), depth + 1) for f in dataclasses.fields(x)))
+    if getattr(x, "signature_holds", False):  # a drafter given to a compiled call: its buffers' shapes too (_held)
+        return (type(x).__name__, _held(x))
     return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
 
 

@@ -40,6 +40,8 @@ class Result:
     # emitting tokens), and the drafter following the accepted path (its own cache, Hydra++'s prefix layer).
     time_s: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "accept": 0.0,
                                                   "commit": 0.0})
+    # Steps whose drafting ran inside the verification's call (chained_step): their drafting time is in "verify".
+    chained_steps: int = 0
 
     @property
     def accept_length(self) -> float:
@@ -72,11 +74,13 @@ class Verifier:
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
-                 forward=None, cache=None, fused: bool | None = None):
+                 forward=None, cache=None, fused: bool | None = None, chain=None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
         (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
         cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
-        fused: whether a compiled static path verifies in one call (fused_step; None: the device's default)."""
+        fused: whether a compiled static path verifies in one call (fused_step; None: the device's default); chain:
+        the compiled verify_keep_and_draft (chained_step) the fused path runs instead when verify is given a drafter
+        that chains."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -88,6 +92,7 @@ class Verifier:
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
         self.fused = fused_step(backend, self.device.type, fused) if static_nodes and sync is None else None
+        self.chain = chain if self.fused is not None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
         self.live_host = [True] * len(prompts)  # the same on the host (rows end on the host, in _emit)
@@ -119,9 +124,11 @@ class Verifier:
         self.res.time_s["prefill"] += time.perf_counter() - t0
         return PromptState(ids, valid, pos, _layers(out, self.layers)), root
 
-    def verify(self, prop: Proposal, draft_s: float = 0.0) -> StepResult:
+    def verify(self, prop: Proposal, draft_s: float = 0.0, drafter: Drafter | None = None) -> StepResult:
         """Verify one step's proposal and commit its accepted tokens; the StepResult says what was decided
-        (its bonus is the next root). draft_s: the drafting time of this step, for the report."""
+        (its bonus is the next root). draft_s: the drafting time of this step, for the report. drafter: one whose
+        commit and next proposal may run in the verification's call (chained_step); when they did, the
+        StepResult's `drafted` holds that call's drafter outputs (Drafter.chained turns them into the proposal)."""
         dev, target, res, live, sampling, generator = (self.device, self.target, self.res, self.live, self.sampling,
                                                        self.generator)
         if self.sync is not None:
@@ -135,11 +142,17 @@ class Verifier:
         deterministic = sampling.greedy or sampling.typical
         on_device = deterministic and self.sync is None
         fused = on_device and self.fused is not None
+        chain = drafter.chain_args() if fused and self.chain is not None and drafter is not None else None
+        drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
-            states, decided = self.fused(
-                self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.dtype, self.layers,
-                tokens, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos, sampling,
-                target.device_state(), target.slots)
+            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.dtype,
+                      self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
+                      target.next_pos, sampling, target.device_state(), target.slots)
+            if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
+                states, decided, drafted = self.chain(*inputs, drafter, chain)
+                res.chained_steps += 1
+            else:
+                states, decided = self.fused(*inputs)
             states = dict(zip(self.layers, states))
         else:
             out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
@@ -188,7 +201,7 @@ class Verifier:
         return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before,
                           bonus, live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
                           host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host),
-                          states=states, full=(keep, keep_valid, kept_pos))
+                          states=states, full=(keep, keep_valid, kept_pos), drafted=drafted)
 
     @property
     def done(self) -> bool:
@@ -316,6 +329,29 @@ def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
 
 
+def verify_keep_and_draft(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth,
+                          valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drafter: Drafter,
+                          args: tuple):
+    """verify_and_keep, then the drafter's commit of the accepted paths and its next proposal below the bonus token
+    (Drafter.chain, with the arguments Drafter.chain_args prepared), as one function: on the compiled path a whole
+    speculative step is one call (one graph). Returns verify_and_keep's values and the drafter's outputs."""
+    states, decided = verify_and_keep(model, inputs, window, dtype, layers, tokens, parents, depth, valid, ancestors,
+                                      live, next_pos, sampling, state, slots)
+    bonus, length, keep, keep_valid, kept_pos = decided[:5]
+    return states, decided, drafter.chain(states, (keep, keep_valid, kept_pos), tokens, bonus, length - 1, *args)
+
+
+def chained_step(backend: str | None, device: str, on: bool | None = None):
+    """The compiled verify_keep_and_draft for a compiled verify forward's backend, if `on` (None: yes unless
+    DRAFTLAB_CHAINED_STEP=0). The verifier runs it only where the fused step runs (fused_step) and the drafter
+    chains (Drafter.chain_args). Its signature holds the drafter's buffers' shapes (decode.compiled._signature)."""
+    if on is None:
+        on = os.environ.get("DRAFTLAB_CHAINED_STEP", "") not in ("0", "false", "no")
+    if backend is None or not on:
+        return None
+    return compiled_function(verify_keep_and_draft, backend, device, graphs=True, skip_guards=True)
+
+
 def fused_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
     `on`; on=None is the device type's default: on for a CPU, off for a GPU until it has been measured there (under
@@ -348,13 +384,14 @@ class SpeculativeDecoder:
     draftlab.decode.tensor_parallel.RankSync when the base is tensor-parallel over several processes."""
 
     def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None, compile: bool | str = False,
-                 static: bool | None = None, fused: bool | None = None):
+                 static: bool | None = None, fused: bool | None = None, chained: bool | None = None):
         """compile: the fast path, verify forwards of one shape (static KV cache, trees padded to the drafter's
         max_nodes) through torch.compile (CUDA graphs on a GPU); True is the inductor backend (or the one
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
         the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
-        default: the device's)."""
+        default: the device's). chained: whether that call also runs the drafter's commit and next proposal, for
+        drafters that can (chained_step; default yes where the step is fused)."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -365,12 +402,14 @@ class SpeculativeDecoder:
         self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
-        self.forward = self.step = None
+        self.forward = self.step = self.chain = None
         if compile:
             from .compiled import compile_backend, compiled_forward
 
             self.forward = compiled_forward(base, compile_backend(compile))
             self.step = fused_step(self.forward.backend, self.device.type, fused) if sync is None else None
+            if self.step is not None:
+                self.chain = chained_step(self.forward.backend, self.device.type, chained)
 
     def warm_up(self, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> None:
         """A call outside any timing: a compiled decoder runs the real batch (it compiles for those shapes); an
@@ -382,14 +421,14 @@ class SpeculativeDecoder:
 
     @property
     def compile_s(self) -> float:
-        """Seconds the base's compiled calls (its verify forward, the fused verify step) spent compiling so far (0 on
-        the eager path)."""
-        return sum(c.warmup_s for c in (self.forward, self.step) if c is not None)
+        """Seconds the base's compiled calls (its verify forward, the fused verify step, the chained step) spent
+        compiling so far (0 on the eager path)."""
+        return sum(c.warmup_s for c in (self.forward, self.step, self.chain) if c is not None)
 
     @property
     def compile_failed(self) -> str | None:
-        """Why the base's verify forward (or the fused verify step) runs eagerly, if it does."""
-        return next((c.failed for c in (self.forward, self.step) if c is not None and c.failed), None)
+        """Why the base's verify forward (or the fused verify step, or the chained step) runs eagerly, if it does."""
+        return next((c.failed for c in (self.forward, self.step, self.chain) if c is not None and c.failed), None)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,
@@ -407,20 +446,26 @@ class SpeculativeDecoder:
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,
                             static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache,
-                            fused=self.step is not None)
+                            fused=self.step is not None, chain=self.chain)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)
         sync_device(self.device)
         verifier.res.time_s["prefill"] = time.perf_counter() - t0  # the drafter's begin included
+        prop = None
         while not verifier.done:
             t1 = time.perf_counter()
-            prop = drafter.propose(root)
-            sync_device(self.device)
-            step = verifier.verify(prop, time.perf_counter() - t1)
+            if prop is None:  # else the last verification's call drafted it (chained_step)
+                prop = drafter.propose(root)
+                sync_device(self.device)
+            step = verifier.verify(prop, time.perf_counter() - t1, drafter)
             t4 = time.perf_counter()
+            prop = None
             if not verifier.done:
-                drafter.commit(step)
+                if step.drafted is not None:
+                    prop = drafter.chained(step.drafted)
+                else:
+                    drafter.commit(step)
             root = step.bonus
             sync_device(self.device)
             verifier.res.time_s["commit"] += time.perf_counter() - t4

@@ -85,6 +85,8 @@ class StepResult:
     # tree's full width N (see `fixed`).
     states: dict[int, torch.Tensor] | None = None
     full: tuple | None = None
+    # The drafter's outputs when its commit and next proposal ran in the verification's call (Drafter.chain).
+    drafted: tuple | None = None
 
     @property
     def hidden(self) -> dict[int, torch.Tensor]:
@@ -124,6 +126,8 @@ class Drafter(ABC):
     #: Indices into the base's `hidden_states` tuple the drafter reads (-1: the final, normalised state).
     #: The decoder asks the base for them only when this is non-empty.
     hidden_layers: tuple[int, ...] = ()
+    #: A compiled call given the drafter (the chained step) keys its signature on the shapes of the drafter's tensors.
+    signature_holds = True
 
     @property
     @abstractmethod
@@ -147,6 +151,30 @@ class Drafter(ABC):
         propose for (an ensemble's scheduler paused it); its state must follow. Drafters that read the base's
         hidden states cannot skip a step and do not implement this."""
         raise NotImplementedError(f"{type(self).__name__} cannot skip a step")
+
+    # --- the chained step (decode.decoder.verify_keep_and_draft) ------------------------------------------------
+    # On the compiled static path, a drafter whose commit and next proposal are one call of tensor operations may have
+    # the verifier run that call inside its own, right after acceptance: a step is then one compiled call instead of
+    # two. The decoder then calls chain_args, the verifier's call runs chain, and the decoder calls chained instead of
+    # commit(step) + propose(step.bonus); all three together must do what those two do, with the same tokens.
+
+    def chain_args(self) -> tuple | None:
+        """Before a verification: the host's share of the drafter's next commit (room in its caches) and the
+        arguments `chain` takes after the step's own, or None where this step commits and proposes on its own (the
+        default: drafters that do not chain, sampled drafts)."""
+        return None
+
+    def chain(self, states: tuple, full: tuple, tokens: torch.Tensor, bonus: torch.Tensor, last: torch.Tensor,
+              *args):
+        """Tensor operations only, inside the verifier's compiled call: commit the step (states: the base's states at
+        every tree node for `hidden_layers`; full: keep, keep_valid and positions at the tree's width, as
+        StepResult.full; tokens the verified tree; last each row's last accepted node) and draft below bonus.
+        Returns what `chained` reads."""
+        raise NotImplementedError(f"{type(self).__name__} does not chain")
+
+    def chained(self, drafted: tuple) -> Proposal:
+        """After a chained step: the host's share of the commit (counters, positions) and the next proposal."""
+        raise NotImplementedError(f"{type(self).__name__} does not chain")
 
     def share_state(self, other: "Drafter") -> None:
         """Learn online together with `other`, a drafter of the same draft module decoding another batch at the

@@ -522,6 +522,26 @@ class DFlashDrafter(Drafter):
         logits = self._block(root, window, next_pos)
         return (rank_tree_tokens(root, logits, self.buf, self.topk) if greedy else logits), next_pos
 
+    # --- the chained step (Drafter.chain): _commit_block in the verifier's call ------------------------------------
+    def chain_args(self) -> tuple | None:
+        if not (self.decode_path or {}).get("static") or self.sampling.temperature > 0:
+            return None  # sampled blocks draw their tree from the generator, outside any call
+        W = self.tree.depth + 1
+        self._room(W, self.kv, self.valid)
+        return W, torch.tensor(self.n, device=self.valid.device), attention_window(self.n + W, self.valid.shape[1])
+
+    def chain(self, states, full, tokens, bonus, last, W: int, n, window: int):
+        keep, ok, positions = [t[:, :W] for t in full]
+        return self._commit_block(bonus, states, keep, positions, ok, n, window, True)
+
+    def chained(self, drafted: tuple) -> Proposal:
+        tokens, self.next_pos = drafted
+        self.n += self.tree.depth + 1
+        B = tokens.shape[0]
+        if B not in self.views:
+            self.views[B] = TreeView.of_static(self.buf, B)
+        return Proposal(tokens, self.views[B])
+
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call

@@ -549,6 +549,22 @@ class Eagle3Drafter(Drafter):
         # Ordered by construction: (depth, node) order, and a node's parent is kept before it (prefix-closed).
         return tok.gather(1, order), parents
 
+    # --- the chained step (Drafter.chain): _commit_tree in the verifier's call -------------------------------------
+    def chain_args(self) -> tuple | None:
+        if not (self.decode_path or {}).get("static") or self.pending is not None:
+            return None
+        self._room(self.depth + 1, self.k, self.v, self.valid)
+        return (torch.tensor(self.n, device=self.device),)
+
+    def chain(self, states, full, tokens, bonus, last, n):
+        keep, ok = [t[:, : self.depth + 1] for t in full[:2]]
+        return self._commit_tree(bonus, states, keep, ok, tokens, bonus, last, n)
+
+    def chained(self, drafted: tuple) -> Proposal:
+        tokens, parents, depth, ancestors, self.out, self.next_pos = drafted
+        self.n += self.depth + 1
+        return Proposal(tokens, TreeView(parents, depth, torch.ones_like(parents, dtype=torch.bool), ancestors))
+
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         # Entries for the committed positions from the base's true features: (feature at node, next token), the

@@ -390,6 +390,10 @@ def heatmaps(t_target: float, sp: int, n_tokens: int, out: str, ratios=None, acc
 def from_generate(report: dict) -> dict:
     """Simulator inputs from a `draftlab generate --json` (or eval) report: per-forward latencies from its time
     split and the i.i.d. acceptance rate that explains its accept length for its tree depth."""
+    if report.get("chained_steps"):
+        raise ValueError("the report's drafting ran inside its verification calls (the compiled path's chained step), "
+                         "so its time split has no drafting time of its own; make the report with "
+                         "DRAFTLAB_CHAINED_STEP=0 (the same tokens, drafting in calls of its own)")
     steps = max(report["steps"], 1)
     split = report.get("time_split_s", {})
     depth = max(int((report.get("drafter") or {}).get("depth", 1)), 1)

@@ -191,6 +191,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         "tokens_per_s": round(res.new_tokens / wall, 2),
         "wall_s": round(wall, 4),
         "time_split_s": {k: round(v, 4) for k, v in res.time_s.items()},
+        "chained_steps": res.chained_steps,  # their drafting time is in time_split_s's verify
         "tree_size": decoder.drafter.max_nodes,
         "drafter": decoder.drafter.describe(),
         "batch_size": len(ids),

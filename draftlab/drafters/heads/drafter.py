@@ -133,6 +133,35 @@ class HeadsDrafter(Drafter):
         hidden = h[torch.arange(h.shape[0], device=h.device), last]
         return self.fill(root, hidden), hidden, next_pos + valid.sum(-1)
 
+    # --- the chained step (Drafter.chain): the commit and the fill in the verifier's call ---------------------------
+    def chain_args(self) -> tuple | None:
+        if not (self.decode_path or {}).get("static"):
+            return None
+        W = self.tree.depth + 1  # (the tree's depth is a host computation: the call takes it as a number)
+        if self.static is None:  # no prefix layer: the fill reads the base's state at the last accepted node
+            return (W,)
+        cache = self.static
+        window = cache.reserve(W)
+        return W, cache.slots, cache.cache.layers[0].cumulative_length.clone(), cache.next_pos, window
+
+    def chain(self, states, full, tokens, bonus, last, W: int, *args):
+        keep, valid = [t[:, :W] for t in full[:2]]
+        if not args:
+            rows = torch.arange(keep.shape[0], device=keep.device)
+            hidden = states[0][rows, keep[rows, last]]
+            return self.fill(bonus, hidden), hidden
+        return self._commit_fill(bonus, states, keep, valid, last, *args)
+
+    def chained(self, drafted: tuple) -> Proposal:
+        tokens, self.hidden = drafted[:2]
+        if self.static is not None:
+            self.static.next_pos = drafted[2]
+            self.static.commit_reserved(self.tree.depth + 1)
+        B = tokens.shape[0]
+        if B not in self.views:
+            self.views[B] = TreeView.of_static(self.buf, B)
+        return Proposal(tokens, self.views[B])
+
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
         return rank_tree_tokens(root, self.heads.logits(hidden.to(self.dtype)), self.buf, self.topk)
