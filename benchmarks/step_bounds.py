@@ -15,10 +15,13 @@ After a warm-up over every prompt (it compiles), each prompt goes through every 
    events: the kernels and, with the C++ wrapper, the C++ that calls them) is summed per label and step.
 
 Per method: the step's wall time split into compiled kernels (per label) and everything else (dynamo's entry and
-guards, the Python and eager tensor operations between the calls, the host copy and bookkeeping); and the bound:
-tokens per second if a step cost only its kernels (accept length / kernel ms), against plain decoding's bound. A
-bound below a target says that no cut of overhead reaches the target with that drafter, tree and base on this
-machine; only cheaper kernels, a smaller tree or a higher accept length can.
+guards, the Python and eager tensor operations between the calls, the host copy and bookkeeping); and two bounds
+against plain decoding. The kernel-only bound: tokens per second if a step cost only its kernels (accept length /
+kernel ms), against plain decoding's kernel-only figure. The bound at plain's overhead (computed by tables.py): a
+step costing its kernels plus plain decoding's non-kernel time per step, against plain decoding as measured; no
+speculative step can pay less besides its kernels than a plain step does (one compiled call, the host copy,
+emitting), so a bound at plain's overhead below a target says that no cut of overhead reaches the target with that
+drafter, tree and base on this machine; only cheaper kernels, a smaller tree or a higher accept length can.
 """
 
 from __future__ import annotations
