@@ -12,6 +12,9 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
 - with --fused-step, plain_compiled_fused and oracle_*_compiled_fused: the same with the verify step fused (the
   forward, the acceptance rule and the KV keep in one call, so one CUDA graph; docs/decoding.md), which a GPU
   does not run by default until measured;
+- with --chained, medusa_compiled_fused_split / _chained: random-weight Medusa heads (4 heads, the default tree)
+  on the fused step, their fill in a call of its own or inside the verify call (the chained step, docs/decoding.md):
+  the cost of a step each way (random heads accept next to nothing, so this is per-step cost, not speedup);
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
 Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
@@ -79,6 +82,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
     ap.add_argument("--fused-step", action="store_true", help="also plain and the oracle with the verify step fused "
                     "(forward, acceptance and keep in one call: one CUDA graph; off by default on a GPU)")
+    ap.add_argument("--chained", action="store_true", help="also random-weight Medusa heads (4, the default tree) on "
+                    "the fused step with their fill in its call (the chained step) and in a call of its own: the cost "
+                    "per step of each (random heads accept next to nothing)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.search import default_tree
@@ -148,6 +154,14 @@ def main() -> None:
         if a.fused_step:
             methods[f"oracle_{name}_compiled_fused"] = decoder_method(
                 SpeculativeDecoder(base, make(0), compile=True, fused=True), make)
+    if a.chained:  # the chained step under CUDA graphs: one call per step against two
+        from draftlab.drafters import build_draft, make_drafter
+
+        torch.manual_seed(0)
+        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(base.dtype).eval()
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
     if not a.no_hf_compile:
         from transformers import CompileConfig
 
@@ -193,7 +207,7 @@ def main() -> None:
             diff = next((i for i, (x, y) in enumerate(zip(toks, truth)) if x != y), None)
             row.update(identical_to_hf=diff is None and len(toks) == N, first_difference=diff)
             if r is not None:
-                row.update(steps=r.steps, accept_length=round(r.accept_length, 3),
+                row.update(steps=r.steps, chained_steps=r.chained_steps, accept_length=round(r.accept_length, 3),
                            ms_per_step=round(1000 * wall / r.steps, 3),
                            phases_ms_per_step={k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items()
                                                if k != "prefill"})
