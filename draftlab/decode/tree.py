@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -148,7 +149,7 @@ class Tree:
         """Nodes including the root (= tokens per verification forward)."""
         return len(self.paths) + 1
 
-    @property
+    @cached_property  # the paths are a frozen tuple; decoders read this every step
     def depth(self) -> int:
         return max((len(p) for p in self.paths), default=0)
 

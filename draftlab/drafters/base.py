@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..decode.interface import Drafter, PromptState, Proposal, StepResult  # noqa: F401 (the interface, re-exported)
+from ..decode.tree import TreeView
 
 
 class ExportError(ValueError):
@@ -32,6 +33,14 @@ def rank_tree_tokens(root: torch.Tensor, logits: torch.Tensor, buf, topk: list[i
     Tensor operations only (inside a drafter's compiled call)."""
     cand = logits[:, : len(topk)].topk(max(topk, default=1), dim=-1).indices  # [B, D, kmax]
     return torch.cat([root[:, None], cand[:, buf.depth[1:] - 1, buf.rank[1:]]], 1)
+
+
+def static_view(views: dict, buf, B: int) -> TreeView:
+    """The TreeView of a static tree (its buffers, Tree.buffers) for B rows, made once per batch size and kept in
+    `views`, a drafter's own dict: a static tree's proposals all share it."""
+    if B not in views:
+        views[B] = TreeView.of_static(buf, B)
+    return views[B]
 
 
 def gather_kept(states: tuple, keep: torch.Tensor) -> torch.Tensor:

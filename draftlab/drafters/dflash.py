@@ -45,7 +45,7 @@ from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import (Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept,
-                   rank_tree_tokens)
+                   rank_tree_tokens, static_view)
 from .eagle import RMSNorm
 
 
@@ -472,10 +472,8 @@ class DFlashDrafter(Drafter):
         else:
             out = self._block(root)
             out = rank_tree_tokens(root, out, self.buf, self.topk) if greedy else out
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
         if greedy:
-            return Proposal(out, self.views[B])
+            return Proposal(out, static_view(self.views, self.buf, B))
         logits = out[:, : len(self.topk)]  # [B, D, V]
         depth = self.buf.depth[1:]
         # Sampling: every depth-d node is an i.i.d. draw from q_d (its siblings too); q_d does not depend on the
@@ -487,7 +485,7 @@ class DFlashDrafter(Drafter):
         node = torch.arange(1, self.buf.depth.numel(), device=root.device)
         tokens = torch.cat([root[:, None], draws[:, depth - 1, node - 1]], 1)
         q_index = torch.cat([torch.full((1,), -1, device=root.device, dtype=torch.long), depth - 1])
-        return Proposal(tokens, self.views[B], q=q, q_index=q_index[None].expand(B, -1))
+        return Proposal(tokens, static_view(self.views, self.buf, B), q=q, q_index=q_index[None].expand(B, -1))
 
     def _static_block(self, root: torch.Tensor, backend: str | None, greedy: bool = False) -> torch.Tensor:
         """The last commit's context entries and the block as one call (see _commit_block): the block's logits, or
@@ -537,10 +535,7 @@ class DFlashDrafter(Drafter):
     def chained(self, drafted: tuple) -> Proposal:
         tokens, self.next_pos = drafted
         self.n += self.tree.depth + 1
-        B = tokens.shape[0]
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
-        return Proposal(tokens, self.views[B])
+        return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:

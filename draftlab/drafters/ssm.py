@@ -19,7 +19,7 @@ from ..decode.acceptance import Sampling, draw, warp
 from ..decode.cache import causal_allowed, check_tree_support, mark_valid, reserved_mask, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, StepResult
+from .base import Drafter, PromptState, Proposal, StepResult, static_view
 
 
 class SSMError(ValueError):
@@ -393,9 +393,7 @@ class SSMDrafter(Drafter):
         return prop
 
     def _view(self, B: int) -> TreeView:
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
-        return self.views[B]
+        return static_view(self.views, self.buf, B)
 
     def _fused(self) -> bool:
         """On the static path the feed and the tree's levels run as one call (compiled: one graph) instead of one

@@ -7,7 +7,7 @@ import torch
 from ...decode.cache import causal_allowed, mark_valid, reserved_mask
 from ...decode.compiled import compiled_method
 from ...decode.tree import Tree, TreeView
-from ..base import Drafter, PromptState, Proposal, StepResult, gather_kept, rank_tree_tokens
+from ..base import Drafter, PromptState, Proposal, StepResult, gather_kept, rank_tree_tokens, static_view
 
 
 class HeadsDrafter(Drafter):
@@ -92,16 +92,14 @@ class HeadsDrafter(Drafter):
 
     # --- proposals ---------------------------------------------------------------------------------
     def propose(self, root: torch.Tensor) -> Proposal:
-        B = root.shape[0]
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
+        view = static_view(self.views, self.buf, root.shape[0])
         fill = self.fill
         backend = (self.decode_path or {}).get("compile")
         if self.pending is not None:
-            return Proposal(self._commit_and_fill(root, backend), self.views[B])
+            return Proposal(self._commit_and_fill(root, backend), view)
         if backend:  # the whole fill (every head, every depth) as one graph of fixed shapes
             fill = compiled_method(self, "fill", backend)
-        return Proposal(fill(root, self.hidden), self.views[B])
+        return Proposal(fill(root, self.hidden), view)
 
     def _commit_and_fill(self, root: torch.Tensor, backend: str | None) -> torch.Tensor:
         """Hydra++ on the static path: the last commit's prefix-layer forward and the fill as one call (compiled:
@@ -137,7 +135,7 @@ class HeadsDrafter(Drafter):
     def chain_args(self) -> tuple | None:
         if not (self.decode_path or {}).get("static"):
             return None
-        W = self.tree.depth + 1  # (the tree's depth is a host computation: the call takes it as a number)
+        W = self.tree.depth + 1  # a number for the call (Tree.depth is host code, which dynamo does not trace)
         if self.static is None:  # no prefix layer: the fill reads the base's state at the last accepted node
             return (W,)
         cache = self.static
@@ -157,10 +155,7 @@ class HeadsDrafter(Drafter):
         if self.static is not None:
             self.static.next_pos = drafted[2]
             self.static.commit_reserved(self.tree.depth + 1)
-        B = tokens.shape[0]
-        if B not in self.views:
-            self.views[B] = TreeView.of_static(self.buf, B)
-        return Proposal(tokens, self.views[B])
+        return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 
     def _fill_medusa(self, root: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # Every Medusa head reads the same h_t, so all depths come from one call: [B, K, V].
