@@ -144,6 +144,50 @@ def test_ssm_logits_at_every_level_are_the_same_on_the_static_path(kind):
     assert full > len(seen[0]) // 3
 
 
+def test_the_ssms_cache_after_each_chained_step_is_the_split_steps(monkeypatch):
+    """The chained step's SSM commit (the accepted internal slots kept on the device, the accepted leaf and the root
+    fed, the next tree drafted, all in the verification's call) leaves the SSM's cache as commit + propose do: the
+    same committed length, valid slots, positions and keys for every row still decoding, after every step (a row
+    that ended may differ: the chained commit reads liveness from before the step's emission). The SSM's cache
+    starts with room for 16 tokens past the prompt, so steps without room for the chained call's worst case go the
+    split way, which defragments and grows the cache as the split path does."""
+    import draftlab.decode.cache as cache_module
+    import draftlab.drafters.ssm as ssm_module
+    from draftlab.decode.acceptance import Sampling
+
+    slot_cache = cache_module.slot_cache
+    monkeypatch.setattr(cache_module, "static_slots", lambda n: n)
+    monkeypatch.setattr(ssm_module, "slot_cache", lambda lm, B, n, *a, **k: slot_cache(lm, B, n - 240, *a, **k))
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+
+    def snapshot(d):
+        c, live = d.target, torch.tensor(d.live)
+        slots = c.slots[live, : c.n + c.tentative]
+        keys = c.cache.layers[0].keys[live][:, :, : c.n + c.tentative] * slots[:, None, :, None]  # (holes: any value)
+        return c.n, c.tentative, slots.clone(), c.next_pos[live].clone(), keys.clone()
+
+    for sampling in (None, Sampling(temperature=0.7, typical=True)):
+        seen, sizes = [], []
+        for chained in (False, True):
+            d, seen = drafter("ssm", base), seen + [[]]
+            for name in ("propose", "chained"):
+                def record(*args, method=getattr(d, name), out=seen[-1]):
+                    prop = method(*args)
+                    out.append((snapshot(d), prop.tokens[torch.tensor(d.live)].clone()))
+                    return prop
+                setattr(d, name, record)
+            res = SpeculativeDecoder(base, d, compile="eager", chained=chained).generate(
+                prompts, max_new_tokens=21, sampling=sampling, generator=torch.Generator().manual_seed(1))
+            assert (0 < res.chained_steps <= res.steps - 2) if chained else res.chained_steps == 0
+            sizes.append(d.target.max_len)
+        assert len(seen[0]) == len(seen[1]) > 3 and sizes[0] == sizes[1] > 9 + 16  # it grew
+        for (state, tokens), (state1, tokens1) in zip(*seen):
+            assert state[:2] == state1[:2] and torch.equal(tokens, tokens1)
+            assert torch.equal(state[2], state1[2]) and torch.equal(state[3], state1[3])
+            assert torch.allclose(state[4], state1[4], atol=1e-9)
+
+
 @pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
 def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
     """Sampled SSM children are drawn inside the static path's one drafting call, from uniforms the drafter's own
@@ -388,15 +432,15 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
 
 
 # (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
-@pytest.mark.parametrize("kind", ["hydra++", "dflash"] + [pytest.param(k, marks=pytest.mark.slow)
+@pytest.mark.parametrize("kind", ["hydra++", "dflash", "ssm"] + [pytest.param(k, marks=pytest.mark.slow)
                                                           for k in ("medusa", "eagle3")])
 def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     """Where the verify step is fused, drafters whose commit and next proposal are one tensor-only call run it inside
     the verification's call (decode.decoder.verify_keep_and_draft): one compiled call per step. Chained and split
     calls give the eager tokens (batch of uneven prompts, EOS mid-run, greedy and typical acceptance), every step
-    after the first proposal is chained, and chained=False / DRAFTLAB_CHAINED_STEP=0 turn it off. Drafters whose
-    proposal draws from a generator (DFlash at temperature > 0) and those without a chained step (SSMs) keep
-    their own calls."""
+    after the first proposal is chained, and chained=False / DRAFTLAB_CHAINED_STEP=0 turn it off. DFlash's sampled
+    block (drawn from a generator outside any call) keeps its own call; an SSM's sampled tree (typical acceptance)
+    chains, its uniforms drawn before the call."""
     from draftlab.decode.acceptance import Sampling
     from draftlab.decode.decoder import chained_step
     from draftlab.drafters.dflash import DFlashDrafter
@@ -414,19 +458,19 @@ def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     eager = SpeculativeDecoder(base, make()).generate(prompts, max_new_tokens=21)
     assert eager.accept_length > 1.0  # some steps commit drafted tokens: the chained commit keeps paths
     eos = eager.tokens[0][9]
-    for sampling in (None, typical):
-        ref = SpeculativeDecoder(base, make()).generate(prompts, max_new_tokens=21, sampling=sampling,
-                                                        eos_token_id=eos)
+    for sampling, e in ((None, None), (None, eos), (typical, eos)):
+        ref = eager if e is None else SpeculativeDecoder(base, make()).generate(
+            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=e)
         chained = SpeculativeDecoder(base, make(), compile="eager").generate(prompts, max_new_tokens=21,
-                                                                             sampling=sampling, eos_token_id=eos)
+                                                                             sampling=sampling, eos_token_id=e)
         split = SpeculativeDecoder(base, make(), compile="eager", chained=False).generate(
-            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=eos)
-        assert chained.tokens == split.tokens == ref.tokens, (kind, sampling)
+            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=e)
+        assert chained.tokens == split.tokens == ref.tokens, (kind, sampling, e)
         assert split.chained_steps == 0
         if kind == "dflash" and sampling is typical:  # its sampled block is drawn outside any call
             assert chained.chained_steps == 0
         else:
-            assert chained.chained_steps == chained.steps > 3
+            assert chained.chained_steps == chained.steps > (3 if e is None else 1)
     assert SpeculativeDecoder(base, make(), compile="eager", fused=False).chain is None
     monkeypatch.setenv("DRAFTLAB_CHAINED_STEP", "0")
     assert chained_step("eager", "cpu") is None

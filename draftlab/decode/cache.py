@@ -413,10 +413,11 @@ class StaticSlotCache:
         layers = self._layers()
         return [t for l in layers for t in (l.keys, l.values)], [l.cumulative_length for l in layers]
 
-    def kept(self, m: int, next_pos: torch.Tensor) -> None:
-        """The host's side of keep_on_device: the first m tentative slots are now committed (holes included), and
-        the rows' next positions are next_pos."""
-        self.n, self.tentative, self.next_pos = self.n + m, 0, next_pos
+    def kept(self, m: int, next_pos: torch.Tensor, tentative: int = 0) -> None:
+        """The host's side of keep_on_device: the first m tentative slots are now committed (holes included), the
+        rows' next positions are next_pos, and the `tentative` slots written after them stay tentative (a chained
+        drafter's commit, feed and next tree in one call: see SSMDrafter.chain)."""
+        self.n, self.tentative, self.next_pos = self.n + m, tentative, next_pos
 
     def rewind(self, n: int) -> None:
         """Forget every slot from n on (the sequence went another way after its first n slots); each row's next
@@ -452,15 +453,25 @@ def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.
     the host then calls StaticSlotCache.kept(M, ...)."""
     N = keep.shape[1]
     n = cumulative[0] - N
+    if N > 1:  # one node (plain decoding) is a path of one: its slot stays where it was written, the pointers are right
+        return move_kept(kv, cumulative, slots, n, keep, keep_valid, n + length.max(), next_pos)
+    slots.index_copy_(1, n + torch.arange(N, device=keep.device), keep_valid)
+    return next_pos + keep_valid.sum(-1)
+
+
+def move_kept(kv: list, cumulative: list, slots: torch.Tensor, n: torch.Tensor, keep: torch.Tensor,
+              keep_valid: torch.Tensor, end: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+    """keep_on_device's work for the N tentative slots from n (a tensor) on: slot n + keep[b, i] moves to n + i in
+    every buffer of kv, the N slots' validity becomes keep_valid [B, N], and every layer's write pointer goes to `end`
+    (the first slot after the kept ones, holes of the shorter rows included). Returns the rows' next positions."""
+    N = keep.shape[1]
     at = n + torch.arange(N, device=keep.device)  # the tentative slots
     slots.index_copy_(1, at, keep_valid)
-    if N > 1:  # one node (plain decoding) is a path of one: its slot stays where it was written, the pointers are right
-        for t in kv:  # [B, heads, L, d]
-            B, H, _, d = t.shape
-            t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
-        end = n + length.max()  # holes of the shorter rows included
-        for c in cumulative:
-            c.copy_(end)
+    for t in kv:  # [B, heads, L, d]
+        B, H, _, d = t.shape
+        t.index_copy_(2, at, t.gather(2, (n + keep)[:, None, :, None].expand(B, H, N, d)))
+    for c in cumulative:
+        c.copy_(end)
     return next_pos + keep_valid.sum(-1)
 
 

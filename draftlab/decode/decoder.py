@@ -463,7 +463,7 @@ class SpeculativeDecoder:
             prop = None
             if not verifier.done:
                 if step.drafted is not None:
-                    prop = drafter.chained(step.drafted)
+                    prop = drafter.chained(step)
                 else:
                     drafter.commit(step)
             root = step.bonus

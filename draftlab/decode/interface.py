@@ -155,8 +155,9 @@ class Drafter(ABC):
     # --- the chained step (decode.decoder.verify_keep_and_draft) ------------------------------------------------
     # On the compiled static path, a drafter whose commit and next proposal are one call of tensor operations may have
     # the verifier run that call inside its own, right after acceptance: a step is then one compiled call instead of
-    # two. The decoder then calls chain_args, the verifier's call runs chain, and the decoder calls chained instead of
-    # commit(step) + propose(step.bonus); all three together must do what those two do, with the same tokens.
+    # two. The decoder then calls chain_args, the verifier's call runs chain, and the decoder calls chained(step)
+    # instead of commit(step) + propose(step.bonus); all three together must do what those two do, with the same
+    # tokens.
 
     def chain_args(self) -> tuple | None:
         """Before a verification: the host's share of the drafter's next commit (room in its caches) and the
@@ -172,8 +173,10 @@ class Drafter(ABC):
         Returns what `chained` reads."""
         raise NotImplementedError(f"{type(self).__name__} does not chain")
 
-    def chained(self, drafted: tuple) -> Proposal:
-        """After a chained step: the host's share of the commit (counters, positions) and the next proposal."""
+    def chained(self, step: StepResult) -> Proposal:
+        """After a chained step (`step.drafted` holds what `chain` returned): the host's share of the commit
+        (counters, positions; the step's host copies of its paths, which `chain` could not read) and the next
+        proposal."""
         raise NotImplementedError(f"{type(self).__name__} does not chain")
 
     def share_state(self, other: "Drafter") -> None:

@@ -532,8 +532,8 @@ class DFlashDrafter(Drafter):
         keep, ok, positions = [t[:, :W] for t in full]
         return self._commit_block(bonus, states, keep, positions, ok, n, window, True)
 
-    def chained(self, drafted: tuple) -> Proposal:
-        tokens, self.next_pos = drafted
+    def chained(self, step: StepResult) -> Proposal:
+        tokens, self.next_pos = step.drafted
         self.n += self.tree.depth + 1
         return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 

@@ -560,8 +560,8 @@ class Eagle3Drafter(Drafter):
         keep, ok = [t[:, : self.depth + 1] for t in full[:2]]
         return self._commit_tree(bonus, states, keep, ok, tokens, bonus, last, n)
 
-    def chained(self, drafted: tuple) -> Proposal:
-        tokens, parents, depth, ancestors, self.out, self.next_pos = drafted
+    def chained(self, step: StepResult) -> Proposal:
+        tokens, parents, depth, ancestors, self.out, self.next_pos = step.drafted
         self.n += self.depth + 1
         return Proposal(tokens, TreeView(parents, depth, torch.ones_like(parents, dtype=torch.bool), ancestors))
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, draw, warp
-from ..decode.cache import causal_allowed, check_tree_support, mark_valid, reserved_mask, slot_cache
+from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, static_view
@@ -296,8 +296,8 @@ class SSMDrafter(Drafter):
         if key not in self.shapes:
             self.shapes[key] = self._shape(tree)
         self.tree, shape = tree, self.shapes[key]
-        self.buf, self.internal, self.slot, self.levels, self.q_index = (
-            shape["buf"], shape["internal"], shape["slot"], shape["levels"], shape["q_index"])
+        self.buf, self.internal, self.slot, self.slot_of, self.levels, self.q_index = (
+            shape["buf"], shape["internal"], shape["slot"], shape["slot_of"], shape["levels"], shape["q_index"])
         self.views: dict[int, TreeView] = shape["views"]
 
     def _shape(self, tree: Tree) -> dict:
@@ -319,7 +319,10 @@ class SSMDrafter(Drafter):
         q_row = {n: i for i, n in enumerate([0] + internal)}
         parent = buf.parent.tolist()
         q_index = torch.tensor([-1] + [q_row[parent[n]] for n in range(1, tree.size)], device=self.device)
-        return {"buf": buf, "internal": internal, "slot": {n: i for i, n in enumerate(internal)}, "levels": levels,
+        slot = {n: i for i, n in enumerate(internal)}
+        # The chained step's commit reads each node's tentative slot on the device (-1: the root and the leaves).
+        slot_of = torch.tensor([slot.get(n, -1) for n in range(tree.size)], device=self.device)
+        return {"buf": buf, "internal": internal, "slot": slot, "slot_of": slot_of, "levels": levels,
                 "q_index": q_index, "views": {}}
 
     @property
@@ -452,6 +455,66 @@ class SSMDrafter(Drafter):
                 cand = draw(dist[-1], us[d])
             tokens[:, lv["children"]] = cand[:, lv["child_parent"], lv["child_rank"]]
         return tokens, torch.cat(dist, dim=1) if dist else None, next_pos
+
+    # --- the chained step (Drafter.chain): commit, feed and the next tree in the verifier's call -------------------
+    def chain_args(self) -> tuple | None:
+        """On the static path, with a feed of the usual width (an accepted leaf and the root) and room for this
+        step's feed and tree whatever the verification keeps: the cache's state and the step's window (and the
+        uniforms of a sampled tree, drawn now as the split path's propose would draw them). Else None: this step
+        commits and proposes on its own (an ensemble's member, a cache that must be defragmented or grown first)."""
+        if not self._fused() or self.feed_width != 2:
+            return None
+        cache, I = self.target, len(self.internal)
+        # The commit keeps at most I of the I tentative slots; the feed and the next tree follow the kept ones.
+        if cache.n + cache.tentative + 2 + I > cache.max_len:
+            return None
+        window = cache.reserve(2 + I)  # the window for the longest keep (keeping fewer, they are written earlier)
+        sampled = self.sampling.temperature > 0
+        us = [self._uniforms(cache.batch, len(lv["parents"]), lv["k"]) for lv in self.levels] if sampled else None
+        kv, cumulative = cache.device_state()
+        return (kv, cumulative, cache.slots, cache.next_pos, self.tree.depth, window, self.tree.paths, us,
+                self.sampling if sampled else None)
+
+    def chain(self, states, full, tokens, bonus, last, kv, cumulative, slots, next_pos, D: int, window: int, paths,
+              us, sampling):
+        """commit's and propose's device work, tensor operations only: the accepted path's tentative slots are kept
+        (the internal nodes on it, a prefix of it below the root), then the feed (the last accepted node if it is a
+        leaf, which was never forwarded, and the bonus token: the next root) and the next tree run as _draft.
+        Liveness is the step's before its tokens were emitted: a row that ends in this step feeds its last tokens
+        (the split path feeds holes); either way a row that ended is never read again."""
+        keep, valid = full[0], full[1]
+        B = keep.shape[0]
+        rows = torch.arange(B, device=keep.device)
+        live = valid[:, 0]
+        I = len(self.internal)
+        if I:  # the path's internal nodes (at depths 1 .. D - 1: a node at the tree's depth has no children)
+            slot = self.slot_of[keep[:, 1:D]]  # [B, D - 1]
+            on = (torch.arange(1, D, device=keep.device)[None] <= last[:, None]) & (slot >= 0)
+            pad = (0, I - (D - 1))
+            n = cumulative[0] - I  # the tentative tree slots start here (the feed was committed before them)
+            # The write pointer goes past the longest row's kept slots, every row counted (as commit's keep does).
+            next_pos = move_kept(kv, cumulative, slots, n, nn.functional.pad(slot.clamp(min=0) * on, pad),
+                                 nn.functional.pad(on & live[:, None], pad), n + on.sum(-1).max(), next_pos)
+        node = keep[rows, last]
+        leaf = (last > 0) & (self.slot_of[node] < 0)
+        ids = torch.stack([tokens[rows, node] * leaf, bonus], 1)
+        ok = torch.stack([leaf & live, live], 1)
+        tree = torch.zeros_like(tokens)  # (the verified tree is this drafter's: its width is the tree's)
+        tree[:, 0] = bonus
+        return self._draft(ids, ok, tree, slots, cumulative[0].clone(), next_pos, window, paths, us, sampling)
+
+    def chained(self, step: StepResult) -> Proposal:
+        tokens, q, next_pos = step.drafted
+        # The slots the chained commit kept, holes included: as many as the longest row's (see chain).
+        m = max(sum(n in self.slot for n in path[1:]) for path in step.paths)
+        self.target.kept(m + 2, next_pos, tentative=len(self.internal))  # the kept slots, the feed; the tree's
+        self.start = self.target.length
+        B = tokens.shape[0]
+        self.pending, self.live = [[] for _ in range(B)], step.live_rows()
+        prop = Proposal(tokens, self._view(B))
+        if q is not None:
+            prop.q, prop.q_index = q, self.q_index[None].expand(B, -1)
+        return prop
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):

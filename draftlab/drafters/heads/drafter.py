@@ -150,10 +150,10 @@ class HeadsDrafter(Drafter):
             return self.fill(bonus, hidden), hidden
         return self._commit_fill(bonus, states, keep, valid, last, *args)
 
-    def chained(self, drafted: tuple) -> Proposal:
-        tokens, self.hidden = drafted[:2]
+    def chained(self, step: StepResult) -> Proposal:
+        tokens, self.hidden = step.drafted[:2]
         if self.static is not None:
-            self.static.next_pos = drafted[2]
+            self.static.next_pos = step.drafted[2]
             self.static.commit_reserved(self.tree.depth + 1)
         return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 
