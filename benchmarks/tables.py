@@ -652,6 +652,9 @@ TABLES = {
     "refactor_check_chained_step": ("refactor_check_chained_step", refactor_check_compiled_exports(
         "The chained step: the drafter's commit and proposal inside the verify call (CPU)",
         "refactor_check_chained_step")),
+    "refactor_check_ssm_chained": ("refactor_check_ssm_chained", refactor_check_compiled_exports(
+        "The SSM's chained step: its commit, feed and tree inside the verify call (CPU)",
+        "refactor_check_ssm_chained")),
 }
 
 
