@@ -461,7 +461,8 @@ class SSMDrafter(Drafter):
         """On the static path, with a feed of the usual width (an accepted leaf and the root) and room for this
         step's feed and tree whatever the verification keeps: the cache's state and the step's window (and the
         uniforms of a sampled tree, drawn now as the split path's propose would draw them). Else None: this step
-        commits and proposes on its own (an ensemble's member, a cache that must be defragmented or grown first)."""
+        commits and proposes on its own (a cache that must be defragmented or grown first, a feed widened for other
+        drafters' tokens)."""
         if not self._fused() or self.feed_width != 2:
             return None
         cache, I = self.target, len(self.internal)
