@@ -579,10 +579,15 @@ def refactor_check_compiled_exports(title: str, name: str):
     def table(p, d) -> None:
         kinds = [k[: -len("_after")] for k in d["methods"] if k.endswith("_after") and k != "plain_after"]
         exports = " ".join(f"--export {k}={dirs[k]}" for k in kinds)  # in the command's order
-        refactor_check(p, d, title, f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts "
-                       f"{d['prompts']} --name {name} {exports}`; before = {d['before']}, both on the static-shape compiled path "
-                       f"(inductor), same exports, base object and prompts, interleaved; {d['prompts']} prompts x "
-                       f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
+        compiled, T = d.get("compiled", True), d.get("temperature", 0)
+        opts = ("--compile " if compiled else "") + (f"--temperature {T} " if T else "")
+        path = "the static-shape compiled path (inductor)" if compiled else "the eager path"
+        sampled = (f"; sampled at temperature {T}: the two sides draw differently, so compare accept lengths within "
+                   "noise and time per step, not tokens" if T else "")
+        refactor_check(p, d, title, f"`benchmarks/refactor_check.py {opts}--commit {d['before']} --prompts "
+                       f"{d['prompts']} --name {name} {exports}`; before = {d['before']}, both on {path}, same "
+                       f"exports, base object and prompts, interleaved; {d['prompts']} prompts x "
+                       f"{d['max_new_tokens']} tokens{sampled}; {where(d)}", per_phase=True)
     return table
 
 
@@ -652,6 +657,11 @@ TABLES = {
     "refactor_check_chained_step": ("refactor_check_chained_step", refactor_check_compiled_exports(
         "The chained step: the drafter's commit and proposal inside the verify call (CPU)",
         "refactor_check_chained_step")),
+    "refactor_check_sampled_on_device": ("refactor_check_sampled_on_device", refactor_check_compiled_exports(
+        "Sampled acceptance on the device, compiled (CPU)", "refactor_check_sampled_on_device")),
+    "refactor_check_sampled_on_device_eager": ("refactor_check_sampled_on_device_eager",
+                                               refactor_check_compiled_exports(
+        "Sampled acceptance on the device, eager (CPU)", "refactor_check_sampled_on_device_eager")),
     "refactor_check_ssm_chained": ("refactor_check_ssm_chained", refactor_check_compiled_exports(
         "The SSM's chained step: its commit, feed and tree inside the verify call (CPU)",
         "refactor_check_ssm_chained")),

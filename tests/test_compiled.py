@@ -188,6 +188,26 @@ def test_the_ssms_cache_after_each_chained_step_is_the_split_steps(monkeypatch):
             assert torch.allclose(state[4], state1[4], atol=1e-9)
 
 
+def test_sampled_acceptance_on_the_static_path_is_the_device_rule_in_the_acceptance_graph(monkeypatch):
+    """On the static path speculative sampling decides in the acceptance graph (decode.decoder.decide, compiled where
+    the path is), never through the host-side accept_sampling, and draws what the eager path draws: same tokens for
+    one seed (a tree the drafter never pads, so both draw blocks of one width)."""
+    import draftlab.decode.decoder as decoder_module
+    from draftlab.decode.acceptance import Sampling
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
+    s = Sampling(temperature=0.9, top_p=0.95)
+    run = lambda **kw: SpeculativeDecoder(base, drafter("hydra++", base), **kw).generate(  # noqa: E731
+        prompts, max_new_tokens=21, sampling=s, generator=torch.Generator().manual_seed(5)).tokens
+    eager = run()
+
+    def host_rule(*args, **kwargs):
+        raise AssertionError("the static path decided on the host")
+    monkeypatch.setattr(decoder_module, "accept_sampling", host_rule)
+    assert run(static=True) == run(compile="eager") == eager
+
+
 @pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
 def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
     """Sampled SSM children are drawn inside the static path's one drafting call, from uniforms the drafter's own

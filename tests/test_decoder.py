@@ -211,15 +211,39 @@ def test_sampling_acceptance_keeps_the_base_distribution():
     # Draft candidates: the three most likely under a *different* distribution (a bad draft).
     tokens = torch.tensor([[0, 5, 1, 6, 2]])
     g = torch.Generator().manual_seed(1)
-
-    def first(_):
-        paths, bonus = accept_sampling(tokens, logits, view, s, g)
-        path = paths[0]
-        return int(tokens[0, path[1]]) if len(path) > 1 else int(bonus[0])
-    n = 20000
-    emp = _tv_first_tokens(first, n, V)
+    n = 20000  # one step over n rows of the same tree: each row is one independent trial
+    paths, bonus = accept_sampling(tokens.expand(n, -1), logits.expand(n, -1, -1), TreeView.of_static(tree.buffers(), n),
+                                   s, g)
+    first = [int(tokens[0, path[1]]) if len(path) > 1 else int(bonus[b]) for b, path in enumerate(paths)]
+    emp = _tv_first_tokens(lambda i: first[i], n, V)
     tv = 0.5 * (emp - p).abs().sum().item()
     assert tv < 0.02, (emp, p)
+
+
+def test_sampled_acceptance_tries_siblings_in_node_order_within_its_bounds():
+    """sampling_decision's children table: each node's index among its siblings in node order, per row (trees that
+    differ per row, padding excluded), and the loop bounds (most children, depth) from a static tree's buffers or
+    from per-row trees. A tree whose every child is certain (p one-hot on it) accepts the whole root path to the
+    first child of the first child, in every row."""
+    from draftlab.decode.acceptance import sibling_rank, sampling_decision, tree_bounds
+
+    parents = torch.tensor([[-1, 0, 0, 1, 0, 3, -1], [-1, 0, 1, 1, 1, 2, 0]])
+    valid = torch.tensor([[True] * 6 + [False], [True] * 7])
+    assert sibling_rank(parents, valid).tolist() == [[0, 0, 1, 0, 2, 0, 0], [0, 0, 0, 1, 2, 0, 1]]
+    view = TreeView.of_parents(parents, valid)
+    assert tree_bounds(view) == (3, 3)
+    assert tree_bounds(TreeView.of_static(Tree.from_paths([[0], [1], [2], [0, 0]]).buffers(), 2)) == (3, 2)
+    V = 8
+    tokens = torch.tensor([[0, 3, 4, 5, 6, 7, 0], [0, 2, 3, 4, 5, 6, 7]])
+    logits = torch.full((2, 7, V), -1e4)
+    for b in range(2):  # the base is certain of each node's first child's token
+        for n in range(1, 7):
+            if valid[b, n] and sibling_rank(parents, valid)[b, n] == 0:
+                logits[b, parents[b, n], tokens[b, n]] = 0.0
+    logits[:, :, 1] = torch.where(logits.max(-1).values < -1, 0.0, -1e4)  # leaves: the bonus is token 1
+    last, bonus = sampling_decision(tokens, logits, view.parents, view.valid, Sampling(temperature=1.0),
+                                    torch.rand(2, 8), K=3, D=3)
+    assert last.tolist() == [5, 5] and bonus.tolist() == [1, 1]
 
 
 def test_a_wrong_rule_fails_the_same_check():
@@ -255,19 +279,16 @@ def test_a_rejection_that_leaves_no_residual_does_not_raise():
     rejected) leaves max(p - q, 0) empty: the bonus is then drawn from p instead of torch.multinomial raising."""
     V, s = 4, Sampling(temperature=1.0)
     tree = Tree.from_paths([[0]])
-    view = TreeView.of_static(tree.buffers(), 1)
-    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))[None, None].expand(1, 2, V).clone()
+    n = 2000  # rows of one step, each an independent trial
+    view = TreeView.of_static(tree.buffers(), n)
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))[None, None].expand(n, 2, V)
     p = warp(logits[0, 0], s)
-    q = (2 * p)[None, None]  # [B, Q, V]
-    tokens, q_index = torch.tensor([[0, 3]]), torch.tensor([[-1, 0]])
+    q = (2 * p)[None, None].expand(n, 1, V)  # [B, Q, V]
+    tokens, q_index = torch.tensor([[0, 3]]).expand(n, -1), torch.tensor([[-1, 0]]).expand(n, -1)
     g = torch.Generator().manual_seed(0)
-    counts, accepted, n = torch.zeros(V), 0, 2000
-    for _ in range(n):
-        paths, bonus = accept_sampling(tokens, logits, view, s, g, q, q_index)
-        if len(paths[0]) > 1:
-            accepted += 1
-        else:
-            counts[bonus[0]] += 1
+    paths, bonus = accept_sampling(tokens, logits, view, s, g, q, q_index)
+    rejected = torch.tensor([len(path) == 1 for path in paths])
+    accepted, counts = n - int(rejected.sum()), torch.bincount(bonus[rejected], minlength=V).float()
     assert abs(accepted / n - 0.5) < 0.05  # accepted with probability p(3) / q(3) = 1/2
     assert 0.5 * (counts / counts.sum() - p).abs().sum().item() < 0.05  # after a rejection: p, unchanged
 
@@ -278,7 +299,7 @@ def test_a_point_mass_child_rejected_with_nothing_left_keeps_p(monkeypatch):
     from draftlab.decode import acceptance
 
     V = 4
-    monkeypatch.setattr(acceptance, "warp", lambda logits, s: torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    monkeypatch.setattr(acceptance, "warp", lambda logits, s: torch.tensor([0.0, 0.0, 0.5, 0.0]).expand(logits.shape))
     view = TreeView.of_static(Tree.from_paths([[0]]).buffers(), 1)
     tokens, logits = torch.tensor([[0, 2]]), torch.zeros(1, 2, V)
     g = torch.Generator().manual_seed(0)

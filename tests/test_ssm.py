@@ -84,31 +84,35 @@ def test_ssm_drafts_follow_the_committed_text():
 
 # --- sampling with sampled drafts -------------------------------------------------------------------
 
-def _two_level_trial(p1, p2, q1, q2, widths, g, s):
-    """One verification of a two-level tree whose children are drawn i.i.d. from the draft's q; the base's
-    conditionals are p1 (after the root) and p2[x] (after x). Returns the first two committed tokens."""
+def _two_level_trials(n, p1, p2, q1, q2, widths, g, s):
+    """n verifications (one step over n rows, each row one independent trial) of a two-level tree whose children are
+    drawn i.i.d. from the draft's q; the base's conditionals are p1 (after the root) and p2[x] (after x). Returns
+    the first two committed tokens of each trial, as a [n, 2] tensor."""
     V = p1.shape[0]
     k1, k2 = widths
-    first = torch.multinomial(q1, k1, replacement=True, generator=g).tolist()
-    tokens, parents, qi = [0], [-1], [-1]
-    for x in first:
-        tokens.append(x), parents.append(0), qi.append(0)
-    for j, x in enumerate(first):
-        for y in torch.multinomial(q2[x], k2, replacement=True, generator=g).tolist():
-            tokens.append(y), parents.append(1 + j), qi.append(1 + j)
-    N = len(tokens)
-    logits = torch.empty(1, N, V)
-    logits[0, 0] = p1.log()
-    for i in range(1, N):
-        logits[0, i] = p2[tokens[i]].log() if parents[i] == 0 else torch.zeros(V)  # leaves: any p (bonus only)
-    # Depth-2 leaves need the base's distribution after them only for a bonus we do not look at.
-    q = torch.stack([q1] + [q2[x] for x in first])[None]  # [1, 1 + k1, V]
-    view = TreeView.of_parents(torch.tensor([parents]))
-    paths, bonus = accept_sampling(torch.tensor([tokens]), logits, view, s, g, q, torch.tensor([qi]))
-    out = [tokens[n] for n in paths[0][1:]] + [int(bonus[0])]
-    if len(out) == 1:  # nothing accepted: the token after the bonus comes from the next step, drawn from p2
-        out.append(int(torch.multinomial(p2[out[0]], 1, generator=g)))
-    return out[0], out[1]
+    first = torch.multinomial(q1, n * k1, replacement=True, generator=g).view(n, k1)
+    second = torch.multinomial(q2[first.flatten()], k2, replacement=True, generator=g).view(n, k1 * k2)
+    tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), first, second], 1)  # node j's children after all of depth 1
+    parents = torch.tensor([-1] + [0] * k1 + [1 + j for j in range(k1) for _ in range(k2)])
+    qi = torch.tensor([-1] + [0] * k1 + [1 + j for j in range(k1) for _ in range(k2)])
+    N = tokens.shape[1]
+    logits = torch.zeros(n, N, V)  # depth-2 leaves: any p (their bonus is not looked at)
+    logits[:, 0] = p1.log()
+    logits[:, 1: 1 + k1] = p2[first].log()
+    q = torch.cat([q1.expand(n, 1, V), q2[first]], 1)  # [n, 1 + k1, V]
+    view = TreeView.of_parents(parents.expand(n, N))
+    paths, bonus = accept_sampling(tokens, logits, view, s, g, q, qi.expand(n, N))
+    out = torch.empty(n, 2, dtype=torch.long)
+    for r, path in enumerate(paths):
+        got = [int(tokens[r, m]) for m in path[1:]] + [int(bonus[r])]
+        out[r, : min(2, len(got))] = torch.tensor(got[:2])
+    alone = torch.tensor([len(path) == 1 for path in paths])  # nothing accepted: the token after the bonus comes
+    out[alone, 1] = torch.multinomial(p2[out[alone, 0]], 1, generator=g)[:, 0]  # from the next step, drawn from p2
+    return out
+
+
+def _joint_counts(out, V):
+    return torch.bincount(out[:, 0] * V + out[:, 1], minlength=V * V).view(V, V).float()
 
 
 @pytest.mark.parametrize("widths", [(1, 1), (3, 2)])
@@ -120,10 +124,7 @@ def test_multi_step_speculative_sampling_keeps_the_joint_law(widths):
     q1 = torch.softmax(torch.randn(V) * 1.5, -1)  # a draft that disagrees with the base
     q2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
     g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(V, V)
-    for _ in range(6000):
-        a, b = _two_level_trial(p1, p2, q1, q2, widths, g, s)
-        counts[a, b] += 1
+    counts = _joint_counts(_two_level_trials(6000, p1, p2, q1, q2, widths, g, s), V)
     stat, df = chi_square(counts, p1[:, None] * p2)
     assert df >= 20
     assert stat < df + 4 * (2 * df) ** 0.5, (stat, df)
@@ -139,10 +140,7 @@ def test_a_wrong_residual_fails_the_same_check(monkeypatch):
     q1 = torch.softmax(torch.randn(V) * 1.5, -1)
     q2 = torch.softmax(torch.randn(V, V) * 1.5, -1)
     g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(V, V)
-    for _ in range(6000):
-        a, b = _two_level_trial(p1, p2, q1, q2, (3, 2), g, s)
-        counts[a, b] += 1
+    counts = _joint_counts(_two_level_trials(6000, p1, p2, q1, q2, (3, 2), g, s), V)
     stat, df = chi_square(counts, p1[:, None] * p2)
     assert stat > df + 4 * (2 * df) ** 0.5, (stat, df)
 

@@ -139,9 +139,9 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
 def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
                     generator: torch.Generator | None = None, q: torch.Tensor | None = None,
                     q_index: torch.Tensor | None = None):
-    """Lossless multi-step speculative sampling over the tree (SpecInfer's recursive rejection).
+    """Lossless multi-step speculative sampling over the tree (SpecInfer's recursive rejection): (paths, bonus [B]).
 
-    At each accepted node the children are tried in order. A child x drawn from a draft distribution
+    At each accepted node the children are tried in node order. A child x drawn from a draft distribution
     q (q[b, q_index[b, x]]; siblings drawn i.i.d. from their own q) is accepted with probability
     min(1, p(x)/q(x)); on rejection p <- normalize(max(p - q, 0)) and the next child is tried. A child
     proposed deterministically (q_index -1: top-k candidates of heads, lookups) has q = a point mass on
@@ -150,40 +150,84 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
     is one exact rejection step towards the current p, so the committed tokens are distributed
     exactly as sampling from the base. A rejection that leaves no mass (possible only through rounding,
     with probability ~0) keeps p as it was, as `sample_residual` does.
+
+    The rule runs on the device (sampling_decision), from one block of uniforms per step drawn from `generator`:
+    [B, N + 1], one for each node's try (used if it is tried) and one for the bonus.
     """
-    B = tokens.shape[0]
-    paths, bonus = [], torch.empty(B, dtype=torch.long, device=tokens.device)
-    qi = q_index.tolist() if q_index is not None else None
-    for b in range(B):
-        children = view.children(b)
-        node, path = 0, [0]
-        while True:
-            p = warp(logits[b, node], s)  # [V]
-            nxt = None
-            for c in children[node]:
-                x = int(tokens[b, c])
-                j = qi[b][c] if qi is not None else -1
-                u = torch.rand((), generator=generator, device=p.device)
-                if j < 0:
-                    if p[x] > 0 and u < p[x]:
-                        nxt = c
-                        break
-                    rest = p.clone()
-                    rest[x] = 0.0  # q is a point mass on x: the residual is p without x
-                else:
-                    qd = q[b, j].float()
-                    if p[x] > 0 and u * qd[x] < p[x]:  # u < p(x)/q(x), without dividing by q(x)
-                        nxt = c
-                        break
-                    rest = residual(p, qd)
-                p = _renormalised(rest, p)
-            if nxt is None:
-                bonus[b] = torch.multinomial(p, 1, generator=generator)[0]
-                break
-            node = nxt
-            path.append(node)
-        paths.append(path)
-    return paths, bonus
+    B, N = tokens.shape
+    u = torch.rand(B, N + 1, generator=generator, device=tokens.device)
+    K, D = tree_bounds(view)
+    last, bonus = sampling_decision(tokens, logits, view.parents, view.valid, s, u, q, q_index, K, D)
+    return paths_to(view, last), bonus
+
+
+def tree_bounds(view: TreeView) -> tuple[int, int]:
+    """The most children of any node and the depth of a step's trees (host numbers: the loop bounds of
+    sampling_decision). A static tree's come from its buffers; per-row trees cost one device-to-host copy."""
+    if view.static is not None:
+        return max(1, max(len(c) for c in view.static.children)), int(view.static.depth.max())
+    k, d = torch.stack([sibling_rank(view.parents, view.valid).max() + 1, view.depth.max()]).tolist()
+    return max(1, k), d
+
+
+def sibling_rank(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each node's index among its siblings in node order, [B, N] (0 for the root and for padding)."""
+    N = parents.shape[1]
+    earlier = torch.ones(N, N, dtype=torch.bool, device=parents.device).tril(-1)  # [n, m]: m < n
+    same = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :] & earlier
+    return same.sum(-1) * (valid & (parents >= 0))
+
+
+def sampling_decision(tokens, logits, parents, valid, s: Sampling, u, q=None, q_index=None, K: int = 1, D: int = 1):
+    """accept_sampling's rule on the device, tensor operations only (fixed shapes for given K, D): the last accepted
+    node [B] and the bonus token [B].
+
+    tokens [B, N], logits [B, N, V], parents / valid [B, N] (the TreeView's), uniforms u [B, N + 1] in [0, 1)
+    (u[:, n] for node n's try, u[:, 0] for the bonus), q [B, Q, V] / q_index [B, N] as in Proposal (None: every
+    node deterministic), K >= the most children of any node, D >= the trees' depth.
+
+    The tries at different parents are independent of each other, so they run for every node at once: round k tries
+    each node's k-th child (in node order) against what the node's earlier children left of its p, unless one of
+    them was accepted. Then the accepted path is followed from the root (D gathers), and the bonus is drawn by
+    inverse CDF from what is left of p at its last node. A node's p is only ever read at nodes on the path, so the
+    work at the others is wasted but harmless: B N V per round, against the sequential rule's syncs per try."""
+    B, N = tokens.shape
+    p = warp(logits, s)  # [B, N, V]: each node's distribution for the token after it
+    rows = torch.arange(B, device=tokens.device)[:, None]
+    node = torch.arange(N, device=tokens.device)[None]
+    kid = valid & (parents >= 0)
+    # children[b, v, k]: node v's k-th child, -1 past the last (a scatter into one spare slot for non-children).
+    flat = torch.where(kid, parents * K + sibling_rank(parents, valid), N * K)
+    children = torch.full((B, N * K + 1), -1, dtype=torch.long, device=tokens.device)
+    children = children.scatter(1, flat, node.expand(B, N))[:, : N * K].view(B, N, K)
+    accepted = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+    for k in range(K):
+        c = children[:, :, k]
+        tried = (c >= 0) & (accepted < 0)
+        c = c.clamp(min=0)
+        x = tokens.gather(1, c)  # [B, N]: the token each node tries
+        px = p.gather(2, x[..., None])[..., 0]
+        uu = u.gather(1, c)
+        removed = p.scatter(2, x[..., None], 0.0)  # a point mass's residual: p without x
+        if q is None:
+            ok = uu < px
+            rest = removed
+        else:
+            j = q_index.gather(1, c)
+            qd = q.float().gather(1, j.clamp(min=0)[..., None].expand(B, N, q.shape[-1]))  # [B, N, V]
+            ok = torch.where(j < 0, uu < px, uu * qd.gather(2, x[..., None])[..., 0] < px)
+            rest = torch.where((j < 0)[..., None], removed, residual(p, qd))
+        ok = tried & (px > 0) & ok
+        total = rest.sum(-1, keepdim=True)
+        rest = torch.where(total > 0, rest / total.clamp(min=torch.finfo(total.dtype).tiny), p)
+        p = torch.where((tried & ~ok)[..., None], rest, p)
+        accepted = torch.where(ok, c, accepted)
+    last = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    for _ in range(D):
+        nxt = accepted[rows[:, 0], last]
+        last = torch.where(nxt >= 0, nxt, last)
+    bonus = draw(p[rows[:, 0], last], u[:, :1])[:, 0]
+    return last, bonus
 
 
 def typical_threshold(probs: torch.Tensor, s: Sampling) -> torch.Tensor:

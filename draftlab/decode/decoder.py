@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .interface import Drafter, PromptState, Proposal, StepResult
-from .acceptance import Sampling, accept_sampling, typical_decision, warp
+from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
                     compact_cache, keep_on_device, reserved_mask, static_slot_cache, static_slots)
@@ -135,13 +135,14 @@ class Verifier:
             prop = self.sync.proposal(prop)
         if self.static_nodes:
             prop = pad_proposal(prop, self.static_nodes)
-        tokens, view = prop.tokens, prop.view  # [B, N]
-        N = tokens.shape[1]
+        tokens, view = prop.tokens, prop.view
+        B, N = tokens.shape
         t2 = time.perf_counter()
         start, valid_before = target.length, target.valid
         deterministic = sampling.greedy or sampling.typical
-        on_device = deterministic and self.sync is None
-        fused = on_device and self.fused is not None
+        # On the static path sampling decides on the device too (one graph where compiled), from uniforms drawn here.
+        on_device = (deterministic or self.static_nodes is not None) and self.sync is None
+        fused = deterministic and on_device and self.fused is not None
         chain = drafter.chain_args() if fused and self.chain is not None and drafter is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
@@ -163,9 +164,13 @@ class Verifier:
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = decided
         elif on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)
             static = (target.device_state(), target.slots) if self.static_nodes else ()
+            drawn = None
+            if not deterministic:  # one uniform per node's try and one for the bonus (acceptance.accept_sampling)
+                drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
+                         *tree_bounds(view))
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = self.decide(
                 tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
-                sampling, *static)
+                sampling, *static, drawn=drawn)
         else:
             if deterministic:
                 last, bonus = typical_decision(tokens, out.logits, view, sampling)  # greedy at temperature 0
@@ -296,20 +301,23 @@ def path_order(tokens, ancestors, depth, last, bonus, live, next_pos):
     return length, keep, in_path & live[:, None], kept_pos, host
 
 
-def decide(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling):
-    """A deterministic rule (greedy, or typical acceptance) and the step's bookkeeping (path_order) in one function of
-    tensors of fixed shapes, which the compiled path runs as one graph: the bonus token [B], then path_order's."""
-    view = TreeView(parents, depth, valid, ancestors)
-    last, bonus = typical_decision(tokens, logits, view, sampling)  # greedy at temperature 0
+def decide(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, drawn=None):
+    """The rule (greedy, typical acceptance, or with `drawn` speculative sampling) and the step's bookkeeping
+    (path_order) in one function of tensors of fixed shapes, which the compiled path runs as one graph: the bonus
+    token [B], then path_order's. drawn: sampling's (u, q, q_index, K, D), see acceptance.sampling_decision."""
+    if drawn is None:
+        last, bonus = typical_decision(tokens, logits, TreeView(parents, depth, valid, ancestors), sampling)
+    else:
+        last, bonus = sampling_decision(tokens, logits, parents, valid, sampling, *drawn)
     return (bonus, *path_order(tokens, ancestors, depth, last, bonus, live, next_pos))
 
 
 def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state,
-                    slots):
+                    slots, drawn=None):
     """decide, then the static KV cache keeps each row's accepted path (decode.cache.keep_on_device; state: the
     cache's device_state, slots its valid slots), in the same graph: decide's values and the rows' next positions."""
     bonus, length, keep, keep_valid, kept_pos, host = decide(tokens, logits, parents, depth, valid, ancestors, live,
-                                                             next_pos, sampling)
+                                                             next_pos, sampling, drawn)
     kv, cumulative = state
     return bonus, length, keep, keep_valid, kept_pos, host, keep_on_device(kv, cumulative, slots, keep, keep_valid,
                                                                            length, next_pos)
