@@ -210,9 +210,10 @@ def test_sampled_acceptance_on_the_static_path_is_the_device_rule_in_the_accepta
 
 @pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
 def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
-    """Sampled SSM children are drawn inside the static path's one drafting call, from uniforms the drafter's own
-    generator gave before it in the eager loop's order: the same tree tokens and q at every step, so the same
-    output, as the eager loop (also traced by dynamo)."""
+    """Sampled SSM children are drawn inside the static path's one drafting call (compiled: the chained step's, for a
+    lone SSM), from uniforms the drafter's own generator gave before it in the eager loop's order: the same tree
+    tokens and q at every step for every row still decoding, so the same output, as the eager loop (also traced by
+    dynamo)."""
     from draftlab.decode.acceptance import Sampling
 
     base = peaked()
@@ -221,14 +222,14 @@ def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
     for opts in ({}, {"static": True}, {"compile": "eager"}):
         d = drafter(kind, base)
         ssm = d.groups[0].drafter if kind == "ensemble-grouped" else d
-        props, propose = [], ssm.propose
-
-        def record(root, propose=propose, props=props):
-            p = propose(root)
-            props.append((p.tokens.clone(), p.q.clone()))
-            return p
-
-        ssm.propose = record
+        props = []
+        for name in ("propose", "chained"):
+            def record(arg, method=getattr(ssm, name), props=props, ssm=ssm):
+                p = method(arg)
+                live = torch.tensor(ssm.live)
+                props.append((p.tokens[live].clone(), p.q[live].clone()))
+                return p
+            setattr(ssm, name, record)
         out = SpeculativeDecoder(base, d, **opts).generate(prompts, max_new_tokens=21,
                                                            sampling=Sampling(temperature=1.0, top_k=8),
                                                            generator=torch.Generator().manual_seed(3))
@@ -458,9 +459,10 @@ def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     """Where the verify step is fused, drafters whose commit and next proposal are one tensor-only call run it inside
     the verification's call (decode.decoder.verify_keep_and_draft): one compiled call per step. Chained and split
     calls give the eager tokens (batch of uneven prompts, EOS mid-run, greedy and typical acceptance), every step
-    after the first proposal is chained, and chained=False / DRAFTLAB_CHAINED_STEP=0 turn it off. DFlash's sampled
-    block (drawn from a generator outside any call) keeps its own call; an SSM's sampled tree (typical acceptance)
-    chains, its uniforms drawn before the call."""
+    after the first proposal is chained, and chained=False / DRAFTLAB_CHAINED_STEP=0 turn it off; speculative
+    sampling too (its acceptance in the same call, from uniforms drawn before it). DFlash's sampled block (drawn from
+    a generator outside any call) keeps its own call; an SSM's sampled tree (typical acceptance, sampling) chains,
+    its uniforms drawn before the call."""
     from draftlab.decode.acceptance import Sampling
     from draftlab.decode.decoder import chained_step
     from draftlab.drafters.dflash import DFlashDrafter
@@ -478,16 +480,17 @@ def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     eager = SpeculativeDecoder(base, make()).generate(prompts, max_new_tokens=21)
     assert eager.accept_length > 1.0  # some steps commit drafted tokens: the chained commit keeps paths
     eos = eager.tokens[0][9]
-    for sampling, e in ((None, None), (None, eos), (typical, eos)):
-        ref = eager if e is None else SpeculativeDecoder(base, make()).generate(
-            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=e)
-        chained = SpeculativeDecoder(base, make(), compile="eager").generate(prompts, max_new_tokens=21,
-                                                                             sampling=sampling, eos_token_id=e)
-        split = SpeculativeDecoder(base, make(), compile="eager", chained=False).generate(
-            prompts, max_new_tokens=21, sampling=sampling, eos_token_id=e)
+    sampled = Sampling(temperature=0.9, top_p=0.95)
+    for sampling, e in ((None, None), (None, eos), (typical, eos), (sampled, eos)):
+        kw = dict(max_new_tokens=21, sampling=sampling, eos_token_id=e)
+        gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+        ref = eager if e is None else SpeculativeDecoder(base, make()).generate(prompts, generator=gen(), **kw)
+        chained = SpeculativeDecoder(base, make(), compile="eager").generate(prompts, generator=gen(), **kw)
+        split = SpeculativeDecoder(base, make(), compile="eager", chained=False).generate(prompts, generator=gen(),
+                                                                                         **kw)
         assert chained.tokens == split.tokens == ref.tokens, (kind, sampling, e)
         assert split.chained_steps == 0
-        if kind == "dflash" and sampling is typical:  # its sampled block is drawn outside any call
+        if kind == "dflash" and sampling is not None:  # its sampled block is drawn outside any call
             assert chained.chained_steps == 0
         else:
             assert chained.chained_steps == chained.steps > (3 if e is None else 1)

@@ -231,7 +231,7 @@ def test_sampled_acceptance_tries_siblings_in_node_order_within_its_bounds():
     valid = torch.tensor([[True] * 6 + [False], [True] * 7])
     assert sibling_rank(parents, valid).tolist() == [[0, 0, 1, 0, 2, 0, 0], [0, 0, 0, 1, 2, 0, 1]]
     view = TreeView.of_parents(parents, valid)
-    assert tree_bounds(view) == (3, 3)
+    assert tree_bounds(view) == (3, 3) and tree_bounds(view, rounded=True) == (4, 4)  # (for a compiled rule)
     assert tree_bounds(TreeView.of_static(Tree.from_paths([[0], [1], [2], [0, 0]]).buffers(), 2)) == (3, 2)
     V = 8
     tokens = torch.tensor([[0, 3, 4, 5, 6, 7, 0], [0, 2, 3, 4, 5, 6, 7]])

@@ -161,13 +161,16 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
     return paths_to(view, last), bonus
 
 
-def tree_bounds(view: TreeView) -> tuple[int, int]:
-    """The most children of any node and the depth of a step's trees (host numbers: the loop bounds of
-    sampling_decision). A static tree's come from its buffers; per-row trees cost one device-to-host copy."""
+def tree_bounds(view: TreeView, rounded: bool = False) -> tuple[int, int]:
+    """Bounds on the most children of any node and on the depth of a step's trees (host numbers: the loop bounds of
+    sampling_decision). A static tree's are exact, from its buffers. Per-row trees (a dynamic tree, a padded merge)
+    cost one device-to-host copy; `rounded` rounds them up to powers of two, for a compiled rule: each pair of bounds
+    is one compiled graph, and trees that change every step would otherwise compile anew at every new pair."""
     if view.static is not None:
         return max(1, max(len(c) for c in view.static.children)), int(view.static.depth.max())
     k, d = torch.stack([sibling_rank(view.parents, view.valid).max() + 1, view.depth.max()]).tolist()
-    return max(1, k), d
+    k, d = max(1, k), max(1, d)
+    return (1 << (k - 1).bit_length(), 1 << (d - 1).bit_length()) if rounded else (k, d)
 
 
 def sibling_rank(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

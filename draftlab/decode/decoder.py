@@ -88,6 +88,7 @@ class Verifier:
         self.max_new, self.eos, self.stop, self.on_tokens = max_new_tokens, eos, stop, on_tokens
         self.device = base.get_output_embeddings().weight.device
         backend = getattr(forward, "backend", None)  # a compiled verify forward: acceptance compiles alike
+        self.compiled = backend is not None
         rule = decide_and_keep if static_nodes else decide  # the static cache keeps the path in the same call
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
@@ -140,9 +141,14 @@ class Verifier:
         t2 = time.perf_counter()
         start, valid_before = target.length, target.valid
         deterministic = sampling.greedy or sampling.typical
-        # On the static path sampling decides on the device too (one graph where compiled), from uniforms drawn here.
+        # On the static path sampling decides on the device too (one graph where compiled), from uniforms drawn here:
+        # one per node's try and one for the bonus (acceptance.accept_sampling).
         on_device = (deterministic or self.static_nodes is not None) and self.sync is None
-        fused = deterministic and on_device and self.fused is not None
+        drawn = None
+        if on_device and not deterministic:
+            drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
+                     *tree_bounds(view, rounded=self.compiled))
+        fused = on_device and self.fused is not None
         chain = drafter.chain_args() if fused and self.chain is not None and drafter is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
@@ -150,10 +156,10 @@ class Verifier:
                       self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
                       target.next_pos, sampling, target.device_state(), target.slots)
             if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
-                states, decided, drafted = self.chain(*inputs, drafter, chain)
+                states, decided, drafted = self.chain(*inputs, drafter, chain, drawn=drawn)
                 res.chained_steps += 1
             else:
-                states, decided = self.fused(*inputs)
+                states, decided = self.fused(*inputs, drawn=drawn)
             states = dict(zip(self.layers, states))
         else:
             out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
@@ -164,10 +170,6 @@ class Verifier:
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = decided
         elif on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)
             static = (target.device_state(), target.slots) if self.static_nodes else ()
-            drawn = None
-            if not deterministic:  # one uniform per node's try and one for the bonus (acceptance.accept_sampling)
-                drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
-                         *tree_bounds(view))
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = self.decide(
                 tokens, out.logits, view.parents, view.depth, view.valid, view.ancestors, live, target.next_pos,
                 sampling, *static, drawn=drawn)
@@ -324,7 +326,7 @@ def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next
 
 
 def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth, valid,
-                    ancestors, live, next_pos, sampling: Sampling, state, slots):
+                    ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
     graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
     the attention window and its positions built here, from the cache's valid slots and write pointer), then
@@ -334,17 +336,17 @@ def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers
     mask = reserved_mask(ancestors, slots, written, window, dtype)
     out = model(**inputs, attention_mask=mask, position_ids=next_pos[:, None] + depth)
     return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
-        tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots)
+        tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots, drawn)
 
 
 def verify_keep_and_draft(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth,
                           valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drafter: Drafter,
-                          args: tuple):
+                          args: tuple, drawn=None):
     """verify_and_keep, then the drafter's commit of the accepted paths and its next proposal below the bonus token
     (Drafter.chain, with the arguments Drafter.chain_args prepared), as one function: on the compiled path a whole
     speculative step is one call (one graph). Returns verify_and_keep's values and the drafter's outputs."""
     states, decided = verify_and_keep(model, inputs, window, dtype, layers, tokens, parents, depth, valid, ancestors,
-                                      live, next_pos, sampling, state, slots)
+                                      live, next_pos, sampling, state, slots, drawn)
     bonus, length, keep, keep_valid, kept_pos = decided[:5]
     return states, decided, drafter.chain(states, (keep, keep_valid, kept_pos), tokens, bonus, length - 1, *args)
 
