@@ -196,7 +196,7 @@ def sampling_decision(tokens, logits, parents, valid, s: Sampling, u, q=None, q_
     work at the others is wasted but harmless: B N V per round, against the sequential rule's syncs per try."""
     B, N = tokens.shape
     p = warp(logits, s)  # [B, N, V]: each node's distribution for the token after it
-    rows = torch.arange(B, device=tokens.device)[:, None]
+    rows = torch.arange(B, device=tokens.device)
     node = torch.arange(N, device=tokens.device)[None]
     kid = valid & (parents >= 0)
     # children[b, v, k]: node v's k-th child, -1 past the last (a scatter into one spare slot for non-children).
@@ -227,9 +227,9 @@ def sampling_decision(tokens, logits, parents, valid, s: Sampling, u, q=None, q_
         accepted = torch.where(ok, c, accepted)
     last = torch.zeros(B, dtype=torch.long, device=tokens.device)
     for _ in range(D):
-        nxt = accepted[rows[:, 0], last]
+        nxt = accepted[rows, last]
         last = torch.where(nxt >= 0, nxt, last)
-    bonus = draw(p[rows[:, 0], last], u[:, :1])[:, 0]
+    bonus = draw(p[rows, last], u[:, :1])[:, 0]
     return last, bonus
 
 
