@@ -15,6 +15,10 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
 - with --chained, medusa_compiled_fused_split / _chained: random-weight Medusa heads (4 heads, the default tree)
   on the fused step, their fill in a call of its own or inside the verify call (the chained step, docs/decoding.md):
   the cost of a step each way (random heads accept next to nothing, so this is per-step cost, not speedup);
+- with --sampled, plain_compiled[_fused]_sampled (and with --chained medusa_compiled_fused_{split,chained}_sampled):
+  speculative sampling at temperature 0.8 with the on-device rule (docs/decoding.md), its acceptance in its own
+  compiled graph or inside the fused verify call; each run draws from one seed, so split and fused runs must give
+  the same tokens (`sampled_agree`);
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
 Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("--chained", action="store_true", help="also random-weight Medusa heads (4, the default tree) on "
                     "the fused step with their fill in its call (the chained step) and in a call of its own: the cost "
                     "per step of each (random heads accept next to nothing)")
+    ap.add_argument("--sampled", action="store_true", help="also sampled decoding (temperature 0.8) with the acceptance "
+                    "rule in its own graph and in the fused verify call (with --chained, the Medusa heads too)")
     a = ap.parse_args()
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.search import default_tree
@@ -132,11 +138,13 @@ def main() -> None:
     # name -> (run() -> (tokens, Result or None, excluded seconds), decoder or None)
     methods: dict = {"hf_generate": (lambda: (hf()(), None, 0.0), None)}
 
-    def decoder_method(dec, make=None):
+    def decoder_method(dec, make=None, sampling=None):
         def run(rep=0):
             if make is not None:
                 dec.drafter = make(rep)
-            r = dec.generate([prompt], N)
+            kw = {} if sampling is None else {"sampling": sampling,  # one seed: split and fused runs agree
+                                              "generator": torch.Generator(device=dev).manual_seed(0)}
+            r = dec.generate([prompt], N, **kw)
             return r.tokens[0], r, getattr(dec.drafter, "excluded_s", 0.0)
         return run, dec
 
@@ -162,6 +170,18 @@ def main() -> None:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
+    if a.sampled:
+        from draftlab.decode.acceptance import Sampling
+
+        s = Sampling(temperature=0.8)
+        for label, fused in (("", False), ("_fused", True)):
+            methods[f"plain_compiled{label}_sampled"] = decoder_method(
+                SpeculativeDecoder(base, NoDraft(), compile=True, fused=fused), sampling=s)
+        if a.chained:
+            for label, chained in (("split", False), ("chained", True)):
+                methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
+                    base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained),
+                    sampling=s)
     if not a.no_hf_compile:
         from transformers import CompileConfig
 
@@ -230,6 +250,12 @@ def main() -> None:
                 if name.startswith(("plain", "hf")) and bw:
                     # a plain step reads every weight once: its bandwidth bound over its measured time
                     row["bandwidth_share"] = round(weights / (row["ms_per_token"] / 1000) / bw, 3)
+        if final:  # sampled runs of one seed: the split and fused (chained) ones must give the same tokens
+            picked = {n: sorted(r, key=lambda x: x[0])[len(r) // 2][1] for n, r in live.items() if n.endswith("_sampled")}
+            pairs = {"plain": ("plain_compiled_sampled", "plain_compiled_fused_sampled"),
+                     "medusa": ("medusa_compiled_fused_split_sampled", "medusa_compiled_fused_chained_sampled")}
+            res["sampled_agree"] = {k: picked[x] == picked[y] for k, (x, y) in pairs.items()
+                                    if x in picked and y in picked}
         save()
         return hf_tokens
 
