@@ -351,6 +351,13 @@ class SSMDrafter(Drafter):
         dist.append(q)
         return draw(q, self._uniforms(q.shape[0], q.shape[1], k))
 
+    def _level_uniforms(self, B: int) -> list | None:
+        """A sampled tree's uniforms for one call of _draft (a list per level, in the eager loop's order), drawn from
+        the drafter's generator before the call; None when the tree is top-k."""
+        if self.sampling.temperature <= 0:
+            return None
+        return [self._uniforms(B, len(lv["parents"]), lv["k"]) for lv in self.levels]
+
     def _uniforms(self, B: int, P: int, k: int) -> torch.Tensor:
         """Uniforms for k draws from each of P distributions per row, from the drafter's own generator."""
         return torch.rand(B, P, k, generator=self.generator, device=self.device)
@@ -415,10 +422,9 @@ class SSMDrafter(Drafter):
         n = cache.cache.layers[0].cumulative_length.clone()  # committed slots (holes included) before the feed
         path = self.decode_path
         fn = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
-        sampled = self.sampling.temperature > 0
-        us = [self._uniforms(ids.shape[0], len(lv["parents"]), lv["k"]) for lv in self.levels] if sampled else None
+        us = self._level_uniforms(ids.shape[0])
         tokens, q, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths,
-                                       us, self.sampling if sampled else None)
+                                       us, self.sampling if us is not None else None)
         cache.commit_reserved(P)
         self.start = cache.length
         return tokens, q
@@ -470,11 +476,10 @@ class SSMDrafter(Drafter):
         if cache.n + cache.tentative + 2 + I > cache.max_len:
             return None
         window = cache.reserve(2 + I)  # the window for the longest keep (keeping fewer, they are written earlier)
-        sampled = self.sampling.temperature > 0
-        us = [self._uniforms(cache.batch, len(lv["parents"]), lv["k"]) for lv in self.levels] if sampled else None
+        us = self._level_uniforms(cache.batch)
         kv, cumulative = cache.device_state()
         return (kv, cumulative, cache.slots, cache.next_pos, self.tree.depth, window, self.tree.paths, us,
-                self.sampling if sampled else None)
+                self.sampling if us is not None else None)
 
     def chain(self, states, full, tokens, bonus, last, kv, cumulative, slots, next_pos, D: int, window: int, paths,
               us, sampling):
