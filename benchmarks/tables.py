@@ -521,6 +521,27 @@ def step_bounds(p, d) -> None:
           f"{calls} | {r['bound_vs_plain']:.2f}x | {at_plain:.2f}x | {target} | {needs} |")
 
 
+def ensemble_cost(p, d) -> None:
+    same = all(r["identical_to_baseline"] for r in d["methods"].values())
+    heading(p, "The ensemble's cost schedule: against its best member", f"`benchmarks/ensemble_cost.py --prompts "
+            f"{d['prompts']}`; `{d['export']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1, "
+            f"every method compiled, interleaved after a warm-up over every prompt; outputs "
+            f"{'identical to' if same else 'NOT all identical to'} plain decoding; {where(d)}")
+    p(f"| method | tree size | accept length | tokens/s | vs plain | vs best member ({d['best_member']}) | "
+      f"{phases(d['methods'].values())} | warm-up s (compile included) |")
+    p("|---|---|---|---|---|---|---|---|")
+    for k, r in d["methods"].items():
+        split = " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
+        p(f"| {k} | {r['tree_size']} | {r.get('accept_length', 1.0):.2f} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['vs_best_member']:.2f}x | {split} | {r['warmup_s']:.1f} |")
+    s = d["cost_schedule"]
+    drafting = ", ".join(f"{k}: {v}" for k, v in s["members_drafting_per_step"].items())
+    times = ", ".join(f"{k}: {v}" for k, v in s["step_ms_by_members"].items())
+    p(f"\nThe cost schedule over the run ({s['steps']} steps, warm-up included): members drafting per step "
+      f"{{{drafting}}}; step ms by members drafting (lower quartile) {{{times}}}; final choice {s['final_choice']} "
+      f"member(s), the highest gain {s['solo_member']}.")
+
+
 def drafter_steps(p, d) -> None:
     heading(p, "Per-step costs, eager vs compiled", f"`benchmarks/drafter_steps.py`; untrained drafters on "
             f"{d['base']} (they accept little: the figures are costs per step, not speedups); {d['prompts']} prompts x "
@@ -633,6 +654,7 @@ TABLES = {
     "compiled": ("compiled", compiled),
     "drafter_steps": ("drafter_steps", drafter_steps),
     "step_bounds": ("step_bounds", step_bounds),
+    "ensemble_cost": ("ensemble_cost", ensemble_cost),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),

@@ -247,6 +247,84 @@ def test_scheduler_pauses_a_useless_member_and_probes_it():
     assert all(on[0] for on in late) and bad_share < 0.5 and any(on[1] for on in late)  # paused, but probed
 
 
+class CountScheduler(Scheduler):
+    """The cost policy with the member counts of a fixed pattern instead of measured rates (members in gain order)."""
+
+    def __init__(self, pattern):
+        super().__init__(policy="cost", warmup=0)
+        self.pattern = pattern
+
+    def _count(self):
+        return self.pattern[len(self.history) % len(self.pattern)]
+
+
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
+    """Under the cost policy a step with one member drafting verifies that member's tree alone (at its width) and,
+    on the static path, chains when the next step is that member's too; members that sat out catch up with the text
+    (a backlog longer than CATCH_UP in chunks, the feed staying narrow). Greedy stays exact, batch 1 and 3, with EOS
+    in the middle of a step."""
+    from draftlab.drafters import ssm as ssm_mod
+
+    rng = random.Random(1)
+    base = tiny_llama(seed=0)
+    caught_up = []
+    catch_up = ssm_mod.SSMDrafter.catch_up
+    monkeypatch.setattr(ssm_mod.SSMDrafter, "catch_up", lambda self, keep=1: (
+        caught_up.append(max(len(p) for p in self.pending)), catch_up(self, keep))[1])
+    mem = [SSMDrafter(tiny_llama(seed=0), Tree.chain(3)), SSMDrafter(small_lm(21), Tree.expansion([2, 2])),
+           LookupDrafter(num_tokens=3)]
+    sched = CountScheduler([3, 1, 1, 1, 2, 1, 1, 3, 3] + [1] * 14)
+    drafter = EnsembleDrafter(mem, scheduler=sched)
+    assert not drafter.groups  # the cost policy drafts members one by one
+    dec = SpeculativeDecoder(base, drafter, compile=compile)
+    widths = []
+    for B, eos in ((1, None), (3, None), (3, "mid")):
+        prompts = [[rng.randrange(64) for _ in range(rng.randint(2, 9))] * 2 for _ in range(B)]
+        want = [plain_greedy(base, p, 60) for p in prompts]
+        stop = want[0][17] if eos else None
+        if stop is not None:
+            want = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+        res = dec.generate(prompts, max_new_tokens=60, eos_token_id=stop)
+        assert res.tokens == want, (B, eos)
+        widths += res.tree_sizes
+    history = [sum(on) for on in sched.history]
+    assert history.count(1) > 20 and all(on[0] for on in sched.history if sum(on) == 1)  # member 0 gains most
+    assert 1 + 3 in widths  # member 0's chain alone (the static path pads merged trees to max_nodes, not these)
+    if compile:
+        assert max(widths) == drafter.max_nodes and res.chained_steps > 0
+        # Member 1 sat out up to 14 steps: its backlog went in chunks and its feed stayed narrow.
+        assert max(caught_up) > ssm_mod.CATCH_UP and mem[1].feed_width <= 1 + ssm_mod.CATCH_UP
+
+
+def test_the_cost_schedule_chooses_the_most_tokens_per_second():
+    """The cost policy's choice from what it measured: after the warm-up with every member, each member count is
+    timed `explore` steps, then the count with the most expected tokens per second drafts, every member drafting on
+    probe steps whose interval doubles while the choice stands. Members in gain order: 0 holds most of the accepted
+    tokens; 1 holds them where 0 does not on half the rows (kind "complement") or never beyond 0 (kind "same")."""
+    for kind, costs, want in (("same", {1: 1.0, 2: 1.5, 3: 2.0}, 1), ("complement", {1: 1.0, 2: 1.2, 3: 2.0}, 2),
+                              ("same", {1: 1.0, 2: 1.0, 3: 1.0}, 1)):
+        sched = Scheduler(policy="cost", warmup=2, explore=2, probe_every=4, probe_max=16)
+        sched.reset(3)
+        for step in range(120):
+            on = sched.active()
+            held = [(3, 1, 0), (0, 3, 0)][step % 2] if kind == "complement" else (3, 1, 0)
+            rows = [[held[m] if on[m] else None for m in range(3)]]
+            gains = [float(held[m]) + (1 - m) * 0.1 if on[m] else None for m in range(3)]
+            sched.update(gains, rows, costs[sum(on)])
+        counts = [sum(on) for on in sched.history]
+        assert counts[:2] == [3, 3] and sorted(counts[2:6]) == [1, 1, 2, 2], counts[:8]  # warm-up, exploring
+        late = counts[40:]
+        assert late.count(want) > 0.85 * len(late) and all(c in (want, 3) for c in late), (kind, late)
+        probes = [i for i, c in enumerate(counts) if c == 3 and i >= 6]
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert gaps[-1] == 16 and gaps == sorted(gaps), (kind, gaps)  # doubling up to probe_max
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(policy="fastest")
+    with pytest.raises(ValueError, match="merge"):
+        EnsembleDrafter([LookupDrafter(num_tokens=2)], mode="vote", scheduler=Scheduler(policy="cost"))
+
+
 def test_lookup_drafter_prompt_and_datastore():
     base = tiny_llama(seed=1)
     dec = SpeculativeDecoder(base, LookupDrafter(num_tokens=4))

@@ -218,13 +218,14 @@ def test_a_kv_cache_compaction_wrong_after_a_side_branch_is_caught(monkeypatch):
 S_ENS = Sampling(temperature=1.0, top_p=0.95)
 
 
-def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bool = False, **decoder_options):
+def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bool = False, scheduler=None,
+                 **decoder_options):
     """grouped: both SSMs draft one tree and run as one grouped model (else their trees differ: one by one)."""
     base = peaked_base()
     a, b = near_copy(base, 0.3, seed=1, favour=(3, 7)), near_copy(base, 0.5, seed=2, favour=(0, 4), by=1.0)
     members = [SSMDrafter(a, Tree.expansion([1, 2, 1])), SSMDrafter(b, Tree.expansion([1, 2, 1] if grouped else [2, 1])),
                LookupDrafter(num_tokens=2)]
-    drafter = EnsembleDrafter(members, mode=mode, length=3, batch_members=grouped)
+    drafter = EnsembleDrafter(members, mode=mode, length=3, batch_members=grouped, scheduler=scheduler)
     assert len(drafter.groups) == grouped
     x, res, log = sample(SpeculativeDecoder(base, drafter, **decoder_options), n, k, S_ENS, seed)
     p = conditional_laws(base, prompts(n), x, S_ENS)
@@ -250,6 +251,23 @@ def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode, compil
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     if mode == "merge":
         assert_rejects(law_statistic(x, qb))
+
+
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_cost_scheduled_ensemble_sampling_keeps_the_law_over_several_steps(compile):
+    """The cost policy's steps (its counts from a fixed pattern, members in gain order): all three members, the best
+    one alone (its own tree and q verified; on the static path chaining into its next step), two, switching between
+    them while the members that sat out follow the text."""
+    from test_ensemble import CountScheduler
+
+    sched = CountScheduler([3, 1, 1, 2, 1, 1, 1, 3])
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, scheduler=sched, compile=compile)
+    assert {sum(on) for on in sched.history} == {1, 2, 3}
+    if compile:
+        assert res.chained_steps > 0
+    assert_deep_accepts(res, log)
+    assert_fits(law_checks(x, p, (qa + qb) / 2))
+    assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
 
 
 def test_grouped_ensemble_with_swapped_q_rows_breaks_the_law(monkeypatch):

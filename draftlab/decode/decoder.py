@@ -135,7 +135,7 @@ class Verifier:
         if self.sync is not None:
             prop = self.sync.proposal(prop)
         if self.static_nodes:
-            prop = pad_proposal(prop, self.static_nodes)
+            prop = pad_proposal(prop, min(prop.nodes or self.static_nodes, self.static_nodes))
         tokens, view = prop.tokens, prop.view
         B, N = tokens.shape
         t2 = time.perf_counter()
@@ -149,14 +149,15 @@ class Verifier:
             drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
                      *tree_bounds(view, rounded=self.compiled))
         fused = on_device and self.fused is not None
-        chain = drafter.chain_args() if fused and self.chain is not None and drafter is not None else None
+        chainer = drafter.chainer if fused and self.chain is not None and drafter is not None else None
+        chain = chainer.chain_args() if chainer is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
             inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.dtype,
                       self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
                       target.next_pos, sampling, target.device_state(), target.slots)
             if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
-                states, decided, drafted = self.chain(*inputs, drafter, chain, drawn=drawn)
+                states, decided, drafted = self.chain(*inputs, chainer, chain, drawn=drawn)
                 res.chained_steps += 1
             else:
                 states, decided = self.fused(*inputs, drawn=drawn)

@@ -34,6 +34,9 @@ class Proposal:
     # (a top-k candidate or a lookup: q is a point mass). None: every node is deterministic.
     q: torch.Tensor | None = None  # [B, Q, V] float
     q_index: torch.Tensor | None = None  # [B, N] long
+    # The width the static path pads this proposal to (at most the drafter's max_nodes, the default): an ensemble
+    # drafting with one member verifies at that member's width, not at the merged trees'.
+    nodes: int | None = None
 
 
 @dataclass
@@ -158,6 +161,12 @@ class Drafter(ABC):
     # two. The decoder then calls chain_args, the verifier's call runs chain, and the decoder calls chained(step)
     # instead of commit(step) + propose(step.bonus); all three together must do what those two do, with the same
     # tokens.
+
+    @property
+    def chainer(self) -> "Drafter":
+        """The drafter whose chain_args / chain run in the next verification's call: this one (an ensemble drafting
+        this step and the next with one member: that member, so the call's signature holds the member's buffers)."""
+        return self
 
     def chain_args(self) -> tuple | None:
         """Before a verification: the host's share of the drafter's next commit (room in its caches) and the

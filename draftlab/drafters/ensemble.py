@@ -30,27 +30,69 @@ from .retrieval import padded_proposal
 from .ssm import GroupError, SSMDrafter, group_key, grouped_lm
 
 
+SCHEDULE_POLICIES = ("gain", "cost")
+DECIDE_EVERY = 8  # the cost policy's steps between choices (each choice reads every kept row once per member count)
+
+
 @dataclass
 class Scheduler:
     """Which members draft. A member's gain is the number of accepted drafted tokens its own tree held, tracked as
-    an exponential moving average (`decay`). After `warmup` steps a member whose gain is below `min_share` of the
-    best member's is paused; a paused member drafts again every `probe_every` steps, so one that starts to help
-    comes back. Gains also weigh the members' nodes when a merged tree is cut to its budget."""
+    an exponential moving average (`decay`). Gains also weigh the members' nodes when a merged tree is cut to its
+    budget. Two policies:
+
+    gain (default): after `warmup` steps a member whose gain is below `min_share` of the best member's is paused; a
+        paused member drafts again every `probe_every` steps, so one that starts to help comes back.
+    cost: the members that draft are the k of highest gain, with k chosen for the most tokens per second: the
+        expected accepted length of the top k, E[max over them of the accepted tokens their own trees held] + 1,
+        over step seconds with k members drafting (the lower quartile of the last `explore` x 3 steps timed with k:
+        a step that compiled a new shape, or that the machine slowed, is an outlier on the slow side only). The
+        lengths come from the last `window` rows on which those members drafted; after `warmup` steps with every
+        member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and every
+        member drafts on probe steps (first `probe_every` steps apart, the interval doubling up to `probe_max` while
+        the choice stands) to keep the lengths of the members not drafting current. With one member the ensemble is that member: its
+        tree alone is verified, and where it chains (SSMs on a compiled CPU path) the ensemble chains too.
+    """
 
     min_share: float = 0.1
     decay: float = 0.9
     warmup: int = 8
     probe_every: int = 16
+    policy: str = "gain"
+    explore: int = 3
+    window: int = 256
+    probe_max: int = 256
     gains: list[float] = field(default_factory=list)
     steps: int = 0
     history: list[list[bool]] = field(default_factory=list)  # who drafted, per step
+    # The cost policy's records: step seconds per member count, and per row the accepted tokens each member's own
+    # tree held (None: it did not draft).
+    seconds: list[list[float]] = field(default_factory=list)
+    lengths: list[list] = field(default_factory=list)
+    k: int = 0  # the cost policy's last choice (0: none yet)
+    probed_k: int = 0  # its choice at the last probe
+    interval: int = 0
+    next_probe: int = 0
+    next_choice: int = 0
+
+    def __post_init__(self):
+        if self.policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"ensemble option policy={self.policy!r}: use gain (pause members that help little) or "
+                             "cost (draft with the members that give the most tokens per second)")
 
     def reset(self, n: int) -> None:
         if len(self.gains) != n:
             self.gains = [1.0] * n
+            self.seconds = [[] for _ in range(n + 1)]
+            self.lengths, self.k, self.probed_k, self.interval, self.next_probe, self.next_choice = (
+                [], 0, -1, self.probe_every, 0, 0)
 
     def active(self) -> list[bool]:
-        if self.steps < self.warmup:
+        if self.policy == "cost":
+            order = sorted(range(len(self.gains)), key=lambda m: (-self.gains[m], m))
+            on = [False] * len(self.gains)
+            for m in order[: self._count()]:
+                on[m] = True
+        elif self.steps < self.warmup:
             on = [True] * len(self.gains)
         else:
             best = max(self.gains)
@@ -58,11 +100,55 @@ class Scheduler:
         self.history.append(on)
         return on
 
-    def update(self, gains: list[float | None]) -> None:
+    def _count(self) -> int:
+        """The cost policy's member count for the next step (see the class docstring)."""
+        n = len(self.gains)
+        if self.steps < self.warmup:
+            return n
+        for k in range(1, n):
+            if len(self.seconds[k]) < self.explore:
+                return k
+        if self.steps >= self.next_probe:  # the interval doubles while the choice stands from probe to probe
+            self.interval = min(2 * self.interval, self.probe_max) if self.k == self.probed_k else self.probe_every
+            self.probed_k, self.next_probe = self.k, self.steps + self.interval
+            return n
+        if self.steps >= self.next_choice or not self.k:  # chosen again every DECIDE_EVERY steps (a few rates)
+            rates = self.rates()
+            self.k = max(rates, key=lambda k: (rates[k], -k)) if rates else n
+            self.next_choice = self.steps + DECIDE_EVERY
+        return self.k
+
+    def rates(self) -> dict[int, float]:
+        """Expected tokens per second with the k members of highest gain drafting, for each k measured so far."""
+        top = sorted(range(len(self.gains)), key=lambda m: (-self.gains[m], m))
+        held, rows = [0.0] * len(top), [0] * len(top)  # per k: summed max length, rows on which the top k drafted
+        for row in self.lengths:  # one pass: the top k's max grows with k while they all drafted
+            best = -1
+            for i, m in enumerate(top):
+                if row[m] is None:
+                    break
+                best = max(best, row[m])
+                held[i] += best
+                rows[i] += 1
+        out = {}
+        for i in range(len(top)):
+            times = sorted(self.seconds[i + 1])
+            if rows[i] and times:
+                out[i + 1] = (held[i] / rows[i] + 1) / times[len(times) // 4]
+        return out
+
+    def update(self, gains: list[float | None], rows: list[list] | None = None, seconds: float | None = None) -> None:
+        """One step: each member's gain (None: it did not draft); for the cost policy also, per live row, the
+        accepted tokens each member's own tree held, and the step's seconds (None: not timed)."""
         self.steps += 1
         for m, g in enumerate(gains):
             if g is not None:
                 self.gains[m] = self.decay * self.gains[m] + (1 - self.decay) * g
+        if self.policy == "cost":
+            k = sum(g is not None for g in gains)
+            if seconds is not None and k:
+                self.seconds[k] = (self.seconds[k] + [seconds])[-3 * self.explore:]
+            self.lengths = (self.lengths + (rows or []))[-self.window:]
 
 
 @dataclass
@@ -232,7 +318,8 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
-    state = ("steps", "since", "s", "updates", "direction", "period")  # running state, not options
+    state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "interval",
+             "next_probe", "next_choice")  # running state
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
              if not isinstance(getattr(p, f.name), list) and f.name not in state}
     for name, value in options.items():
@@ -243,7 +330,8 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
             setattr(parts[i], name, typ(value))
         except ValueError:
             raise ValueError(f"ensemble option {name}={value!r}: expected a {typ.__name__}") from None
-    parts[2].__post_init__()  # the adaptive length's choices (rule, metric, bounds) checked as set
+    parts[0].__post_init__()  # the schedule's policy and the adaptive length's choices (rule, metric, bounds) checked
+    parts[2].__post_init__()
     return parts
 
 
@@ -260,6 +348,15 @@ class EnsembleDrafter(Drafter):
         self.members, self.mode, self.node_budget = members, mode, node_budget
         self.names = names or [f"member{i}" for i in range(len(members))]
         self.scheduler = scheduler
+        # The cost policy drafts with some members only, each on its own: a grouped model would draft every member's
+        # rows whoever is paused, so drafting with fewer would save nothing.
+        self.cost = scheduler is not None and scheduler.policy == "cost"
+        if self.cost and mode != "merge":
+            raise ValueError("the ensemble's cost schedule (policy=cost) chooses members for a merged tree: use mode "
+                             "merge")
+        self.plan: list[bool] | None = None  # the cost policy: who drafts at the next step (see _advance)
+        self.solo: int | None = None  # the one member drafting this step alone (the cost policy), if any
+        self.lap: float | None = None  # when the last step was committed (the cost policy's step seconds)
         self.vote = vote or VoteWeights()
         self.adaptive = adaptive if mode == "vote" else None
         self.hidden_layers = tuple(sorted({l for m in members for l in m.hidden_layers}))
@@ -269,7 +366,7 @@ class EnsembleDrafter(Drafter):
         self.groups: list[MemberGroup] = []
         if mode == "vote":  # every member drafts a chain: of the adaptive length, or of `length` tokens
             self._set_length(self.adaptive.s if self.adaptive is not None else length)
-        if batch_members:
+        if batch_members and not self.cost:
             self.groups = self._group()
         self.grouped = {m for g in self.groups for m in g.members}
 
@@ -305,6 +402,8 @@ class EnsembleDrafter(Drafter):
              "max_nodes": self.max_nodes}
         if self.groups:
             d["batched_members"] = [[self.names[m] for m in g.members] for g in self.groups]
+        if self.cost:
+            d.update(schedule="cost", members_drafting=self.scheduler.k or len(self.members))
         if self.mode == "vote":
             d.update(weights=[round(w, 3) for w in self.vote.weights], verified_batches=self.vote.updates)
         if self.adaptive is not None:
@@ -330,6 +429,7 @@ class EnsembleDrafter(Drafter):
         if self.scheduler is not None:
             self.scheduler.reset(n)
         self.vote.reset(n)
+        self.plan, self.solo, self.lap = None, None, None
 
     def share_state(self, other: Drafter) -> None:
         if isinstance(other, EnsembleDrafter):
@@ -353,7 +453,9 @@ class EnsembleDrafter(Drafter):
         t0 = time.perf_counter()
         if self.adaptive is not None and self.length != self.adaptive.s:  # moved by a step of a sharing drafter
             self._set_length(self.adaptive.s)
-        self.on = self.scheduler.active() if self.scheduler is not None else [True] * len(self.members)
+        self._advance()
+        if self.solo is not None:
+            return self._propose_solo(root, t0)
         self.props = [m.propose(root) if on and i not in self.grouped else None
                       for i, (m, on) in enumerate(zip(self.members, self.on))]
         # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
@@ -375,6 +477,40 @@ class EnsembleDrafter(Drafter):
         self.time_s["members"] += t1 - t0
         self.time_s["ensemble"] += time.perf_counter() - t1
         return prop
+
+    def _advance(self) -> None:
+        """Who drafts this step (self.on) and, under the cost policy, at the next step too (self.plan): the next
+        verification's call may run the next step's drafting only when both are one and the same member (chainer)."""
+        if self.scheduler is None:
+            self.on = [True] * len(self.members)
+        elif not self.cost:
+            self.on = self.scheduler.active()
+        else:
+            self.on = self.plan if self.plan is not None else self.scheduler.active()
+            self.plan = self.scheduler.active()
+        self.solo = self._one(self.on)
+
+    def _one(self, on: list[bool] | None) -> int | None:
+        """The member that drafts alone under the cost policy, if one does (one whose tree is larger than the node
+        budget drafts through the merge, which cuts it)."""
+        ms = [m for m, o in enumerate(on or []) if o] if self.cost else []
+        return ms[0] if len(ms) == 1 and self.members[ms[0]].max_nodes <= self.max_nodes else None
+
+    @property
+    def chainer(self) -> Drafter:
+        if self.solo is not None and self._one(self.plan) == self.solo:
+            return self.members[self.solo].chainer
+        return self
+
+    def _propose_solo(self, root: torch.Tensor, t0: float) -> Proposal:
+        """One member drafts: its tree is the proposal, verified at its own width."""
+        member = self.members[self.solo]
+        if hasattr(member, "catch_up"):  # an SSM that followed the text: fed now, so its feed is narrow (it chains)
+            member.catch_up(1)
+        self.props = [None] * len(self.members)
+        self.props[self.solo] = prop = member.propose(root)
+        self.time_s["members"] += time.perf_counter() - t0
+        return replace(prop, nodes=member.max_nodes)
 
     def _propose_group(self, g: "MemberGroup", root: torch.Tensor) -> None:
         """One proposal for the whole group (the root once per member), split into the active members' proposals."""
@@ -476,6 +612,9 @@ class EnsembleDrafter(Drafter):
 
     # --- following the text -------------------------------------------------------------------------------
     def commit(self, step: StepResult) -> None:
+        if self.solo is not None:
+            self._solo_step(step, chained=False)
+            return
         t0 = time.perf_counter()
         inside = 0.0
         gains: list[float | None] = [None] * len(self.members)
@@ -505,12 +644,49 @@ class EnsembleDrafter(Drafter):
                 g.drafter.commit(replace(self._member_step(step, g.prop.tokens, paths, committed * len(g.members)),
                                          host_live=live * len(g.members)))
             inside += time.perf_counter() - t1
-        if self.scheduler is not None:
+        if self.cost:
+            rows = [[len(own[m][b]) - 1 if m in own else None for m in range(len(self.members))]
+                    for b in range(len(live)) if live[b]]
+            self.scheduler.update(gains, rows, self._lap())
+        elif self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
             self._after_vote(step)
         self.time_s["members"] += inside
         self.time_s["ensemble"] += time.perf_counter() - t0 - inside
+
+    def chained(self, step: StepResult) -> Proposal:
+        return self._solo_step(step, chained=True)
+
+    def _solo_step(self, step: StepResult, chained: bool) -> Proposal | None:
+        """The step of one member drafting alone: it commits (or, chained, reads the next proposal its chain drafted
+        in the verification's call), the others follow the text."""
+        t0 = time.perf_counter()
+        m, n = self.solo, len(self.members)
+        member, live = self.members[m], step.live_rows()
+        held = [len(p) - 1 for b, p in enumerate(step.paths) if live[b]]
+        gains: list[float | None] = [None] * n
+        gains[m] = sum(held) / len(held) if held else sum(len(p) - 1 for p in step.paths) / len(step.paths)
+        prop = member.chained(step) if chained else member.commit(step)
+        committed = step.path_tokens()
+        for i, other in enumerate(self.members):
+            if i != m:
+                other.follow(committed)
+        t1 = time.perf_counter()
+        self.scheduler.update(gains, [[h if i == m else None for i in range(n)] for h in held], self._lap())
+        self.time_s["members"] += t1 - t0
+        if not chained:
+            self.time_s["ensemble"] += time.perf_counter() - t1
+            return None
+        self._advance()  # the next step's member is this one (the plan that let this step chain)
+        self.time_s["ensemble"] += time.perf_counter() - t1
+        return replace(prop, nodes=member.max_nodes)
+
+    def _lap(self) -> float | None:
+        """Seconds since the last step was committed (None for a run's first step, whose time holds the prefill)."""
+        now, last = time.perf_counter(), self.lap
+        self.lap = now
+        return None if last is None else now - last
 
     def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
         """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""

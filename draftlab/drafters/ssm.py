@@ -21,6 +21,10 @@ from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, static_view
 
+# Tokens per forward when a paused drafter catches up with the text (SSMDrafter.catch_up); a backlog longer than this
+# is fed that way rather than by widening the step's feed.
+CATCH_UP = 15  # with the root, a feed of at most 16 tokens
+
 
 class SSMError(ValueError):
     """An SSM that cannot draft for this base as configured."""
@@ -368,10 +372,14 @@ class SSMDrafter(Drafter):
         # 1. Feed what was committed since the last step (an accepted leaf, tokens other drafters proposed: host lists),
         # then the root (on the device), left-padded: one host-to-device copy, no sync.
         P = 1 + max(len(p) for p in self.pending)
-        if self.decode_path and self.decode_path.get("static"):
+        if self._fused() and P - 1 > CATCH_UP:  # a long backlog (a member an ensemble paused): fed in chunks first
+            self.catch_up(self.feed_width - 1)
+            P = 1 + max(len(p) for p in self.pending)
+        if self._fused():
             # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
-            # more (an ensemble's other members' tokens), so the compiled forward sees one shape, not one per width.
-            self.feed_width = P = max(P, self.feed_width)
+            # more (an ensemble's other members' tokens), to a power of two, so the compiled forward sees a few
+            # shapes, not one per width.
+            self.feed_width = P = max(1 << (P - 1).bit_length(), self.feed_width)
         pad = [P - 1 - len(p) for p in self.pending]
         head = torch.tensor([[0] * n + p for n, p in zip(pad, self.pending)], dtype=torch.long)
         # A finished row's tokens are fed as holes.
@@ -521,6 +529,23 @@ class SSMDrafter(Drafter):
         if q is not None:
             prop.q, prop.q_index = q, self.q_index[None].expand(B, -1)
         return prop
+
+    @torch.no_grad()
+    def catch_up(self, keep: int = 1) -> None:
+        """Feed all but the last `keep` pending tokens of every row now, CATCH_UP tokens per forward (left-padded with
+        holes; on the static path always that width, one compiled shape), and feed keep + 1 tokens from the next step
+        on. A member that followed the text for many steps (an ensemble's scheduler paused it) catches up in forwards
+        of one shape instead of widening its feed for good, and drafting alone again it chains (feed width 2)."""
+        static = self._fused()
+        if static:
+            self.feed_width = keep + 1
+        while max(len(p) for p in self.pending) > keep:
+            chunk = [p[: max(0, min(CATCH_UP, len(p) - keep))] for p in self.pending]
+            self.pending = [p[len(c):] for p, c in zip(self.pending, chunk)]
+            W = CATCH_UP if static else max(len(c) for c in chunk)
+            ids = torch.tensor([[0] * (W - len(c)) + c for c in chunk], dtype=torch.long)
+            ok = torch.tensor([[False] * (W - len(c)) + [True] * len(c) for c in chunk], dtype=torch.bool)
+            self.target.append(ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True))
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):

@@ -1,0 +1,84 @@
+"""The ensemble's cost schedule on a CPU: does a 5-member ensemble decode at least as fast as its best member?
+
+Greedy, batch 1, held-out TinyStories prompts, every method compiled (draftlab's static-shape path), in one process,
+prompt by prompt, interleaved, after a warm-up over every prompt (decode.compare; the warm-up compiles, and the
+schedules learn there too: their state carries over from run to run, as in a server):
+- draftlab's compiled plain loop;
+- each member of the boost-tuned 5-member ensemble alone (its export's default tree);
+- the ensemble as exported (merged trees; the default `gain` schedule; members drafting as one grouped model);
+- the same ensemble with `policy=cost` (drafting with the k members of highest gain, k chosen by measured tokens per
+  second; one member drafting alone is verified alone and chains).
+
+    python benchmarks/ensemble_cost.py [--prompts 20] [--name ensemble_cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+from common import EXPORTS, heldout_story_prompts, write_result
+from decode import compare
+from tables import ensemble_cost as render
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--export", default=str(EXPORTS / "stories260k-ensemble-boost"))
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--name", default="ensemble_cost")
+    a = ap.parse_args()
+    from draftlab.base import load_base
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+    from draftlab.drafters import kind_of
+    from draftlab.interop.export import load_export, read_meta
+    from draftlab.serve.generate import encode_prompt
+
+    meta = read_meta(a.export)
+    base, tok = load_base(meta["base"]["name_or_path"], "float32")
+    module = load_export(a.export, base=base)[0]
+    eos, N = tok.eos_token_id, a.max_new_tokens
+    prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]
+    ensemble = kind_of("ensemble")
+    drafters = {"plain": NoDraft()}
+    for i, m in enumerate(module.members):
+        drafters[f"member{i + 1}"] = kind_of(m.kind).drafter(m, kind_of(m.kind).default_tree(m))
+    drafters["ensemble_gain"] = ensemble.drafter(module, None)
+    drafters["ensemble_cost"] = ensemble.drafter(module, None, options={"policy": "cost"})
+    warmup_s, methods = {}, {}
+    for name, drafter in drafters.items():
+        dec = SpeculativeDecoder(base, drafter, compile=True)
+
+        def run(ids, dec=dec, name=name):
+            t0 = time.perf_counter()
+            out = dec.generate([ids], N, eos_token_id=eos)
+            warmup_s.setdefault(name, round(time.perf_counter() - t0, 2))  # the first call: compiling
+            return out
+        methods[name] = run
+    results = compare(methods, prompts, reference="plain")
+    members = [k for k in results if k.startswith("member")]
+    best = max(members, key=lambda k: results[k]["tokens_per_s"])
+    for k, r in results.items():
+        r["tree_size"] = drafters[k].max_nodes if k != "plain" else 1
+        r["warmup_s"] = warmup_s[k]
+        r["vs_best_member"] = round(r["tokens_per_s"] / results[best]["tokens_per_s"], 3)
+    sched = drafters["ensemble_cost"].scheduler
+    counts = Counter(sum(on) for on in sched.history)
+    schedule = {"members_drafting_per_step": {str(k): counts[k] for k in sorted(counts)},
+                "steps": len(sched.history), "final_choice": sched.k,
+                "step_ms_by_members": {str(k): round(1e3 * sorted(t)[len(t) // 4], 3)
+                                       for k, t in enumerate(sched.seconds) if t},
+                "solo_member": [drafters["ensemble_cost"].names[m] for m in range(len(module.members))
+                                if sched.gains[m] == max(sched.gains)][0]}
+    data = write_result(a.name, {"export": str(a.export).split("benchmarks/")[-1], "prompts": len(prompts),
+                                 "max_new_tokens": N, "best_member": best, "methods": results,
+                                 "cost_schedule": schedule})
+    print()
+    render(print, json.loads(data.read_text()))
+
+
+if __name__ == "__main__":
+    main()
