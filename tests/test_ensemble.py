@@ -269,6 +269,7 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
     rng = random.Random(1)
     base = tiny_llama(seed=0)
     caught_up = []
+    monkeypatch.setattr(ssm_mod, "CATCH_UP_WIDTH", 16)  # a backlog of 50 tokens: several catch-up forwards
     catch_up = ssm_mod.SSMDrafter.catch_up
     monkeypatch.setattr(ssm_mod.SSMDrafter, "catch_up", lambda self, keep=1: (
         caught_up.append(max(len(p) for p in self.pending)), catch_up(self, keep))[1])
@@ -346,12 +347,16 @@ def test_ensemble_options_reach_the_scheduler_vote_and_adaptive_length():
     from draftlab.drafters.ensemble import ensemble_parts
 
     sched, vote, adaptive = ensemble_parts({"min_share": "0.2", "reward_factor": "1.5", "decision_threshold": "4",
-                                            "metric": "verify", "rule": "regression"}, length=6)
+                                            "metric": "verify", "rule": "regression", "policy": "cost",
+                                            "cost_window": "64", "window": "12"}, length=6)
     assert sched.min_share == 0.2 and vote.reward_factor == 1.5
+    assert sched.policy == "cost" and sched.cost_window == 64 and adaptive.window == 12
     assert adaptive.decision_threshold == 4 and adaptive.metric == "verify" and adaptive.s == 6
     assert adaptive.rule == "regression" and ensemble_parts({})[2].rule == "trend"
     with pytest.raises(ValueError, match="rule='newest'"):
         ensemble_parts({"rule": "newest"})
+    with pytest.raises(ValueError, match="policy='fastest'"):
+        ensemble_parts({"policy": "fastest"})
     with pytest.raises(ValueError, match="known options are .*punish_threshold"):
         ensemble_parts({"reward": "1"})
     with pytest.raises(ValueError, match="expected a int"):

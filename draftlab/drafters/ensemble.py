@@ -46,7 +46,7 @@ class Scheduler:
         expected accepted length of the top k, E[max over them of the accepted tokens their own trees held] + 1,
         over step seconds with k members drafting (the lower quartile of the last `explore` x 3 steps timed with k:
         a step that compiled a new shape, or that the machine slowed, is an outlier on the slow side only). The
-        lengths come from the last `window` rows on which those members drafted; after `warmup` steps with every
+        lengths come from the last `cost_window` rows on which those members drafted; after `warmup` steps with every
         member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and every
         member drafts on probe steps (first `probe_every` steps apart, the interval doubling up to `probe_max` while
         the choice stands) to keep the lengths of the members not drafting current. With one member the ensemble is that member: its
@@ -59,7 +59,7 @@ class Scheduler:
     probe_every: int = 16
     policy: str = "gain"
     explore: int = 3
-    window: int = 256
+    cost_window: int = 256
     probe_max: int = 256
     gains: list[float] = field(default_factory=list)
     steps: int = 0
@@ -148,7 +148,7 @@ class Scheduler:
             k = sum(g is not None for g in gains)
             if seconds is not None and k:
                 self.seconds[k] = (self.seconds[k] + [seconds])[-3 * self.explore:]
-            self.lengths = (self.lengths + (rows or []))[-self.window:]
+            self.lengths = (self.lengths + (rows or []))[-self.cost_window:]
 
 
 @dataclass
@@ -312,9 +312,9 @@ class MemberGroup:
 
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
-    them (min_share, decay, warmup, probe_every; reward_factor, punish_factor, reward_threshold,
-    punish_threshold; s_min, s_max, decision_threshold, window, s_reward, s_punish, metric), typed as its
-    default is. An unknown name is an error listing the known ones."""
+    them (min_share, decay, warmup, probe_every, policy, explore, cost_window, probe_max; reward_factor,
+    punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold, window, s_reward, s_punish,
+    metric, rule), typed as its default is. An unknown name is an error listing the known ones."""
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))

@@ -21,9 +21,10 @@ from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, static_view
 
-# Tokens per forward when a paused drafter catches up with the text (SSMDrafter.catch_up); a backlog longer than this
-# is fed that way rather than by widening the step's feed.
-CATCH_UP = 15  # with the root, a feed of at most 16 tokens
+# A backlog longer than CATCH_UP tokens (a drafter an ensemble paused) is fed before the step's feed, in forwards of
+# CATCH_UP_WIDTH tokens (SSMDrafter.catch_up), rather than by widening the step's feed (at most 16 tokens with the root).
+CATCH_UP = 15
+CATCH_UP_WIDTH = 128
 
 
 class SSMError(ValueError):
@@ -532,17 +533,17 @@ class SSMDrafter(Drafter):
 
     @torch.no_grad()
     def catch_up(self, keep: int = 1) -> None:
-        """Feed all but the last `keep` pending tokens of every row now, CATCH_UP tokens per forward (left-padded with
-        holes; on the static path always that width, one compiled shape), and feed keep + 1 tokens from the next step
-        on. A member that followed the text for many steps (an ensemble's scheduler paused it) catches up in forwards
+        """Feed all but the last `keep` pending tokens of every row now, CATCH_UP_WIDTH tokens per forward (left-padded
+        with holes; on the static path always that width, one compiled shape), and feed keep + 1 tokens from the next
+        step on. A member that followed the text for many steps (an ensemble's scheduler paused it) catches up in forwards
         of one shape instead of widening its feed for good, and drafting alone again it chains (feed width 2)."""
         static = self._fused()
         if static:
             self.feed_width = keep + 1
         while max(len(p) for p in self.pending) > keep:
-            chunk = [p[: max(0, min(CATCH_UP, len(p) - keep))] for p in self.pending]
+            chunk = [p[: max(0, min(CATCH_UP_WIDTH, len(p) - keep))] for p in self.pending]
             self.pending = [p[len(c):] for p, c in zip(self.pending, chunk)]
-            W = CATCH_UP if static else max(len(c) for c in chunk)
+            W = CATCH_UP_WIDTH if static else max(len(c) for c in chunk)
             ids = torch.tensor([[0] * (W - len(c)) + c for c in chunk], dtype=torch.long)
             ok = torch.tensor([[False] * (W - len(c)) + [True] * len(c) for c in chunk], dtype=torch.bool)
             self.target.append(ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True))
