@@ -405,7 +405,7 @@ def test_after_warm_up_no_call_compiles_again_so_skipping_guards_is_sound(kind, 
     compiled graph depends on is left out of the signature: with every guard evaluated, decoding new prompts of the
     warmed-up shapes must compile no new graph (a Python number read by a graph, a changed stride, would recompile
     here), and with guards skipped the tokens are the guarded run's."""
-    from draftlab.decode.compiled import _graphs
+    from draftlab.decode.compiled import compiled_graphs
 
     base = peaked()
     warm = [[1, 5, 7, 9, 5, 7], [1, 3]]
@@ -414,9 +414,9 @@ def test_after_warm_up_no_call_compiles_again_so_skipping_guards_is_sound(kind, 
     monkeypatch.setenv("DRAFTLAB_COMPILE_GUARDS", "1")
     dec = SpeculativeDecoder(base, d, compile="eager")
     dec.generate(warm, max_new_tokens=21)
-    before = _graphs()
+    before = compiled_graphs()
     guarded = [dec.generate(p, max_new_tokens=21).tokens for p in later]
-    assert _graphs() == before, f"{kind}: a warmed-up call compiled again"
+    assert compiled_graphs() == before, f"{kind}: a warmed-up call compiled again"
     monkeypatch.delenv("DRAFTLAB_COMPILE_GUARDS")
     assert [dec.generate(p, max_new_tokens=21).tokens for p in later] == guarded
     assert guarded == [SpeculativeDecoder(base, drafter(kind, base)).generate(p, max_new_tokens=21).tokens for p in later]

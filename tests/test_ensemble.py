@@ -301,22 +301,26 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
 def test_the_cost_schedule_chooses_the_most_tokens_per_second():
     """The cost policy's choice from what it measured: after the warm-up with every member, each member count is
     timed `explore` steps, then the count with the most expected tokens per second drafts, every member drafting on
-    probe steps whose interval doubles while the choice stands. Members in gain order: 0 holds most of the accepted
-    tokens; 1 holds them where 0 does not on half the rows (kind "complement") or never beyond 0 (kind "same")."""
-    for kind, costs, want in (("same", {1: 1.0, 2: 1.5, 3: 2.0}, 1), ("complement", {1: 1.0, 2: 1.2, 3: 2.0}, 2),
-                              ("same", {1: 1.0, 2: 1.0, 3: 1.0}, 1)):
+    probe steps whose interval doubles while the choice stands. Two rows per step, the accepted tokens each member's
+    tree held: "same": member 0 holds them, 1 never beyond 0; "second": member 1 holds the most (it drafts alone,
+    whatever the gains passed say); "complement": members 0 and 1 each hold them on one of the rows."""
+    held = {"same": [(3, 1, 0), (3, 1, 0)], "second": [(1, 3, 0), (1, 3, 0)], "complement": [(3, 1, 0), (0, 3, 0)]}
+    for kind, costs, want, alone in (("same", {1: 1.0, 2: 1.5, 3: 2.0}, 1, 0), ("second", {1: 1.0, 2: 1.5, 3: 2.0}, 1, 1),
+                                     ("complement", {1: 1.0, 2: 1.2, 3: 2.0}, 2, None),
+                                     ("same", {1: 1.0, 2: 1.0, 3: 1.0}, 1, 0)):
         sched = Scheduler(policy="cost", warmup=2, explore=2, probe_every=4, probe_max=16)
         sched.reset(3)
         for step in range(120):
             on = sched.active()
-            held = [(3, 1, 0), (0, 3, 0)][step % 2] if kind == "complement" else (3, 1, 0)
-            rows = [[held[m] if on[m] else None for m in range(3)]]
-            gains = [float(held[m]) + (1 - m) * 0.1 if on[m] else None for m in range(3)]
+            rows = [[h[m] if on[m] else None for m in range(3)] for h in held[kind]]
+            gains = [(2.0 if m == 0 else 1.0) if on[m] else None for m in range(3)]  # misleading on purpose
             sched.update(gains, rows, costs[sum(on)])
         counts = [sum(on) for on in sched.history]
         assert counts[:2] == [3, 3] and sorted(counts[2:6]) == [1, 1, 2, 2], counts[:8]  # warm-up, exploring
         late = counts[40:]
         assert late.count(want) > 0.85 * len(late) and all(c in (want, 3) for c in late), (kind, late)
+        if alone is not None:
+            assert all(on[alone] for on in sched.history[40:] if sum(on) == 1), kind
         probes = [i for i, c in enumerate(counts) if c == 3 and i >= 6]
         gaps = [b - a for a, b in zip(probes, probes[1:])]
         assert gaps[-1] == 16 and gaps == sorted(gaps), (kind, gaps)  # doubling up to probe_max

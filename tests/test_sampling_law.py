@@ -253,7 +253,7 @@ def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode, compil
         assert_rejects(law_statistic(x, qb))
 
 
-@pytest.mark.parametrize("compile", [None, "eager"])
+@pytest.mark.parametrize("compile", [None, pytest.param("eager", marks=pytest.mark.slow)])  # traced: 22 s
 def test_cost_scheduled_ensemble_sampling_keeps_the_law_over_several_steps(compile):
     """The cost policy's steps (its counts from a fixed pattern, members in gain order): all three members, the best
     one alone (its own tree and q verified; on the static path chaining into its next step), two, switching between

@@ -81,7 +81,7 @@ except ImportError:  # a torch without it (before 2.6): guards are always evalua
     _set_stance = _SKIP = None
 
 
-def _graphs() -> int:
+def compiled_graphs() -> int:
     """Graphs dynamo compiled so far in this process."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -151,7 +151,7 @@ class Compiled:
                     self.guarded.add(key)
                 finally:
                     _set_stance(prior)
-        graphs, t0 = _graphs(), time.perf_counter()
+        graphs, t0 = compiled_graphs(), time.perf_counter()
         try:
             out = self.fn(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
@@ -162,7 +162,7 @@ class Compiled:
             return self.model(*args, **kwargs)
         if key is not None and key not in self.guarded:
             self.skip.add(key)
-        if _graphs() != graphs:  # this call compiled
+        if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
         return out
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..decode.compiled import compiled_graphs
 from ..decode.tree import Tree
 from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
@@ -42,15 +43,20 @@ class Scheduler:
 
     gain (default): after `warmup` steps a member whose gain is below `min_share` of the best member's is paused; a
         paused member drafts again every `probe_every` steps, so one that starts to help comes back.
-    cost: the members that draft are the k of highest gain, with k chosen for the most tokens per second: the
-        expected accepted length of the top k, E[max over them of the accepted tokens their own trees held] + 1,
-        over step seconds with k members drafting (the lower quartile of the last `explore` x 3 steps timed with k:
-        a step that compiled a new shape, or that the machine slowed, is an outlier on the slow side only). The
-        lengths come from the last `cost_window` rows on which those members drafted; after `warmup` steps with every
-        member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and every
-        member drafts on probe steps (first `probe_every` steps apart, the interval doubling up to `probe_max` while
-        the choice stands) to keep the lengths of the members not drafting current. With one member the ensemble is that member: its
-        tree alone is verified, and where it chains (SSMs on a compiled CPU path) the ensemble chains too.
+    cost: the members that draft are the first k of a ranking (by accepted length on the rows every member
+        drafted, see `ranking`), with k chosen for the most tokens per second: the expected accepted length of
+        those k, E[max over them of the accepted tokens their own trees held] + 1, over the steady-state seconds
+        of a step with k members drafting, the fastest of the last `explore` x 3 steps timed with k. Steps that
+        compiled are not timed; a step that fed a member's backlog, or that the machine slowed, is slower, never
+        faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again). The
+        lengths come from the last `cost_window` rows of steps with two members or more on which those k drafted
+        (the warm-up's, the exploration's, the probes'; steps of a lone member add none, so every k, 1 included,
+        is estimated on the same kind of rows). After `warmup` steps with
+        every member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and
+        every member drafts on probe steps (first `probe_every` steps apart, the interval doubling up to
+        `probe_max` while the choice stands) to keep the lengths of the members not drafting current. With one
+        member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a compiled
+        CPU path) the ensemble chains too.
     """
 
     min_share: float = 0.1
@@ -68,6 +74,7 @@ class Scheduler:
     # tree held (None: it did not draft).
     seconds: list[list[float]] = field(default_factory=list)
     lengths: list[list] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # members, best first (ranking)
     k: int = 0  # the cost policy's last choice (0: none yet)
     probed_k: int = 0  # its choice at the last probe
     interval: int = 0
@@ -83,14 +90,14 @@ class Scheduler:
         if len(self.gains) != n:
             self.gains = [1.0] * n
             self.seconds = [[] for _ in range(n + 1)]
-            self.lengths, self.k, self.probed_k, self.interval, self.next_probe, self.next_choice = (
-                [], 0, -1, self.probe_every, 0, 0)
+            self.lengths, self.order, self.k, self.probed_k = [], [], 0, -1
+            self.interval, self.next_probe, self.next_choice = self.probe_every, 0, 0
 
     def active(self) -> list[bool]:
         if self.policy == "cost":
-            order = sorted(range(len(self.gains)), key=lambda m: (-self.gains[m], m))
+            k = self._count()
             on = [False] * len(self.gains)
-            for m in order[: self._count()]:
+            for m in (self.order or self.ranking())[:k]:
                 on[m] = True
         elif self.steps < self.warmup:
             on = [True] * len(self.gains)
@@ -112,29 +119,37 @@ class Scheduler:
             self.interval = min(2 * self.interval, self.probe_max) if self.k == self.probed_k else self.probe_every
             self.probed_k, self.next_probe = self.k, self.steps + self.interval
             return n
-        if self.steps >= self.next_choice or not self.k:  # chosen again every DECIDE_EVERY steps (a few rates)
-            rates = self.rates()
+        if self.steps >= self.next_choice or not self.k:  # chosen again every DECIDE_EVERY steps
+            self.order = self.ranking()
+            rates = self.rates(self.order)
             self.k = max(rates, key=lambda k: (rates[k], -k)) if rates else n
             self.next_choice = self.steps + DECIDE_EVERY
         return self.k
 
-    def rates(self) -> dict[int, float]:
-        """Expected tokens per second with the k members of highest gain drafting, for each k measured so far."""
-        top = sorted(range(len(self.gains)), key=lambda m: (-self.gains[m], m))
-        held, rows = [0.0] * len(top), [0] * len(top)  # per k: summed max length, rows on which the top k drafted
-        for row in self.lengths:  # one pass: the top k's max grows with k while they all drafted
+    def ranking(self) -> list[int]:
+        """The cost policy's members, best first: by their mean accepted length over the kept rows on which every
+        member drafted (the warm-up's and the probes', one comparison for all; it changes only when a probe adds
+        rows, so a lone member is not swapped for another on noise), then by gain."""
+        full = [row for row in self.lengths[-self.cost_window:] if None not in row]
+        mean = [sum(row[m] for row in full) for m in range(len(self.gains))]
+        return sorted(range(len(self.gains)), key=lambda m: (-mean[m], -self.gains[m], m))
+
+    def rates(self, order: list[int]) -> dict[int, float]:
+        """Expected tokens per second with the first k members of `order` drafting, for each k measured so far."""
+        held, rows = [0.0] * len(order), [0] * len(order)  # per k: summed max length, rows on which the top k drafted
+        for row in self.lengths[-self.cost_window:]:  # one pass: the top k's max grows with k while they all drafted
             best = -1
-            for i, m in enumerate(top):
+            for i, m in enumerate(order):
                 if row[m] is None:
                     break
                 best = max(best, row[m])
                 held[i] += best
                 rows[i] += 1
         out = {}
-        for i in range(len(top)):
-            times = sorted(self.seconds[i + 1])
+        for i in range(len(order)):
+            times = self.seconds[i + 1]
             if rows[i] and times:
-                out[i + 1] = (held[i] / rows[i] + 1) / times[len(times) // 4]
+                out[i + 1] = (held[i] / rows[i] + 1) / min(times)
         return out
 
     def update(self, gains: list[float | None], rows: list[list] | None = None, seconds: float | None = None) -> None:
@@ -147,8 +162,12 @@ class Scheduler:
         if self.policy == "cost":
             k = sum(g is not None for g in gains)
             if seconds is not None and k:
-                self.seconds[k] = (self.seconds[k] + [seconds])[-3 * self.explore:]
-            self.lengths = (self.lengths + (rows or []))[-self.cost_window:]
+                self.seconds[k].append(seconds)
+                del self.seconds[k][: -3 * self.explore]
+            if k >= 2:  # a lone member's rows say nothing the rows of steps with more members do not
+                self.lengths += rows or []
+            if len(self.lengths) > 2 * self.cost_window:  # trimmed now and then: appending stays O(1) per step
+                del self.lengths[: -self.cost_window]
 
 
 @dataclass
@@ -357,6 +376,7 @@ class EnsembleDrafter(Drafter):
         self.plan: list[bool] | None = None  # the cost policy: who drafts at the next step (see _advance)
         self.solo: int | None = None  # the one member drafting this step alone (the cost policy), if any
         self.lap: float | None = None  # when the last step was committed (the cost policy's step seconds)
+        self.graphs = 0  # graphs compiled in this process by then
         self.vote = vote or VoteWeights()
         self.adaptive = adaptive if mode == "vote" else None
         self.hidden_layers = tuple(sorted({l for m in members for l in m.hidden_layers}))
@@ -413,13 +433,14 @@ class EnsembleDrafter(Drafter):
 
     # --- state --------------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
-        self.sampling = sampling
-        for i, m in enumerate(self.members):
-            if i in self.grouped:
-                continue
-            m.decode_path = self.decode_path
-            sub = replace(prompt, hidden={l: prompt.hidden[l] for l in m.hidden_layers})
-            m.begin(sub, sampling, generator)
+        self.sampling, self.start_args = sampling, (prompt, sampling, generator)
+        # Under the cost policy a member begins (its prefill) when it first drafts in this run, and follows the
+        # text from there: a run that one member drafts alone pays one prefill, not one per member.
+        self.started = [i in self.grouped for i in range(len(self.members))]
+        self.backlog: list[list[list[int]] | None] = [None] * len(self.members)
+        if not self.cost:
+            for i in range(len(self.members)):
+                self._start(i)
         for g in self.groups:  # the prompt once per member, member-major
             g.drafter.decode_path = self.decode_path
             k = len(g.members)
@@ -430,6 +451,28 @@ class EnsembleDrafter(Drafter):
             self.scheduler.reset(n)
         self.vote.reset(n)
         self.plan, self.solo, self.lap = None, None, None
+
+    def _start(self, m: int) -> None:
+        """Member m's begin, if it has not begun in this run, then the text committed since the prompt."""
+        if self.started[m]:
+            return
+        member, (prompt, sampling, generator) = self.members[m], self.start_args
+        member.decode_path = self.decode_path
+        member.begin(replace(prompt, hidden={l: prompt.hidden[l] for l in member.hidden_layers}), sampling, generator)
+        self.started[m] = True
+        if self.backlog[m] is not None:
+            member.follow(self.backlog[m])
+            self.backlog[m] = None
+
+    def _follow(self, m: int, committed: list[list[int]]) -> None:
+        """Member m sat out this step: it follows the text (one that has not begun keeps the text for its begin)."""
+        if self.started[m]:
+            self.members[m].follow(committed)
+        elif self.backlog[m] is None:
+            self.backlog[m] = [list(c) for c in committed]
+        else:
+            for b, c in enumerate(committed):
+                self.backlog[m][b] += c
 
     def share_state(self, other: Drafter) -> None:
         if isinstance(other, EnsembleDrafter):
@@ -456,6 +499,9 @@ class EnsembleDrafter(Drafter):
         self._advance()
         if self.solo is not None:
             return self._propose_solo(root, t0)
+        for i, on in enumerate(self.on):
+            if on:
+                self._start(i)
         self.props = [m.propose(root) if on and i not in self.grouped else None
                       for i, (m, on) in enumerate(zip(self.members, self.on))]
         # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
@@ -505,6 +551,7 @@ class EnsembleDrafter(Drafter):
     def _propose_solo(self, root: torch.Tensor, t0: float) -> Proposal:
         """One member drafts: its tree is the proposal, verified at its own width."""
         member = self.members[self.solo]
+        self._start(self.solo)
         if hasattr(member, "catch_up"):  # an SSM that followed the text: fed now, so its feed is narrow (it chains)
             member.catch_up(1)
         self.props = [None] * len(self.members)
@@ -631,7 +678,7 @@ class EnsembleDrafter(Drafter):
                 continue
             t1 = time.perf_counter()
             if m not in own:
-                member.follow(committed)
+                self._follow(m, committed)
             else:
                 member.commit(self._member_step(step, self.props[m].tokens, own[m], committed))
             inside += time.perf_counter() - t1
@@ -669,11 +716,11 @@ class EnsembleDrafter(Drafter):
         gains[m] = sum(held) / len(held) if held else sum(len(p) - 1 for p in step.paths) / len(step.paths)
         prop = member.chained(step) if chained else member.commit(step)
         committed = step.path_tokens()
-        for i, other in enumerate(self.members):
+        for i in range(n):
             if i != m:
-                other.follow(committed)
+                self._follow(i, committed)
         t1 = time.perf_counter()
-        self.scheduler.update(gains, [[h if i == m else None for i in range(n)] for h in held], self._lap())
+        self.scheduler.update(gains, None, self._lap())
         self.time_s["members"] += t1 - t0
         if not chained:
             self.time_s["ensemble"] += time.perf_counter() - t1
@@ -683,10 +730,11 @@ class EnsembleDrafter(Drafter):
         return replace(prop, nodes=member.max_nodes)
 
     def _lap(self) -> float | None:
-        """Seconds since the last step was committed (None for a run's first step, whose time holds the prefill)."""
-        now, last = time.perf_counter(), self.lap
-        self.lap = now
-        return None if last is None else now - last
+        """Seconds since the last step was committed; None for a run's first step (its time holds the prefill) and
+        for a step that compiled a graph (its time holds the compiling)."""
+        now, last, graphs = time.perf_counter(), self.lap, compiled_graphs()
+        compiled, self.lap, self.graphs = graphs != self.graphs, now, graphs
+        return None if last is None or compiled else now - last
 
     def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
         """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""

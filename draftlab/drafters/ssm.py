@@ -551,7 +551,7 @@ class SSMDrafter(Drafter):
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):
             if self.live[b]:
-                self.pending[b] = self.pending[b] + toks
+                self.pending[b] += toks  # in place: a paused member's backlog is not copied every step
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
