@@ -69,10 +69,8 @@ def main() -> None:
     counts = Counter(sum(on) for on in sched.history)
     schedule = {"members_drafting_per_step": {str(k): counts[k] for k in sorted(counts)},
                 "steps": len(sched.history), "final_choice": sched.k,
-                "step_ms_by_members": {str(k): round(1e3 * sorted(t)[len(t) // 4], 3)
-                                       for k, t in enumerate(sched.seconds) if t},
-                "solo_member": [drafters["ensemble_cost"].names[m] for m in range(len(module.members))
-                                if sched.gains[m] == max(sched.gains)][0]}
+                "step_ms_by_members": {str(k): round(1e3 * min(t), 3) for k, t in enumerate(sched.seconds) if t},
+                "ranking": [drafters["ensemble_cost"].names[m] for m in sched.order]}
     data = write_result(a.name, {"export": str(a.export).split("benchmarks/")[-1], "prompts": len(prompts),
                                  "max_new_tokens": N, "best_member": best, "methods": results,
                                  "cost_schedule": schedule})

@@ -538,8 +538,8 @@ def ensemble_cost(p, d) -> None:
     drafting = ", ".join(f"{k}: {v}" for k, v in s["members_drafting_per_step"].items())
     times = ", ".join(f"{k}: {v}" for k, v in s["step_ms_by_members"].items())
     p(f"\nThe cost schedule over the run ({s['steps']} steps, warm-up included): members drafting per step "
-      f"{{{drafting}}}; step ms by members drafting (lower quartile) {{{times}}}; final choice {s['final_choice']} "
-      f"member(s), the highest gain {s['solo_member']}.")
+      f"{{{drafting}}}; steady-state step ms by members drafting {{{times}}}; final choice {s['final_choice']} "
+      f"member(s), ranked {', '.join(s['ranking'])}.")
 
 
 def drafter_steps(p, d) -> None:

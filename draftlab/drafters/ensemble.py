@@ -389,6 +389,7 @@ class EnsembleDrafter(Drafter):
         if batch_members and not self.cost:
             self.groups = self._group()
         self.grouped = {m for g in self.groups for m in g.members}
+        self.fits = [m.max_nodes <= self.max_nodes for m in members]  # trees a step may verify alone (merge mode)
 
     def _group(self) -> list["MemberGroup"]:
         """Groups of two or more SSM members of one architecture, shape and tree, each run as one grouped model; a
@@ -539,8 +540,10 @@ class EnsembleDrafter(Drafter):
     def _one(self, on: list[bool] | None) -> int | None:
         """The member that drafts alone under the cost policy, if one does (one whose tree is larger than the node
         budget drafts through the merge, which cuts it)."""
-        ms = [m for m, o in enumerate(on or []) if o] if self.cost else []
-        return ms[0] if len(ms) == 1 and self.members[ms[0]].max_nodes <= self.max_nodes else None
+        if not self.cost or on is None or sum(on) != 1:
+            return None
+        m = on.index(True)
+        return m if self.fits[m] else None
 
     @property
     def chainer(self) -> Drafter:
