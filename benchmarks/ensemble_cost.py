@@ -9,7 +9,10 @@ schedules learn there too: their state carries over from run to run, as in a ser
 - the same ensemble with `policy=cost` (drafting with the k members of highest gain, k chosen by measured tokens per
   second; one member drafting alone is verified alone and chains).
 
-    python benchmarks/ensemble_cost.py [--prompts 20] [--name ensemble_cost]
+    python benchmarks/ensemble_cost.py [--prompts 20] [--name ensemble_cost] [--only METHOD ...] [--option NAME=VALUE]
+
+--only keeps some of the methods (plain, member1..member5, ensemble_gain, ensemble_cost; plain always runs): fewer
+decoders in the process. --option sets a cost-schedule option (repeatable; e.g. probe_max=1024).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--name", default="ensemble_cost")
+    ap.add_argument("--only", nargs="*", default=None, help="the methods to run (plain always runs)")
+    ap.add_argument("--option", action="append", default=[], help="a cost-schedule option NAME=VALUE")
     a = ap.parse_args()
     from draftlab.base import load_base
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
@@ -47,7 +52,10 @@ def main() -> None:
     for i, m in enumerate(module.members):
         drafters[f"member{i + 1}"] = kind_of(m.kind).drafter(m, kind_of(m.kind).default_tree(m))
     drafters["ensemble_gain"] = ensemble.drafter(module, None)
-    drafters["ensemble_cost"] = ensemble.drafter(module, None, options={"policy": "cost"})
+    options = dict(o.split("=", 1) for o in a.option)
+    drafters["ensemble_cost"] = ensemble.drafter(module, None, options={"policy": "cost", **options})
+    if a.only:
+        drafters = {k: d for k, d in drafters.items() if k == "plain" or k in a.only}
     warmup_s, methods = {}, {}
     for name, drafter in drafters.items():
         dec = SpeculativeDecoder(base, drafter, compile=True)
@@ -72,7 +80,7 @@ def main() -> None:
                 "step_ms_by_members": {str(k): round(1e3 * min(t), 3) for k, t in enumerate(sched.seconds) if t},
                 "ranking": [drafters["ensemble_cost"].names[m] for m in sched.order]}
     data = write_result(a.name, {"export": str(a.export).split("benchmarks/")[-1], "prompts": len(prompts),
-                                 "max_new_tokens": N, "best_member": best, "methods": results,
+                                 "max_new_tokens": N, "only": a.only, "options": options, "best_member": best, "methods": results,
                                  "cost_schedule": schedule})
     print()
     render(print, json.loads(data.read_text()))

@@ -521,10 +521,13 @@ def step_bounds(p, d) -> None:
           f"{calls} | {r['bound_vs_plain']:.2f}x | {at_plain:.2f}x | {target} | {needs} |")
 
 
-def ensemble_cost(p, d) -> None:
+def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its best member",
+                  name: str = "ensemble_cost") -> None:
     same = all(r["identical_to_baseline"] for r in d["methods"].values())
-    heading(p, "The ensemble's cost schedule: against its best member", f"`benchmarks/ensemble_cost.py --prompts "
-            f"{d['prompts']}`; `{d['export']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1, "
+    args = (f" --only {' '.join(d['only'])}" if d.get("only") else "") + "".join(
+        f" --option {k}={v}" for k, v in (d.get("options") or {}).items())
+    heading(p, title, f"`benchmarks/ensemble_cost.py --prompts {d['prompts']}{args}"
+            f"{'' if name == 'ensemble_cost' else ' --name ' + name}`; `{d['export']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1, "
             f"every method compiled, interleaved after a warm-up over every prompt; outputs "
             f"{'identical to' if same else 'NOT all identical to'} plain decoding; {where(d)}")
     p(f"| method | tree size | accept length | tokens/s | vs plain | vs best member ({d['best_member']}) | "
@@ -655,6 +658,10 @@ TABLES = {
     "drafter_steps": ("drafter_steps", drafter_steps),
     "step_bounds": ("step_bounds", step_bounds),
     "ensemble_cost": ("ensemble_cost", ensemble_cost),
+    "ensemble_cost_small": ("ensemble_cost_small", lambda p, d: ensemble_cost(
+        p, d, "The cost schedule beside its two best members alone, four decoders in the process", "ensemble_cost_small")),
+    "ensemble_cost_no_probes": ("ensemble_cost_no_probes", lambda p, d: ensemble_cost(
+        p, d, "The cost schedule without probes, four decoders in the process", "ensemble_cost_no_probes")),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),

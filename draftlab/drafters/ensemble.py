@@ -51,12 +51,11 @@ class Scheduler:
         faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again). The
         lengths come from the last `cost_window` rows of steps with two members or more on which those k drafted
         (the warm-up's, the exploration's, the probes'; steps of a lone member add none, so every k, 1 included,
-        is estimated on the same kind of rows). After `warmup` steps with
-        every member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and
-        every member drafts on probe steps (first `probe_every` steps apart, the interval doubling up to
-        `probe_max` while the choice stands) to keep the lengths of the members not drafting current. With one
-        member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a compiled
-        CPU path) the ensemble chains too.
+        is estimated on the same kind of rows). After `warmup` steps with every member, each k is timed `explore`
+        steps, then the best k drafts (chosen again every 8 steps), and every member drafts on probe steps (first
+        `probe_every` steps apart, the interval doubling up to `probe_max` while the choice stands) to keep the
+        lengths of the members not drafting current. With one member the ensemble is that member: its tree alone
+        is verified, and where it chains (SSMs on a compiled CPU path) the ensemble chains too.
     """
 
     min_share: float = 0.1
@@ -127,9 +126,9 @@ class Scheduler:
         return self.k
 
     def ranking(self) -> list[int]:
-        """The cost policy's members, best first: by their mean accepted length over the kept rows on which every
-        member drafted (the warm-up's and the probes', one comparison for all; it changes only when a probe adds
-        rows, so a lone member is not swapped for another on noise), then by gain."""
+        """The cost policy's members, best first: by the accepted tokens each one's tree held over the kept rows on
+        which every member drafted (the warm-up's and the probes': one comparison for all, which changes only when a
+        probe adds rows, so a lone member is not swapped for another on noise), then by gain."""
         full = [row for row in self.lengths[-self.cost_window:] if None not in row]
         mean = [sum(row[m] for row in full) for m in range(len(self.gains))]
         return sorted(range(len(self.gains)), key=lambda m: (-mean[m], -self.gains[m], m))
@@ -154,7 +153,8 @@ class Scheduler:
 
     def update(self, gains: list[float | None], rows: list[list] | None = None, seconds: float | None = None) -> None:
         """One step: each member's gain (None: it did not draft); for the cost policy also, per live row, the
-        accepted tokens each member's own tree held, and the step's seconds (None: not timed)."""
+        accepted tokens each member's own tree held (kept from steps of two members or more), and the step's
+        seconds (None: not timed)."""
         self.steps += 1
         for m, g in enumerate(gains):
             if g is not None:
