@@ -320,6 +320,13 @@ class AdaptiveLength:
         self.period, self.since = self.since, 0  # the trend compares the next period with this one
 
 
+def _held(paths: list[list[int]], live: list[bool]) -> float:
+    """A member's gain in one step: the drafted tokens its own paths held (root excluded), a mean over the live rows
+    (over every row once all have ended)."""
+    rows = [b for b in range(len(paths)) if live[b]] or list(range(len(paths)))
+    return sum(len(paths[b]) - 1 for b in rows) / len(rows)
+
+
 @dataclass
 class MemberGroup:
     """Ensemble members (indices) drafting as one grouped model, and this step's proposal of the whole group."""
@@ -674,8 +681,7 @@ class EnsembleDrafter(Drafter):
             if p is None:
                 continue
             own[m] = paths = [self._own_path(m, b, path) for b, path in enumerate(step.paths)]
-            rows = [b for b in range(len(paths)) if live[b]] or list(range(len(paths)))
-            gains[m] = sum(len(paths[b]) - 1 for b in rows) / len(rows)
+            gains[m] = _held(paths, live)
         for m, member in enumerate(self.members):
             if m in self.grouped:
                 continue
@@ -714,9 +720,8 @@ class EnsembleDrafter(Drafter):
         t0 = time.perf_counter()
         m, n = self.solo, len(self.members)
         member, live = self.members[m], step.live_rows()
-        held = [len(p) - 1 for b, p in enumerate(step.paths) if live[b]]
         gains: list[float | None] = [None] * n
-        gains[m] = sum(held) / len(held) if held else sum(len(p) - 1 for p in step.paths) / len(step.paths)
+        gains[m] = _held(step.paths, live)
         prop = member.chained(step) if chained else member.commit(step)
         committed = step.path_tokens()
         for i in range(n):
@@ -725,12 +730,10 @@ class EnsembleDrafter(Drafter):
         t1 = time.perf_counter()
         self.scheduler.update(gains, None, self._lap())
         self.time_s["members"] += t1 - t0
-        if not chained:
-            self.time_s["ensemble"] += time.perf_counter() - t1
-            return None
-        self._advance()  # the next step's member is this one (the plan that let this step chain)
+        if chained:
+            self._advance()  # the next step's member is this one (the plan that let this step chain)
         self.time_s["ensemble"] += time.perf_counter() - t1
-        return replace(prop, nodes=member.max_nodes)
+        return replace(prop, nodes=member.max_nodes) if chained else None
 
     def _lap(self) -> float | None:
         """Seconds since the last step was committed; None for a run's first step (its time holds the prefill) and
