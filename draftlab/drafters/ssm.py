@@ -378,9 +378,10 @@ class SSMDrafter(Drafter):
             P = 1 + max(len(p) for p in self.pending)
         if self._fused():
             # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
-            # more (an ensemble's other members' tokens), to a power of two, so the compiled forward sees a few
-            # shapes, not one per width.
-            self.feed_width = P = max(1 << (P - 1).bit_length(), self.feed_width)
+            # more (an ensemble's other members' tokens): to that width up to 8 (a merged tree's steps need 3-5;
+            # wider than needed costs every later step), past it to the widest (CATCH_UP + 1), so the compiled
+            # forward sees a few shapes, not one per backlog length.
+            self.feed_width = P = max(P if P <= 8 else CATCH_UP + 1, self.feed_width)
         pad = [P - 1 - len(p) for p in self.pending]
         head = torch.tensor([[0] * n + p for n, p in zip(pad, self.pending)], dtype=torch.long)
         # A finished row's tokens are fed as holes.
