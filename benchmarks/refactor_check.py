@@ -7,6 +7,8 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
     python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
     python benchmarks/refactor_check.py --commit C --train recipes/stories260k-hydra++.yaml ...  # + the training loop
     python benchmarks/refactor_check.py --commit C --compile --export ...  # the static-shape compiled path, plain too
+    python benchmarks/refactor_check.py --commit C --compile --export ensemble=DIR --ensemble-option policy=cost
+        # an ensemble's schedule options (both sides)
     python benchmarks/refactor_check.py --commit C --temperature 0.8 --export ...  # sampled decoding (the two sides
         # draw differently where their samplers differ: compare time per step and accept length, not tokens)
 """
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="compare the static-shape compiled path (torch.compile), with plain decoding on it too")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decoding at this temperature")
+    ap.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an ensemble option for both sides' decoders (the exports must be ensembles)")
     a = ap.parse_args()
     old_package(a.commit)
     training = {Path(r).stem: train_check(r, a.train_steps) for r in a.train}
@@ -66,9 +70,10 @@ def main() -> None:
     methods, base, tok = {}, None, None
     pairs = {}
     exports = dict(e.split("=", 1) for e in a.export) or {k: str(EXPORTS / n) for k, n in STORIES_EXPORTS.items()}
+    options = {"options": dict(o.split("=", 1) for o in a.ensemble_option)} if a.ensemble_option else {}
     for kind, path in exports.items():
-        after, tok, _ = load_decoder(path)
-        before, _, _ = load_before(path)
+        after, tok, _ = load_decoder(path, **options)
+        before, _, _ = load_before(path, **options)
         base = base or after.base
         after.base = before.base = base  # one base object: every method runs the same weights
         pairs[kind] = (before, after)
@@ -100,6 +105,7 @@ def main() -> None:
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
+                          **({"ensemble_options": options["options"]} if options else {}),
                           "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio, "same_accept_length": same,
                           **({"training": training} if training else {})})
 

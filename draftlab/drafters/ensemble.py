@@ -17,6 +17,7 @@ group still drafts (its rows cost next to nothing beside the others'); its tree 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -52,10 +53,13 @@ class Scheduler:
         lengths come from the last `cost_window` rows of steps with two members or more on which those k drafted
         (the warm-up's, the exploration's, the probes'; steps of a lone member add none, so every k, 1 included,
         is estimated on the same kind of rows). After `warmup` steps with every member, each k is timed `explore`
-        steps, then the best k drafts (chosen again every 8 steps), and every member drafts on probe steps (first
-        `probe_every` steps apart, the interval doubling up to `probe_max` while the choice stands) to keep the
-        lengths of the members not drafting current. With one member the ensemble is that member: its tree alone
-        is verified, and where it chains (SSMs on a compiled CPU path) the ensemble chains too.
+        steps, then the best k drafts (chosen again every 8 steps), and every member drafts on probe steps to keep
+        the lengths of the members not drafting current: first `probe_every` steps apart, the interval doubling
+        while the choice stands, up to where probes cost `probe_share` of the decoding time (a probe's extra
+        seconds, its mean timed seconds over the chosen k's step seconds, over `probe_share` times the latter:
+        the members that sat out catch up with the text, so a probe costs many steps) and never past `probe_max`.
+        With one member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a
+        compiled CPU path) the ensemble chains too.
     """
 
     min_share: float = 0.1
@@ -65,7 +69,8 @@ class Scheduler:
     policy: str = "gain"
     explore: int = 3
     cost_window: int = 256
-    probe_max: int = 256
+    probe_share: float = 0.02
+    probe_max: int = 4096
     gains: list[float] = field(default_factory=list)
     steps: int = 0
     history: list[list[bool]] = field(default_factory=list)  # who drafted, per step
@@ -115,7 +120,7 @@ class Scheduler:
             if len(self.seconds[k]) < self.explore:
                 return k
         if self.steps >= self.next_probe:  # the interval doubles while the choice stands from probe to probe
-            self.interval = min(2 * self.interval, self.probe_max) if self.k == self.probed_k else self.probe_every
+            self.interval = min(2 * self.interval, self._probe_cap(n)) if self.k == self.probed_k else self.probe_every
             self.probed_k, self.next_probe = self.k, self.steps + self.interval
             return n
         if self.steps >= self.next_choice or not self.k:  # chosen again every DECIDE_EVERY steps
@@ -124,6 +129,15 @@ class Scheduler:
             self.k = max(rates, key=lambda k: (rates[k], -k)) if rates else n
             self.next_choice = self.steps + DECIDE_EVERY
         return self.k
+
+    def _probe_cap(self, n: int) -> int:
+        """The longest probe interval: probes then cost `probe_share` of the time (see the class docstring), at
+        least `probe_every` and at most `probe_max` steps apart."""
+        probe, step = self.seconds[n], self.seconds[self.k] if self.k else []
+        if not probe or not step or self.k == n:
+            return self.probe_max
+        extra = sum(probe) / len(probe) - min(step)
+        return max(self.probe_every, min(self.probe_max, math.ceil(extra / (self.probe_share * min(step)))))
 
     def ranking(self) -> list[int]:
         """The cost policy's members, best first: by the accepted tokens each one's tree held over the kept rows on
@@ -338,7 +352,7 @@ class MemberGroup:
 
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
-    them (min_share, decay, warmup, probe_every, policy, explore, cost_window, probe_max; reward_factor,
+    them (min_share, decay, warmup, probe_every, policy, explore, cost_window, probe_share, probe_max; reward_factor,
     punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold, window, s_reward, s_punish,
     metric, rule), typed as its default is. An unknown name is an error listing the known ones."""
     from dataclasses import fields
@@ -359,6 +373,17 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
     parts[0].__post_init__()  # the schedule's policy and the adaptive length's choices (rule, metric, bounds) checked
     parts[2].__post_init__()
     return parts
+
+
+def extended_prompt(prompt: PromptState, extra: list[list[int]]) -> PromptState:
+    """The prompt with tokens appended to each row (rows left-padded again; no base states)."""
+    ids, valid = prompt.ids.tolist(), prompt.valid.tolist()
+    rows = [[t for t, ok in zip(r, v) if ok] + e for r, v, e in zip(ids, valid, extra)]
+    L = max(len(r) for r in rows)
+    new = torch.tensor([[0] * (L - len(r)) + r for r in rows], dtype=prompt.ids.dtype)
+    ok = torch.tensor([[False] * (L - len(r)) + [True] * len(r) for r in rows])
+    dev = prompt.ids.device
+    return PromptState(new.to(dev), ok.to(dev), ((ok.long().cumsum(-1) - 1).clamp(min=0)).to(dev))
 
 
 class EnsembleDrafter(Drafter):
@@ -466,11 +491,16 @@ class EnsembleDrafter(Drafter):
             return
         member, (prompt, sampling, generator) = self.members[m], self.start_args
         member.decode_path = self.decode_path
+        backlog, self.backlog[m] = self.backlog[m], None
+        if backlog is not None and not member.hidden_layers:
+            # A member that reads no base states takes the text so far as its prompt (all but each row's last token,
+            # which it feeds with the next root as after any step): one prefill instead of a prefill and forwards
+            # over the backlog (a probe begins the members that sat out).
+            prompt, backlog = extended_prompt(prompt, [b[:-1] for b in backlog]), [b[-1:] for b in backlog]
         member.begin(replace(prompt, hidden={l: prompt.hidden[l] for l in member.hidden_layers}), sampling, generator)
         self.started[m] = True
-        if self.backlog[m] is not None:
-            member.follow(self.backlog[m])
-            self.backlog[m] = None
+        if backlog is not None:
+            member.follow(backlog)
 
     def _follow(self, m: int, committed: list[list[int]]) -> None:
         """Member m sat out this step: it follows the text (one that has not begun keeps the text for its begin)."""
