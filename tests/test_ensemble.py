@@ -75,16 +75,19 @@ def test_grouped_members_draft_as_they_do_one_by_one(mode, budget):
     for batch in (True, False):
         drafter = make(batch)
         assert len(drafter.groups) == batch
-        # After every step, the text each member follows in the live rows: tokens in its KV cache and tokens
-        # pending (a paused member one by one feeds them when it drafts again; in a group it drafts anyway).
+        # After every step, the text each member follows in the live rows: tokens in its KV cache, tokens pending
+        # and, one by one, the text of the steps it sat out (a paused member is given it and feeds it when it
+        # drafts again; in a group it drafts anyway).
         ssms, state, commit = [drafter.groups[0].drafter] if batch else drafter.members[:3], [], drafter.commit
 
         def spy(step):
             commit(step)
             n = torch.cat([d.target.next_pos for d in ssms]).tolist()
             pending = [p for d in ssms for p in d.pending]
+            missed = [0] * len(n) if batch else [sum(len(s[b]) for s in drafter.log[drafter.seen[m]:])
+                                                 for m in range(3) for b in range(len(prompts))]
             live = step.live_rows() * 3
-            state.append([n[r] + len(pending[r]) for r in range(len(n)) if live[r]])
+            state.append([n[r] + len(pending[r]) + missed[r] for r in range(len(n)) if live[r]])
         drafter.commit = spy
         res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=24)
         for prompt, got in zip(prompts, res.tokens):
@@ -370,6 +373,22 @@ def test_the_cost_schedule_chooses_the_most_tokens_per_second():
         Scheduler(policy="fastest")
     with pytest.raises(ValueError, match="merge"):
         EnsembleDrafter([LookupDrafter(num_tokens=2)], mode="vote", scheduler=Scheduler(policy="cost"))
+
+
+def test_schedule_histories_stay_bounded(monkeypatch):
+    """A server decodes for days: the schedules' per-step histories keep their last HISTORY steps (or up to twice
+    that), newest last, not one entry per step for ever."""
+    from draftlab.drafters import ensemble as ens
+
+    monkeypatch.setattr(ens, "HISTORY", 8)
+    sched, adaptive = Scheduler(warmup=0), AdaptiveLength(s=4, decision_threshold=2)
+    sched.reset(2)
+    for step in range(100):
+        on = sched.active()
+        sched.update([1.0 if o else None for o in on])
+        adaptive.record({"verify": 1e-3}, 2.0)
+    assert 8 <= len(sched.history) < 16 and 8 <= len(adaptive.history) < 16
+    assert sched.history[-1] == on and adaptive.history[-1] == adaptive.s
 
 
 def test_lookup_drafter_prompt_and_datastore():

@@ -8,7 +8,8 @@ vote (Minions): every active member drafts a chain of s tokens; the chains form 
     summed weights of the members whose chain passes through it) and one sequence is chosen from the root by
     taking, at each level, the heaviest child; that sequence alone is verified. Member weights follow their
     acceptance (reward / punish), and s adapts online (AdaptiveLength).
-A Scheduler decides which members draft each step, so a useless member stops costing time.
+A Scheduler decides which members draft each step, so a useless member stops costing time; a member that sits out a
+step is given the text it missed when it next drafts.
 
 Members that are small LMs of one architecture and shape drafting one tree run as one grouped model (ssm.grouped_lm):
 one forward per tree depth for all of them, their rows side by side, instead of one per member. A paused member of a
@@ -21,6 +22,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import torch
 
@@ -34,6 +36,17 @@ from .ssm import GroupError, SSMDrafter, group_key, grouped_lm
 
 SCHEDULE_POLICIES = ("gain", "cost")
 DECIDE_EVERY = 8  # the cost policy's steps between choices (each choice reads every kept row once per member count)
+
+
+# Steps a schedule's history keeps: a server decodes for days, and the history's readers (benchmarks, tests) look at
+# one run's steps; it is trimmed to this length when it reaches twice it, so appending stays O(1) per step.
+HISTORY = 16384
+
+
+def _note(history: list, entry) -> None:
+    history.append(entry)
+    if len(history) >= 2 * HISTORY:
+        del history[:-HISTORY]
 
 
 @dataclass
@@ -73,12 +86,13 @@ class Scheduler:
     probe_max: int = 4096
     gains: list[float] = field(default_factory=list)
     steps: int = 0
-    history: list[list[bool]] = field(default_factory=list)  # who drafted, per step
+    history: list[list[bool]] = field(default_factory=list)  # who drafted, per step (the last HISTORY steps or more)
     # The cost policy's records: step seconds per member count, and per row the accepted tokens each member's own
     # tree held (None: it did not draft).
     seconds: list[list[float]] = field(default_factory=list)
     lengths: list[list] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # members, best first (ranking)
+    row_updates: int = 0  # steps that added rows to `lengths`
     k: int = 0  # the cost policy's last choice (0: none yet)
     probed_k: int = 0  # its choice at the last probe
     interval: int = 0
@@ -95,6 +109,7 @@ class Scheduler:
             self.gains = [1.0] * n
             self.seconds = [[] for _ in range(n + 1)]
             self.lengths, self.order, self.k, self.probed_k = [], [], 0, -1
+            self.__dict__.pop("_memo", None)
             self.interval, self.next_probe, self.next_choice = self.probe_every, 0, 0
 
     def active(self) -> list[bool]:
@@ -108,7 +123,7 @@ class Scheduler:
         else:
             best = max(self.gains)
             on = [g >= self.min_share * best or self.steps % self.probe_every == 0 for g in self.gains]
-        self.history.append(on)
+        _note(self.history, on)
         return on
 
     def _count(self) -> int:
@@ -143,13 +158,27 @@ class Scheduler:
         """The cost policy's members, best first: by the accepted tokens each one's tree held over the kept rows on
         which every member drafted (the warm-up's and the probes': one comparison for all, which changes only when a
         probe adds rows, so a lone member is not swapped for another on noise), then by gain."""
-        full = [row for row in self.lengths[-self.cost_window:] if None not in row]
-        mean = [sum(row[m] for row in full) for m in range(len(self.gains))]
+        mean = self._over_rows("ranking", self._summed_lengths)
         return sorted(range(len(self.gains)), key=lambda m: (-mean[m], -self.gains[m], m))
 
-    def rates(self, order: list[int]) -> dict[int, float]:
-        """Expected tokens per second with the first k members of `order` drafting, for each k measured so far."""
-        held, rows = [0.0] * len(order), [0] * len(order)  # per k: summed max length, rows on which the top k drafted
+    def _summed_lengths(self) -> list[float]:
+        full = [row for row in self.lengths[-self.cost_window:] if None not in row]
+        return [sum(row[m] for row in full) for m in range(len(self.gains))]
+
+    def _over_rows(self, key, compute):
+        """compute() once while the rows stay the same (they change only on steps with two members or more; a
+        lone member's steps, nearly all of them, reuse the sums)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if memo.get("rows") != self.row_updates:
+            memo.clear()
+            memo["rows"] = self.row_updates
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    def _held_by_k(self, order: tuple) -> tuple[list[float], list[int]]:
+        """Per k: the summed max length of the first k of `order`, and the rows on which they all drafted."""
+        held, rows = [0.0] * len(order), [0] * len(order)
         for row in self.lengths[-self.cost_window:]:  # one pass: the top k's max grows with k while they all drafted
             best = -1
             for i, m in enumerate(order):
@@ -158,6 +187,11 @@ class Scheduler:
                 best = max(best, row[m])
                 held[i] += best
                 rows[i] += 1
+        return held, rows
+
+    def rates(self, order: list[int]) -> dict[int, float]:
+        """Expected tokens per second with the first k members of `order` drafting, for each k measured so far."""
+        held, rows = self._over_rows(tuple(order), lambda: self._held_by_k(tuple(order)))
         out = {}
         for i in range(len(order)):
             times = self.seconds[i + 1]
@@ -178,8 +212,9 @@ class Scheduler:
             if seconds is not None and k:
                 self.seconds[k].append(seconds)
                 del self.seconds[k][: -3 * self.explore]
-            if k >= 2:  # a lone member's rows say nothing the rows of steps with more members do not
-                self.lengths += rows or []
+            if k >= 2 and rows:  # a lone member's rows say nothing the rows of steps with more members do not
+                self.lengths += rows
+                self.row_updates += 1
             if len(self.lengths) > 2 * self.cost_window:  # trimmed now and then: appending stays O(1) per step
                 del self.lengths[: -self.cost_window]
 
@@ -267,7 +302,7 @@ class AdaptiveLength:
     since: int = 0
     direction: int = 1  # the trend rule's last move: +1 up, -1 down
     period: int = 0  # the trend rule: records of the period before the current one (0: none yet)
-    history: list[int] = field(default_factory=list)  # s per step
+    history: list[int] = field(default_factory=list)  # s per step (the last HISTORY steps or more)
 
     def __post_init__(self):
         if self.rule not in ADAPTIVE_RULES:
@@ -288,7 +323,7 @@ class AdaptiveLength:
         keep = max(self.window, 2 * self.decision_threshold)
         self.records = (self.records + [(self.s, t / max(committed, 1e-9))])[-keep:]
         self.since += 1
-        self.history.append(self.s)
+        _note(self.history, self.s)
         if self.since >= self.decision_threshold:
             self.decide()
 
@@ -358,7 +393,7 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
-    state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "interval",
+    state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "row_updates", "interval",
              "next_probe", "next_choice")  # running state
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
              if not isinstance(getattr(p, f.name), list) and f.name not in state}
@@ -467,13 +502,15 @@ class EnsembleDrafter(Drafter):
     # --- state --------------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         self.sampling, self.start_args = sampling, (prompt, sampling, generator)
-        # Under the cost policy a member begins (its prefill) when it first drafts in this run, and follows the
-        # text from there: a run that one member drafts alone pays one prefill, not one per member.
+        # Under the cost policy a member begins (its prefill) when it first drafts in this run: a run that one member
+        # drafts alone pays one prefill, not one per member. A member that sits out a step is given the text of the
+        # steps it missed when it next drafts (_ready), not at every step.
         self.started = [i in self.grouped for i in range(len(self.members))]
-        self.backlog: list[list[list[int]] | None] = [None] * len(self.members)
+        self.log: list[list[list[int]]] = []  # per step: the tokens it committed per row (root first, bonus excluded)
+        self.seen = [0] * len(self.members)  # per member: the steps of the log it has followed
         if not self.cost:
             for i in range(len(self.members)):
-                self._start(i)
+                self._ready(i)
         for g in self.groups:  # the prompt once per member, member-major
             g.drafter.decode_path = self.decode_path
             k = len(g.members)
@@ -485,32 +522,28 @@ class EnsembleDrafter(Drafter):
         self.vote.reset(n)
         self.plan, self.solo, self.lap = None, None, None
 
-    def _start(self, m: int) -> None:
-        """Member m's begin, if it has not begun in this run, then the text committed since the prompt."""
-        if self.started[m]:
+    def _ready(self, m: int) -> None:
+        """Member m drafts this step: its begin if it has not begun in this run, then the text of the steps it sat out
+        (a grouped member's group follows every step itself)."""
+        if m in self.grouped:
             return
-        member, (prompt, sampling, generator) = self.members[m], self.start_args
-        member.decode_path = self.decode_path
-        backlog, self.backlog[m] = self.backlog[m], None
-        if backlog is not None and not member.hidden_layers:
-            # A member that reads no base states takes the text so far as its prompt (all but each row's last token,
-            # which it feeds with the next root as after any step): one prefill instead of a prefill and forwards
-            # over the backlog (a probe begins the members that sat out).
-            prompt, backlog = extended_prompt(prompt, [b[:-1] for b in backlog]), [b[-1:] for b in backlog]
-        member.begin(replace(prompt, hidden={l: prompt.hidden[l] for l in member.hidden_layers}), sampling, generator)
-        self.started[m] = True
-        if backlog is not None:
-            member.follow(backlog)
-
-    def _follow(self, m: int, committed: list[list[int]]) -> None:
-        """Member m sat out this step: it follows the text (one that has not begun keeps the text for its begin)."""
-        if self.started[m]:
-            self.members[m].follow(committed)
-        elif self.backlog[m] is None:
-            self.backlog[m] = [list(c) for c in committed]
-        else:
-            for b, c in enumerate(committed):
-                self.backlog[m][b] += c
+        missed, self.seen[m] = self.log[self.seen[m]:], len(self.log)
+        unseen = [list(chain.from_iterable(step[b] for step in missed)) for b in range(len(missed[0]))] if missed \
+            else None
+        member = self.members[m]
+        if not self.started[m]:
+            prompt, sampling, generator = self.start_args
+            member.decode_path = self.decode_path
+            if unseen is not None and not member.hidden_layers:
+                # A member that reads no base states takes the text so far as its prompt (all but each row's last
+                # token, which it feeds with the next root as after any step): one prefill instead of a prefill and
+                # forwards over the backlog (a probe begins the members that sat out).
+                prompt, unseen = extended_prompt(prompt, [u[:-1] for u in unseen]), [u[-1:] for u in unseen]
+            member.begin(replace(prompt, hidden={l: prompt.hidden[l] for l in member.hidden_layers}), sampling,
+                         generator)
+            self.started[m] = True
+        if unseen is not None:
+            member.follow(unseen)
 
     def share_state(self, other: Drafter) -> None:
         if isinstance(other, EnsembleDrafter):
@@ -539,7 +572,7 @@ class EnsembleDrafter(Drafter):
             return self._propose_solo(root, t0)
         for i, on in enumerate(self.on):
             if on:
-                self._start(i)
+                self._ready(i)
         self.props = [m.propose(root) if on and i not in self.grouped else None
                       for i, (m, on) in enumerate(zip(self.members, self.on))]
         # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
@@ -591,13 +624,14 @@ class EnsembleDrafter(Drafter):
     def _propose_solo(self, root: torch.Tensor, t0: float) -> Proposal:
         """One member drafts: its tree is the proposal, verified at its own width."""
         member = self.members[self.solo]
-        self._start(self.solo)
+        self._ready(self.solo)
         if hasattr(member, "catch_up"):  # an SSM that followed the text: fed now, so its feed is narrow (it chains)
             member.catch_up(1)
         self.props = [None] * len(self.members)
         self.props[self.solo] = prop = member.propose(root)
+        prop.nodes = member.max_nodes
         self.time_s["members"] += time.perf_counter() - t0
-        return replace(prop, nodes=member.max_nodes)
+        return prop
 
     def _propose_group(self, g: "MemberGroup", root: torch.Tensor) -> None:
         """One proposal for the whole group (the root once per member), split into the active members' proposals."""
@@ -715,12 +749,11 @@ class EnsembleDrafter(Drafter):
         for m, member in enumerate(self.members):
             if m in self.grouped:
                 continue
-            t1 = time.perf_counter()
-            if m not in own:
-                self._follow(m, committed)
-            else:
+            if m in own:
+                t1 = time.perf_counter()
                 member.commit(self._member_step(step, self.props[m].tokens, own[m], committed))
-            inside += time.perf_counter() - t1
+                inside += time.perf_counter() - t1
+        self._logged(committed, own)
         for g in self.groups:
             t1 = time.perf_counter()
             if g.prop is None:
@@ -746,24 +779,30 @@ class EnsembleDrafter(Drafter):
 
     def _solo_step(self, step: StepResult, chained: bool) -> Proposal | None:
         """The step of one member drafting alone: it commits (or, chained, reads the next proposal its chain drafted
-        in the verification's call), the others follow the text."""
+        in the verification's call); the others are given the step's text when they next draft (_ready)."""
         t0 = time.perf_counter()
         m, n = self.solo, len(self.members)
         member, live = self.members[m], step.live_rows()
         gains: list[float | None] = [None] * n
         gains[m] = _held(step.paths, live)
         prop = member.chained(step) if chained else member.commit(step)
-        committed = step.path_tokens()
-        for i in range(n):
-            if i != m:
-                self._follow(i, committed)
+        self._logged(step.path_tokens(), (m,))
         t1 = time.perf_counter()
         self.scheduler.update(gains, None, self._lap())
         self.time_s["members"] += t1 - t0
         if chained:
             self._advance()  # the next step's member is this one (the plan that let this step chain)
         self.time_s["ensemble"] += time.perf_counter() - t1
-        return replace(prop, nodes=member.max_nodes) if chained else None
+        if not chained:
+            return None
+        prop.nodes = member.max_nodes
+        return prop
+
+    def _logged(self, committed: list[list[int]], drafted) -> None:
+        """The step's text in the log; the members that drafted it (and committed) have followed it."""
+        self.log.append(committed)
+        for m in drafted:
+            self.seen[m] = len(self.log)
 
     def _lap(self) -> float | None:
         """Seconds since the last step was committed; None for a run's first step (its time holds the prefill) and
