@@ -10,9 +10,12 @@ schedules learn there too: their state carries over from run to run, as in a ser
   second; one member drafting alone is verified alone and chains).
 
     python benchmarks/ensemble_cost.py [--prompts 20] [--name ensemble_cost] [--only METHOD ...] [--option NAME=VALUE]
+        [--alt-option NAME=VALUE]
 
---only keeps some of the methods (plain, member1..member5, ensemble_gain, ensemble_cost; plain always runs): fewer
-decoders in the process. --option sets a cost-schedule option (repeatable; e.g. probe_max=1024).
+--only keeps some of the methods (plain, member1..member5, ensemble_gain, ensemble_cost; plain and
+ensemble_cost_alt always run): fewer decoders in the process. --option sets a cost-schedule option (repeatable;
+e.g. probe_max=1024). --alt-option adds the method ensemble_cost_alt, the cost schedule with these options instead
+(repeatable): two settings interleaved in one run.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> None:
     ap.add_argument("--name", default="ensemble_cost")
     ap.add_argument("--only", nargs="*", default=None, help="the methods to run (plain always runs)")
     ap.add_argument("--option", action="append", default=[], help="a cost-schedule option NAME=VALUE")
+    ap.add_argument("--alt-option", action="append", default=[],
+                    help="a cost-schedule option NAME=VALUE of a second cost-schedule ensemble (ensemble_cost_alt)")
     a = ap.parse_args()
     from draftlab.base import load_base
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
@@ -54,8 +59,11 @@ def main() -> None:
     drafters["ensemble_gain"] = ensemble.drafter(module, None)
     options = dict(o.split("=", 1) for o in a.option)
     drafters["ensemble_cost"] = ensemble.drafter(module, None, options={"policy": "cost", **options})
+    alt = dict(o.split("=", 1) for o in a.alt_option)
+    if alt:
+        drafters["ensemble_cost_alt"] = ensemble.drafter(module, None, options={"policy": "cost", **alt})
     if a.only:
-        drafters = {k: d for k, d in drafters.items() if k == "plain" or k in a.only}
+        drafters = {k: d for k, d in drafters.items() if k in ("plain", "ensemble_cost_alt") or k in a.only}
     warmup_s, methods = {}, {}
     for name, drafter in drafters.items():
         dec = SpeculativeDecoder(base, drafter, compile=True)
@@ -73,17 +81,24 @@ def main() -> None:
         r["tree_size"] = drafters[k].max_nodes if k != "plain" else 1
         r["warmup_s"] = warmup_s[k]
         r["vs_best_member"] = round(r["tokens_per_s"] / results[best]["tokens_per_s"], 3)
-    sched = drafters["ensemble_cost"].scheduler
-    counts = Counter(sum(on) for on in sched.history)
-    schedule = {"members_drafting_per_step": {str(k): counts[k] for k in sorted(counts)},
-                "steps": len(sched.history), "final_choice": sched.k,
-                "step_ms_by_members": {str(k): round(1e3 * min(t), 3) for k, t in enumerate(sched.seconds) if t},
-                "ranking": [drafters["ensemble_cost"].names[m] for m in sched.order]}
+    schedules = {k: summary(drafters[k]) for k in ("ensemble_cost", "ensemble_cost_alt") if k in drafters}
     data = write_result(a.name, {"export": str(a.export).split("benchmarks/")[-1], "prompts": len(prompts),
-                                 "max_new_tokens": N, "only": a.only, "options": options, "best_member": best, "methods": results,
-                                 "cost_schedule": schedule})
+                                 "max_new_tokens": N, "only": a.only, "options": options,
+                                 **({"alt_options": alt} if alt else {}), "best_member": best, "methods": results,
+                                 "cost_schedule": schedules["ensemble_cost"],
+                                 **({"cost_schedule_alt": schedules["ensemble_cost_alt"]} if alt else {})})
     print()
     render(print, json.loads(data.read_text()))
+
+
+def summary(drafter) -> dict:
+    """What a cost-schedule ensemble did over the run (warm-up included)."""
+    sched = drafter.scheduler
+    counts = Counter(sum(on) for on in sched.history)
+    return {"members_drafting_per_step": {str(k): counts[k] for k in sorted(counts)},
+            "steps": len(sched.history), "final_choice": sched.k,
+            "step_ms_by_members": {str(k): round(1e3 * min(t), 3) for k, t in enumerate(sched.seconds) if t},
+            "ranking": [drafter.names[m] for m in sched.order]}
 
 
 if __name__ == "__main__":

@@ -525,7 +525,8 @@ def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its 
                   name: str = "ensemble_cost") -> None:
     same = all(r["identical_to_baseline"] for r in d["methods"].values())
     args = (f" --only {' '.join(d['only'])}" if d.get("only") else "") + "".join(
-        f" --option {k}={v}" for k, v in (d.get("options") or {}).items())
+        f" --option {k}={v}" for k, v in (d.get("options") or {}).items()) + "".join(
+        f" --alt-option {k}={v}" for k, v in (d.get("alt_options") or {}).items())
     heading(p, title, f"`benchmarks/ensemble_cost.py --prompts {d['prompts']}{args}"
             f"{'' if name == 'ensemble_cost' else ' --name ' + name}`; `{d['export']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1, "
             f"every method compiled, interleaved after a warm-up over every prompt; outputs "
@@ -537,12 +538,15 @@ def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its 
         split = " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
         p(f"| {k} | {r['tree_size']} | {r.get('accept_length', 1.0):.2f} | {r['tokens_per_s']:.0f} | "
           f"{r['speedup']:.2f}x | {r['vs_best_member']:.2f}x | {split} | {r['warmup_s']:.1f} |")
-    s = d["cost_schedule"]
-    drafting = ", ".join(f"{k}: {v}" for k, v in s["members_drafting_per_step"].items())
-    times = ", ".join(f"{k}: {v}" for k, v in s["step_ms_by_members"].items())
-    p(f"\nThe cost schedule over the run ({s['steps']} steps, warm-up included): members drafting per step "
-      f"{{{drafting}}}; steady-state step ms by members drafting {{{times}}}; final choice {s['final_choice']} "
-      f"member(s), ranked {', '.join(s['ranking'])}.")
+    for key, who in (("cost_schedule", "The cost schedule"), ("cost_schedule_alt", "ensemble_cost_alt")):
+        if key not in d:
+            continue
+        s = d[key]
+        drafting = ", ".join(f"{k}: {v}" for k, v in s["members_drafting_per_step"].items())
+        times = ", ".join(f"{k}: {v}" for k, v in s["step_ms_by_members"].items())
+        p(f"\n{who} over the run ({s['steps']} steps, warm-up included): members drafting per step "
+          f"{{{drafting}}}; steady-state step ms by members drafting {{{times}}}; final choice {s['final_choice']} "
+          f"member(s), ranked {', '.join(s['ranking'])}.")
 
 
 def drafter_steps(p, d) -> None:
@@ -615,6 +619,19 @@ def refactor_check_compiled_exports(title: str, name: str):
     return table
 
 
+def refactor_check_ensemble(title: str, name: str):
+    """A --compile refactor check on the boost-tuned 5-SSM ensemble (its schedule options, if any, on both sides)."""
+
+    def table(p, d) -> None:
+        opts = "".join(f" --ensemble-option {k}={v}" for k, v in (d.get("ensemble_options") or {}).items())
+        refactor_check(p, d, title, f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts "
+                       f"{d['prompts']} --name {name} --export ensemble=benchmarks/exports/stories260k-ensemble-boost"
+                       f"{opts}`; before = {d['before']}, both on the static-shape compiled path (inductor), same "
+                       f"export, base object and prompts, interleaved; {d['prompts']} prompts x "
+                       f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
+    return table
+
+
 def refactor_check_session_cpu(p, d) -> None:
     refactor_check(p, d, "Plain steps that keep nothing, DFlash's greedy tree inside its call (CPU)",
                    f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts {d['prompts']} --export "
@@ -662,6 +679,18 @@ TABLES = {
         p, d, "The cost schedule beside its two best members alone, four decoders in the process", "ensemble_cost_small")),
     "ensemble_cost_no_probes": ("ensemble_cost_no_probes", lambda p, d: ensemble_cost(
         p, d, "The cost schedule without probes, four decoders in the process", "ensemble_cost_no_probes")),
+    "ensemble_cost_probe_share": ("ensemble_cost_probe_share", lambda p, d: ensemble_cost(
+        p, d, "Probes bounded by their share of the time against a fixed bound of 256 steps, one run",
+        "ensemble_cost_probe_share")),
+    "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_ensemble(
+        "The SSM's feed widened to powers of two (13d7532): the default schedule against the commit before it",
+        "refactor_check_ensemble_feed")),
+    "refactor_check_ensemble_feed_exact": ("refactor_check_ensemble_feed_exact", refactor_check_ensemble(
+        "The SSM's feed widened to the width a step needs up to 8: the default schedule against the commit before "
+        "13d7532", "refactor_check_ensemble_feed_exact")),
+    "refactor_check_cost_probes": ("refactor_check_cost_probes", refactor_check_ensemble(
+        "The cost schedule with bounded probes, late members' text as their prompt and deferred following, against "
+        "the commit before them", "refactor_check_cost_probes")),
     "compiled_searched": ("compiled_searched", compiled),
     "block_drafters": ("block_drafters", compiled),
     "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
