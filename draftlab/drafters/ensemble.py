@@ -68,9 +68,10 @@ class Scheduler:
         is estimated on the same kind of rows). After `warmup` steps with every member, each k is timed `explore`
         steps, then the best k drafts (chosen again every 8 steps), and every member drafts on probe steps to keep
         the lengths of the members not drafting current: first `probe_every` steps apart, the interval doubling
-        while the choice stands, up to where probes cost `probe_share` of the decoding time (a probe's extra
-        seconds, its mean timed seconds over the chosen k's step seconds, over `probe_share` times the latter:
-        the members that sat out catch up with the text, so a probe costs many steps) and never past `probe_max`.
+        while the choice stands, up to where probes cost `probe_share` of the decoding time and never past
+        `probe_max`: that bound is a probe's extra seconds (its mean timed seconds less the chosen k's step
+        seconds) divided by `probe_share` times the chosen k's step seconds (the members that sat out catch up
+        with the text, so a probe costs several steps).
         With one member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a
         compiled CPU path) the ensemble chains too.
     """
