@@ -311,6 +311,37 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
         assert windows == ({32} if window_min == 256 else {8, 16, 32})
 
 
+def test_a_bucketed_prefill_gives_the_eager_one_and_the_same_later_steps():
+    """On a CPU with a compiled forward, a prefill that may bucket pads the prompt on the left with holes to
+    prefill_width (one shape per width) and cuts the output back to the prompt's positions: its logits and hidden
+    states, and the next steps' logits, equal an eager prefill's (the "eager" backend: traced, no code generated)."""
+    from draftlab.decode.cache import prefill_width
+    from draftlab.decode.compiled import compiled_forward
+
+    assert [prefill_width(n) for n in (1, 16, 17, 100, 256, 257, 700)] == [16, 16, 32, 128, 256, 512, 768]
+    base = tiny_llama(vocab=32, seed=5)
+    B, L = 2, 5
+    ids = torch.randint(0, 32, (B, L), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones(B, L, dtype=torch.bool)
+    valid[0, :2] = False
+    plain, bucketed = StaticSlotCache(base, B, 256), StaticSlotCache(base, B, 256, compiled_forward(base, "eager"))
+    with torch.no_grad():
+        a, pos_a = plain.prefill(ids, valid, hidden=True, bucket=True)  # no compiled forward: eager, unpadded
+        b, pos_b = bucketed.prefill(ids, valid, hidden=True, bucket=True)
+        assert plain.length == L and bucketed.length == 16 and torch.equal(pos_a, pos_b)
+        assert b.logits.shape == a.logits.shape and torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
+        assert all(torch.allclose(x[valid], y[valid], atol=1e-10) for x, y in zip(a.hidden_states, b.hidden_states))
+        view = TreeView.of_static(Tree.expansion([2, 1]).buffers(), B)
+        for step in range(3):
+            tokens = torch.randint(0, 32, (B, 5), generator=torch.Generator().manual_seed(20 + step))
+            x = plain.forward(tokens, view.ancestors, view.depth).logits
+            y = bucketed.forward(tokens, view.ancestors, view.depth).logits
+            assert torch.allclose(x, y, atol=1e-10), step
+            keep, kv = torch.tensor([[0, 1], [0, 2]]), torch.ones(B, 2, dtype=torch.bool)
+            plain.keep(plain.length, keep, kv)
+            bucketed.keep(bucketed.length, keep, kv)
+
+
 def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(monkeypatch):
     """A drafter sizes its own cache from the prompt alone; past that the buffers double, contents kept (and the
     attention window follows the text: 8 slots first, then 16, 32)."""

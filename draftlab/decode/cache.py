@@ -86,9 +86,9 @@ class SlotCache:
     def length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
-    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False, bucket: bool = False):
         """Left-padded prompts [B, L] (valid marks real tokens) -> model output; each row's positions count
-        its own tokens only."""
+        its own tokens only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
                          use_cache=True, output_hidden_states=hidden)
@@ -253,7 +253,7 @@ class StaticSlotCache:
     at most N slots per layer) and rewinds the write pointer.
 
     forward: the callable that runs the model's verify forwards (the model itself, or a torch.compile of it);
-    the prefill (one varying shape per batch) always runs the model eagerly.
+    the prefill runs the model eagerly, or on a CPU through the compiled forward at a few widths (see prefill).
     """
 
     def __init__(self, model, batch: int, max_len: int, forward=None):
@@ -371,13 +371,32 @@ class StaticSlotCache:
         self.n += m
         self.tentative -= m
 
-    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(**self.open(ids, hidden), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False, bucket: bool = False):
+        """The prompt [B, L] (ids, or states [B, L, H]; left-padded, valid marks real tokens) written from slot 0:
+        the model's output and the positions. bucket (a caller whose later steps never index the cache by token
+        position): on a CPU with a compiled forward, the prompt goes through it left-padded with holes to
+        prefill_width(L), one compiled shape per width, and the output is cut back to its last L positions. Else
+        the model runs eagerly at the prompt's own width: on a GPU a prefill is compute-bound, and each width would
+        record CUDA graphs of its own."""
         L = ids.shape[1]
-        self.slots[:, :L] = valid.bool()
-        self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)
-        return out, pos
+        run = self.run if bucket and self.run is not self.model and self.device.type == "cpu" else self.model
+        pad = prefill_width(L) - L if run is not self.model else 0
+        if run is not self.model and not all(getattr(l, "is_initialized", True) for l in self.cache.layers):
+            # A new cache's layers allocate their buffers at their first write, and a graph traced then would
+            # allocate them again at every later run (the cache is reused): one eager token first, then empty.
+            first = torch.zeros_like(valid[:, :1], dtype=torch.long)
+            self.model(**self.open(ids[:, :1], hidden), attention_mask=self._mask(causal_allowed(valid[:, :1])),
+                       position_ids=first)
+            self.reset()
+        if pad:
+            ids = torch.nn.functional.pad(ids, [0, 0] * (ids.dim() - 2) + [pad, 0])
+            valid = torch.nn.functional.pad(valid, (pad, 0))
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        out = run(**self.open(ids, hidden), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
+        W = ids.shape[1]
+        self.slots[:, :W] = valid.bool()
+        self.n, self.tentative, self.next_pos = W, 0, valid.sum(-1)
+        return (_last(out, L, W), pos[:, pad:]) if pad else (out, pos)
 
     def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
         return self.run(**self.open(tokens, hidden), attention_mask=self._mask(allowed),
@@ -473,6 +492,25 @@ def move_kept(kv: list, cumulative: list, slots: torch.Tensor, n: torch.Tensor, 
     for c in cumulative:
         c.copy_(end)
     return next_pos + keep_valid.sum(-1)
+
+
+def prefill_width(L: int) -> int:
+    """The width a compiled prefill pads a prompt of L tokens to: a power of two from 16 up to 256, then a multiple of
+    256. A server then sees a few prefill shapes (each compiles once), and a prompt is padded by less than itself up
+    to 256 tokens and by less than 256 tokens past it."""
+    if L <= 256:
+        return max(16, 1 << (L - 1).bit_length())
+    return -(-L // 256) * 256
+
+
+def _last(out, L: int, W: int):
+    """A model output over W positions with its per-position tensors cut to their last L (a prefill padded on the
+    left); the rest (the cache) as it is."""
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == W:
+            return v[:, -L:]
+        return tuple(cut(t) for t in v) if isinstance(v, tuple) else v
+    return type(out)(**{k: cut(v) for k, v in out.items()})
 
 
 def _inputs(x: torch.Tensor) -> dict:
