@@ -312,34 +312,40 @@ def test_the_static_cache_follows_the_dynamic_one_through_keeps_and_a_defragment
 
 
 def test_a_bucketed_prefill_gives_the_eager_one_and_the_same_later_steps():
-    """On a CPU with a compiled forward, a prefill that may bucket pads the prompt on the left with holes to
-    prefill_width (one shape per width) and cuts the output back to the prompt's positions: its logits and hidden
-    states, and the next steps' logits, equal an eager prefill's (the "eager" backend: traced, no code generated)."""
+    """On a CPU with a compiled forward, a prefill that may bucket pads the prompt on the right with holes to
+    prefill_width (one shape per width) and cuts the output back to the prompt's positions; the next forward writes
+    over the padding. Its logits and hidden states, the cache's length, and the next steps' logits equal an eager
+    prefill's (the "eager" backend: traced, no code generated). A cache without room for the padding prefills
+    eagerly at the prompt's width rather than grow."""
     from draftlab.decode.cache import prefill_width
     from draftlab.decode.compiled import compiled_forward
 
     assert [prefill_width(n) for n in (1, 16, 17, 100, 256, 257, 700)] == [16, 16, 32, 128, 256, 512, 768]
     base = tiny_llama(vocab=32, seed=5)
+    forward = compiled_forward(base, "eager")
     B, L = 2, 5
     ids = torch.randint(0, 32, (B, L), generator=torch.Generator().manual_seed(2))
     valid = torch.ones(B, L, dtype=torch.bool)
     valid[0, :2] = False
-    plain, bucketed = StaticSlotCache(base, B, 256), StaticSlotCache(base, B, 256, compiled_forward(base, "eager"))
-    with torch.no_grad():
-        a, pos_a = plain.prefill(ids, valid, hidden=True, bucket=True)  # no compiled forward: eager, unpadded
-        b, pos_b = bucketed.prefill(ids, valid, hidden=True, bucket=True)
-        assert plain.length == L and bucketed.length == 16 and torch.equal(pos_a, pos_b)
-        assert b.logits.shape == a.logits.shape and torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
-        assert all(torch.allclose(x[valid], y[valid], atol=1e-10) for x, y in zip(a.hidden_states, b.hidden_states))
-        view = TreeView.of_static(Tree.expansion([2, 1]).buffers(), B)
-        for step in range(3):
-            tokens = torch.randint(0, 32, (B, 5), generator=torch.Generator().manual_seed(20 + step))
-            x = plain.forward(tokens, view.ancestors, view.depth).logits
-            y = bucketed.forward(tokens, view.ancestors, view.depth).logits
-            assert torch.allclose(x, y, atol=1e-10), step
-            keep, kv = torch.tensor([[0, 1], [0, 2]]), torch.ones(B, 2, dtype=torch.bool)
-            plain.keep(plain.length, keep, kv)
-            bucketed.keep(bucketed.length, keep, kv)
+    view = TreeView.of_static(Tree.expansion([2, 1]).buffers(), B)
+    for size, padded in ((256, True), (8, False)):  # 8 slots: no room for the 16 of prefill_width(5)
+        plain, bucketed = StaticSlotCache(base, B, size), StaticSlotCache(base, B, size, forward)
+        with torch.no_grad():
+            a, pos_a = plain.prefill(ids, valid, hidden=True, bucket=True)  # no compiled forward: eager, unpadded
+            calls = forward.calls
+            b, pos_b = bucketed.prefill(ids, valid, hidden=True, bucket=True)
+            assert (forward.calls > calls) == padded and plain.length == bucketed.length == L
+            assert torch.equal(pos_a, pos_b) and torch.equal(plain.valid, bucketed.valid)
+            assert b.logits.shape == a.logits.shape and torch.allclose(a.logits[valid], b.logits[valid], atol=1e-10)
+            assert all(torch.allclose(x[valid], y[valid], atol=1e-10) for x, y in zip(a.hidden_states, b.hidden_states))
+            for step in range(2 if padded else 1):
+                tokens = torch.randint(0, 32, (B, 5), generator=torch.Generator().manual_seed(20 + step))
+                x = plain.forward(tokens, view.ancestors, view.depth).logits
+                y = bucketed.forward(tokens, view.ancestors, view.depth).logits
+                assert torch.allclose(x, y, atol=1e-10), (size, step)
+                keep, kv = torch.tensor([[0, 1], [0, 2]]), torch.ones(B, 2, dtype=torch.bool)
+                plain.keep(plain.length, keep, kv)
+                bucketed.keep(bucketed.length, keep, kv)
 
 
 def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(monkeypatch):

@@ -373,30 +373,35 @@ class StaticSlotCache:
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False, bucket: bool = False):
         """The prompt [B, L] (ids, or states [B, L, H]; left-padded, valid marks real tokens) written from slot 0:
-        the model's output and the positions. bucket (a caller whose later steps never index the cache by token
-        position): on a CPU with a compiled forward, the prompt goes through it left-padded with holes to
-        prefill_width(L), one compiled shape per width, and the output is cut back to its last L positions. Else
-        the model runs eagerly at the prompt's own width: on a GPU a prefill is compute-bound, and each width would
-        record CUDA graphs of its own."""
+        the model's output and the positions. bucket: on a CPU with a compiled forward, the prompt goes through it
+        padded on the right with holes to prefill_width(L) (one compiled shape per width) where the cache has room
+        for that, and the output is cut back to the prompt's L positions; the padding's slots are written over by
+        the next forward, so the cache holds what an eager prefill leaves. Else the model runs eagerly at the
+        prompt's width: on a GPU a prefill is compute-bound, and each width would record CUDA graphs of its own."""
         L = ids.shape[1]
-        run = self.run if bucket and self.run is not self.model and self.device.type == "cpu" else self.model
-        pad = prefill_width(L) - L if run is not self.model else 0
-        if run is not self.model and not all(getattr(l, "is_initialized", True) for l in self.cache.layers):
+        compiled = bucket and self.run is not self.model and self.device.type == "cpu"
+        W = prefill_width(L) if compiled else L
+        if self.n + self.tentative + W > self.max_len:  # no room for the padding (growing would be a new shape for
+            compiled, W = False, L  # every later graph): eagerly, at the prompt's width
+        if compiled and not all(getattr(l, "is_initialized", True) for l in self.cache.layers):
             # A new cache's layers allocate their buffers at their first write, and a graph traced then would
             # allocate them again at every later run (the cache is reused): one eager token first, then empty.
-            first = torch.zeros_like(valid[:, :1], dtype=torch.long)
             self.model(**self.open(ids[:, :1], hidden), attention_mask=self._mask(causal_allowed(valid[:, :1])),
-                       position_ids=first)
+                       position_ids=torch.zeros_like(valid[:, :1], dtype=torch.long))
             self.reset()
-        if pad:
-            ids = torch.nn.functional.pad(ids, [0, 0] * (ids.dim() - 2) + [pad, 0])
-            valid = torch.nn.functional.pad(valid, (pad, 0))
+        if W > L:
+            ids = torch.nn.functional.pad(ids, [0, 0] * (ids.dim() - 2) + [0, W - L])
+            valid = torch.nn.functional.pad(valid, (0, W - L))
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        out = run(**self.open(ids, hidden), attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
-        W = ids.shape[1]
+        out = (self.run if compiled else self.model)(**self.open(ids, hidden),
+                                                     attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
         self.slots[:, :W] = valid.bool()
-        self.n, self.tentative, self.next_pos = W, 0, valid.sum(-1)
-        return (_last(out, L, W), pos[:, pad:]) if pad else (out, pos)
+        self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)
+        if W == L:
+            return out, pos
+        for layer in self._layers():  # the next write goes where the padding was
+            layer.cumulative_length.fill_(L)
+        return _first(out, L, W), pos[:, :L]
 
     def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
         return self.run(**self.open(tokens, hidden), attention_mask=self._mask(allowed),
@@ -497,18 +502,18 @@ def move_kept(kv: list, cumulative: list, slots: torch.Tensor, n: torch.Tensor, 
 def prefill_width(L: int) -> int:
     """The width a compiled prefill pads a prompt of L tokens to: a power of two from 16 up to 256, then a multiple of
     256. A server then sees a few prefill shapes (each compiles once), and a prompt is padded by less than itself up
-    to 256 tokens and by less than 256 tokens past it."""
+    to 256 tokens and by less than 256 tokens past it (the padding costs compute, not cache slots)."""
     if L <= 256:
         return max(16, 1 << (L - 1).bit_length())
     return -(-L // 256) * 256
 
 
-def _last(out, L: int, W: int):
-    """A model output over W positions with its per-position tensors cut to their last L (a prefill padded on the
-    left); the rest (the cache) as it is."""
+def _first(out, L: int, W: int):
+    """A model output over W positions with its per-position tensors cut to their first L (a prefill padded on the
+    right); the rest (the cache) as it is."""
     def cut(v):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == W:
-            return v[:, -L:]
+            return v[:, :L]
         return tuple(cut(t) for t in v) if isinstance(v, tuple) else v
     return type(out)(**{k: cut(v) for k, v in out.items()})
 

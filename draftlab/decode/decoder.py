@@ -22,7 +22,7 @@ from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers, check_tree_support,  # noqa: F401
-                    compact_cache, keep_on_device, prefill_width, reserved_mask, static_slot_cache, static_slots)
+                    compact_cache, keep_on_device, reserved_mask, static_slot_cache, static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 
@@ -111,7 +111,7 @@ class Verifier:
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
         if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away)
-            size = static_slots(prefill_width(L) + self.max_new + 2 * self.static_nodes)
+            size = static_slots(L + self.max_new + 2 * self.static_nodes)
             self.target = static_slot_cache(self.base, B, size, self.forward, reuse=self.target)
         else:
             self.target = SlotCache(self.base)

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, draw, warp
-from ..decode.cache import (causal_allowed, check_tree_support, mark_valid, move_kept, prefill_width, reserved_mask,
-                            slot_cache)
+from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, static_view
@@ -342,8 +341,8 @@ class SSMDrafter(Drafter):
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
         # On the static path: room for the prompt and 256 more slots (rounded up to 256), grown when needed.
-        self.target = slot_cache(self.lm, prompt.ids.shape[0], prefill_width(prompt.ids.shape[1]) + 256,
-                                 self.decode_path, reuse=self.target)
+        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path,
+                                 reuse=self.target)
         self.target.prefill(prompt.ids, prompt.valid, bucket=True)
         B = prompt.ids.shape[0]
         self.pending = [[] for _ in range(B)]  # committed tokens not yet in the SSM's cache, per row

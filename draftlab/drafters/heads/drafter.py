@@ -60,13 +60,13 @@ class HeadsDrafter(Drafter):
         if self.decode_path and self.decode_path.get("static"):
             # The prefix layer on its own static cache, every commit fed at one width (the tree's depth + 1), so
             # its forward has one shape (compiled when the decoder compiles).
-            from ...decode.cache import prefill_width, slot_cache
+            from ...decode.cache import slot_cache
             from .hydra import PrefixModel
 
             if getattr(self, "_prefix_model", None) is None:
                 self._prefix_model = PrefixModel(self.heads)
             B, L = prompt.valid.shape
-            self.static = slot_cache(self._prefix_model, B, prefill_width(L) + 256, self.decode_path, reuse=previous)
+            self.static = slot_cache(self._prefix_model, B, L + 256, self.decode_path, reuse=previous)
             self.hidden = self.static.prefill(hidden, prompt.valid, bucket=True)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
