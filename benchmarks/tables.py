@@ -722,6 +722,8 @@ TABLES = {
         "Sampled acceptance on the device, eager (CPU)", "refactor_check_sampled_on_device_eager")),
     "refactor_check_compiled_prefill": ("refactor_check_compiled_prefill", refactor_check_compiled_exports(
         "The prefill through the compiled forward at a few widths (CPU)", "refactor_check_compiled_prefill")),
+    "refactor_check_compiled_prefill_ssm": ("refactor_check_compiled_prefill_ssm", refactor_check_compiled_exports(
+        "The compiled prefill, a second run with the SSM alone (CPU)", "refactor_check_compiled_prefill_ssm")),
     "refactor_check_ssm_chained": ("refactor_check_ssm_chained", refactor_check_compiled_exports(
         "The SSM's chained step: its commit, feed and tree inside the verify call (CPU)",
         "refactor_check_ssm_chained")),
