@@ -599,14 +599,16 @@ def refactor_check_compiled(p, d) -> None:
 
 
 def refactor_check_compiled_exports(title: str, name: str):
-    """A --compile refactor check on the exports of "Every drafter kind at full training" (runs/...)."""
+    """A refactor check on the exports of "Every drafter kind at full training" (runs/...) or the boost-tuned
+    ensemble (with its schedule options, if any, on both sides)."""
     dirs = {"hydra++": "runs/full-hydra++/export", "medusa": "runs/full-medusa/export",
             "eagle3": "runs/e6-eagle3-self/export", "dflash": "runs/e6-dflash-self/export",
-            "ssm": "runs/ssm-member1/export"}
+            "ssm": "runs/ssm-member1/export", "ensemble": "benchmarks/exports/stories260k-ensemble-boost"}
 
     def table(p, d) -> None:
         kinds = [k[: -len("_after")] for k in d["methods"] if k.endswith("_after") and k != "plain_after"]
-        exports = " ".join(f"--export {k}={dirs[k]}" for k in kinds)  # in the command's order
+        exports = " ".join(f"--export {k}={dirs[k]}" for k in kinds) + "".join(  # in the command's order
+            f" --ensemble-option {k}={v}" for k, v in (d.get("ensemble_options") or {}).items())
         compiled, T = d.get("compiled", True), d.get("temperature", 0)
         opts = ("--compile " if compiled else "") + (f"--temperature {T} " if T else "")
         path = "the static-shape compiled path (inductor)" if compiled else "the eager path"
@@ -616,19 +618,6 @@ def refactor_check_compiled_exports(title: str, name: str):
                        f"{d['prompts']} --name {name} {exports}`; before = {d['before']}, both on {path}, same "
                        f"exports, base object and prompts, interleaved; {d['prompts']} prompts x "
                        f"{d['max_new_tokens']} tokens{sampled}; {where(d)}", per_phase=True)
-    return table
-
-
-def refactor_check_ensemble(title: str, name: str):
-    """A --compile refactor check on the boost-tuned 5-SSM ensemble (its schedule options, if any, on both sides)."""
-
-    def table(p, d) -> None:
-        opts = "".join(f" --ensemble-option {k}={v}" for k, v in (d.get("ensemble_options") or {}).items())
-        refactor_check(p, d, title, f"`benchmarks/refactor_check.py --compile --commit {d['before']} --prompts "
-                       f"{d['prompts']} --name {name} --export ensemble=benchmarks/exports/stories260k-ensemble-boost"
-                       f"{opts}`; before = {d['before']}, both on the static-shape compiled path (inductor), same "
-                       f"export, base object and prompts, interleaved; {d['prompts']} prompts x "
-                       f"{d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
     return table
 
 
@@ -682,13 +671,13 @@ TABLES = {
     "ensemble_cost_probe_share": ("ensemble_cost_probe_share", lambda p, d: ensemble_cost(
         p, d, "Probes bounded by their share of the time against a fixed bound of 256 steps, one run",
         "ensemble_cost_probe_share")),
-    "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_ensemble(
+    "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_compiled_exports(
         "The SSM's feed widened to powers of two (13d7532): the default schedule against the commit before it",
         "refactor_check_ensemble_feed")),
-    "refactor_check_ensemble_feed_exact": ("refactor_check_ensemble_feed_exact", refactor_check_ensemble(
+    "refactor_check_ensemble_feed_exact": ("refactor_check_ensemble_feed_exact", refactor_check_compiled_exports(
         "The SSM's feed widened to the width a step needs up to 8: the default schedule against the commit before "
         "13d7532", "refactor_check_ensemble_feed_exact")),
-    "refactor_check_cost_probes": ("refactor_check_cost_probes", refactor_check_ensemble(
+    "refactor_check_cost_probes": ("refactor_check_cost_probes", refactor_check_compiled_exports(
         "The cost schedule with bounded probes, late members' text as their prompt and deferred following, against "
         "the commit before them", "refactor_check_cost_probes")),
     "compiled_searched": ("compiled_searched", compiled),
