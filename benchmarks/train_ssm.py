@@ -3,7 +3,7 @@
     python benchmarks/train_ssm.py                        # forward KL and total variation, ~3 min each on 2 cores
     python benchmarks/train_ssm.py --divergences fkl rkl tvd jsd
 
-1. The base continues the first 64 characters of each of the 2084 training stories (greedy, 256 new tokens):
+1. The base continues the first 64 characters of each of the 2085 training stories (greedy, 256 new tokens):
    `draftlab distill-data --mode text`, kept in runs/stories260k-self.jsonl (resumable, made once).
 2. recipes/stories260k-ssm.yaml is trained once per divergence with the same data, steps and seed; the exports
    go to benchmarks/exports/stories260k-ssm-<divergence> for benchmarks/ssm.py.

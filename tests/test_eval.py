@@ -141,6 +141,26 @@ def test_eval_cli_json(export, tmp_path, capsys):
     assert main(["eval", "mt-bench", export, "--typical-epsilon", "0.2", "--json"]) == 2
 
 
+def test_eval_cli_exit_code_when_answers_differ(monkeypatch, tmp_path, capsys):
+    """A greedy answer that differs from plain decoding exits 1, with --json too (the summary printed first)."""
+    import draftlab.cli.eval as cli_eval
+    from draftlab.cli import main
+
+    report = tmp_path / "report.md"
+    report.write_text("# report\n")
+    summary = {"greedy": True, "baseline": True, "differences": [{"question_id": 81, "turn": 0}],
+               "report": str(report), "answers": {"draftlab": str(tmp_path / "a.jsonl")}}
+    monkeypatch.setattr(cli_eval, "run_mt_bench", lambda *a, **k: dict(summary))
+    argv = ["eval", "mt-bench", "EXPORT", "--out", str(tmp_path / "r")]
+    assert main(argv + ["--json"]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["differences"] == summary["differences"]
+    assert main(argv) == 1 and "1 turns differ" in capsys.readouterr().out
+    for same in ({"differences": []}, {"greedy": False}, {"baseline": False}):  # nothing to flag: exit 0
+        monkeypatch.setattr(cli_eval, "run_mt_bench", lambda *a, s=same, **k: {**summary, **s})
+        assert main(argv + ["--json"]) == 0 and main(argv) == 0
+    capsys.readouterr()
+
+
 def test_mt_bench_with_an_ssm_export(stories_dir, tmp_path):
     """eval mt-bench takes an SSM export unchanged: answers identical to plain greedy, the drafter recorded."""
     from draftlab.base import load_base

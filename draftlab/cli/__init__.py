@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads, export and decode (CPU, offline)")
+    s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads and a 1-layer "
+                                          "SSM, export and decode (CPU, offline)")
     s.add_argument("--out", default="runs/quickstart")
     s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
     s.add_argument("--seed", type=int, default=0)
@@ -189,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .search_tree import add_search_args, search_command
 
-    s = sub.add_parser("search-tree", help="find the fastest static tree for an export on this machine")
+    s = sub.add_parser("search-tree", help="find the fastest tree for an export on this machine (static trees; EAGLE-2 "
+                                            "dynamic-tree settings for eagle3 exports)")
     add_search_args(s)
     s.set_defaults(func=lambda a: search_command(a))
 

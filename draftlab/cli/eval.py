@@ -22,7 +22,9 @@ def add_eval_args(sub) -> None:
                    help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id (default: the 80 MT-Bench "
                         "questions that ship with draftlab, data/mt_bench/question.jsonl)")
     p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
-    p.add_argument("--tree", default=None, help="tree file, 'chain' or 'default'")
+    p.add_argument("--tree", default=None,
+                   help="'default', 'chain', 'chain:N', 'expansion:K1,K2,...', 'dynamic:DEPTH,TOP_K,TOTAL' (eagle3 "
+                        "exports), a tree file (JSON/YAML), FILE.py:NAME or inline paths, as generate --tree")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -44,7 +46,9 @@ def add_eval_args(sub) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots (per category, histogram, per slicing)")
     p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last line (exit 1 still if a greedy answer "
+                        "differs from plain decoding)")
     c = sub.add_parser("compare", help="side-by-side table of eval runs; with two, their slices and what got worse",
                        description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees). "
                                    "With exactly two runs A B, also each slicing's slices side by side, marking those "
@@ -86,12 +90,13 @@ def eval_command(a) -> int:
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
                      device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha,
                      compile=a.compile, slice_field=a.slice_field)
+    differ = bool(s["greedy"] and s["baseline"] and s["differences"])
     if a.json:
-        print(json.dumps(s))
-        return 0
+        print(json.dumps(s), flush=True)
+        return 1 if differ else 0
     print(Path(s["report"]).read_text())
     print(f"answers: {', '.join(s['answers'].values())}\nreport: {s['report']}")
-    if s["greedy"] and s["baseline"] and s["differences"]:
+    if differ:
         print(f"WARNING: {len(s['differences'])} turns differ from plain greedy decoding", flush=True)
         return 1
     return 0

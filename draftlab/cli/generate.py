@@ -13,7 +13,11 @@ def add_generate_args(p) -> None:
     p.add_argument("export", help="export directory (OUTPUT_DIR/export of a training run), or `lookup` / `lookup:N` "
                                   "for prompt-lookup drafting with --base")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--tree", default=None, help="tree file (JSON/YAML), 'chain', or 'default'")
+    p.add_argument("--tree", default=None,
+                   help="'default', 'chain', 'chain:N', 'expansion:K1,K2,...' (SpecInfer), 'dynamic:DEPTH,TOP_K,TOTAL' "
+                        "(EAGLE-2 dynamic trees, eagle3 exports), a tree file (JSON/YAML), FILE.py:NAME (a list "
+                        "assigned in a Python file, e.g. Medusa's medusa_choices.py) or inline paths, e.g. "
+                        "'[[0], [1], [0, 0]]'")
     p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default=None)
@@ -39,7 +43,7 @@ def add_generate_args(p) -> None:
                    help="ensemble exports, vote: adapt the chain length online (Minions)")
     p.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
                    help="ensemble exports: a scheduler / vote / adaptive-length parameter, e.g. reward_factor=1.5 "
-                        "(repeatable; see the README for names and defaults)")
+                        "(repeatable; names and defaults: the Ensembles section of docs/drafters.md)")
     add_placement_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
