@@ -337,6 +337,88 @@ def test_a_member_that_begins_late_takes_the_text_as_its_prompt(compile, monkeyp
     assert torch.equal(a.propose(root).tokens, b.propose(root).tokens)
 
 
+def _tree_holds(member, prefix, root, text):
+    """The tokens member's tree holds along `text` when it drafts from root after prefix (eager, alone)."""
+    from draftlab.drafters import PromptState
+
+    d = SSMDrafter(member.lm, member.tree)
+    ids = torch.tensor([prefix])
+    d.begin(PromptState(ids, ids >= 0, torch.arange(len(prefix))[None]), Sampling(), None)
+    tokens = d.propose(torch.tensor([root])).tokens[0].tolist()
+    node = {p: i for i, p in enumerate(member.tree.paths, start=1)}
+    path = ()
+    for t in text:
+        nxt = [path + (r,) for r in range(len(tokens)) if path + (r,) in node and tokens[node[path + (r,)]] == t]
+        if not nxt:
+            break
+        path = nxt[0]
+    return len(path)
+
+
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_the_text_ranking_scores_what_each_tree_would_have_held(compile):
+    """Under the cost policy with rank_on=text (greedy, SSM members), the members that sat out are scored at a probe
+    on the text committed meanwhile: at every step one member drafted alone, what each other member's tree would
+    have held, from the ranks of the text's tokens under its logits. Each score equals the tokens that member's
+    tree holds when it drafts there alone; the complete rows go to the schedule. Batch 2, uneven prompts, EOS."""
+    base = tiny_llama(seed=0)
+    noisy = tiny_llama(seed=0)  # the base with a noisy output layer: its trees hold some of the text
+    with torch.no_grad():
+        noisy.lm_head.weight.add_(torch.randn(noisy.lm_head.weight.shape, generator=torch.Generator().manual_seed(3),
+                                              dtype=noisy.lm_head.weight.dtype) * 0.005)
+    mem = [SSMDrafter(tiny_llama(seed=0), Tree.chain(3)), SSMDrafter(noisy, Tree.expansion([2, 2])),
+           SSMDrafter(small_lm(22, layers=2), Tree.chain(2))]
+    sched = CountScheduler([3] + [1] * 5 + [3] + [1] * 5 + [3] + [1] * 20)
+    drafter = EnsembleDrafter(mem, scheduler=sched)
+    seen, text_rows = [], drafter._text_rows
+
+    def spy():  # what the probe scores, and the rows it gives the schedule
+        lone, log, before = dict(drafter.lone), [list(step) for step in drafter.log], len(sched.lengths)
+        would = {s: {m: dict(r) for m, r in w.items()} for s, w in drafter.would.items()}
+        text_rows()
+        seen.append((lone, would, log, sched.lengths[before:]))
+    drafter._text_rows = spy
+    dec = SpeculativeDecoder(base, drafter, compile=compile)
+    prompts = [[40, 37, 11, 26], [33, 43, 40, 7, 41, 3, 61]]
+    want = [plain_greedy(base, p, 80) for p in prompts]
+    stop = want[1][44]  # row 1 ends there, row 0 goes on to 80 tokens
+    assert stop not in want[0] + want[1][:44]
+    want[1] = want[1][:45]
+    res = dec.generate(prompts, max_new_tokens=80, eos_token_id=stop)
+    assert res.tokens == want
+    scored = nonzero = 0
+    rows = []
+    for lone, would, log, added in seen:
+        got = []
+        for s, (m, held) in lone.items():
+            for b, h in enumerate(held):
+                if h is None:
+                    continue
+                text = [t for step in log[:s] for t in step[b]]
+                after = [t for step in log[s:] for t in step[b]][1:]
+                assert h == len(log[s][b]) - 1
+                row = [h if i == m else would.get(s, {}).get(i, {}).get(b) for i in range(3)]
+                got += [row] if None not in row else []
+                for i, w in enumerate(row):
+                    if i != m and w is not None:
+                        scored += 1
+                        nonzero += w > 0
+                        assert w == _tree_holds(mem[i], prompts[b] + text, log[s][b][0], after), (s, b, i)
+        assert added == got  # the complete rows went to the schedule
+        rows += got
+    assert scored > 20 and len(rows) > 10 and nonzero > 8, (scored, len(rows), nonzero)
+    # Sampling, or rank_on=probes: no text rows.
+    for sampling, rank_on in ((Sampling(temperature=1.0), "text"), (Sampling(), "probes")):
+        sched = CountScheduler([3] + [1] * 5 + [3] + [1] * 5)
+        sched.rank_on = rank_on
+        drafter = EnsembleDrafter(mem, scheduler=sched)
+        SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=40, sampling=sampling,
+                                                    generator=torch.Generator().manual_seed(0))
+        assert not drafter.text and not drafter.lone and all(None not in r for r in sched.lengths), rank_on
+    with pytest.raises(ValueError, match="rank_on"):
+        Scheduler(policy="cost", rank_on="gain")
+
+
 def test_the_cost_schedule_chooses_the_most_tokens_per_second():
     """The cost policy's choice from what it measured: after the warm-up with every member, each member count is
     timed `explore` steps, then the count with the most expected tokens per second drafts, every member drafting on
@@ -371,6 +453,12 @@ def test_the_cost_schedule_chooses_the_most_tokens_per_second():
         assert gaps[-1] == gap and gaps == sorted(gaps), (kind, share, gaps)  # doubling up to the bound
     with pytest.raises(ValueError, match="policy"):
         Scheduler(policy="fastest")
+    with pytest.raises(ValueError, match="probe_share"):
+        Scheduler(policy="cost", probe_share=0)
+    sched = Scheduler(policy="cost", probe_every=8, probe_max=4)  # probe_max bounds the interval whatever probe_every
+    sched.reset(3)
+    sched.k, sched.seconds = 1, [[], [1.0], [], [5.0]]
+    assert sched._probe_cap(3) == 4
     with pytest.raises(ValueError, match="merge"):
         EnsembleDrafter([LookupDrafter(num_tokens=2)], mode="vote", scheduler=Scheduler(policy="cost"))
 
@@ -389,6 +477,27 @@ def test_schedule_histories_stay_bounded(monkeypatch):
         adaptive.record({"verify": 1e-3}, 2.0)
     assert 8 <= len(sched.history) < 16 and 8 <= len(adaptive.history) < 16
     assert sched.history[-1] == on and adaptive.history[-1] == adaptive.s
+
+
+def test_the_ensembles_log_keeps_what_a_member_has_not_followed(monkeypatch):
+    """The log of committed text drops the steps every member has followed (every LOG_KEEP steps): a member that sits
+    out 5 steps in 6 drafts the same trees as with the whole log kept."""
+    from draftlab.drafters import ensemble as ens
+
+    base, prompts = tiny_llama(seed=0), [[40, 37, 11, 26], [33, 43, 40, 7, 41, 3, 61]]
+    runs = []
+    for keep in (10 ** 6, 4):
+        monkeypatch.setattr(ens, "LOG_KEEP", keep)
+        late = SSMDrafter(small_lm(21), Tree.expansion([2, 2]))
+        trees, propose = [], late.propose
+        late.propose = lambda root: (lambda p: (trees.append(p.tokens.tolist()), p)[1])(propose(root))
+        drafter = EnsembleDrafter([SSMDrafter(tiny_llama(seed=0), Tree.chain(3)), late],
+                                  scheduler=CountScheduler([2] + [1] * 5))
+        res = SpeculativeDecoder(base, drafter).generate(prompts, max_new_tokens=150)
+        assert res.tokens == [plain_greedy(base, p, 150) for p in prompts]
+        runs.append((trees, drafter.log0, len(drafter.log)))
+    assert len(runs[0][0]) > 3 and runs[0][0] == runs[1][0]
+    assert runs[0][1] == 0 and runs[1][1] > 0 and runs[1][2] <= 6 + 4, runs[1][1:]
 
 
 def test_lookup_drafter_prompt_and_datastore():

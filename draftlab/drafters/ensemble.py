@@ -41,6 +41,9 @@ DECIDE_EVERY = 8  # the cost policy's steps between choices (each choice reads e
 # Steps a schedule's history keeps: a server decodes for days, and the history's readers (benchmarks, tests) look at
 # one run's steps; it is trimmed to this length when it reaches twice it, so appending stays O(1) per step.
 HISTORY = 16384
+# The ensemble's log of committed text keeps the steps some member has not followed yet; it is trimmed every
+# LOG_KEEP steps.
+LOG_KEEP = 256
 
 
 def _note(history: list, entry) -> None:
@@ -57,21 +60,24 @@ class Scheduler:
 
     gain (default): after `warmup` steps a member whose gain is below `min_share` of the best member's is paused; a
         paused member drafts again every `probe_every` steps, so one that starts to help comes back.
-    cost: the members that draft are the first k of a ranking (by accepted length on the rows every member
-        drafted, see `ranking`), with k chosen for the most tokens per second: the expected accepted length of
-        those k, E[max over them of the accepted tokens their own trees held] + 1, over the steady-state seconds
-        of a step with k members drafting, the fastest of the last `explore` x 3 steps timed with k. Steps that
-        compiled are not timed; a step that fed a member's backlog, or that the machine slowed, is slower, never
+    cost: the members that draft are the first k of a ranking (by accepted length on the last `rank_window` rows
+        where every member drafted or was scored, see `ranking`), with k chosen for the most tokens per second: the expected accepted
+        length of those k, E[max over them of the accepted tokens their own trees held] + 1, over the steady-state
+        seconds of a step with k members drafting, the fastest of the last `explore` x 3 steps timed with k. A step's
+        seconds leave out those spent feeding members the text they missed (paid per token of text however the
+        members are chosen); steps that compiled are not timed; a step that the machine slowed is slower, never
         faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again). The
-        lengths come from the last `cost_window` rows of steps with two members or more on which those k drafted
-        (the warm-up's, the exploration's, the probes'; steps of a lone member add none, so every k, 1 included,
-        is estimated on the same kind of rows). After `warmup` steps with every member, each k is timed `explore`
-        steps, then the best k drafts (chosen again every 8 steps), and every member drafts on probe steps to keep
-        the lengths of the members not drafting current: first `probe_every` steps apart, the interval doubling
-        while the choice stands, up to where probes cost `probe_share` of the decoding time and never past
-        `probe_max`: that bound is a probe's extra seconds (its mean timed seconds less the chosen k's step
-        seconds) divided by `probe_share` times the chosen k's step seconds (the members that sat out catch up
-        with the text, so a probe costs several steps).
+        lengths come from the last `cost_window` rows on which those k drafted or were scored: rows of steps with two
+        members or more (the warm-up's, the exploration's, the probes'), and with `rank_on` text (greedy, SSM
+        members) rows of the steps one member drafted alone, the others scored at the next probe on the text
+        committed meanwhile (what their trees would have held there, from the ranks of the text's tokens under their
+        logits: under greedy exactly what they would have held). With `rank_on` probes, or sampling, a lone member's
+        steps add no rows, so every k, 1 included, is estimated on the same kind of rows. After `warmup` steps with
+        every member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and every
+        member drafts on probe steps to keep the lengths of the members not drafting current: first `probe_every`
+        steps apart, the interval doubling while the choice stands, up to where probes cost `probe_share` of the
+        decoding time and never past `probe_max`: that bound is a probe's extra seconds (its mean timed seconds less
+        the chosen k's step seconds) divided by `probe_share` times the chosen k's step seconds.
         With one member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a
         compiled CPU path) the ensemble chains too.
     """
@@ -83,8 +89,10 @@ class Scheduler:
     policy: str = "gain"
     explore: int = 3
     cost_window: int = 256
+    rank_window: int = 4096
     probe_share: float = 0.02
     probe_max: int = 4096
+    rank_on: str = "text"
     gains: list[float] = field(default_factory=list)
     steps: int = 0
     history: list[list[bool]] = field(default_factory=list)  # who drafted, per step (the last HISTORY steps or more)
@@ -104,6 +112,12 @@ class Scheduler:
         if self.policy not in SCHEDULE_POLICIES:
             raise ValueError(f"ensemble option policy={self.policy!r}: use gain (pause members that help little) or "
                              "cost (draft with the members that give the most tokens per second)")
+        if not self.probe_share > 0:
+            raise ValueError(f"ensemble option probe_share={self.probe_share}: the share of the decoding time probes may "
+                             "take must be > 0 (a tiny share, e.g. 1e-9, leaves probe_max the only bound)")
+        if self.rank_on not in ("text", "probes"):
+            raise ValueError(f"ensemble option rank_on={self.rank_on!r}: use text (every member scored on the text "
+                             "committed while it sat out, greedy) or probes (the rows where every member drafted)")
 
     def reset(self, n: int) -> None:
         if len(self.gains) != n:
@@ -153,22 +167,23 @@ class Scheduler:
         if not probe or not step or self.k == n:
             return self.probe_max
         extra = sum(probe) / len(probe) - min(step)
-        return max(self.probe_every, min(self.probe_max, math.ceil(extra / (self.probe_share * min(step)))))
+        return min(self.probe_max, max(self.probe_every, math.ceil(extra / (self.probe_share * min(step)))))
 
     def ranking(self) -> list[int]:
-        """The cost policy's members, best first: by the accepted tokens each one's tree held over the kept rows on
-        which every member drafted (the warm-up's and the probes': one comparison for all, which changes only when a
-        probe adds rows, so a lone member is not swapped for another on noise), then by gain."""
+        """The cost policy's members, best first: by the accepted tokens each one's tree held over the last
+        `rank_window` rows on which every member drafted or was scored (the warm-up's, the probes' and, with rank_on text, the lone steps'
+        scored at a probe: one comparison for all, which changes only when rows are added, so a lone member is not
+        swapped for another on noise), then by gain."""
         mean = self._over_rows("ranking", self._summed_lengths)
         return sorted(range(len(self.gains)), key=lambda m: (-mean[m], -self.gains[m], m))
 
     def _summed_lengths(self) -> list[float]:
-        full = [row for row in self.lengths[-self.cost_window:] if None not in row]
+        full = [row for row in self.lengths[-self.rank_window:] if None not in row]
         return [sum(row[m] for row in full) for m in range(len(self.gains))]
 
     def _over_rows(self, key, compute):
-        """compute() once while the rows stay the same (they change only on steps with two members or more; a
-        lone member's steps, nearly all of them, reuse the sums)."""
+        """compute() once while the rows stay the same (they change only on steps with two members or more and at
+        probes; a lone member's steps, nearly all of them, reuse the sums)."""
         memo = self.__dict__.setdefault("_memo", {})
         if memo.get("rows") != self.row_updates:
             memo.clear()
@@ -213,11 +228,17 @@ class Scheduler:
             if seconds is not None and k:
                 self.seconds[k].append(seconds)
                 del self.seconds[k][: -3 * self.explore]
-            if k >= 2 and rows:  # a lone member's rows say nothing the rows of steps with more members do not
-                self.lengths += rows
-                self.row_updates += 1
-            if len(self.lengths) > 2 * self.cost_window:  # trimmed now and then: appending stays O(1) per step
-                del self.lengths[: -self.cost_window]
+            if k >= 2 and rows:  # a lone member's rows come from the text, if at all (add_rows)
+                self.add_rows(rows)
+
+    def add_rows(self, rows: list[list]) -> None:
+        """Rows for the cost policy: per row of a step, the accepted tokens each member's own tree held or, for a
+        member that did not draft, would have held (None: not known)."""
+        self.lengths += rows
+        self.row_updates += 1
+        keep = max(self.cost_window, self.rank_window)
+        if len(self.lengths) > 2 * keep:  # trimmed now and then: appending stays O(1) per step
+            del self.lengths[: -keep]
 
 
 @dataclass
@@ -388,9 +409,9 @@ class MemberGroup:
 
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
-    them (min_share, decay, warmup, probe_every, policy, explore, cost_window, probe_share, probe_max; reward_factor,
-    punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold, window, s_reward, s_punish,
-    metric, rule), typed as its default is. An unknown name is an error listing the known ones."""
+    them (min_share, decay, warmup, probe_every, policy, explore, cost_window, rank_window, probe_share, probe_max,
+    rank_on; reward_factor, punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold,
+    window, s_reward, s_punish, metric, rule), typed as its default is. An unknown name is an error listing the known ones."""
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
@@ -508,7 +529,16 @@ class EnsembleDrafter(Drafter):
         # steps it missed when it next drafts (_ready), not at every step.
         self.started = [i in self.grouped for i in range(len(self.members))]
         self.log: list[list[list[int]]] = []  # per step: the tokens it committed per row (root first, bonus excluded)
+        self.log0, self.trim_at = 0, LOG_KEEP  # the step log[0] holds (steps every member has followed are dropped)
+        self.text_s = 0.0  # seconds this step spent feeding members the text they missed (not the step's own cost)
         self.seen = [0] * len(self.members)  # per member: the steps of the log it has followed
+        # The cost policy's text ranking (greedy, every member an SSM): per step one member drafted alone, that member
+        # and the tokens its tree held per row; per such step, what the other members' trees would have held (member
+        # -> row -> tokens), scored when they catch up with the text at a probe (_score).
+        self.text = (self.cost and self.scheduler.rank_on == "text" and sampling.temperature <= 0
+                     and all(isinstance(m, SSMDrafter) for m in self.members))
+        self.lone: dict[int, tuple[int, list]] = {}
+        self.would: dict[int, dict[int, dict[int, int]]] = {}
         if not self.cost:
             for i in range(len(self.members)):
                 self._ready(i)
@@ -521,17 +551,24 @@ class EnsembleDrafter(Drafter):
         if self.scheduler is not None:
             self.scheduler.reset(n)
         self.vote.reset(n)
-        self.plan, self.solo, self.lap = None, None, None
+        self.plan, self.solo, self.lap, self.text_s = None, None, None, 0.0
 
-    def _ready(self, m: int) -> None:
+    def _ready(self, m: int, score: bool = False, narrow: bool = False) -> None:
         """Member m drafts this step: its begin if it has not begun in this run, then the text of the steps it sat out
-        (a grouped member's group follows every step itself)."""
+        (a grouped member's group follows every step itself). An SSM is fed a long backlog now, in chunks (catch_up);
+        narrow: all of it but the last token, so its feed is narrow (drafting alone, it chains). score: all of it too,
+        and what the member's tree would have held at the lone steps it sat out is scored from it (_score)."""
         if m in self.grouped:
             return
-        missed, self.seen[m] = self.log[self.seen[m]:], len(self.log)
+        t0, first = time.perf_counter(), self.seen[m]
+        missed, self.seen[m] = self.log[first - self.log0:], self.log0 + len(self.log)
         unseen = [list(chain.from_iterable(step[b] for step in missed)) for b in range(len(missed[0]))] if missed \
             else None
         member = self.members[m]
+        score = score and unseen is not None
+        if score:  # the tokens fed before the text it missed: what it had pending, or (begun now) the prompt
+            skip = [len(p) for p in member.pending] if self.started[m] else self.start_args[0].valid.sum(-1).tolist()
+            member.ranks = [[] for _ in unseen]
         if not self.started[m]:
             prompt, sampling, generator = self.start_args
             member.decode_path = self.decode_path
@@ -545,6 +582,45 @@ class EnsembleDrafter(Drafter):
             self.started[m] = True
         if unseen is not None:
             member.follow(unseen)
+        if isinstance(member, SSMDrafter) and (score or narrow or member.behind()):
+            member.catch_up(1 if score or narrow else member.feed_width - 1)
+        if score:
+            self._score(m, first, member.ranks, skip)
+            member.ranks = None
+        self.text_s += time.perf_counter() - t0
+
+    def _score(self, m: int, first: int, ranks: list[list[int]], skip: list[int]) -> None:
+        """What member m's tree would have held at the lone steps of the log from `first` on, per row: from the ranks of
+        the text's tokens under its logits as it was fed the text (SSMDrafter.record_ranks; the first skip[b] are of
+        tokens before that text), the longest run of them from the step's root that is a path of its tree. Under
+        greedy that is exactly what its tree would have held (up to ties and rounding of the logits); a run that
+        reaches the last rank known is not scored."""
+        tree = self.members[m].tree
+        paths, depth = set(tree.paths), tree.depth
+        for b, (r, k) in enumerate(zip(ranks, skip)):
+            r, i = r[k:], 0
+            for s, step in enumerate(self.log[first - self.log0:], start=first):
+                if s in self.lone and self.lone[s][1][b] is not None:
+                    d = 0
+                    while d < depth and i + d < len(r) and r[i + d] >= 0 and tuple(r[i:i + d + 1]) in paths:
+                        d += 1
+                    if d == depth or (i + d < len(r) and r[i + d] >= 0):
+                        self.would.setdefault(s, {}).setdefault(m, {})[b] = d
+                i += len(step[b])
+
+    def _text_rows(self) -> None:
+        """At a step every member drafts: the rows of the lone steps since the last one (the tokens the lone member's
+        tree held, and what every other member's would have) go to the schedule, complete rows only."""
+        n, rows = len(self.members), []
+        for s, (m, held) in self.lone.items():
+            would = self.would.get(s, {})
+            for b, h in enumerate(held):
+                row = [h if i == m else would.get(i, {}).get(b) for i in range(n)]
+                if None not in row:
+                    rows.append(row)
+        self.lone, self.would = {}, {}
+        if rows:
+            self.scheduler.add_rows(rows)
 
     def share_state(self, other: Drafter) -> None:
         if isinstance(other, EnsembleDrafter):
@@ -571,9 +647,12 @@ class EnsembleDrafter(Drafter):
         self._advance()
         if self.solo is not None:
             return self._propose_solo(root, t0)
+        probe = self.text and all(self.on)  # every member catches up: the lone steps since the last probe are scored
         for i, on in enumerate(self.on):
             if on:
-                self._ready(i)
+                self._ready(i, score=probe)
+        if probe:
+            self._text_rows()
         self.props = [m.propose(root) if on and i not in self.grouped else None
                       for i, (m, on) in enumerate(zip(self.members, self.on))]
         # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
@@ -625,9 +704,7 @@ class EnsembleDrafter(Drafter):
     def _propose_solo(self, root: torch.Tensor, t0: float) -> Proposal:
         """One member drafts: its tree is the proposal, verified at its own width."""
         member = self.members[self.solo]
-        self._ready(self.solo)
-        if hasattr(member, "catch_up"):  # an SSM that followed the text: fed now, so its feed is narrow (it chains)
-            member.catch_up(1)
+        self._ready(self.solo, narrow=True)
         self.props = [None] * len(self.members)
         self.props[self.solo] = prop = member.propose(root)
         prop.nodes = member.max_nodes
@@ -787,6 +864,8 @@ class EnsembleDrafter(Drafter):
         gains: list[float | None] = [None] * n
         gains[m] = _held(step.paths, live)
         prop = member.chained(step) if chained else member.commit(step)
+        if self.text:
+            self.lone[self.log0 + len(self.log)] = (m, [len(p) - 1 if ok else None for p, ok in zip(step.paths, live)])
         self._logged(step.path_tokens(), (m,))
         t1 = time.perf_counter()
         self.scheduler.update(gains, None, self._lap())
@@ -803,14 +882,21 @@ class EnsembleDrafter(Drafter):
         """The step's text in the log; the members that drafted it (and committed) have followed it."""
         self.log.append(committed)
         for m in drafted:
-            self.seen[m] = len(self.log)
+            self.seen[m] = self.log0 + len(self.log)
+        if len(self.log) >= self.trim_at:  # now and then: the steps every member has followed are dropped
+            low = min([self.seen[m] for m in range(len(self.members)) if m not in self.grouped],
+                      default=self.log0 + len(self.log))
+            del self.log[: low - self.log0]
+            self.log0, self.trim_at = low, len(self.log) + LOG_KEEP
 
     def _lap(self) -> float | None:
-        """Seconds since the last step was committed; None for a run's first step (its time holds the prefill) and
-        for a step that compiled a graph (its time holds the compiling)."""
+        """Seconds since the last step was committed, less those spent feeding members the text they missed (paid per
+        token of text, whoever drafts and however often probes come); None for a run's first step (its time holds the
+        prefill) and for a step that compiled a graph (its time holds the compiling)."""
         now, last, graphs = time.perf_counter(), self.lap, compiled_graphs()
         compiled, self.lap, self.graphs = graphs != self.graphs, now, graphs
-        return None if last is None or compiled else now - last
+        fed, self.text_s = self.text_s, 0.0
+        return None if last is None or compiled else now - last - fed
 
     def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
         """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""

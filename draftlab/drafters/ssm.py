@@ -291,6 +291,9 @@ class SSMDrafter(Drafter):
         self.feed_width = 2  # static path: tokens fed per step (see propose)
         self.set_tree(tree)
         self.target = None
+        # Per row, when a list (an ensemble's text ranking sets it): the rank of the next token of the text under the
+        # SSM's logits at every real position that begin and catch_up feed (see record_ranks); None: not recorded.
+        self.ranks: list[list[int]] | None = None
 
     def set_tree(self, tree: Tree) -> None:
         """Draft this tree from the next step on (the KV cache is unaffected; an adaptive ensemble changes chain
@@ -343,7 +346,9 @@ class SSMDrafter(Drafter):
         # On the static path: room for the prompt and 256 more slots (rounded up to 256), grown when needed.
         self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path,
                                  reuse=self.target)
-        self.target.prefill(prompt.ids, prompt.valid, bucket=True)
+        out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True)
+        if self.ranks is not None:
+            self.record_ranks(out.logits, prompt.ids, prompt.valid, None)
         B = prompt.ids.shape[0]
         self.pending = [[] for _ in range(B)]  # committed tokens not yet in the SSM's cache, per row
         self.live = [True] * B
@@ -372,10 +377,9 @@ class SSMDrafter(Drafter):
         B, dev = root.shape[0], self.device
         # 1. Feed what was committed since the last step (an accepted leaf, tokens other drafters proposed: host lists),
         # then the root (on the device), left-padded: one host-to-device copy, no sync.
-        P = 1 + max(len(p) for p in self.pending)
-        if self._fused() and P - 1 > CATCH_UP:  # a long backlog (a member an ensemble paused): fed in chunks first
+        if self.behind():  # a long backlog (a member an ensemble paused): fed in chunks first
             self.catch_up(self.feed_width - 1)
-            P = 1 + max(len(p) for p in self.pending)
+        P = 1 + max(len(p) for p in self.pending)
         if self._fused():
             # One feed width for every step (an accepted leaf + the root: 2), widened only when a step needs
             # more (an ensemble's other members' tokens): to that width up to 8 (a merged tree's steps need 3-5;
@@ -532,6 +536,10 @@ class SSMDrafter(Drafter):
             prop.q, prop.q_index = q, self.q_index[None].expand(B, -1)
         return prop
 
+    def behind(self) -> bool:
+        """On the static path, a backlog longer than CATCH_UP tokens: fed in chunks (catch_up) before a step's feed."""
+        return self._fused() and max(len(p) for p in self.pending) > CATCH_UP
+
     @torch.no_grad()
     def catch_up(self, keep: int = 1) -> None:
         """Feed all but the last `keep` pending tokens of every row now, CATCH_UP_WIDTH tokens per forward (left-padded
@@ -547,7 +555,22 @@ class SSMDrafter(Drafter):
             W = CATCH_UP_WIDTH if static else max(len(c) for c in chunk)
             ids = torch.tensor([[0] * (W - len(c)) + c for c in chunk], dtype=torch.long)
             ok = torch.tensor([[False] * (W - len(c)) + [True] * len(c) for c in chunk], dtype=torch.bool)
-            self.target.append(ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True))
+            out = self.target.append(ids.to(self.device, non_blocking=True), ok.to(self.device, non_blocking=True))
+            if self.ranks is not None:
+                self.record_ranks(out.logits, ids, ok, [p[0] if p else -1 for p in self.pending])
+
+    def record_ranks(self, logits: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor, after: list[int] | None) -> None:
+        """Append to self.ranks, per row, the rank under logits [B, W, V] at each real position of ids [B, W] (rows
+        left-padded, ok marks real tokens) of the token that follows it in the text: the row's next id, and past its
+        last one after[b] (-1 or None: not known, recorded as -1). Rank r: r tokens have a higher logit (0: top-1).
+        Under greedy these are what the SSM's tree would hold there: an ensemble's text ranking (EnsembleDrafter)."""
+        B, dev = ids.shape[0], logits.device
+        last = torch.tensor(after if after is not None else [-1] * B, dtype=torch.long, device=ids.device)
+        nxt = torch.cat([ids[:, 1:], last[:, None]], 1).to(dev)
+        val = logits.gather(-1, nxt.clamp(min=0)[..., None])
+        rank = (logits > val).sum(-1).masked_fill(nxt < 0, -1)
+        for row, r, v in zip(self.ranks, rank.tolist(), ok.tolist()):
+            row += [x for x, real in zip(r, v) if real]
 
     def follow(self, committed: list[list[int]]) -> None:
         for b, toks in enumerate(committed):
