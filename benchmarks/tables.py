@@ -671,6 +671,8 @@ TABLES = {
     "ensemble_cost_probe_share": ("ensemble_cost_probe_share", lambda p, d: ensemble_cost(
         p, d, "Probes bounded by their share of the time against a fixed bound of 256 steps, one run",
         "ensemble_cost_probe_share")),
+    "ensemble_cost_text_rank": ("ensemble_cost_text_rank", lambda p, d: ensemble_cost(
+        p, d, "Members ranked on the text they sat out against the probes' rows, one run", "ensemble_cost_text_rank")),
     "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_compiled_exports(
         "The SSM's feed widened to powers of two (13d7532): the default schedule against the commit before it",
         "refactor_check_ensemble_feed")),
