@@ -489,3 +489,28 @@ def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
     freq = torch.bincount(draw(q, u)[0], minlength=6).double() / u.numel()
     assert (freq - q[0]).abs().max() < 0.005
     assert (freq - q[0].flip(0)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("compile", [None, "eager"])
+def test_a_sliding_window_base_decodes_exactly_within_its_window_and_refuses_past_it(compile):
+    """A base whose layers attend over a sliding window (Mistral's, 80 tokens here): the decoder's caches keep
+    full layers (a sliding layer keeps only its last window of keys, which the tree masks do not address), so a run
+    within the window gives the base's own greedy tokens, with a drafter and without; a run that may pass the window
+    is refused with the reason, before any forward."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from draftlab.decode.decoder import NoDraft
+    from draftlab.drafters.ssm import SSMDrafter
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=512, sliding_window=80,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base = MistralForCausalLM(cfg).to(torch.float64).eval()
+    base.generation_config.eos_token_id = None
+    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12], [3, 8]]
+    for drafter in (NoDraft(), SSMDrafter(base, Tree.chain(3))):
+        dec = SpeculativeDecoder(base, drafter, compile=compile)
+        assert dec.generate(prompts, max_new_tokens=60).tokens == [plain_greedy(base, p, 60) for p in prompts]
+        with pytest.raises(ValueError, match=f"sliding window of 80 tokens.*may reach {9 + 75 + drafter.max_nodes} "):
+            dec.generate(prompts, max_new_tokens=75)

@@ -69,6 +69,37 @@ def mark_valid(slots: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> None:
     slots |= ok.gather(1, rel.clamp(0, T - 1)[None].expand(ok.shape[0], -1)) & ((rel >= 0) & (rel < T))
 
 
+def attention_span(model) -> int | None:
+    """The shortest sliding window (or attention chunk) of the model's layers; None where every layer attends to
+    the whole text. draftlab's caches keep every layer's whole text (full_layers) and its masks do not slide, so its
+    forwards are the model's own only while a run's positions stay within this span (check_span)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    _, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    spans = [k["sliding_window"] for k in kwargs if k.get("sliding_window")]
+    return min(spans) if spans else None
+
+
+def check_span(model, span: int | None, length: int, what: str) -> None:
+    """Raise where a run may reach `length` positions past the model's attention span (attention_span)."""
+    if span is not None and length > span:
+        raise ValueError(f"{type(model).__name__} attends over a sliding window of {span} tokens on some layers, and "
+                         f"draftlab's decoder masks no window (its caches keep the whole text): its output is the "
+                         f"model's own only while a run stays within {span} tokens, and this one may reach {length} "
+                         f"({what}); lower max_new_tokens or shorten the prompt")
+
+
+def full_layers(cache, max_len: int | None = None):
+    """The cache with its sliding-window (and chunked-attention) layers replaced by full ones: draftlab's masks
+    address every slot of the text, where a sliding layer keeps only its last window of keys (check_span bounds a
+    run to the window, within which the two attend alike). max_len: a static cache's length."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+    cache.layers = [StaticLayer(max_cache_len=max_len) if isinstance(l, StaticSlidingWindowLayer)
+                    else DynamicLayer() if isinstance(l, DynamicSlidingWindowLayer) else l for l in cache.layers]
+    return cache
+
+
 class SlotCache:
     """A model, its DynamicCache, and per row: which slots are valid and the next position."""
 
@@ -78,7 +109,7 @@ class SlotCache:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = DynamicCache(config=model.config)
+        self.cache = full_layers(DynamicCache(config=model.config))
         self.valid: torch.Tensor | None = None  # [B, L] bool
         self.next_pos: torch.Tensor | None = None  # [B] long
 
@@ -263,7 +294,7 @@ class StaticSlotCache:
         self.run = forward or model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = full_layers(StaticCache(config=model.config, max_cache_len=max_len), max_len)
         window_layer = _window_layer()
         # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones) keeps
         # attending over the whole buffer: one mask serves all its layers.
