@@ -21,8 +21,9 @@ import torch
 from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
-from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, attention_span, cache_layers, check_span,  # noqa: F401
-                    check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache, static_slots)
+from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, attention_span, cache_layers,  # noqa: F401
+                    check_span, check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
+                    static_slots)
 from .streams import derived_generator
 from .tree import TreeView
 

@@ -61,14 +61,14 @@ class Scheduler:
     gain (default): after `warmup` steps a member whose gain is below `min_share` of the best member's is paused; a
         paused member drafts again every `probe_every` steps, so one that starts to help comes back.
     cost: the members that draft are the first k of a ranking (by accepted length on the last `rank_window` rows
-        where every member drafted or was scored, see `ranking`), with k chosen for the most tokens per second: the expected accepted
-        length of those k, E[max over them of the accepted tokens their own trees held] + 1, over the steady-state
-        seconds of a step with k members drafting, the fastest of the last `explore` x 3 steps timed with k. A step's
-        seconds leave out those spent feeding members the text they missed (paid per token of text however the
-        members are chosen); steps that compiled are not timed; a step that the machine slowed is slower, never
-        faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again). The
-        lengths come from the last `cost_window` rows on which those k drafted or were scored: rows of steps with two
-        members or more (the warm-up's, the exploration's, the probes'), and with `rank_on` text (greedy, SSM
+        where every member drafted or was scored, see `ranking`), with k chosen for the most tokens per second: the
+        expected accepted length of those k, E[max over them of the accepted tokens their own trees held] + 1, over
+        the steady-state seconds of a step with k members drafting, the fastest of the last `explore` x 3 steps timed
+        with k. A step's seconds leave out those spent feeding members the text they missed (paid per token of text
+        however the members are chosen); steps that compiled are not timed; a step that the machine slowed is slower,
+        never faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again).
+        The lengths come from the last `cost_window` rows on which those k drafted or were scored: rows of steps
+        with two members or more (the warm-up's, the exploration's, the probes'), and with `rank_on` text (greedy, SSM
         members) rows of the steps one member drafted alone, the others scored at the next probe on the text
         committed meanwhile (what their trees would have held there, from the ranks of the text's tokens under their
         logits: under greedy exactly what they would have held). With `rank_on` probes, or sampling, a lone member's
@@ -113,8 +113,8 @@ class Scheduler:
             raise ValueError(f"ensemble option policy={self.policy!r}: use gain (pause members that help little) or "
                              "cost (draft with the members that give the most tokens per second)")
         if not self.probe_share > 0:
-            raise ValueError(f"ensemble option probe_share={self.probe_share}: the share of the decoding time probes may "
-                             "take must be > 0 (a tiny share, e.g. 1e-9, leaves probe_max the only bound)")
+            raise ValueError(f"ensemble option probe_share={self.probe_share}: the share of the decoding time probes "
+                             "may take must be > 0 (a tiny share, e.g. 1e-9, leaves probe_max the only bound)")
         if self.rank_on not in ("text", "probes"):
             raise ValueError(f"ensemble option rank_on={self.rank_on!r}: use text (every member scored on the text "
                              "committed while it sat out, greedy) or probes (the rows where every member drafted)")
@@ -171,9 +171,9 @@ class Scheduler:
 
     def ranking(self) -> list[int]:
         """The cost policy's members, best first: by the accepted tokens each one's tree held over the last
-        `rank_window` rows on which every member drafted or was scored (the warm-up's, the probes' and, with rank_on text, the lone steps'
-        scored at a probe: one comparison for all, which changes only when rows are added, so a lone member is not
-        swapped for another on noise), then by gain."""
+        `rank_window` rows on which every member drafted or was scored (the warm-up's, the probes' and, with rank_on
+        text, the lone steps' scored at a probe: one comparison for all, which changes only when rows are added, so a
+        lone member is not swapped for another on noise), then by gain."""
         mean = self._over_rows("ranking", self._summed_lengths)
         return sorted(range(len(self.gains)), key=lambda m: (-mean[m], -self.gains[m], m))
 
@@ -411,7 +411,8 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
     them (min_share, decay, warmup, probe_every, policy, explore, cost_window, rank_window, probe_share, probe_max,
     rank_on; reward_factor, punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold,
-    window, s_reward, s_punish, metric, rule), typed as its default is. An unknown name is an error listing the known ones."""
+    window, s_reward, s_punish, metric, rule), typed as its default is. An unknown name is an error listing the known
+    ones."""
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
