@@ -673,6 +673,9 @@ TABLES = {
         "ensemble_cost_probe_share")),
     "ensemble_cost_text_rank": ("ensemble_cost_text_rank", lambda p, d: ensemble_cost(
         p, d, "Members ranked on the text they sat out against the probes' rows, one run", "ensemble_cost_text_rank")),
+    "refactor_check_text_rank_gain": ("refactor_check_text_rank_gain", refactor_check_compiled_exports(
+        "The default schedule and plain decoding after the text ranking and the sliding-window guard, against the "
+        "commit before them", "refactor_check_text_rank_gain")),
     "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_compiled_exports(
         "The SSM's feed widened to powers of two (13d7532): the default schedule against the commit before it",
         "refactor_check_ensemble_feed")),
