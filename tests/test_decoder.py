@@ -491,8 +491,8 @@ def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
     assert (freq - q[0].flip(0)).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("compile", [None, "eager"])
-def test_a_sliding_window_base_decodes_exactly_within_its_window_and_refuses_past_it(compile):
+@pytest.mark.parametrize("path", ["eager", "static", pytest.param("traced", marks=pytest.mark.slow)])
+def test_a_sliding_window_base_decodes_exactly_within_its_window_and_refuses_past_it(path):
     """A base whose layers attend over a sliding window (Mistral's, 80 tokens here): the decoder's caches keep
     full layers (a sliding layer keeps only its last window of keys, which the tree masks do not address), so a run
     within the window gives the base's own greedy tokens, with a drafter and without; a run that may pass the window
@@ -510,7 +510,7 @@ def test_a_sliding_window_base_decodes_exactly_within_its_window_and_refuses_pas
     base.generation_config.eos_token_id = None
     prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12], [3, 8]]
     for drafter in (NoDraft(), SSMDrafter(base, Tree.chain(3))):
-        dec = SpeculativeDecoder(base, drafter, compile=compile)
+        dec = SpeculativeDecoder(base, drafter, static=path != "eager", compile="eager" if path == "traced" else False)
         assert dec.generate(prompts, max_new_tokens=60).tokens == [plain_greedy(base, p, 60) for p in prompts]
         with pytest.raises(ValueError, match=f"sliding window of 80 tokens.*may reach {9 + 75 + drafter.max_nodes} "):
             dec.generate(prompts, max_new_tokens=75)

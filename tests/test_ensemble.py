@@ -355,7 +355,7 @@ def _tree_holds(member, prefix, root, text):
     return len(path)
 
 
-@pytest.mark.parametrize("compile", [None, "eager"])
+@pytest.mark.parametrize("compile", [None, pytest.param("eager", marks=pytest.mark.slow)])  # traced: slow run
 def test_the_text_ranking_scores_what_each_tree_would_have_held(compile):
     """Under the cost policy with rank_on=text (greedy, SSM members), the members that sat out are scored at a probe
     on the text committed meanwhile: at every step one member drafted alone, what each other member's tree would
