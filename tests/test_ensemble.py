@@ -477,6 +477,7 @@ def test_schedule_histories_stay_bounded(monkeypatch):
         adaptive.record({"verify": 1e-3}, 2.0)
     assert 8 <= len(sched.history) < 16 and 8 <= len(adaptive.history) < 16
     assert sched.history[-1] == on and adaptive.history[-1] == adaptive.s
+    assert sched.steps == adaptive.count == 100  # the counts are not the bounded histories' lengths
 
 
 def test_the_ensembles_log_keeps_what_a_member_has_not_followed(monkeypatch):

@@ -325,6 +325,7 @@ class AdaptiveLength:
     direction: int = 1  # the trend rule's last move: +1 up, -1 down
     period: int = 0  # the trend rule: records of the period before the current one (0: none yet)
     history: list[int] = field(default_factory=list)  # s per step (the last HISTORY steps or more)
+    count: int = 0  # verifications recorded
 
     def __post_init__(self):
         if self.rule not in ADAPTIVE_RULES:
@@ -345,6 +346,7 @@ class AdaptiveLength:
         keep = max(self.window, 2 * self.decision_threshold)
         self.records = (self.records + [(self.s, t / max(committed, 1e-9))])[-keep:]
         self.since += 1
+        self.count += 1
         _note(self.history, self.s)
         if self.since >= self.decision_threshold:
             self.decide()
@@ -417,7 +419,7 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
     state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "row_updates", "interval",
-             "next_probe", "next_choice")  # running state
+             "next_probe", "next_choice", "count")  # running state
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
              if not isinstance(getattr(p, f.name), list) and f.name not in state}
     for name, value in options.items():
@@ -519,7 +521,7 @@ class EnsembleDrafter(Drafter):
             d.update(weights=[round(w, 3) for w in self.vote.weights], verified_batches=self.vote.updates)
         if self.adaptive is not None:
             d.update(speculation_length=self.adaptive.s, length_metric=self.adaptive.metric,
-                     length_records=len(self.adaptive.history))
+                     length_records=self.adaptive.count)
         return d
 
     # --- state --------------------------------------------------------------------------------------------
