@@ -144,6 +144,7 @@ def test_ssm_logits_at_every_level_are_the_same_on_the_static_path(kind):
     assert full > len(seen[0]) // 3
 
 
+@pytest.mark.slow  # 30-35 s on a 2-core CI machine; test_the_chained_step_gives_the_split_calls_tokens[ssm] runs by default
 def test_the_ssms_cache_after_each_chained_step_is_the_split_steps(monkeypatch):
     """The chained step's SSM commit (the accepted internal slots kept on the device, the accepted leaf and the root
     fed, the next tree drafted, all in the verification's call) leaves the SSM's cache as commit + propose do: the

@@ -301,7 +301,7 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
         assert max(caught_up) > ssm_mod.CATCH_UP and mem[1].feed_width <= 1 + ssm_mod.CATCH_UP
 
 
-@pytest.mark.parametrize("compile", [None, "eager"])
+@pytest.mark.parametrize("compile", [None, pytest.param("eager", marks=pytest.mark.slow)])  # traced: slow run
 def test_a_member_that_begins_late_takes_the_text_as_its_prompt(compile, monkeypatch):
     """Under the cost policy a member begins when it first drafts in a run; one that reads no base states (an SSM,
     prompt lookup) then takes the prompt and the text committed so far, but each row's last token, as its prompt
