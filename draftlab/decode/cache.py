@@ -73,9 +73,14 @@ def attention_span(model) -> int | None:
     """The shortest sliding window (or attention chunk) of the model's layers; None where every layer attends to
     the whole text. draftlab's caches keep every layer's whole text (full_layers) and its masks do not slide, so its
     forwards are the model's own only while a run's positions stay within this span (check_span)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    config = model.config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
 
-    _, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        _, kwargs = get_layer_types_and_kwargs(config)
+    except (ImportError, AttributeError):  # a transformers without per-layer configs: the model-wide fields
+        window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+        return window if window and (types is None or "sliding_attention" in types) else None
     spans = [k["sliding_window"] for k in kwargs if k.get("sliding_window")]
     return min(spans) if spans else None
 
@@ -296,8 +301,9 @@ class StaticSlotCache:
         self.dtype = next(model.parameters()).dtype
         self.cache = full_layers(StaticCache(config=model.config, max_cache_len=max_len), max_len)
         window_layer = _window_layer()
-        # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones) keeps
-        # attending over the whole buffer: one mask serves all its layers.
+        # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones are made
+        # full above; linear attention and the like) keeps attending over the whole buffer: one mask serves all its
+        # layers.
         self.windowed = all(type(l).__name__ == "StaticLayer" for l in self.cache.layers)
         if self.windowed:
             self.cache.layers = [window_layer(max_len) for _ in self.cache.layers]
