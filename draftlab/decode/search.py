@@ -103,17 +103,19 @@ def proposal_trees(prob, max_nodes: int) -> list[Tree]:
     return trees
 
 
+def held_along(have: set, ranks) -> int:
+    """How many of the leading ranks (of a text's next tokens, from one state on) form a path of the tree whose paths
+    `have` holds: the drafted tokens greedy verification accepts there."""
+    d, path = 0, ()
+    while d < len(ranks) and path + (ranks[d],) in have:
+        path, d = path + (ranks[d],), d + 1
+    return d
+
+
 def simulate_accept_length(tree: Tree, ranks: torch.Tensor) -> float:
     """Monte-Carlo check: walk the tree along each rank vector as greedy verification would."""
     have = set(tree.paths)
-    total = 0
-    for row in ranks.tolist():
-        d, path = 0, ()
-        while d < len(row) and path + (row[d],) in have:
-            path = path + (row[d],)
-            d += 1
-        total += 1 + d
-    return total / max(len(ranks), 1)
+    return sum(1 + held_along(have, row) for row in ranks.tolist()) / max(len(ranks), 1)
 
 
 def replay_counts(tree: Tree, sequences: list[torch.Tensor]) -> tuple[int, int]:
@@ -127,10 +129,7 @@ def replay_counts(tree: Tree, sequences: list[torch.Tensor]) -> tuple[int, int]:
         rows = rows.tolist()
         i = 0
         while i < len(rows):
-            d, path = 0, ()
-            while d < len(rows[i]) and path + (rows[i][d],) in have:
-                path, d = path + (rows[i][d],), d + 1
-            n = min(1 + d, len(rows) - i)
+            n = min(1 + held_along(have, rows[i]), len(rows) - i)
             committed, steps, i = committed + n, steps + 1, i + n
     return committed, steps
 

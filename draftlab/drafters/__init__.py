@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..decode.tree import Tree
-from .base import Drafter, PromptState, Proposal, StepResult
+from .base import Drafter, PromptState, Proposal, StepResult, rank_of
 
 WEIGHTS = "draft.safetensors"
 
@@ -80,11 +80,6 @@ def _heads_drafter(module, tree: Tree) -> Drafter:
     return HeadsDrafter(module, tree)
 
 
-def _rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Rank of target [n] in logits [n, V] (0 = the top candidate)."""
-    return (logits > logits.gather(1, target[:, None])).sum(-1)
-
-
 @torch.no_grad()
 def _heads_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
     from ..base import base_hidden
@@ -96,7 +91,7 @@ def _heads_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
     for k in range(min(depth, module.num_heads)):
         n = S - (k + 2)  # head k at position t predicts x_{t+k+2}
         if n > 0:
-            ranks[:n, k] = _rank_of(module.lm_heads[k](feats[k][0, :n]), ids[0, k + 2:])
+            ranks[:n, k] = rank_of(module.lm_heads[k](feats[k][0, :n]), ids[0, k + 2:])
     return ranks
 
 
@@ -141,7 +136,7 @@ def _ssm_drafter(module, tree: Tree) -> Drafter:
 def _ssm_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
     S, V = ids.shape[1], base.get_output_embeddings().weight.shape[0]
     at = torch.full((S + depth + 1,), V, dtype=torch.long, device=ids.device)
-    at[: S - 1] = _rank_of(module.lm(input_ids=ids).logits[0, :-1], ids[0, 1:])  # at[j]: rank of x_{j+1}
+    at[: S - 1] = rank_of(module.lm(input_ids=ids).logits[0, :-1], ids[0, 1:])  # at[j]: rank of x_{j+1}
     # Depth d+1 below root x_{t+1} is the SSM's prediction at position t+1+d, on the true path.
     return torch.stack([at[1 + d: 1 + d + S] for d in range(depth)], dim=1)
 
@@ -218,7 +213,7 @@ def _eagle_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
         if n > 0:
             target = as_draft[ids[0, k + 2:]]
             logits = module.lm_head(module.head_input(o[0, :n]))
-            r = _rank_of(logits, target.clamp(min=0))
+            r = rank_of(logits, target.clamp(min=0))
             ranks[:n, k] = torch.where(target >= 0, r, torch.full_like(r, V))
     return ranks
 
@@ -268,7 +263,7 @@ def _dflash_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
             inside = at < S
             if inside.any():
                 logits = module.logits(out[0, inside, d + 1])
-                ranks[s: s + int(inside.sum()), d] = _rank_of(logits, ids[0, at[inside]])
+                ranks[s: s + int(inside.sum()), d] = rank_of(logits, ids[0, at[inside]])
     return ranks
 
 

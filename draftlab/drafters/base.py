@@ -27,6 +27,11 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
+def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rank of target [...] in logits [..., V] (0 = the top candidate; ties share the better rank)."""
+    return (logits > logits.gather(-1, target[..., None])).sum(-1)
+
+
 def rank_tree_tokens(root: torch.Tensor, logits: torch.Tensor, buf, topk: list[int]) -> torch.Tensor:
     """A static rank tree's tokens [B, N] from per-depth logits [B, >= D, V] (D = len(topk), topk the candidates each
     depth needs): the root, then each node's rank-th most likely token at its depth (buf: the tree's TreeBuffers).

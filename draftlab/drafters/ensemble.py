@@ -27,6 +27,7 @@ from itertools import chain
 import torch
 
 from ..decode.compiled import compiled_graphs
+from ..decode.search import held_along
 from ..decode.tree import Tree
 from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
@@ -604,9 +605,7 @@ class EnsembleDrafter(Drafter):
             r, i = r[k:], 0
             for s, step in enumerate(self.log[first - self.log0:], start=first):
                 if s in self.lone and self.lone[s][1][b] is not None:
-                    d = 0
-                    while d < depth and i + d < len(r) and r[i + d] >= 0 and tuple(r[i:i + d + 1]) in paths:
-                        d += 1
+                    d = held_along(paths, r[i:i + depth])  # an unknown rank (-1) is on no path
                     if d == depth or (i + d < len(r) and r[i + d] >= 0):
                         self.would.setdefault(s, {}).setdefault(m, {})[b] = d
                 i += len(step[b])

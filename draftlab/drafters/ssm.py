@@ -19,7 +19,7 @@ from ..decode.acceptance import Sampling, draw, warp
 from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, StepResult, static_view
+from .base import Drafter, PromptState, Proposal, StepResult, rank_of, static_view
 
 # A backlog longer than CATCH_UP tokens (a drafter an ensemble paused) is fed before the step's feed, in forwards of
 # CATCH_UP_WIDTH tokens (SSMDrafter.catch_up), rather than by widening the step's feed (at most 16 tokens with the root).
@@ -567,8 +567,7 @@ class SSMDrafter(Drafter):
         B, dev = ids.shape[0], logits.device
         last = torch.tensor(after if after is not None else [-1] * B, dtype=torch.long, device=ids.device)
         nxt = torch.cat([ids[:, 1:], last[:, None]], 1).to(dev)
-        val = logits.gather(-1, nxt.clamp(min=0)[..., None])
-        rank = (logits > val).sum(-1).masked_fill(nxt < 0, -1)
+        rank = rank_of(logits, nxt.clamp(min=0)).masked_fill(nxt < 0, -1)
         for row, r, v in zip(self.ranks, rank.tolist(), ok.tolist()):
             row += [x for x, real in zip(r, v) if real]
 
