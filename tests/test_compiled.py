@@ -491,8 +491,9 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
 
 
 # (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
-@pytest.mark.parametrize("kind", ["hydra++", "dflash", "ssm"] + [pytest.param(k, marks=pytest.mark.slow)
-                                                          for k in ("medusa", "eagle3")])
+# The SSM's chained greedy tokens are in the first test too; its sampled chained steps run here in the slow run.
+@pytest.mark.parametrize("kind", ["hydra++", "dflash"] + [pytest.param(k, marks=pytest.mark.slow)
+                                                    for k in ("ssm", "medusa", "eagle3")])
 def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     """Where the verify step is fused, drafters whose commit and next proposal are one tensor-only call run it inside
     the verification's call (decode.decoder.verify_keep_and_draft): one compiled call per step. Chained and split

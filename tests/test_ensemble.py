@@ -261,7 +261,7 @@ class CountScheduler(Scheduler):
         return self.pattern[len(self.history) % len(self.pattern)]
 
 
-@pytest.mark.parametrize("compile", [None, "eager"])
+@pytest.mark.parametrize("compile", [None, pytest.param("eager", marks=pytest.mark.slow)])  # traced: slow run
 def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
     """Under the cost policy a step with one member drafting verifies that member's tree alone (at its width) and,
     on the static path, chains when the next step is that member's too; members that sat out catch up with the text

@@ -242,7 +242,8 @@ def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
 
 
-@pytest.mark.parametrize("mode,compile", [("merge", None), ("vote", None), ("merge", "eager")])
+@pytest.mark.parametrize("mode,compile", [("merge", None), ("vote", None),
+                                          pytest.param("merge", "eager", marks=pytest.mark.slow)])
 def test_grouped_ensemble_sampling_keeps_the_law_over_several_steps(mode, compile):
     """The two SSMs draft as one grouped model (one generator, their rows side by side): each row's draws keep its
     own member's q; also through the static path's one drafting call (compile: traced by dynamo)."""
