@@ -491,26 +491,88 @@ def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
     assert (freq - q[0].flip(0)).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("path", ["eager", "static", pytest.param("traced", marks=pytest.mark.slow)])
-def test_a_sliding_window_base_decodes_exactly_within_its_window_and_refuses_past_it(path):
-    """A base whose layers attend over a sliding window (Mistral's, 80 tokens here): the decoder's caches keep
-    full layers (a sliding layer keeps only its last window of keys, which the tree masks do not address), so a run
-    within the window gives the base's own greedy tokens, with a drafter and without; a run that may pass the window
-    is refused with the reason, before any forward."""
-    from transformers import MistralConfig, MistralForCausalLM
+def sliding_base(kind: str):
+    """A tiny base whose layers attend over a sliding window of 12 tokens: every layer (Mistral's) or every other
+    one (Gemma 3's and gpt-oss's: one mask per layer type; gpt-oss in float32, its experts' kernel having no
+    float64)."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, MistralConfig,
+                              MistralForCausalLM)
 
+    torch.manual_seed(0)
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=64, max_position_embeddings=512, sliding_window=12, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    if kind == "mistral":
+        base = MistralForCausalLM(MistralConfig(**kw)).to(torch.float64)
+    elif kind == "gemma3":
+        base = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=8, sliding_window_pattern=2, **kw)).to(torch.float64)
+    else:
+        base = GptOssForCausalLM(GptOssConfig(head_dim=8, num_local_experts=4, num_experts_per_tok=2, **kw))
+    base = base.eval()
+    base.generation_config.eos_token_id = None
+    return base
+
+
+@pytest.mark.parametrize("path", ["eager", "static", pytest.param("traced", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gpt-oss"])
+def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monkeypatch):
+    """A base with sliding-window layers: draftlab's caches keep every layer's whole text and its masks apply each
+    layer type's window (decode.cache.span_masks), so runs several windows long give the base's own greedy tokens
+    (transformers' generate, with its sliding caches), with an SSM drafting and without, batch of uneven prompts
+    (one longer than the window), EOS mid-run. The SSM is the base itself, so its drafts are all accepted only if
+    its own masks slide too, the chained step's included. Without the windows the tokens differ."""
+    from draftlab.decode import cache as cache_mod
     from draftlab.decode.decoder import NoDraft
     from draftlab.drafters.ssm import SSMDrafter
 
-    torch.manual_seed(0)
-    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=512, sliding_window=80,
-                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    base = MistralForCausalLM(cfg).to(torch.float64).eval()
-    base.generation_config.eos_token_id = None
-    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12], [3, 8]]
+    base = sliding_base(kind)
+    assert {w for _, w in cache_mod.layer_spans(base)} == ({12} if kind == "mistral" else {None, 12})
+    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8]]
+    want = [plain_greedy(base, p, 40) for p in prompts]
+    eos = want[1][25]
+    cut = [w[: w.index(eos) + 1] if eos in w else w for w in want]
+    opts = {"eager": {}, "static": {"static": True}, "traced": {"compile": "eager"}}[path]
     for drafter in (NoDraft(), SSMDrafter(base, Tree.chain(3))):
-        dec = SpeculativeDecoder(base, drafter, static=path != "eager", compile="eager" if path == "traced" else False)
-        assert dec.generate(prompts, max_new_tokens=60).tokens == [plain_greedy(base, p, 60) for p in prompts]
-        with pytest.raises(ValueError, match=f"sliding window of 80 tokens.*may reach {9 + 75 + drafter.max_nodes} "):
-            dec.generate(prompts, max_new_tokens=75)
+        dec = SpeculativeDecoder(base, drafter, **opts)
+        res = dec.generate(prompts, max_new_tokens=40)
+        assert res.tokens == want, (kind, path, type(drafter).__name__)
+        assert res.accept_length > (3.5 if drafter.max_nodes > 1 else 0.99)
+        assert dec.generate(prompts, max_new_tokens=40, eos_token_id=eos).tokens == cut
+    monkeypatch.setattr(cache_mod, "layer_spans", lambda model: None)
+    assert SpeculativeDecoder(base, NoDraft(), **opts).generate(prompts, max_new_tokens=40).tokens != want
+
+
+@pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
+def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(kind):
+    """Gemma 3 has a rotary table per layer type (a local one for its sliding layers): Hydra++'s prefix layer and
+    EAGLE-3's layer, which read the base's rotary embedding, take its full-attention layers' table (they attend over
+    the whole text) and decode the base's greedy tokens past its window, eager and static."""
+    from draftlab.drafters import build_draft
+
+    base = sliding_base("gemma3")
+    torch.manual_seed(0)
+    spec = ({"type": "hydra", "num_heads": 2, "num_layers": 1, "prefix_attention": True} if kind == "hydra++"
+            else {"type": "eagle3", "eagle": {}})
+    module = build_draft(spec, base).to(base.dtype).eval()
+    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8]]
+    want = [plain_greedy(base, p, 30) for p in prompts]
+    for static in (False, True):
+        drafter = make_drafter(module, Tree.from_paths([[0], [1], [0, 0]]) if kind == "hydra++" else None)
+        assert SpeculativeDecoder(base, drafter, static=static).generate(prompts, max_new_tokens=30).tokens == want
+
+
+def test_a_chunked_attention_base_is_refused_past_its_chunk():
+    """Chunked attention (Llama 4's) is not masked: a run that may pass the shortest chunk is refused with the
+    reason, before any forward; a run within it decodes."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from draftlab.decode.decoder import NoDraft
+
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                           attention_chunk_size=16, num_local_experts=2, moe_layers=[])
+    dec = SpeculativeDecoder(Llama4ForCausalLM(cfg).eval(), NoDraft())
+    assert len(dec.generate([[1, 2, 3]], max_new_tokens=8).tokens[0]) == 8
+    with pytest.raises(ValueError, match="attends in chunks of 16 tokens.*may reach 24 "):
+        dec.generate([[1, 2, 3]], max_new_tokens=20)

@@ -48,17 +48,45 @@ def causal_allowed(valid: torch.Tensor) -> torch.Tensor:
     return (causal[None] & valid[:, None, :].bool()) | torch.eye(S, dtype=torch.bool, device=valid.device)[None]
 
 
-def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, window: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, window: int, dtype: torch.dtype,
+                  pos: torch.Tensor | None = None, spans: tuple | None = None):
     """The additive attention mask [B, 1, N, window] of N entries a caller's own forward writes into a static cache
     whose slots from n (a tensor: the committed ones before them) it reserved (StaticSlotCache.reserve): each entry
-    sees the committed valid slots (slots [B, >= window]) and the reserved ones allowed [B or 1, N, T] marks.
-    Tensor operations only, so one compiled graph serves every step."""
+    sees the committed valid slots (slots [B, >= window]) and the reserved ones allowed [B or 1, N, T] marks. Where
+    the model has sliding-window layers (spans: layer_spans), pos [B, N] are the entries' positions and the masks
+    are span_masks'. Tensor operations only, so one compiled graph serves every step."""
     T = allowed.shape[-1]
     rel = torch.arange(window, device=slots.device) - n  # slot -> its index among the reserved ones
     tent = allowed[..., rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [B or 1, N, window]
-    mask = torch.zeros(slots.shape[0], allowed.shape[-2], window, dtype=dtype, device=slots.device)
-    return mask.masked_fill_(~(slots[:, None, :window] | tent), torch.finfo(dtype).min)[:, None]
+    seen = slots[:, None, :window] | tent
+    far = None
+    if spans:
+        far = behind(slots[:, :window], pos)
+        if T == allowed.shape[-2]:  # a block whose reserved slots are its own entries (a feed): their positions
+            far = torch.where(tent, (pos[:, :, None] - pos[:, None, :])[..., rel.clamp(0, T - 1)], far)
+    return span_masks(seen, far, spans, dtype)
+
+
+def behind(slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """How many positions each committed valid slot (slots [B, S]) lies behind each of N queries at positions pos
+    [B, N]: [B, N, S], 0 at the other slots. A valid slot's position is the number of valid slots before it (a row's
+    positions count its own tokens, and its valid slots stay in text order through keep and defragment)."""
+    far = pos[:, :, None] - (slots.long().cumsum(-1) - 1)[:, None, :]
+    return far.masked_fill_(~slots[:, None, :], 0)
+
+
+def span_masks(seen: torch.Tensor, far: torch.Tensor | None, spans: tuple | None, dtype: torch.dtype):
+    """The additive attention mask [B, 1, N, S] of seen [B, N, S] (what each of N queries may attend to). Where
+    some of the model's layers attend over a sliding window (spans: layer_spans), a layer attends only to the slots
+    less than its window behind the query (far [B, N, S], see behind): one mask where every layer has the same
+    window (Mistral), else a dict of one per layer type (Gemma 2 and 3, gpt-oss: transformers' models with layer
+    types take one)."""
+    def additive(ok):
+        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)[:, None]
+    if not spans:
+        return additive(seen)
+    masks = {w: additive(seen if w is None else seen & (far < w)) for w in {w for _, w in spans}}
+    return next(iter(masks.values())) if len(masks) == 1 else {kind: masks[w] for kind, w in spans}
 
 
 def mark_valid(slots: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> None:
@@ -69,35 +97,51 @@ def mark_valid(slots: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> None:
     slots |= ok.gather(1, rel.clamp(0, T - 1)[None].expand(ok.shape[0], -1)) & ((rel >= 0) & (rel < T))
 
 
-def attention_span(model) -> int | None:
-    """The shortest sliding window (or attention chunk) of the model's layers; None where every layer attends to
-    the whole text. draftlab's caches keep every layer's whole text (full_layers) and its masks do not slide, so its
-    forwards are the model's own only while a run's positions stay within this span (check_span)."""
+def _layer_windows(model) -> list[tuple[str, int | None]]:
+    """(layer type, sliding window or attention chunk or None) of each of the model's layers that keeps a cache."""
     config = model.config.get_text_config(decoder=True)
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        _, kwargs = get_layer_types_and_kwargs(config)
+        types, kwargs = get_layer_types_and_kwargs(config)
     except (ImportError, AttributeError):  # a transformers without per-layer configs: the model-wide fields
         window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
-        return window if window and (types is None or "sliding_attention" in types) else None
-    spans = [k["sliding_window"] for k in kwargs if k.get("sliding_window")]
+        types = types or ["sliding_attention" if window else "full_attention"]  # (Mistral's have no layer types)
+        return [(t, window if t == "sliding_attention" else None) for t in types]
+    return [(t, k.get("sliding_window")) for t, k in zip(types, kwargs) if t != "dummy"]
+
+
+def layer_spans(model) -> tuple | None:
+    """How far back each of the model's layer types attends, where some layers attend over a sliding window:
+    ((layer type, window, or None for the whole text), ...), None where every layer attends to the whole text.
+    draftlab's caches keep every layer's whole text (full_layers) and its masks apply the windows (span_masks), so a
+    run may be as long as the model allows. Chunked attention is not a window: attention_span bounds a run to it."""
+    spans = {t: (None if t == "chunked_attention" else w) for t, w in _layer_windows(model)}
+    return tuple(sorted(spans.items())) if any(spans.values()) else None
+
+
+def attention_span(model) -> int | None:
+    """The shortest attention chunk of the model's layers (Llama 4's chunked attention); None where no layer attends
+    in chunks. draftlab's masks do not cut the text in chunks, so its forwards are the model's own only while a run's
+    positions stay within one chunk (check_span). Sliding windows are masked (layer_spans)."""
+    spans = [w for t, w in _layer_windows(model) if t == "chunked_attention" and w]
     return min(spans) if spans else None
 
 
 def check_span(model, span: int | None, length: int, what: str) -> None:
-    """Raise where a run may reach `length` positions past the model's attention span (attention_span)."""
+    """Raise where a run may reach `length` positions past the model's attention chunk (attention_span)."""
     if span is not None and length > span:
-        raise ValueError(f"{type(model).__name__} attends over a sliding window of {span} tokens on some layers, and "
-                         f"draftlab's decoder masks no window (its caches keep the whole text): its output is the "
-                         f"model's own only while a run stays within {span} tokens, and this one may reach {length} "
-                         f"({what}); lower max_new_tokens or shorten the prompt")
+        raise ValueError(f"{type(model).__name__} attends in chunks of {span} tokens on some layers, and draftlab's "
+                         f"decoder masks no chunks: its output is the model's own only while a run stays within "
+                         f"{span} tokens, and this one may reach {length} ({what}); lower max_new_tokens or shorten "
+                         f"the prompt")
 
 
 def full_layers(cache, max_len: int | None = None):
     """The cache with its sliding-window (and chunked-attention) layers replaced by full ones: draftlab's masks
-    address every slot of the text, where a sliding layer keeps only its last window of keys (check_span bounds a
-    run to the window, within which the two attend alike). max_len: a static cache's length."""
+    address every slot of the text, where a sliding layer keeps only its last window of keys; the masks apply the
+    window (span_masks). A sliding layer's cache then grows with the text as a full layer's does. max_len: a static
+    cache's length."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
     cache.layers = [StaticLayer(max_cache_len=max_len) if isinstance(l, StaticSlidingWindowLayer)
@@ -115,6 +159,7 @@ class SlotCache:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = full_layers(DynamicCache(config=model.config))
+        self.spans = layer_spans(model)  # its sliding windows, if it has some: the masks apply them
         self.valid: torch.Tensor | None = None  # [B, L] bool
         self.next_pos: torch.Tensor | None = None  # [B] long
 
@@ -126,7 +171,9 @@ class SlotCache:
         """Left-padded prompts [B, L] (valid marks real tokens) -> model output; each row's positions count
         its own tokens only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
+        mask = valid.long() if not self.spans else span_masks(  # (the model masks no window over full layers)
+            causal_allowed(valid), pos[:, :, None] - pos[:, None, :], self.spans, self.dtype)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                          use_cache=True, output_hidden_states=hidden)
         self.valid, self.next_pos = valid.bool(), valid.sum(-1)
         return out, pos
@@ -138,11 +185,13 @@ class SlotCache:
         B, N = tokens.shape
         L = self.valid.shape[1]
         full = torch.cat([self.valid[:, None, :].expand(B, N, L), allowed], dim=2)  # [B, N, L+T]
-        mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~full, torch.finfo(self.dtype).min)
         pos = self.next_pos[:, None] + depth
-        return self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=pos,
-                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        far = None
+        if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
+            far = torch.cat([behind(self.valid, pos), pos.new_zeros(B, N, allowed.shape[2] - N),
+                             pos[:, :, None] - pos[:, None, :]], dim=2)
+        return self.model(input_ids=tokens, attention_mask=span_masks(full, far, self.spans, self.dtype),
+                          position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         """Keep tentative slots start+keep[b] [B, M] (entries with keep_valid False become holes), drop the
@@ -187,8 +236,10 @@ def check_tree_support(model) -> None:
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         # Two siblings at the same position: the second must not see the first.
-        mask = torch.zeros(1, 1, 2, 6, dtype=dtype, device=dev)
-        mask[0, 0, 1, 4] = torch.finfo(dtype).min
+        seen = torch.ones(1, 2, 6, dtype=torch.bool, device=dev)
+        seen[0, 1, 4] = False
+        # (one mask per layer type where the model has sliding windows: that it takes them is probed too)
+        mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.long, device=dev), layer_spans(model), dtype)
         got = model(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
                     past_key_values=cache, use_cache=True).logits[0, 1].float()
         cache_layers(cache)
@@ -300,6 +351,7 @@ class StaticSlotCache:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = full_layers(StaticCache(config=model.config, max_cache_len=max_len), max_len)
+        self.spans = layer_spans(model)  # its sliding windows, if it has some: the masks apply them
         window_layer = _window_layer()
         # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones are made
         # full above; linear attention and the like) keeps attending over the whole buffer: one mask serves all its
@@ -383,16 +435,20 @@ class StaticSlotCache:
             if hasattr(layer, "window"):
                 layer.window = self.window
 
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """allowed [B, N, T] over the tentative slots (the T last written, these N included; `open` set the window
-        that holds them) -> the additive [B, 1, N, window] mask: committed valid slots, the allowed tentative ones,
-        nothing else."""
+    def _mask(self, allowed: torch.Tensor, pos: torch.Tensor):
+        """allowed [B, N, T] over the tentative slots (the T last written, these N, at positions pos [B, N],
+        included; `open` set the window that holds them) -> the additive [B, 1, N, window] mask: committed valid
+        slots, the allowed tentative ones, nothing else (and within the layers' sliding windows: span_masks)."""
         B, N, T = allowed.shape
         full = torch.zeros(B, N, self.window, dtype=torch.bool, device=self.device)
         full[:, :, : self.n] = self.slots[:, None, : self.n]
         full[:, :, self.n: self.n + T] = allowed
-        mask = torch.zeros(full.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~full, torch.finfo(self.dtype).min)[:, None]
+        far = None
+        if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
+            far = torch.zeros(full.shape, dtype=torch.long, device=self.device)
+            far[:, :, : self.n] = behind(self.slots[:, : self.n], pos)
+            far[:, :, self.n + T - N: self.n + T] = pos[:, :, None] - pos[:, None, :]
+        return span_masks(full, far, self.spans, self.dtype)
 
     def reserve(self, n: int) -> int:
         """Room for n tentative slots written by the caller's own forwards of the model (a drafter's feed and tree
@@ -423,15 +479,17 @@ class StaticSlotCache:
         if compiled and not all(getattr(l, "is_initialized", True) for l in self.cache.layers):
             # A new cache's layers allocate their buffers at their first write, and a graph traced then would
             # allocate them again at every later run (the cache is reused): one eager token first, then empty.
-            self.model(**self.open(ids[:, :1], hidden), attention_mask=self._mask(causal_allowed(valid[:, :1])),
-                       position_ids=torch.zeros_like(valid[:, :1], dtype=torch.long))
+            first = torch.zeros_like(valid[:, :1], dtype=torch.long)
+            self.model(**self.open(ids[:, :1], hidden), attention_mask=self._mask(causal_allowed(valid[:, :1]), first),
+                       position_ids=first)
             self.reset()
         if W > L:
             ids = torch.nn.functional.pad(ids, [0, 0] * (ids.dim() - 2) + [0, W - L])
             valid = torch.nn.functional.pad(valid, (0, W - L))
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         out = (self.run if compiled else self.model)(**self.open(ids, hidden),
-                                                     attention_mask=self._mask(causal_allowed(valid)), position_ids=pos)
+                                                     attention_mask=self._mask(causal_allowed(valid), pos),
+                                                     position_ids=pos)
         self.slots[:, :W] = valid.bool()
         self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)
         if W == L:
@@ -441,8 +499,9 @@ class StaticSlotCache:
         return _first(out, L, W), pos[:, :L]
 
     def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
-        return self.run(**self.open(tokens, hidden), attention_mask=self._mask(allowed),
-                        position_ids=self.next_pos[:, None] + depth)
+        inputs = self.open(tokens, hidden)
+        pos = self.next_pos[:, None] + depth
+        return self.run(**inputs, attention_mask=self._mask(allowed, pos), position_ids=pos)
 
     def open(self, tokens: torch.Tensor, hidden: bool = False) -> dict:
         """Room for a forward over tokens [B, N] written at the next N slots, counted as tentative, with the window

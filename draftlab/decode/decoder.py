@@ -154,7 +154,7 @@ class Verifier:
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
-            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.dtype,
+            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.spans, target.dtype,
                       self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
                       target.next_pos, sampling, target.device_state(), target.slots)
             if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
@@ -327,28 +327,30 @@ def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next
                                                                            length, next_pos)
 
 
-def verify_and_keep(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth, valid,
-                    ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
+def verify_and_keep(model, inputs: dict, window: int, spans: tuple | None, dtype: torch.dtype, layers: tuple, tokens,
+                    parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
     graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
-    the attention window and its positions built here, from the cache's valid slots and write pointer), then
+    the attention window (within the base's sliding windows, spans: cache.layer_spans) and its positions built
+    here, from the cache's valid slots and write pointer), then
     decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
     values."""
     written = state[1][0]  # the first layer's write pointer: the committed slots, before the forward moves it
-    mask = reserved_mask(ancestors, slots, written, window, dtype)
-    out = model(**inputs, attention_mask=mask, position_ids=next_pos[:, None] + depth)
+    pos = next_pos[:, None] + depth
+    out = model(**inputs, attention_mask=reserved_mask(ancestors, slots, written, window, dtype, pos, spans),
+                position_ids=pos)
     return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots, drawn)
 
 
-def verify_keep_and_draft(model, inputs: dict, window: int, dtype: torch.dtype, layers: tuple, tokens, parents, depth,
-                          valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drafter: Drafter,
-                          args: tuple, drawn=None):
+def verify_keep_and_draft(model, inputs: dict, window: int, spans: tuple | None, dtype: torch.dtype, layers: tuple,
+                          tokens, parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state, slots,
+                          drafter: Drafter, args: tuple, drawn=None):
     """verify_and_keep, then the drafter's commit of the accepted paths and its next proposal below the bonus token
     (Drafter.chain, with the arguments Drafter.chain_args prepared), as one function: on the compiled path a whole
     speculative step is one call (one graph). Returns verify_and_keep's values and the drafter's outputs."""
-    states, decided = verify_and_keep(model, inputs, window, dtype, layers, tokens, parents, depth, valid, ancestors,
-                                      live, next_pos, sampling, state, slots, drawn)
+    states, decided = verify_and_keep(model, inputs, window, spans, dtype, layers, tokens, parents, depth, valid,
+                                      ancestors, live, next_pos, sampling, state, slots, drawn)
     bonus, length, keep, keep_valid, kept_pos = decided[:5]
     return states, decided, drafter.chain(states, (keep, keep_valid, kept_pos), tokens, bonus, length - 1, *args)
 
@@ -411,7 +413,7 @@ class SpeculativeDecoder:
         self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)
-        self.span = attention_span(base)  # a sliding window's, if the base has one: runs must fit in it
+        self.span = attention_span(base)  # an attention chunk's, if the base has one: runs must fit in it
         self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")

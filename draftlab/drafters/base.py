@@ -65,14 +65,26 @@ def empty_fixed(B: int, W: int, N: int, states_like: tuple, device) -> tuple:
     return states, zeros[:, :W], zeros.bool()[:, :W], zeros[:, :W]
 
 
+def rope_args(base) -> tuple:
+    """What a draft layer passes the base's rotary embedding besides states and positions: a base with a table per
+    layer type (Gemma 3: a local one for its sliding layers) gives its full-attention layers' table, as a draft layer
+    attends over the whole text; () where the base has one table."""
+    import inspect
+
+    return ("full_attention",) if "layer_type" in inspect.signature(base.base_model.rotary_emb.forward).parameters \
+        else ()
+
+
 class ReadsBase:
     """For draft modules that read the frozen base's embeddings and rotary table (EAGLE-3, DFlash): the base is held
     outside the module's parameters (not trained, not saved) and attached when the module is built or loaded."""
 
     _base = None
+    _rope_args: tuple = ()
 
     def attach_base(self, base) -> None:
         self._base = [base]  # a list: not a submodule
+        self._rope_args = rope_args(base)
 
     @property
     def base(self):
@@ -87,5 +99,5 @@ class ReadsBase:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         """The base's rotary (cos, sin) at positions, in x's dtype."""
-        cos, sin = self.base.base_model.rotary_emb(x, positions)
+        cos, sin = self.base.base_model.rotary_emb(x, positions, *self._rope_args)
         return cos.to(x.dtype), sin.to(x.dtype)

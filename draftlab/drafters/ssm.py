@@ -446,9 +446,10 @@ class SSMDrafter(Drafter):
     def _forward(self, ids, allowed, depth, slots, n, next_pos, window: int):
         """The SSM over ids [B, N] at positions next_pos + depth, writing the slots from n (a tensor) on: each sees
         the committed valid slots and the tentative ones allowed [B or 1, N, T] marks. Tensor operations only."""
-        mask = reserved_mask(allowed, slots, n, window, next(self.lm.parameters()).dtype)
-        return self.lm(input_ids=ids, attention_mask=mask, position_ids=next_pos[:, None] + depth,
-                       past_key_values=self.target.cache, use_cache=True).logits
+        pos = next_pos[:, None] + depth
+        mask = reserved_mask(allowed, slots, n, window, next(self.lm.parameters()).dtype, pos, self.target.spans)
+        return self.lm(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.target.cache,
+                       use_cache=True).logits
 
     def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths, us=None, sampling=None):
         """The feed ids [B, P] (ok marks real tokens; left-padded), committed at slots n .. n + P, then the children

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ...decode.cache import causal_allowed
+from ..base import rope_args
 from .medusa import ResBlock
 
 
@@ -57,6 +58,7 @@ class HydraHeads(nn.Module):
                                    for k in range(num_heads))
         self.prefix_layer = None
         self._base = None  # a plain list entry, not a submodule: the frozen base is neither trained nor exported
+        self._rope_args: tuple = ()  # see attach_base
         if base is not None:
             self.attach_base(base)
 
@@ -73,6 +75,7 @@ class HydraHeads(nn.Module):
     def attach_base(self, base) -> None:
         """Keep a reference to the frozen base (embeddings, rotary) and build the prefix layer's shape."""
         self._base = [base]
+        self._rope_args = rope_args(base) if hasattr(base.base_model, "rotary_emb") else ()
         if self.prefix_attention and self.prefix_layer is None:
             backbone = base.base_model
             layers = getattr(backbone, "layers", None)
@@ -111,7 +114,7 @@ class HydraHeads(nn.Module):
         x = hidden.to(dtype)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        rot = self.base.base_model.rotary_emb(x, position_ids)
+        rot = self.base.base_model.rotary_emb(x, position_ids, *self._rope_args)
         out = self.prefix_layer(x, attention_mask=mask[:, None], position_ids=position_ids, past_key_values=cache,
                                 use_cache=cache is not None, position_embeddings=rot)
         return out[0] if isinstance(out, tuple) else out
@@ -158,11 +161,11 @@ class PrefixModel(nn.Module):
         super().__init__()
         cfg = copy.copy(heads.base.config)
         cfg.num_hidden_layers = 1
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types[-1:])
+        # It attends over the whole text, in training as in decoding (its masks are draftlab's): no sliding window.
+        cfg.layer_types, cfg.sliding_window = ["full_attention"], None
         self.config = cfg
         self.layer = heads.prefix_layer
-        self.rotary = heads.base.base_model.rotary_emb
+        self.rotary, self.rope_args = heads.base.base_model.rotary_emb, heads._rope_args
 
     def forward(self, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=True,
                 output_hidden_states=False):
@@ -170,7 +173,7 @@ class PrefixModel(nn.Module):
 
         x = inputs_embeds.to(self.layer.self_attn.q_proj.weight.dtype)
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                         use_cache=use_cache, position_embeddings=self.rotary(x, position_ids))
+                         use_cache=use_cache, position_embeddings=self.rotary(x, position_ids, *self.rope_args))
         return BaseModelOutputWithPast(last_hidden_state=out[0] if isinstance(out, tuple) else out)
 
 
