@@ -519,7 +519,7 @@ def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monk
     """A base with sliding-window layers: draftlab's caches keep every layer's whole text and its masks apply each
     layer type's window (decode.cache.span_masks), so runs several windows long give the base's own greedy tokens
     (transformers' generate, with its sliding caches), with an SSM drafting and without, batch of uneven prompts
-    (one longer than the window), EOS mid-run. The SSM is the base itself, so its drafts are all accepted only if
+    longer than the window, EOS mid-run. The SSM is the base itself, so its drafts are all accepted only if
     its own masks slide too, the chained step's included. Without the windows the tokens differ."""
     from draftlab.decode import cache as cache_mod
     from draftlab.decode.decoder import NoDraft
@@ -527,7 +527,9 @@ def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monk
 
     base = sliding_base(kind)
     assert {w for _, w in cache_mod.layer_spans(base)} == ({12} if kind == "mistral" else {None, 12})
-    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8]]
+    # Both prompts longer than the window, the second left-padded; the run goes about four windows past them.
+    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8, 21, 6, 30, 31, 7, 40, 41, 42,
+                                                                               9, 10, 43, 44]]
     want = [plain_greedy(base, p, 40) for p in prompts]
     eos = want[1][25]
     cut = [w[: w.index(eos) + 1] if eos in w else w for w in want]
@@ -542,23 +544,48 @@ def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monk
     assert SpeculativeDecoder(base, NoDraft(), **opts).generate(prompts, max_new_tokens=40).tokens != want
 
 
-@pytest.mark.parametrize("kind", ["hydra++", "eagle3"])
-def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(kind):
-    """Gemma 3 has a rotary table per layer type (a local one for its sliding layers): Hydra++'s prefix layer and
-    EAGLE-3's layer, which read the base's rotary embedding, take its full-attention layers' table (they attend over
-    the whole text) and decode the base's greedy tokens past its window, eager and static."""
+@pytest.mark.parametrize("layers", ["mixed", "sliding-only"])
+def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(layers):
+    """Gemma 3 has a rotary table per layer type (a local one for its sliding layers): the draft layers that read
+    the base's rotary embedding (Hydra++'s prefix layer, EAGLE-3's, DFlash's) take its full-attention layers' table
+    (they attend over the whole text), or the only one a base of sliding layers alone has. Hydra++ and EAGLE-3
+    decode the base's greedy tokens past its window, eager and static; the exported configs of EAGLE-3 and DFlash
+    declare that table's theta, so the engines' reading of the files rotates as the draft does, and `draftlab
+    check`'s RoPE check agrees."""
     from draftlab.drafters import build_draft
+    from draftlab.drafters.base import rope_table
+    from draftlab.interop.check import check_rope
+    from draftlab.interop.engine_read import _rotary
 
     base = sliding_base("gemma3")
-    torch.manual_seed(0)
-    spec = ({"type": "hydra", "num_heads": 2, "num_layers": 1, "prefix_attention": True} if kind == "hydra++"
-            else {"type": "eagle3", "eagle": {}})
-    module = build_draft(spec, base).to(base.dtype).eval()
+    if layers == "sliding-only":  # two layers, both sliding: no full-attention table
+        from transformers import Gemma3ForCausalLM
+
+        config = base.config
+        config.num_hidden_layers, config.layer_types = 2, ["sliding_attention"] * 2
+        torch.manual_seed(0)
+        base = Gemma3ForCausalLM(config).to(torch.float64).eval()
+        base.generation_config.eos_token_id = None
+    table = rope_table(base)
+    assert table == ("full_attention" if layers == "mixed" else "sliding_attention")
+    theta = base.config.rope_parameters[table]["rope_theta"]
     prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8]]
     want = [plain_greedy(base, p, 30) for p in prompts]
-    for static in (False, True):
-        drafter = make_drafter(module, Tree.from_paths([[0], [1], [0, 0]]) if kind == "hydra++" else None)
-        assert SpeculativeDecoder(base, drafter, static=static).generate(prompts, max_new_tokens=30).tokens == want
+    x, pos = torch.randn(1, 4, 8, dtype=base.dtype), torch.arange(40)[None]
+    for spec in ({"type": "hydra", "num_heads": 2, "num_layers": 1, "prefix_attention": True},
+                 {"type": "eagle3", "eagle": {}}, {"type": "dflash", "dflash": {"num_layers": 1, "block_size": 4}}):
+        torch.manual_seed(0)
+        module = build_draft(spec, base).to(base.dtype).eval()
+        if spec["type"] != "dflash":
+            for static in (False, True):
+                drafter = make_drafter(module, Tree.from_paths([[0], [1], [0, 0]]) if spec["type"] == "hydra" else None)
+                got = SpeculativeDecoder(base, drafter, static=static).generate(prompts, max_new_tokens=30)
+                assert got.tokens == want, (layers, spec["type"], static)
+        if spec["type"] != "hydra":
+            cfg = module.engine_config()
+            assert cfg["rope_theta"] == theta and check_rope(cfg, base.config.to_dict(), spec["type"], ["vllm"]).ok
+            cos, sin = _rotary(cfg)(x, pos)
+            assert torch.allclose(cos.double(), module.rope(x, pos)[0].double(), atol=1e-6)
 
 
 def test_a_chunked_attention_base_is_refused_past_its_chunk():

@@ -106,6 +106,29 @@ def test_cached_greedy_equals_recomputing_the_whole_sequence(setup, path):
     assert c.computed - before == 2 + 3 + 4
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_cached_greedy_on_a_sliding_window_base(path):
+    """The same on a base whose layers attend over a 12-token window (Gemma 3's shape) with sequences several windows
+    long: the cache keeps every layer's whole text, so tasks that branch behind the window are cropped and recomputed
+    exactly (a transformers sliding layer keeps one window and cannot be cropped behind it)."""
+    import torch
+
+    from draftlab.parallel.dsi import greedy_model
+    from test_decoder import sliding_base
+
+    model = sliding_base("gemma3")
+    c = greedy_model(model, 3, "eager" if path == "static" else None)
+    rng = random.Random(0)
+    seq = [rng.randrange(3, 64) for _ in range(30)]
+    for _ in range(8):
+        prefix = seq[: rng.randint(len(seq) - 20, len(seq))] + [rng.randrange(3, 64) for _ in range(rng.randint(0, 3))]
+        drafts = [rng.randrange(3, 64) for _ in range(rng.randint(0, 4))]
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prefix + drafts])).logits[0, len(prefix) - 1:].argmax(-1).tolist()
+        assert c.next_tokens(prefix, drafts) == want
+        seq = prefix + drafts + [rng.randrange(3, 64) for _ in range(4)]
+
+
 @pytest.mark.slow  # three server pools through the CLI (about 20 s)
 def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
     import json

@@ -118,3 +118,59 @@ def test_launch_mistakes_are_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="--tp splits the base over the processes of `torchrun"):
         check_launch(True)
+
+
+class PassSync:
+    """A one-process stand-in for RankSync: every rank's decisions are its own."""
+
+    def root(self, root):
+        return root
+
+    def proposal(self, prop):
+        return prop
+
+    def decision(self, last, bonus):
+        return last, bonus
+
+
+def test_the_synced_verify_keeps_the_slots_a_defragmentation_moved(monkeypatch):
+    """The path tensor parallelism takes (decisions through a sync, the cache kept by the host) on the static cache:
+    rows that accept different counts leave holes until the buffer fills and its forward's room comes from a
+    defragmentation; the accepted slots are then kept where the defragmentation put the committed ones (they were
+    kept at the slots before it, and the run failed)."""
+    from conftest import tiny_llama
+    from draftlab.decode.cache import StaticSlotCache
+    from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.decode.tree import Tree, TreeView
+    from draftlab.drafters import Drafter, Proposal
+    from test_decoder import plain_greedy
+
+    class Alternating(Drafter):
+        """A chain of the true continuation in every other step of each row (the rows out of phase), else wrong."""
+        max_nodes = 5
+
+        def begin(self, prompt, sampling, generator):
+            self.at, self.step = [0] * prompt.ids.shape[0], 0
+
+        def propose(self, root):
+            rows = []
+            for b, w in enumerate(want):
+                good = (self.step + b) % 2 == 0
+                rows.append([int(root[b])] + [w[j] if good and j < len(w) else 63 - j % 5
+                                              for j in range(self.at[b] + 1, self.at[b] + 5)])
+            self.step += 1
+            return Proposal(torch.tensor(rows), TreeView.of_static(Tree.chain(4).buffers(), len(rows)))
+
+        def commit(self, step):
+            self.at = [a + len(p) for a, p in zip(self.at, step.paths)]
+
+    moved = []
+    defragment = StaticSlotCache._defragment
+    monkeypatch.setattr(StaticSlotCache, "_defragment", lambda self: (moved.append(self.n), defragment(self))[1])
+    base = tiny_llama(seed=0)
+    prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12], [3, 8]]
+    want = [plain_greedy(base, p, 200) for p in prompts]
+    for sync in (None, PassSync()):
+        res = SpeculativeDecoder(base, Alternating(), static=True, sync=sync).generate(prompts, max_new_tokens=200)
+        assert res.tokens == want and res.accept_length > 2
+    assert moved  # the runs went through a defragmentation

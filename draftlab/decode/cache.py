@@ -63,16 +63,23 @@ def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, w
     if spans:
         far = behind(slots[:, :window], pos)
         if T == allowed.shape[-2]:  # a block whose reserved slots are its own entries (a feed): their positions
-            far = torch.where(tent, (pos[:, :, None] - pos[:, None, :])[..., rel.clamp(0, T - 1)], far)
+            far = torch.where(tent, apart(pos)[..., rel.clamp(0, T - 1)], far)
     return span_masks(seen, far, spans, dtype)
 
 
 def behind(slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """How many positions each committed valid slot (slots [B, S]) lies behind each of N queries at positions pos
-    [B, N]: [B, N, S], 0 at the other slots. A valid slot's position is the number of valid slots before it (a row's
-    positions count its own tokens, and its valid slots stay in text order through keep and defragment)."""
-    far = pos[:, :, None] - (slots.long().cumsum(-1) - 1)[:, None, :]
+    [B, N]: [B, N, S] int32 (the size of a float32 mask), 0 at the other slots. A valid slot's position is the number
+    of valid slots before it (a row's positions count its own tokens, and its valid slots stay in text order through
+    keep and defragment)."""
+    far = pos.to(torch.int32)[:, :, None] - (slots.cumsum(-1, dtype=torch.int32) - 1)[:, None, :]
     return far.masked_fill_(~slots[:, None, :], 0)
+
+
+def apart(pos: torch.Tensor) -> torch.Tensor:
+    """How many positions each of N tokens at positions pos [B, N] lies behind each of them: [B, N, N] int32."""
+    pos = pos.to(torch.int32)
+    return pos[:, :, None] - pos[:, None, :]
 
 
 def span_masks(seen: torch.Tensor, far: torch.Tensor | None, spans: tuple | None, dtype: torch.dtype):
@@ -171,9 +178,7 @@ class SlotCache:
         """Left-padded prompts [B, L] (valid marks real tokens) -> model output; each row's positions count
         its own tokens only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        mask = valid.long() if not self.spans else span_masks(  # (the model masks no window over full layers)
-            causal_allowed(valid), pos[:, :, None] - pos[:, None, :], self.spans, self.dtype)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
                          use_cache=True, output_hidden_states=hidden)
         self.valid, self.next_pos = valid.bool(), valid.sum(-1)
         return out, pos
@@ -188,8 +193,8 @@ class SlotCache:
         pos = self.next_pos[:, None] + depth
         far = None
         if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
-            far = torch.cat([behind(self.valid, pos), pos.new_zeros(B, N, allowed.shape[2] - N),
-                             pos[:, :, None] - pos[:, None, :]], dim=2)
+            far = torch.cat([behind(self.valid, pos), torch.zeros(B, N, allowed.shape[2] - N, dtype=torch.int32,
+                                                                  device=self.device), apart(pos)], dim=2)
         return self.model(input_ids=tokens, attention_mask=span_masks(full, far, self.spans, self.dtype),
                           position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
@@ -233,13 +238,13 @@ def check_tree_support(model) -> None:
     sib = torch.randint(0, V, (1, 2), generator=g).to(dev)
     try:
         ref = model(input_ids=torch.cat([ids, sib[:, 1:]], 1)).logits[0, -1].float()
-        cache = DynamicCache(config=model.config)
+        cache = full_layers(DynamicCache(config=model.config))  # (as the decoder's: a sliding layer keeps one window)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         # Two siblings at the same position: the second must not see the first.
         seen = torch.ones(1, 2, 6, dtype=torch.bool, device=dev)
         seen[0, 1, 4] = False
         # (one mask per layer type where the model has sliding windows: that it takes them is probed too)
-        mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.long, device=dev), layer_spans(model), dtype)
+        mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.int32, device=dev), layer_spans(model), dtype)
         got = model(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
                     past_key_values=cache, use_cache=True).logits[0, 1].float()
         cache_layers(cache)
@@ -445,9 +450,9 @@ class StaticSlotCache:
         full[:, :, self.n: self.n + T] = allowed
         far = None
         if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
-            far = torch.zeros(full.shape, dtype=torch.long, device=self.device)
+            far = torch.zeros(full.shape, dtype=torch.int32, device=self.device)
             far[:, :, : self.n] = behind(self.slots[:, : self.n], pos)
-            far[:, :, self.n + T - N: self.n + T] = pos[:, :, None] - pos[:, None, :]
+            far[:, :, self.n + T - N: self.n + T] = apart(pos)
         return span_masks(full, far, self.spans, self.dtype)
 
     def reserve(self, n: int) -> int:

@@ -140,7 +140,7 @@ class Verifier:
         tokens, view = prop.tokens, prop.view
         B, N = tokens.shape
         t2 = time.perf_counter()
-        start, valid_before = target.length, target.valid
+        valid_before = target.valid
         deterministic = sampling.greedy or sampling.typical
         # On the static path sampling decides on the device too (one graph where compiled), from uniforms drawn here:
         # one per node's try and one for the bonus (acceptance.accept_sampling).
@@ -154,8 +154,8 @@ class Verifier:
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
-            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.spans, target.dtype,
-                      self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
+            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.spans,
+                      target.dtype, self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
                       target.next_pos, sampling, target.device_state(), target.slots)
             if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
                 states, decided, drafted = self.chain(*inputs, chainer, chain, drawn=drawn)
@@ -168,6 +168,8 @@ class Verifier:
             states = _layers(out, self.layers)
         sync_device(dev)
         t3 = time.perf_counter()
+        start = target.length  # the committed slots: read after the forward, whose room a static cache may have made
+        # by defragmenting (moving every row's valid slots to its front)
         if fused:
             bonus, length, keep, keep_valid, kept_pos, host, *next_pos = decided
         elif on_device:  # the rule and the step's bookkeeping in one call (one graph compiled)

@@ -65,14 +65,40 @@ def empty_fixed(B: int, W: int, N: int, states_like: tuple, device) -> tuple:
     return states, zeros[:, :W], zeros.bool()[:, :W], zeros[:, :W]
 
 
-def rope_args(base) -> tuple:
-    """What a draft layer passes the base's rotary embedding besides states and positions: a base with a table per
-    layer type (Gemma 3: a local one for its sliding layers) gives its full-attention layers' table, as a draft layer
-    attends over the whole text; () where the base has one table."""
+def rope_table(base) -> str | None:
+    """The layer type whose rotary table a draft layer takes from a base with one table per layer type (Gemma 3: a
+    local one for its sliding layers): the full-attention layers' (a draft layer attends over the whole text), or
+    the one table a base without full-attention layers has; None where the base has one table for all layers."""
     import inspect
 
-    return ("full_attention",) if "layer_type" in inspect.signature(base.base_model.rotary_emb.forward).parameters \
-        else ()
+    emb = getattr(base.base_model, "rotary_emb", None)
+    if emb is None or "layer_type" not in inspect.signature(emb.forward).parameters:
+        return None
+    types = list(getattr(emb, "layer_types", None) or ["full_attention"])
+    return "full_attention" if "full_attention" in types else types[0]
+
+
+def rope_args(base) -> tuple:
+    """What a draft layer passes the base's rotary embedding besides states and positions (rope_table)."""
+    table = rope_table(base)
+    return () if table is None else (table,)
+
+
+def flat_rope(params: dict | None, table: str | None = None) -> dict:
+    """RoPE parameters (rope_theta, rope_type, scaling) as one table: where a config holds one per layer type (Gemma
+    3's rope_parameters), the `table` one (rope_table; default the full-attention layers', else the first)."""
+    p = dict(params or {})
+    if p and all(isinstance(v, dict) for v in p.values()):
+        p = dict(p.get(table or "full_attention") or next(iter(p.values())))
+    return p
+
+
+def base_rope(base) -> dict:
+    """The base's RoPE parameters for a draft layer that rotates positions as the base does: the table rope_table
+    names where the base has one per layer type."""
+    c = base.config.get_text_config(decoder=True)
+    return flat_rope(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or
+                     {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}, rope_table(base))
 
 
 class ReadsBase:

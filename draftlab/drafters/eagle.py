@@ -37,7 +37,7 @@ from torch import nn
 
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, empty_fixed, gather_kept
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, base_rope, empty_fixed, gather_kept
 
 
 class RMSNorm(nn.Module):
@@ -147,8 +147,7 @@ class Eagle3Draft(ReadsBase, nn.Module):
                 "draft_vocab_size": min(e.get("draft_vocab_size") or V, V), "layers": list(layers),
                 "ttt_steps": e.get("ttt_steps", 7), "step_decay": e.get("step_decay", 0.8),
                 "fc_norm": bool(e.get("fc_norm", False)), "norm_output": bool(e.get("norm_output", False)),
-                "rope_parameters": dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or
-                                        {"rope_theta": getattr(c, "rope_theta", 10000.0), "rope_type": "default"}),
+                "rope_parameters": base_rope(base),
                 "max_position_embeddings": getattr(c, "max_position_embeddings", 4096)}
 
     def engine_config(self) -> dict:

@@ -59,10 +59,12 @@ class CachedGreedy:
         import torch
         from transformers import DynamicCache
 
+        from ..decode.cache import full_layers
+
         seq = list(prefix) + list(drafts)
         keep = self._reusable(seq, len(prefix))
-        if keep == 0:
-            self.cache = DynamicCache(config=self.model.config)
+        if keep == 0:  # (full layers: a sliding-window layer's cache could not be cropped behind its window)
+            self.cache = full_layers(DynamicCache(config=self.model.config))
         else:
             self.cache.crop(keep - len(self.tokens))  # transformers' crop takes minus the tokens to drop
         with torch.no_grad():
