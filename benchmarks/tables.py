@@ -676,6 +676,9 @@ TABLES = {
     "refactor_check_text_rank_gain": ("refactor_check_text_rank_gain", refactor_check_compiled_exports(
         "The default schedule and plain decoding after the text ranking and the sliding-window guard, against the "
         "commit before them", "refactor_check_text_rank_gain")),
+    "refactor_check_sliding_masks": ("refactor_check_sliding_masks", refactor_check_compiled_exports(
+        "The default schedule and plain decoding after the sliding-window masks, against the commit before them",
+        "refactor_check_sliding_masks")),
     "refactor_check_ensemble_feed": ("refactor_check_ensemble_feed", refactor_check_compiled_exports(
         "The SSM's feed widened to powers of two (13d7532): the default schedule against the commit before it",
         "refactor_check_ensemble_feed")),

@@ -494,9 +494,9 @@ def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
 def sliding_base(kind: str):
     """A tiny base whose layers attend over a sliding window of 12 tokens: every layer (Mistral's) or every other
     one (Gemma 3's and gpt-oss's: one mask per layer type; gpt-oss in float32, its experts' kernel having no
-    float64)."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, MistralConfig,
-                              MistralForCausalLM)
+    float64); or (Llama 4's) in chunks of 12 tokens on three layers of four."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, Llama4ForCausalLM,
+                              Llama4TextConfig, MistralConfig, MistralForCausalLM)
 
     torch.manual_seed(0)
     kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -504,6 +504,10 @@ def sliding_base(kind: str):
               pad_token_id=0)
     if kind == "mistral":
         base = MistralForCausalLM(MistralConfig(**kw)).to(torch.float64)
+    elif kind == "llama4":
+        kw.pop("sliding_window")
+        base = Llama4ForCausalLM(Llama4TextConfig(head_dim=8, intermediate_size_mlp=64, attention_chunk_size=12,
+                                                  num_local_experts=2, moe_layers=[], **kw)).to(torch.float64)
     elif kind == "gemma3":
         base = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=8, sliding_window_pattern=2, **kw)).to(torch.float64)
     else:
@@ -514,19 +518,21 @@ def sliding_base(kind: str):
 
 
 @pytest.mark.parametrize("path", ["eager", "static", pytest.param("traced", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gpt-oss", "llama4"])
 def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monkeypatch):
-    """A base with sliding-window layers: draftlab's caches keep every layer's whole text and its masks apply each
-    layer type's window (decode.cache.span_masks), so runs several windows long give the base's own greedy tokens
-    (transformers' generate, with its sliding caches), with an SSM drafting and without, batch of uneven prompts
-    longer than the window, EOS mid-run. The SSM is the base itself, so its drafts are all accepted only if
-    its own masks slide too, the chained step's included. Without the windows the tokens differ."""
+    """A base with sliding-window layers (or chunked ones: Llama 4): draftlab's caches keep every layer's whole text
+    and its masks apply each layer type's window or chunk (decode.cache.span_masks), so runs several windows long
+    give the base's own greedy tokens (transformers' generate, with its own caches), with an SSM drafting and
+    without, batch of uneven prompts longer than the window, EOS mid-run. The SSM is the base itself, so its drafts
+    are all accepted only if its own masks slide too, the chained step's included. Without the windows the tokens
+    differ."""
     from draftlab.decode import cache as cache_mod
     from draftlab.decode.decoder import NoDraft
     from draftlab.drafters.ssm import SSMDrafter
 
     base = sliding_base(kind)
-    assert {w for _, w in cache_mod.layer_spans(base)} == ({12} if kind == "mistral" else {None, 12})
+    limit = ("chunk" if kind == "llama4" else "window", 12)
+    assert {l for _, l in cache_mod.layer_spans(base)} == ({limit} if kind == "mistral" else {None, limit})
     # Both prompts longer than the window, the second left-padded; the run goes about four windows past them.
     prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8, 21, 6, 30, 31, 7, 40, 41, 42,
                                                                                9, 10, 43, 44]]
@@ -538,7 +544,9 @@ def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monk
         dec = SpeculativeDecoder(base, drafter, **opts)
         res = dec.generate(prompts, max_new_tokens=40)
         assert res.tokens == want, (kind, path, type(drafter).__name__)
-        assert res.accept_length > (3.5 if drafter.max_nodes > 1 else 0.99)
+        # (An SSM's own earlier tree levels count as near: in chunks of 12 a tree crossing into the next chunk then
+        # drafts otherwise than its model would, which costs acceptance, never exactness.)
+        assert res.accept_length > ((3.0 if kind == "llama4" else 3.5) if drafter.max_nodes > 1 else 0.99)
         assert dec.generate(prompts, max_new_tokens=40, eos_token_id=eos).tokens == cut
     monkeypatch.setattr(cache_mod, "layer_spans", lambda model: None)
     assert SpeculativeDecoder(base, NoDraft(), **opts).generate(prompts, max_new_tokens=40).tokens != want
@@ -586,20 +594,3 @@ def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(layers):
             assert cfg["rope_theta"] == theta and check_rope(cfg, base.config.to_dict(), spec["type"], ["vllm"]).ok
             cos, sin = _rotary(cfg)(x, pos)
             assert torch.allclose(cos.double(), module.rope(x, pos)[0].double(), atol=1e-6)
-
-
-def test_a_chunked_attention_base_is_refused_past_its_chunk():
-    """Chunked attention (Llama 4's) is not masked: a run that may pass the shortest chunk is refused with the
-    reason, before any forward; a run within it decodes."""
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    from draftlab.decode.decoder import NoDraft
-
-    torch.manual_seed(0)
-    cfg = Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
-                           attention_chunk_size=16, num_local_experts=2, moe_layers=[])
-    dec = SpeculativeDecoder(Llama4ForCausalLM(cfg).eval(), NoDraft())
-    assert len(dec.generate([[1, 2, 3]], max_new_tokens=8).tokens[0]) == 8
-    with pytest.raises(ValueError, match="attends in chunks of 16 tokens.*may reach 24 "):
-        dec.generate([[1, 2, 3]], max_new_tokens=20)

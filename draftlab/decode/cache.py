@@ -53,8 +53,8 @@ def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, w
     """The additive attention mask [B, 1, N, window] of N entries a caller's own forward writes into a static cache
     whose slots from n (a tensor: the committed ones before them) it reserved (StaticSlotCache.reserve): each entry
     sees the committed valid slots (slots [B, >= window]) and the reserved ones allowed [B or 1, N, T] marks. Where
-    the model has sliding-window layers (spans: layer_spans), pos [B, N] are the entries' positions and the masks
-    are span_masks'. Tensor operations only, so one compiled graph serves every step."""
+    the model has sliding-window or chunked layers (spans: layer_spans), pos [B, N] are the entries' positions and
+    the masks are span_masks'. Tensor operations only, so one compiled graph serves every step."""
     T = allowed.shape[-1]
     rel = torch.arange(window, device=slots.device) - n  # slot -> its index among the reserved ones
     tent = allowed[..., rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))  # [B or 1, N, window]
@@ -64,7 +64,7 @@ def reserved_mask(allowed: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, w
         far = behind(slots[:, :window], pos)
         if T == allowed.shape[-2]:  # a block whose reserved slots are its own entries (a feed): their positions
             far = torch.where(tent, apart(pos)[..., rel.clamp(0, T - 1)], far)
-    return span_masks(seen, far, spans, dtype)
+    return span_masks(seen, far, pos, spans, dtype)
 
 
 def behind(slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -82,18 +82,28 @@ def apart(pos: torch.Tensor) -> torch.Tensor:
     return pos[:, :, None] - pos[:, None, :]
 
 
-def span_masks(seen: torch.Tensor, far: torch.Tensor | None, spans: tuple | None, dtype: torch.dtype):
-    """The additive attention mask [B, 1, N, S] of seen [B, N, S] (what each of N queries may attend to). Where
-    some of the model's layers attend over a sliding window (spans: layer_spans), a layer attends only to the slots
-    less than its window behind the query (far [B, N, S], see behind): one mask where every layer has the same
-    window (Mistral), else a dict of one per layer type (Gemma 2 and 3, gpt-oss: transformers' models with layer
-    types take one)."""
+def span_masks(seen: torch.Tensor, far: torch.Tensor | None, pos: torch.Tensor | None, spans: tuple | None,
+               dtype: torch.dtype):
+    """The additive attention mask [B, 1, N, S] of seen [B, N, S] (what each of N queries, at positions pos [B, N],
+    may attend to). Where some of the model's layers attend over a sliding window or in chunks (spans: layer_spans),
+    such a layer attends only to the slots less than its window behind the query (far [B, N, S], see behind), or to
+    those of the query's chunk (no further behind than the query's offset in its chunk): one mask where every layer
+    attends alike (Mistral), else a dict of one per layer type (Gemma 3, gpt-oss, Llama 4: transformers' models with
+    layer types take one)."""
     def additive(ok):
         return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)[:, None]
+
+    def within(limit):
+        if limit is None:
+            return seen
+        kind, size = limit
+        if kind == "window":
+            return seen & (far < size)
+        return seen & (far <= (pos.to(torch.int32) % size)[:, :, None])  # a chunk: from its first position on
     if not spans:
         return additive(seen)
-    masks = {w: additive(seen if w is None else seen & (far < w)) for w in {w for _, w in spans}}
-    return next(iter(masks.values())) if len(masks) == 1 else {kind: masks[w] for kind, w in spans}
+    masks = {limit: additive(within(limit)) for limit in {limit for _, limit in spans}}
+    return next(iter(masks.values())) if len(masks) == 1 else {kind: masks[limit] for kind, limit in spans}
 
 
 def mark_valid(slots: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> None:
@@ -119,36 +129,20 @@ def _layer_windows(model) -> list[tuple[str, int | None]]:
 
 
 def layer_spans(model) -> tuple | None:
-    """How far back each of the model's layer types attends, where some layers attend over a sliding window:
-    ((layer type, window, or None for the whole text), ...), None where every layer attends to the whole text.
-    draftlab's caches keep every layer's whole text (full_layers) and its masks apply the windows (span_masks), so a
-    run may be as long as the model allows. Chunked attention is not a window: attention_span bounds a run to it."""
-    spans = {t: (None if t == "chunked_attention" else w) for t, w in _layer_windows(model)}
+    """How far back each of the model's layer types attends, where some layers attend over a sliding window or in
+    chunks: ((layer type, None for the whole text, ("window", w) or ("chunk", c)), ...); None where every layer
+    attends to the whole text. draftlab's caches keep every layer's whole text (full_layers) and its masks apply the
+    windows and chunks (span_masks), so a run may be as long as the model allows."""
+    spans = {t: (None if not w else ("chunk", w) if t == "chunked_attention" else ("window", w))
+             for t, w in _layer_windows(model)}
     return tuple(sorted(spans.items())) if any(spans.values()) else None
-
-
-def attention_span(model) -> int | None:
-    """The shortest attention chunk of the model's layers (Llama 4's chunked attention); None where no layer attends
-    in chunks. draftlab's masks do not cut the text in chunks, so its forwards are the model's own only while a run's
-    positions stay within one chunk (check_span). Sliding windows are masked (layer_spans)."""
-    spans = [w for t, w in _layer_windows(model) if t == "chunked_attention" and w]
-    return min(spans) if spans else None
-
-
-def check_span(model, span: int | None, length: int, what: str) -> None:
-    """Raise where a run may reach `length` positions past the model's attention chunk (attention_span)."""
-    if span is not None and length > span:
-        raise ValueError(f"{type(model).__name__} attends in chunks of {span} tokens on some layers, and draftlab's "
-                         f"decoder masks no chunks: its output is the model's own only while a run stays within "
-                         f"{span} tokens, and this one may reach {length} ({what}); lower max_new_tokens or shorten "
-                         f"the prompt")
 
 
 def full_layers(cache, max_len: int | None = None):
     """The cache with its sliding-window (and chunked-attention) layers replaced by full ones: draftlab's masks
     address every slot of the text, where a sliding layer keeps only its last window of keys; the masks apply the
-    window (span_masks). A sliding layer's cache then grows with the text as a full layer's does. max_len: a static
-    cache's length."""
+    window or chunk (span_masks). A sliding layer's cache then grows with the text as a full layer's does. max_len:
+    a static cache's length."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
     cache.layers = [StaticLayer(max_cache_len=max_len) if isinstance(l, StaticSlidingWindowLayer)
@@ -166,7 +160,7 @@ class SlotCache:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = full_layers(DynamicCache(config=model.config))
-        self.spans = layer_spans(model)  # its sliding windows, if it has some: the masks apply them
+        self.spans = layer_spans(model)  # its sliding windows or chunks, if it has some: the masks apply them
         self.valid: torch.Tensor | None = None  # [B, L] bool
         self.next_pos: torch.Tensor | None = None  # [B] long
 
@@ -195,7 +189,7 @@ class SlotCache:
         if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
             far = torch.cat([behind(self.valid, pos), torch.zeros(B, N, allowed.shape[2] - N, dtype=torch.int32,
                                                                   device=self.device), apart(pos)], dim=2)
-        return self.model(input_ids=tokens, attention_mask=span_masks(full, far, self.spans, self.dtype),
+        return self.model(input_ids=tokens, attention_mask=span_masks(full, far, pos, self.spans, self.dtype),
                           position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
@@ -244,7 +238,8 @@ def check_tree_support(model) -> None:
         seen = torch.ones(1, 2, 6, dtype=torch.bool, device=dev)
         seen[0, 1, 4] = False
         # (one mask per layer type where the model has sliding windows: that it takes them is probed too)
-        mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.int32, device=dev), layer_spans(model), dtype)
+        mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.int32, device=dev),
+                          torch.tensor([[4, 4]], device=dev), layer_spans(model), dtype)
         got = model(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
                     past_key_values=cache, use_cache=True).logits[0, 1].float()
         cache_layers(cache)
@@ -356,7 +351,7 @@ class StaticSlotCache:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = full_layers(StaticCache(config=model.config, max_cache_len=max_len), max_len)
-        self.spans = layer_spans(model)  # its sliding windows, if it has some: the masks apply them
+        self.spans = layer_spans(model)  # its sliding windows or chunks, if it has some: the masks apply them
         window_layer = _window_layer()
         # Full-attention layers attend over the window. A model with other layer kinds (sliding-window ones are made
         # full above; linear attention and the like) keeps attending over the whole buffer: one mask serves all its
@@ -453,7 +448,7 @@ class StaticSlotCache:
             far = torch.zeros(full.shape, dtype=torch.int32, device=self.device)
             far[:, :, : self.n] = behind(self.slots[:, : self.n], pos)
             far[:, :, self.n + T - N: self.n + T] = apart(pos)
-        return span_masks(full, far, self.spans, self.dtype)
+        return span_masks(full, far, pos, self.spans, self.dtype)
 
     def reserve(self, n: int) -> int:
         """Room for n tentative slots written by the caller's own forwards of the model (a drafter's feed and tree

@@ -21,8 +21,8 @@ import torch
 from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
-from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, attention_span, cache_layers,  # noqa: F401
-                    check_span, check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
+from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers,  # noqa: F401
+                    check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
                     static_slots)
 from .streams import derived_generator
 from .tree import TreeView
@@ -333,7 +333,7 @@ def verify_and_keep(model, inputs: dict, window: int, spans: tuple | None, dtype
                     parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
     graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
-    the attention window (within the base's sliding windows, spans: cache.layer_spans) and its positions built
+    the attention window (within the base's sliding windows or chunks, spans: cache.layer_spans) and its positions built
     here, from the cache's valid slots and write pointer), then
     decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
     values."""
@@ -415,7 +415,6 @@ class SpeculativeDecoder:
         self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)
-        self.span = attention_span(base)  # an attention chunk's, if the base has one: runs must fit in it
         self.static = bool(compile) if static is None else static
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
@@ -456,9 +455,6 @@ class SpeculativeDecoder:
         from it; the drafter from a stream of its own, seeded by the generator's first draw (see streams)."""
         sampling = sampling or Sampling()
         drafter = self.drafter
-        longest = max(len(p) for p in prompts)
-        check_span(self.base, self.span, longest + max_new_tokens + drafter.max_nodes,
-                   f"a prompt of {longest} + max_new_tokens {max_new_tokens} + a tree of {drafter.max_nodes}")
         drafter.decode_path = {"static": self.static, "compile": self.forward.backend if self.forward else None}
         drafter_gen = None if generator is None else derived_generator(generator, "drafter")
         # The static path reuses the last run's cache (one at a time: generate is not re-entrant per decoder).
