@@ -75,7 +75,7 @@ class HydraHeads(nn.Module):
     def attach_base(self, base) -> None:
         """Keep a reference to the frozen base (embeddings, rotary) and build the prefix layer's shape."""
         self._base = [base]
-        self._rope_args = rope_args(base) if hasattr(base.base_model, "rotary_emb") else ()
+        self._rope_args = rope_args(base)
         if self.prefix_attention and self.prefix_layer is None:
             backbone = base.base_model
             layers = getattr(backbone, "layers", None)
