@@ -552,20 +552,21 @@ def test_sliding_window_bases_decode_exactly_past_their_windows(kind, path, monk
     assert SpeculativeDecoder(base, NoDraft(), **opts).generate(prompts, max_new_tokens=40).tokens != want
 
 
-@pytest.mark.parametrize("layers", ["mixed", "sliding-only"])
-def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(layers):
+@pytest.mark.parametrize("layers", ["mixed", "sliding-only", "gpt-oss"])
+def test_draft_layers_take_the_bases_rotary_table(layers):
     """Gemma 3 has a rotary table per layer type (a local one for its sliding layers): the draft layers that read
     the base's rotary embedding (Hydra++'s prefix layer, EAGLE-3's, DFlash's) take its full-attention layers' table
-    (they attend over the whole text), or the only one a base of sliding layers alone has. Hydra++ and EAGLE-3
-    decode the base's greedy tokens past its window, eager and static; the exported configs of EAGLE-3 and DFlash
-    declare that table's theta, so the engines' reading of the files rotates as the draft does, and `draftlab
-    check`'s RoPE check agrees."""
+    (they attend over the whole text), or the only one a base of sliding layers alone has. gpt-oss's table covers
+    half a head (both halves rotate by the same angles): EAGLE-3's and DFlash's Llama layers get it repeated. Hydra++
+    and EAGLE-3 decode the base's greedy tokens past its window, eager and static; the exported configs of EAGLE-3
+    and DFlash declare the table's theta, so the engines' reading of the files rotates as the draft does, and
+    `draftlab check`'s RoPE check agrees."""
     from draftlab.drafters import build_draft
-    from draftlab.drafters.base import rope_table
+    from draftlab.drafters.base import flat_rope, rope_table
     from draftlab.interop.check import check_rope
     from draftlab.interop.engine_read import _rotary
 
-    base = sliding_base("gemma3")
+    base = sliding_base("gpt-oss" if layers == "gpt-oss" else "gemma3")
     if layers == "sliding-only":  # two layers, both sliding: no full-attention table
         from transformers import Gemma3ForCausalLM
 
@@ -575,8 +576,8 @@ def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(layers):
         base = Gemma3ForCausalLM(config).to(torch.float64).eval()
         base.generation_config.eos_token_id = None
     table = rope_table(base)
-    assert table == ("full_attention" if layers == "mixed" else "sliding_attention")
-    theta = base.config.rope_parameters[table]["rope_theta"]
+    assert table == {"mixed": "full_attention", "sliding-only": "sliding_attention", "gpt-oss": None}[layers]
+    theta = flat_rope(base.config.rope_parameters, table)["rope_theta"]
     prompts = [[5, 9, 2, 7, 5, 9, 4, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 8]]
     want = [plain_greedy(base, p, 30) for p in prompts]
     x, pos = torch.randn(1, 4, 8, dtype=base.dtype), torch.arange(40)[None]
@@ -594,3 +595,4 @@ def test_draft_layers_on_a_base_with_a_rotary_table_per_layer_type(layers):
             assert cfg["rope_theta"] == theta and check_rope(cfg, base.config.to_dict(), spec["type"], ["vllm"]).ok
             cos, sin = _rotary(cfg)(x, pos)
             assert torch.allclose(cos.double(), module.rope(x, pos)[0].double(), atol=1e-6)
+            assert torch.allclose(sin.double(), module.rope(x, pos)[1].double(), atol=1e-6)

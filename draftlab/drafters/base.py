@@ -124,6 +124,9 @@ class ReadsBase:
             return self.base.get_input_embeddings()(ids)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """The base's rotary (cos, sin) at positions, in x's dtype."""
+        """The base's rotary (cos, sin) at positions, in x's dtype, over the whole head (Llama's rotate-half layout):
+        a base whose table covers half a head (gpt-oss rotates each half by the same angles) has it repeated."""
         cos, sin = self.base.base_model.rotary_emb(x, positions, *self._rope_args)
+        if 2 * cos.shape[-1] == self.cfg["head_dim"]:
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         return cos.to(x.dtype), sin.to(x.dtype)
