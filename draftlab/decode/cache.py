@@ -82,6 +82,15 @@ def apart(pos: torch.Tensor) -> torch.Tensor:
     return pos[:, :, None] - pos[:, None, :]
 
 
+def distances(committed: torch.Tensor, pos: torch.Tensor, T: int, width: int | None = None) -> torch.Tensor:
+    """span_masks' distances [B, N, width] over a cache's slots: the committed ones (committed [B, L], valid or not:
+    behind), then T tentative ones of which the last N are the queries at positions pos [B, N] (apart; the earlier
+    ones are their ancestors, counted as near), then unwritten ones up to width (default L + T)."""
+    (B, N), L = pos.shape, committed.shape[1]
+    zeros = lambda n: torch.zeros(B, N, n, dtype=torch.int32, device=pos.device)  # noqa: E731
+    return torch.cat([behind(committed, pos), zeros(T - N), apart(pos), zeros((width or L + T) - L - T)], dim=2)
+
+
 def span_masks(seen: torch.Tensor, far: torch.Tensor | None, pos: torch.Tensor | None, spans: tuple | None,
                dtype: torch.dtype):
     """The additive attention mask [B, 1, N, S] of seen [B, N, S] (what each of N queries, at positions pos [B, N],
@@ -185,10 +194,7 @@ class SlotCache:
         L = self.valid.shape[1]
         full = torch.cat([self.valid[:, None, :].expand(B, N, L), allowed], dim=2)  # [B, N, L+T]
         pos = self.next_pos[:, None] + depth
-        far = None
-        if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
-            far = torch.cat([behind(self.valid, pos), torch.zeros(B, N, allowed.shape[2] - N, dtype=torch.int32,
-                                                                  device=self.device), apart(pos)], dim=2)
+        far = distances(self.valid, pos, allowed.shape[2]) if self.spans else None
         return self.model(input_ids=tokens, attention_mask=span_masks(full, far, pos, self.spans, self.dtype),
                           position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
 
@@ -443,11 +449,7 @@ class StaticSlotCache:
         full = torch.zeros(B, N, self.window, dtype=torch.bool, device=self.device)
         full[:, :, : self.n] = self.slots[:, None, : self.n]
         full[:, :, self.n: self.n + T] = allowed
-        far = None
-        if self.spans:  # the tentative slots before these N are their ancestors (near); these N: their positions
-            far = torch.zeros(full.shape, dtype=torch.int32, device=self.device)
-            far[:, :, : self.n] = behind(self.slots[:, : self.n], pos)
-            far[:, :, self.n + T - N: self.n + T] = apart(pos)
+        far = distances(self.slots[:, : self.n], pos, T, self.window) if self.spans else None
         return span_masks(full, far, pos, self.spans, self.dtype)
 
     def reserve(self, n: int) -> int:

@@ -333,10 +333,9 @@ def verify_and_keep(model, inputs: dict, window: int, spans: tuple | None, dtype
                     parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
     graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
-    the attention window (within the base's sliding windows or chunks, spans: cache.layer_spans) and its positions built
-    here, from the cache's valid slots and write pointer), then
-    decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
-    values."""
+    the attention window, within the base's sliding windows or chunks (spans: cache.layer_spans), and its positions
+    built here, from the cache's valid slots and write pointer), then decide_and_keep. Returns the base's states at
+    every tree node for `layers` (a tuple), and decide_and_keep's values."""
     written = state[1][0]  # the first layer's write pointer: the committed slots, before the forward moves it
     pos = next_pos[:, None] + depth
     out = model(**inputs, attention_mask=reserved_mask(ancestors, slots, written, window, dtype, pos, spans),

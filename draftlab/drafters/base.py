@@ -74,7 +74,12 @@ def rope_table(base) -> str | None:
     emb = getattr(base.base_model, "rotary_emb", None)
     if emb is None or "layer_type" not in inspect.signature(emb.forward).parameters:
         return None
-    types = list(getattr(emb, "layer_types", None) or ["full_attention"])
+    return table_of(getattr(emb, "layer_types", None))
+
+
+def table_of(layer_types) -> str:
+    """Of a base's layer types, the one whose rotary table draft layers take (rope_table)."""
+    types = list(layer_types or ["full_attention"])
     return "full_attention" if "full_attention" in types else types[0]
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors
+from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
 from .engine_read import EngineDFlash, EngineEagle3, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint
 
@@ -155,8 +155,7 @@ def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok) -> Check
 
 def _rope(c: dict) -> tuple[float, dict]:
     """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling."""
-    types = c.get("layer_types") or ["full_attention"]  # (a base with a table per layer type: the one drafts take)
-    p = flat_rope(c.get("rope_parameters"), "full_attention" if "full_attention" in types else types[0])
+    p = flat_rope(c.get("rope_parameters"), table_of(c.get("layer_types")))  # (a table per layer type: drafts')
     theta = p.get("rope_theta", c.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in (p or c.get("rope_scaling") or {}).items() if k != "rope_theta"}
     return float(theta), {} if scaling.get("rope_type", scaling.get("type", "default")) == "default" else scaling
