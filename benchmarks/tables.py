@@ -211,6 +211,27 @@ def mt_bench(p, d) -> None:
           f"{100 * r['overall']['identical_share']:.0f}% |")
 
 
+def mt_bench_compiled(p, d) -> None:
+    """eval mt-bench --compile: both baselines, the compile time kept out of the figures and beside them, and what
+    the figures would be with it inside (as eval timed them before it decoded a compiling turn again)."""
+    heading(p, "MT-Bench on the compiled path", f"`benchmarks/mt_bench.py --compile --max-new-tokens "
+            f"{d['max_new_tokens']} --name mt_bench_compiled --export " +
+            " --export ".join(f"{k}={v}" for k, v in d["exports"].items()) +
+            f"`; {d['questions']} questions, 2 turns, greedy, default trees, base `runs/stories260k-base`; {where(d)}")
+    p("| export | accept length | tokens/s | HF generate tokens/s | speedup | compiled plain tokens/s | vs compiled "
+      "plain | turns that compiled | compile s | speedup with the compile time inside | identical | differences |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, r in d["runs"].items():
+        o = r["overall"]
+        inside = o["new_tokens"] / (o["new_tokens"] / o["tokens_per_s"] + o.get("compile_s", 0))
+        diffs = "; ".join(f"q{x['question_id']} turn {x['turn']} at {x['position']}: margin {x['margin']:.2g}"
+                          + (" (near tie)" if x["near_tie"] else " (NOT a near tie)") for x in r["differences"])
+        p(f"| {k} | {o['accept_length']:.2f} | {o['tokens_per_s']:.0f} | {o['baseline_tokens_per_s']:.0f} | "
+          f"{o['speedup']:.2f}x | {o['compiled_plain_tokens_per_s']:.0f} | {o['speedup_vs_compiled_plain']:.2f}x | "
+          f"{o.get('turns_compiled', 0)} of {o['turns']} | {o.get('compile_s', 0):.0f} | "
+          f"{inside / o['baseline_tokens_per_s']:.2f}x | {100 * o['identical_share']:.0f}% | {diffs or '-'} |")
+
+
 def train_ssm(p, d) -> None:
     heading(p, "Distilling an SSM", "`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
             f"continuations of the training stories; {where(d)}")
@@ -638,6 +659,7 @@ TABLES = {
     "hidden_cache": ("hidden_cache", hidden_cache),
     "tree_search": ("tree_search", tree_search),
     "mt_bench": ("mt_bench", mt_bench),
+    "mt_bench_compiled": ("mt_bench_compiled", mt_bench_compiled),
     "train_ssm": ("train_ssm", train_ssm),
     "ssm": ("ssm", ssm),
     "refactor_check": ("refactor_check", refactor_check_drafter),

@@ -92,6 +92,21 @@ def test_tp_cli_generate_matches_one_process(exports, tmp_path):
     assert json.loads(one.stdout.splitlines()[-1])["text"] == rep["text"]
 
 
+@pytest.mark.slow  # a torchrun launch of the CLI
+def test_tp_cli_eval_mt_bench_on_the_compiled_path(exports, tmp_path):
+    """eval mt-bench --tp --compile: the ranks agree on which turns to decode again after a compile and on which
+    differences to explain (collective forwards on the split base, or none), so the run finishes; rank 0 writes a
+    summary with both baselines, identical to plain decoding."""
+    args = ["eval", "mt-bench", exports[0], "--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path / "run"),
+            "--no-plots", "--json", "--compile"]
+    p = torchrun(2, "-m", "draftlab.cli", *args, "--tp", env={"DRAFTLAB_COMPILE_BACKEND": "eager"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    assert len(lines) == 1  # rank 1 prints nothing
+    o = json.loads(lines[0])["overall"]
+    assert o["identical_share"] == 1.0 and o["turns"] == 4 and o["compiled_plain_tokens_per_s"] > 0, o
+
+
 def test_layerwise_device_map_decodes_the_same_tokens(exports):
     """--device-map: layers placed by accelerate's hooks. A CPU machine's only second 'device' is disk offload,
     which runs the same hook path (weights moved in per forward); the last layer offloaded too (Hydra++ builds its

@@ -48,7 +48,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on the last line (exit 1 still if a greedy answer "
-                        "differs from plain decoding)")
+                        "differs from plain decoding other than at a near tie)")
     c = sub.add_parser("compare", help="side-by-side table of eval runs; with two, their slices and what got worse",
                        description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees). "
                                    "With exactly two runs A B, also each slicing's slices side by side, marking those "
@@ -90,13 +90,14 @@ def eval_command(a) -> int:
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
                      device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha,
                      compile=a.compile, slice_field=a.slice_field)
-    differ = bool(s["greedy"] and s["baseline"] and s["differences"])
+    differ = s["differences"] if s["greedy"] and s["baseline"] else []
+    bugs = [d for d in differ if not d.get("near_tie")]  # a difference not explained as a near tie
     if a.json:
         print(json.dumps(s), flush=True)
-        return 1 if differ else 0
+        return 1 if bugs else 0
     print(Path(s["report"]).read_text())
     print(f"answers: {', '.join(s['answers'].values())}\nreport: {s['report']}")
     if differ:
-        print(f"WARNING: {len(s['differences'])} turns differ from plain greedy decoding", flush=True)
-        return 1
-    return 0
+        print(f"WARNING: {len(differ)} turns differ from plain greedy decoding, {len(differ) - len(bugs)} of them "
+              "at a near tie of the base's logits (see the report)", flush=True)
+    return 1 if bugs else 0

@@ -23,12 +23,14 @@ import torch
 from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
-from ..decode.decoder import sync_device
+from ..decode.compiled import compiled_graphs
+from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
 from ..serve.tree_search import hardware
 from .slices import plot_slices, slice_report, slice_tables, turn_records
 
+NEAR_TIE_ULPS = 8  # see near_tie_tolerance
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
             "typical_alpha", "max_new_tokens", "seed", "baseline")
 
@@ -118,28 +120,48 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: int, seed: int, budget: int,
-                    baseline: bool) -> tuple[dict, dict | None]:
-    """Both methods answer every turn of one question, interleaved; returns (draftlab turns, plain turns)."""
+                    baseline: bool, retime: bool = True, plain_compiled=None) -> tuple[dict, dict | None]:
+    """Both methods answer every turn of one question, interleaved; returns (draftlab turns, plain turns).
+    retime: on the compiled path a turn whose decoding compiled something (a shape met for the first time: a new
+    prompt width, cache size or attention window) is decoded again and the second run is timed; the first run's
+    extra time is the turn's `compile_s`, reported beside the speed figures rather than inside them.
+    plain_compiled: a decoder of the same base without a drafter on the compiled path (decode.decoder.NoDraft),
+    which decodes each turn's prompt too, timed the same way: the fastest plain decoding, the second baseline."""
     eos = tok.eos_token_id
     dev = decoder.device
     conv = {"draftlab": [], "plain": []}
     turns = {"draftlab": [], "plain": []}
+
+    def timed(dec, ids, turn_seed):
+        """(result, seconds, compile seconds or None when nothing compiled)."""
+        def run():
+            gen = torch.Generator(device=dev).manual_seed(turn_seed)
+            graphs, t0 = compiled_graphs(), time.perf_counter()
+            res = dec.generate([ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
+                               generator=gen)
+            sync_device(dev)
+            return res, time.perf_counter() - t0, compiled_graphs() != graphs
+
+        res, wall, compiled = run()
+        if not (retime and agree(compiled)):  # rank 0 decides: every rank of a tensor-parallel run runs again, or none
+            return res, wall, None
+        res, again, _ = run()
+        return res, again, round(max(wall - again, 0.0), 3)
+
     for t, question in enumerate(q["turns"]):
         turn_seed = seed + 1000 * (zlib.crc32(str(q["question_id"]).encode()) % 1000003) + t  # same on resume
         for method in ("draftlab", "plain") if baseline else ("draftlab",):
             conv[method].append({"role": "user", "content": question})
             ids, cut = _prompt_ids(tok, conv[method], budget)
             if method == "draftlab":
-                gen = torch.Generator(device=dev).manual_seed(turn_seed)
-                t0 = time.perf_counter()
-                res = decoder.generate([ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
-                                       generator=gen)
-                sync_device(dev)
-                wall = time.perf_counter() - t0
+                res, wall, compile_s = timed(decoder, ids, turn_seed)
                 tokens = res.tokens[0]
                 stats = {"new_tokens": len(tokens), "steps": res.steps, "accept_length": round(res.accept_length, 4),
-                         "wall_time": round(wall, 5), "step_hist": dict(Counter(res.committed)),
+                         "wall_time": round(wall, 5), "compile_s": compile_s, "step_hist": dict(Counter(res.committed)),
                          "step_committed": list(res.committed)}  # in order: each step's output position (slices)
+                if plain_compiled is not None:
+                    res, wall, _ = timed(plain_compiled, ids, turn_seed)
+                    stats.update(compiled_plain_new_tokens=len(res.tokens[0]), compiled_plain_wall_time=round(wall, 5))
             else:
                 out, wall = plain_generate(decoder.base, [ids], max_new_tokens, sampling, eos, turn_seed)
                 tokens = out[0]
@@ -147,8 +169,33 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
             stats["context_tokens"] = len(ids)  # prompt tokens the turn started from (after any cut)
             text = tok.decode(tokens, skip_special_tokens=True).strip()
             conv[method].append({"role": "assistant", "content": text})
-            turns[method].append({"text": text, "tokens": tokens, "prompt_truncated": cut, **stats})
+            turns[method].append({"text": text, "tokens": tokens, "prompt_truncated": cut, "prompt_ids": ids,
+                                  **stats})
     return turns["draftlab"], (turns["plain"] if baseline else None)
+
+
+def near_tie_tolerance(logits: torch.Tensor) -> float:
+    """The top-2 logit margin below which the order of two tokens is rounding's to decide: NEAR_TIE_ULPS units in
+    the last place of the largest logit in the base's dtype (float32, logits of about 10: 1e-5; bfloat16: 0.6).
+    Compiled kernels, a batched verify and a one-token forward add the same numbers in different orders."""
+    return NEAR_TIE_ULPS * torch.finfo(logits.dtype).eps * float(logits.abs().max())
+
+
+def explain_difference(base, prompt: list[int], plain: list[int], other: list[int], position: int) -> dict:
+    """Why greedy speculative decoding's tokens `other` part from plain decoding's `plain` at `position`: the base's
+    own logits there (an eager forward over the prompt and plain's first `position` tokens), its top two tokens,
+    their margin and whether that is a near tie (near_tie_tolerance) with the speculative token the runner-up. A
+    difference that is not a near tie is a bug."""
+    dev = next(base.parameters()).device
+    ids = torch.tensor([prompt + plain[:position]], device=dev)
+    with torch.no_grad():
+        logits = base(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
+    top = logits.float().topk(2)
+    margin = float(top.values[0] - top.values[1])
+    theirs = other[position] if position < len(other) else None
+    tie = theirs in top.indices.tolist() and margin <= near_tie_tolerance(logits)
+    return {"margin": margin, "top2": top.indices.tolist(), "tokens": [plain[position] if position < len(plain)
+                                                                        else None, theirs], "near_tie": tie}
 
 
 def running_totals(run: dict, turns: list[dict]) -> dict:
@@ -166,7 +213,7 @@ def answer_record(q: dict, model_id: str, turns: list[dict], extra: dict | None 
     """FastChat model-answer record; per-turn statistics sit beside `turns` in the choice (as EAGLE's do)."""
     choice = {"index": 0, "turns": [t["text"] for t in turns]}
     for k in ("new_tokens", "steps", "wall_time", "accept_length", "step_hist", "prompt_truncated", "context_tokens",
-              "step_committed"):
+              "step_committed", "compile_s", "compiled_plain_new_tokens", "compiled_plain_wall_time"):
         if k in turns[0]:
             choice[k] = [t[k] for t in turns]
     rec = {"question_id": q["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": model_id,
@@ -185,6 +232,14 @@ def _agg(d_recs: list[dict], b_recs: list[dict]) -> dict:
     row = {"answers": len(d_recs), "turns": sum(len(c["turns"]) for c in ch), "new_tokens": new,
            "accept_length": round(committed / steps, 3) if steps else 0.0,
            "tokens_per_s": round(new / wall, 2) if wall else 0.0}
+    if ch and "compiled_plain_wall_time" in ch[0]:  # the compiled plain decoding of the same turns
+        cnew, cwall = (sum(sum(c[k]) for c in ch) for k in ("compiled_plain_new_tokens", "compiled_plain_wall_time"))
+        row["compiled_plain_tokens_per_s"] = round(cnew / cwall, 2) if cwall else 0.0
+        row["speedup_vs_compiled_plain"] = round(row["tokens_per_s"] / row["compiled_plain_tokens_per_s"], 3) \
+            if cwall and cnew else 0.0
+    compiles = [x for c in ch for x in c.get("compile_s", []) if x is not None]
+    if compiles:  # turns that compiled while decoding, timed again (answer_question): their compile time
+        row.update(compile_s=round(sum(compiles), 2), turns_compiled=len(compiles))
     if b_recs:
         bch = [r["choices"][0] for r in b_recs]
         bnew, bwall = sum(sum(c["new_tokens"]) for c in bch), sum(sum(c["wall_time"]) for c in bch)
@@ -213,7 +268,9 @@ def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict, s
 
 def write_report(out: Path, s: dict) -> Path:
     """report.md: settings, overall and per-category table, differences from plain decoding."""
-    cols = ["accept length", "tokens/s", "plain tokens/s", "speedup"] + (["identical"] if s["greedy"] else [])
+    fast = "speedup_vs_compiled_plain" in s["overall"]  # --compile: compiled plain decoding measured too
+    cols = ["accept length", "tokens/s", "plain tokens/s", "speedup"] + (
+        ["compiled plain tokens/s", "vs compiled plain"] if fast else []) + (["identical"] if s["greedy"] else [])
     lines = [f"# MT-Bench speed: {s['model_id']}", "",
              f"export `{s['export']}`, base `{s['base']}`, tree of {s['tree_size']} tokens, "
              f"temperature {s['temperature']}, max {s['max_new_tokens']} new tokens, questions `{s['questions']}`, "
@@ -223,16 +280,25 @@ def write_report(out: Path, s: dict) -> Path:
     def row(name, r):
         cells = [f"{r['accept_length']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r.get('baseline_tokens_per_s', 0):.1f}",
                  f"{r.get('speedup', 0):.2f}x"]
+        if fast:
+            cells += [f"{r['compiled_plain_tokens_per_s']:.1f}", f"{r['speedup_vs_compiled_plain']:.2f}x"]
         if s["greedy"]:
             cells.append(f"{100 * r.get('identical_share', 0):.0f}%")
         return f"| {name} | {r['answers']} | " + " | ".join(cells) + " |"
     lines += [row(c, r) for c, r in s["categories"].items()] + [row("**overall**", s["overall"])]
+    if s["overall"].get("turns_compiled"):
+        lines += ["", f"Compiling: {s['overall']['turns_compiled']} turns met a shape for the first time and compiled "
+                  f"while decoding ({s['overall']['compile_s']:.1f} s in all); each was decoded again and the second "
+                  "run timed, so the figures above hold no compile time."]
     if s["greedy"]:
         lines += ["", "Greedy decoding must reproduce plain decoding exactly."]
         if s["differences"]:
-            lines += ["Differences:", ""] + [f"- question {d['question_id']} ({d['category']}), turn {d['turn']}: "
-                                             f"first differing token at position {d['position']}"
-                                             for d in s["differences"]]
+            lines += ["Differences (the base's top-2 logit margin at the first differing token, from an eager "
+                      "forward; a near tie is one within rounding, which the order of additions decides):", ""]
+            lines += [f"- question {d['question_id']} ({d['category']}), turn {d['turn']}: first differing token "
+                      f"at position {d['position']}" + (f"; margin {d['margin']:.3g}, " + (
+                          "a near tie" if d["near_tie"] else "NOT a near tie: a bug") if "margin" in d else "")
+                      for d in s["differences"]]
         else:
             lines.append("Every answer is identical to plain decoding.")
     if s.get("slices"):
@@ -342,19 +408,27 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     done = agree(done)  # the ranks of a tensor-parallel run answer the same questions
     todo = [q for q in qs if q["question_id"] not in done]
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)
+    # --compile: draftlab's own plain decoding on the compiled path too, so a speedup is speculation's and not
+    # compilation's (HF's eager generate stays the first baseline). Its static cache is one more sequence's KV.
+    plain_compiled = SpeculativeDecoder(decoder.base, NoDraft(), sync=getattr(decoder, "sync", None),
+                                        compile=compile) if compile and baseline else None
     if todo:  # warm-up of both paths, not timed and not recorded
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
-        answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline)
+        answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline, retime=False,
+                        plain_compiled=plain_compiled)
     bar = progress_bar(todo, desc="mt-bench", unit="question", disable=not progress)
     run = {"new_tokens": 0, "steps": 0, "committed": 0.0}  # this run's answers so far, for the progress line
     with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
         for q in bar:
-            d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline)
+            d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline,
+                                               plain_compiled=plain_compiled)
             extra = {}
             if baseline and greedy:
-                diffs = [{"turn": t + 1, "position": _first_diff(d["tokens"], b["tokens"])}
-                         for t, (d, b) in enumerate(zip(d_turns, b_turns))]
-                diffs = [d for d in diffs if d["position"] is not None]
+                # rank 0's positions: the explaining forward runs on every rank of a tensor-parallel base, or none
+                where = agree([_first_diff(d["tokens"], b["tokens"]) for d, b in zip(d_turns, b_turns)])
+                diffs = [{"turn": t + 1, "position": pos, **explain_difference(
+                    decoder.base, b["prompt_ids"], b["tokens"], d["tokens"], pos)}
+                    for t, (d, b, pos) in enumerate(zip(d_turns, b_turns, where)) if pos is not None]
                 extra = {"identical": not diffs, "differences": diffs}
             d_rec = answer_record(q, model_id, d_turns, extra)
             if baseline:
@@ -396,13 +470,17 @@ def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
     runs = [load_summary(d) for d in dirs]
     cats = sorted({c for r in runs for c in r["categories"]})
     key = "speedup" if all("speedup" in r["overall"] for r in runs) else "accept_length"
-    head = ["run", "head", "tree size", "accept length", "tokens/s", "speedup", "identical"] + cats
+    fast = all("speedup_vs_compiled_plain" in r["overall"] for r in runs)  # all --compile runs: both baselines
+    head = ["run", "head", "tree size", "accept length", "tokens/s", "speedup"] + (
+        ["vs compiled plain"] if fast else []) + ["identical"] + cats
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
         o = r["overall"]
         ident = f"{100 * o['identical_share']:.0f}%" if "identical_share" in o else "-"
         cells = [r["dir"], r["head"], str(r["tree_size"]), f"{o['accept_length']:.2f}", f"{o['tokens_per_s']:.1f}",
-                 f"{o['speedup']:.2f}x" if "speedup" in o else "-", ident]
+                 f"{o['speedup']:.2f}x" if "speedup" in o else "-"]
+        cells += [f"{o['speedup_vs_compiled_plain']:.2f}x"] if fast else []
+        cells.append(ident)
         cells += [f"{r['categories'][c][key]:.2f}" if c in r["categories"] else "-" for c in cats]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nper-category columns: {key.replace('_', ' ')}")
