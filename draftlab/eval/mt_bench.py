@@ -232,7 +232,8 @@ def _agg(d_recs: list[dict], b_recs: list[dict]) -> dict:
     row = {"answers": len(d_recs), "turns": sum(len(c["turns"]) for c in ch), "new_tokens": new,
            "accept_length": round(committed / steps, 3) if steps else 0.0,
            "tokens_per_s": round(new / wall, 2) if wall else 0.0}
-    if ch and "compiled_plain_wall_time" in ch[0]:  # the compiled plain decoding of the same turns
+    if ch and all("compiled_plain_wall_time" in c for c in ch):  # compiled plain decoding of the same turns (not in
+        # answers resumed from a run made before draftlab measured it)
         cnew, cwall = (sum(sum(c[k]) for c in ch) for k in ("compiled_plain_new_tokens", "compiled_plain_wall_time"))
         row["compiled_plain_tokens_per_s"] = round(cnew / cwall, 2) if cwall else 0.0
         row["speedup_vs_compiled_plain"] = round(row["tokens_per_s"] / row["compiled_plain_tokens_per_s"], 3) \
