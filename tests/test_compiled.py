@@ -460,6 +460,25 @@ def test_after_warm_up_no_call_compiles_again_so_skipping_guards_is_sound(kind, 
     assert guarded == [SpeculativeDecoder(base, drafter(kind, base)).generate(p, max_new_tokens=21).tokens for p in later]
 
 
+@pytest.mark.parametrize("kind", ["ensemble-grouped"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("ssm", "hydra++")])
+def test_a_second_run_of_a_length_compiles_nothing(kind):
+    """A run longer than a drafter's first cache guess (the prompt + 256 slots) used to grow the drafter's cache
+    mid-run; the next run of that length, reusing the grown cache, met other shapes and compiled again (4 graphs,
+    seconds each, in an MT-Bench turn of 1024 tokens). Drafters now size their caches for the run the decoder
+    announces (PromptState.room), and an SSM's feed starts each run at its narrowest (a feed a merged tree widened
+    used to stay wide for the next run, at other shapes): a second run of the same length compiles nothing, and
+    its tokens are the first's."""
+    from draftlab.decode.compiled import compiled_graphs
+
+    base = peaked(layers=1)
+    dec = SpeculativeDecoder(base, drafter(kind, base), compile="eager")
+    prompt = [1] + [5, 7, 9, 11] * 60  # 241 tokens: a first guess of 512 slots, which 300 new tokens outgrow
+    run = lambda: dec.generate([prompt], max_new_tokens=300).tokens  # noqa: E731
+    first = run()
+    before = compiled_graphs()
+    assert run() == first and compiled_graphs() == before, f"{kind}: the second run compiled again"
+
+
 def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
     """On a CPU the compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
     DRAFTLAB_FUSED_STEP=0 splits it into the verify forward and the acceptance graph. Both give the eager tokens,

@@ -124,7 +124,8 @@ class Verifier:
             self._emit(b, [int(root[b])])
         sync_device(dev)
         self.res.time_s["prefill"] += time.perf_counter() - t0
-        return PromptState(ids, valid, pos, _layers(out, self.layers)), root
+        room = self.max_new + 2 * self.static_nodes if self.static_nodes else 0  # what the base's cache holds
+        return PromptState(ids, valid, pos, _layers(out, self.layers), room=room), root
 
     def verify(self, prop: Proposal, draft_s: float = 0.0, drafter: Drafter | None = None) -> StepResult:
         """Verify one step's proposal and commit its accepted tokens; the StepResult says what was decided

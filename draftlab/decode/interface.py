@@ -42,12 +42,16 @@ class Proposal:
 @dataclass
 class PromptState:
     """What the base saw of the prompt: left-padded ids [B, L], their validity and positions, and the base's
-    hidden states there for the layers the drafter named in `hidden_layers` (keyed by that index)."""
+    hidden states there for the layers the drafter named in `hidden_layers` (keyed by that index). room: the slots
+    the run may write after the prompt (its max_new_tokens and two trees; 0 where not known). A drafter on the
+    static path sizes its caches for L + room at once, as the base's is sized: a cache that grew during a run would
+    give the next run of that length (reusing it) other shapes than the first, so both would compile."""
 
     ids: torch.Tensor
     valid: torch.Tensor
     positions: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, L, H]
+    room: int = 0
 
 
 @dataclass

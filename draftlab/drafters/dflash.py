@@ -419,11 +419,12 @@ class DFlashDrafter(Drafter):
 
     def _room(self, T: int, kv: list, ok: torch.Tensor) -> None:
         """Room in the cache for T more entries shaped like kv (per layer (k, v) [B, kv_heads, *, d]) and ok [B, *]:
-        the buffers doubled (in 256-slot steps) when full, their committed entries copied."""
+        first for the prompt and the run (self.slots), then doubled (in 256-slot steps) when full, their committed
+        entries copied."""
         if self.kv is None or self.n + T > self.valid.shape[1]:
             from ..decode.cache import static_slots
 
-            cap = max(2 * (0 if self.kv is None else self.valid.shape[1]), static_slots(self.n + T))
+            cap = max(2 * (0 if self.kv is None else self.valid.shape[1]), static_slots(max(self.n + T, self.slots)))
             grown = []
             for i, (k, v) in enumerate(kv):
                 kb = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
@@ -440,6 +441,7 @@ class DFlashDrafter(Drafter):
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
         self.kv, self.n, self.staged = None, 0, None
+        self.slots = prompt.ids.shape[1] + prompt.room  # the cache's first size (PromptState.room)
         feats = torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2)  # [B, L, n, H]
         self.states_like = (feats.dtype, feats.shape[3], feats.shape[2])  # a step's base states (empty_fixed)
         with torch.no_grad():

@@ -355,12 +355,12 @@ class Eagle3Drafter(Drafter):
         self.n += T
 
     def _room(self, T: int, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
-        """Room in the cache for T more entries shaped like k, v [B, kv_heads, *, d] and ok [B, *]: the buffers
-        doubled (in 256-slot steps) when full, their committed entries copied."""
+        """Room in the cache for T more entries shaped like k, v [B, kv_heads, *, d] and ok [B, *]: first for the
+        prompt and the run (self.slots), then doubled (in 256-slot steps) when full, their committed entries copied."""
         if self.k is None or self.n + T > self.k.shape[2]:
             from ..decode.cache import static_slots
 
-            cap = max(2 * (0 if self.k is None else self.k.shape[2]), static_slots(self.n + T))
+            cap = max(2 * (0 if self.k is None else self.k.shape[2]), static_slots(max(self.n + T, self.slots)))
 
             def grown(old, new):  # [B, kv_heads, cap, d] holding old's committed entries
                 buf = new.new_zeros(new.shape[0], new.shape[1], cap, new.shape[3])
@@ -421,6 +421,7 @@ class Eagle3Drafter(Drafter):
     def begin(self, prompt: PromptState, sampling, generator) -> None:
         self.k = self.v = self.valid = self.out = self.staged = None
         self.n = 0  # committed entries in the cache
+        self.slots = prompt.ids.shape[1] + prompt.room  # the cache's first size (PromptState.room)
         self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
         self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
         feats = self.pending[0]

@@ -444,7 +444,8 @@ def extended_prompt(prompt: PromptState, extra: list[list[int]]) -> PromptState:
     new = torch.tensor([[0] * (L - len(r)) + r for r in rows], dtype=prompt.ids.dtype)
     ok = torch.tensor([[False] * (L - len(r)) + [True] * len(r) for r in rows])
     dev = prompt.ids.device
-    return PromptState(new.to(dev), ok.to(dev), ((ok.long().cumsum(-1) - 1).clamp(min=0)).to(dev))
+    return PromptState(new.to(dev), ok.to(dev), ((ok.long().cumsum(-1) - 1).clamp(min=0)).to(dev),
+                       room=max(prompt.room - max(len(e) for e in extra), 0))
 
 
 class EnsembleDrafter(Drafter):
@@ -550,7 +551,7 @@ class EnsembleDrafter(Drafter):
             g.drafter.decode_path = self.decode_path
             k = len(g.members)
             g.drafter.begin(PromptState(prompt.ids.repeat(k, 1), prompt.valid.repeat(k, 1),
-                                        prompt.positions.repeat(k, 1)), sampling, generator)
+                                        prompt.positions.repeat(k, 1), room=prompt.room), sampling, generator)
         n = len(self.members)
         if self.scheduler is not None:
             self.scheduler.reset(n)

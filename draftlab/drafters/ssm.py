@@ -343,9 +343,11 @@ class SSMDrafter(Drafter):
 
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
-        # On the static path: room for the prompt and 256 more slots (rounded up to 256), grown when needed.
-        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + 256, self.decode_path,
-                                 reuse=self.target)
+        self.feed_width = 2  # a feed the last run widened would cost this run's every step, at other shapes
+        # On the static path: room for the prompt and the run (prompt.room, at least 256 slots; rounded up to 256),
+        # grown when needed (a run whose length it was not told).
+        self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + max(256, prompt.room),
+                                 self.decode_path, reuse=self.target)
         out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True)
         if self.ranks is not None:
             self.record_ranks(out.logits, prompt.ids, prompt.valid, None)

@@ -66,7 +66,8 @@ class HeadsDrafter(Drafter):
             if getattr(self, "_prefix_model", None) is None:
                 self._prefix_model = PrefixModel(self.heads)
             B, L = prompt.valid.shape
-            self.static = slot_cache(self._prefix_model, B, L + 256, self.decode_path, reuse=previous)
+            self.static = slot_cache(self._prefix_model, B, L + max(256, prompt.room), self.decode_path,
+                                     reuse=previous)
             self.hidden = self.static.prefill(hidden, prompt.valid, bucket=True)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
