@@ -232,6 +232,18 @@ def mt_bench_compiled(p, d) -> None:
           f"{inside / o['baseline_tokens_per_s']:.2f}x | {100 * o['identical_share']:.0f}% | {diffs or '-'} |")
 
 
+def rerun_compiles(p, d) -> None:
+    label, export = next(iter(d["export"].items()))
+    heading(p, "A second run of the same length: compiled graphs and speed", f"`benchmarks/rerun_compiles.py --commit "
+            f"{d['commit']} --export {label}={export}`; before = {d['commit']}; one prompt, {d['max_new_tokens']} new "
+            f"tokens, greedy, the compiled path, each side's runs in turn in one process; {where(d)}")
+    p("| side | run | graphs compiled during the run | seconds | tokens/s | tokens as run 1 |")
+    p("|---|---|---|---|---|---|")
+    for side, rows in d["runs"].items():
+        for r in rows:
+            p(f"| {side} | {r['run']} | {r['graphs']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['same_tokens']} |")
+
+
 def train_ssm(p, d) -> None:
     heading(p, "Distilling an SSM", "`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
             f"continuations of the training stories; {where(d)}")
@@ -660,6 +672,7 @@ TABLES = {
     "tree_search": ("tree_search", tree_search),
     "mt_bench": ("mt_bench", mt_bench),
     "mt_bench_compiled": ("mt_bench_compiled", mt_bench_compiled),
+    "rerun_compiles": ("rerun_compiles", rerun_compiles),
     "train_ssm": ("train_ssm", train_ssm),
     "ssm": ("ssm", ssm),
     "refactor_check": ("refactor_check", refactor_check_drafter),
@@ -698,6 +711,9 @@ TABLES = {
     "refactor_check_text_rank_gain": ("refactor_check_text_rank_gain", refactor_check_compiled_exports(
         "The default schedule and plain decoding after the text ranking and the sliding-window guard, against the "
         "commit before them", "refactor_check_text_rank_gain")),
+    "refactor_check_run_room": ("refactor_check_run_room", refactor_check_compiled_exports(
+        "Drafter caches sized for the run and the SSM's feed reset per run, against the commit before them",
+        "refactor_check_run_room")),
     "refactor_check_sliding_masks": ("refactor_check_sliding_masks", refactor_check_compiled_exports(
         "The default schedule and plain decoding after the sliding-window masks, against the commit before them",
         "refactor_check_sliding_masks")),
