@@ -294,8 +294,9 @@ def write_report(out: Path, s: dict) -> Path:
     lines += [row(c, r) for c, r in s["categories"].items()] + [row("**overall**", s["overall"])]
     if s["overall"].get("turns_compiled"):
         lines += ["", f"Compiling: {s['overall']['turns_compiled']} turns met a shape for the first time and compiled "
-                  f"while decoding ({s['overall']['compile_s']:.1f} s in all); each was decoded again and the second "
-                  "run timed, so the figures above hold no compile time."]
+                  f"while decoding ({s['overall']['compile_s']:.1f} s in all); each was decoded again until a run "
+                  f"compiled nothing (at most {RETIMES} times) and that run timed, so the figures above hold no "
+                  "compile time."]
     if s["greedy"]:
         lines += ["", "Greedy decoding must reproduce plain decoding exactly."]
         if s["differences"]:
