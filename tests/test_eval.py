@@ -1,6 +1,7 @@
 """`draftlab eval mt-bench` / `eval compare` on stories260K (its chat template comes from the importer)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -101,6 +102,51 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
         run_mt_bench(export, str(MT), str(out), limit=4, max_new_tokens=16, progress=False)
 
 
+def test_a_turn_that_compiled_is_decoded_again_until_nothing_compiles(monkeypatch):
+    """answer_question's timing on the compiled path, with a stand-in decoder that compiles in its first runs: the
+    turn is decoded again until a run compiles nothing (at most RETIMES more runs), that run's time is the turn's
+    wall_time and the rest its compile_s; a turn that compiled nothing runs once; the compiled plain baseline is
+    timed the same way."""
+    from types import SimpleNamespace
+
+    import draftlab.eval.mt_bench as mt
+
+    graphs = [0]
+    monkeypatch.setattr(mt, "compiled_graphs", lambda: graphs[0])
+
+    class Decoder:  # its first `compiles` runs compile (and take longer)
+        device, base = torch.device("cpu"), None
+
+        def __init__(self, compiles):
+            self.compiles, self.calls = compiles, 0
+
+        def generate(self, prompts, max_new_tokens, **kw):
+            self.calls += 1
+            if self.calls <= self.compiles:
+                graphs[0] += 1
+                time.sleep(0.05)
+            return SimpleNamespace(tokens=[[5, 6]], steps=1, accept_length=2.0, committed=[2])
+
+    class Tok:
+        eos_token_id = 0
+        apply_chat_template = staticmethod(lambda msgs, **kw: " ".join(m["content"] for m in msgs))
+        __call__ = staticmethod(lambda text, **kw: SimpleNamespace(input_ids=[1] * len(text.split())))
+        decode = staticmethod(lambda ids, **kw: "ok")
+
+    q = {"question_id": 1, "turns": ["a b", "c"]}
+    # (runs compiling, calls over the two turns, turn 1's timed run compiled nothing, turn 2 compiled)
+    for compiles, calls, clean, second in ((0, 2, True, False), (1, 3, True, False), (2, 4, True, False),
+                                           (9, 2 + 2 * mt.RETIMES, False, True)):
+        dec, plain = Decoder(compiles), Decoder(compiles)
+        turns, _ = mt.answer_question(q, dec, Tok(), mt.Sampling(), 2, 0, 100, baseline=False, plain_compiled=plain)
+        assert dec.calls == plain.calls == calls, compiles
+        assert (turns[0]["compile_s"] is None) == (compiles == 0) and (turns[1]["compile_s"] is not None) == second
+        assert (turns[0]["wall_time"] < 0.05) == clean, compiles  # the timed run is the first that compiled nothing
+        if compiles in (1, 2):
+            assert turns[0]["compile_s"] >= 0.04  # the first run's extra time
+
+
+@pytest.mark.slow  # compiles (graph capture) a base, heads and the plain decoder: ~15 s
 def test_compiled_turns_that_compile_are_timed_again(export, tmp_path, monkeypatch):
     """On the compiled path a turn that meets a new shape compiles while decoding; it is decoded again and the
     second run timed, the compile time reported beside the figures (compile_s), and the answers stay plain's;
@@ -118,10 +164,10 @@ def test_compiled_turns_that_compile_are_timed_again(export, tmp_path, monkeypat
         return decoder, tok, meta
 
     monkeypatch.setattr(mt, "load_decoder", counting)
-    s = run_mt_bench(export, str(MT), str(tmp_path / "run"), limit=2, max_new_tokens=16, progress=False,
+    s = run_mt_bench(export, str(MT), str(tmp_path / "run"), limit=1, max_new_tokens=8, progress=False,
                      plots=False, compile=True)
     o = s["overall"]
-    assert s["compiled"] and o["identical_share"] == 1.0 and s["differences"] == []
+    assert s["compiled"] and o["identical_share"] == 1.0 and s["differences"] == [] and o["turns"] == 2
     # The warm-up's short prompt leaves the questions' prompt widths to compile inside the answers.
     assert o["turns_compiled"] >= 1 and o["compile_s"] > 0, o
     assert len(calls) == 1 + o["turns"] + o["turns_compiled"]  # warm-up, every turn, the turns decoded again
