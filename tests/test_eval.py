@@ -109,10 +109,11 @@ def test_a_turn_that_compiled_is_decoded_again_until_nothing_compiles(monkeypatc
     timed the same way."""
     from types import SimpleNamespace
 
+    import draftlab.decode.compiled as compiled
     import draftlab.eval.mt_bench as mt
 
     graphs = [0]
-    monkeypatch.setattr(mt, "compiled_graphs", lambda: graphs[0])
+    monkeypatch.setattr(compiled, "compiled_graphs", lambda: graphs[0])
 
     class Decoder:  # its first `compiles` runs compile (and take longer)
         device, base = torch.device("cpu"), None

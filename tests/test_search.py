@@ -277,3 +277,37 @@ def test_tree_files_are_written_into_a_folder_that_does_not_exist_yet(tmp_path):
     dyn = tmp_path / "other" / "dynamic.json"
     DynamicTree(3, 4, 10).save(dyn, {"method": "test"})
     assert json.loads(dyn.read_text()) == {"dynamic": "dynamic:3,4,10", "metadata": {"method": "test"}}
+
+
+def test_search_timing_leaves_a_later_batchs_compile_out(monkeypatch):
+    """measure() warms up on the first batch only; a later batch that compiles (a new prompt width or cache size)
+    is decoded again until a run compiles nothing, and only that run counts (with --timing-rounds 1 its compile
+    time used to be in the tree's tokens/s)."""
+    import time
+    from types import SimpleNamespace
+
+    import draftlab.decode.compiled as compiled
+
+    graphs = [0]
+    monkeypatch.setattr(compiled, "compiled_graphs", lambda: graphs[0])
+
+    class Decoder:  # the second batch's first run compiles, slowly
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls = []
+
+        def warm_up(self, prompts, max_new_tokens, **kw):
+            pass
+
+        def generate(self, prompts, max_new_tokens, **kw):
+            self.calls.append(prompts[0][0])
+            if prompts[0][0] == 2 and self.calls.count(2) == 1:
+                graphs[0] += 1
+                time.sleep(0.3)
+            return SimpleNamespace(new_tokens=10, committed=[5, 5], rows_per_step=[1, 1], steps=2, time_s={})
+
+    dec = Decoder()
+    m = measure(dec, [[1], [2], [3]], 1, 10, None)
+    assert dec.calls == [1, 2, 2, 3]  # the compiling batch ran again
+    assert m["tokens_per_s"] > 30 / 0.3 and m["accept_length"] == 5.0 and m["steps"] == 6

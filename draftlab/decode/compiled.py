@@ -86,6 +86,30 @@ def compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+RETIMES = 3  # at most so many runs again of a timed call that compiled (timed_without_compiling)
+
+
+def timed_without_compiling(run, agree=lambda compiled: compiled, retimes: int = RETIMES):
+    """run() (which waits for its device) timed so that no compiling is in the figure: a run during which dynamo
+    compiled a graph (a shape met for the first time) is run again, up to `retimes` more times until one compiles
+    nothing. Returns (the last run's result, its seconds, the seconds the first run took beyond it, or None when the
+    first compiled nothing). agree: the answer every process goes by to "did it compile" (tensor parallel: rank 0's,
+    so all ranks run again or none)."""
+    def once():
+        graphs, t0 = compiled_graphs(), time.perf_counter()
+        out = run()
+        return out, time.perf_counter() - t0, agree(compiled_graphs() != graphs)
+
+    out, first, compiled = once()
+    if not compiled or retimes <= 0:
+        return out, first, None
+    for _ in range(retimes):
+        out, wall, compiled = once()
+        if not compiled:
+            break
+    return out, wall, max(first - wall, 0.0)
+
+
 def cpp_wrapper() -> bool:
     """Whether inductor graphs on a CPU call their kernels from generated C++ rather than Python (default yes;
     DRAFTLAB_CPP_WRAPPER=0: no). A verify forward of a small base is a few dozen kernels and matmuls of microseconds

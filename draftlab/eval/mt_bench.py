@@ -23,7 +23,7 @@ import torch
 from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
-from ..decode.compiled import compiled_graphs
+from ..decode.compiled import RETIMES, timed_without_compiling
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
@@ -31,7 +31,6 @@ from ..serve.tree_search import hardware
 from .slices import plot_slices, slice_report, slice_tables, turn_records
 
 NEAR_TIE_ULPS = 8  # see near_tie_tolerance
-RETIMES = 3  # at most so many runs again of a turn that compiled (answer_question)
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
             "typical_alpha", "max_new_tokens", "seed", "baseline")
 
@@ -138,20 +137,13 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
         """(result, seconds, compile seconds or None when nothing compiled)."""
         def run():
             gen = torch.Generator(device=dev).manual_seed(turn_seed)
-            graphs, t0 = compiled_graphs(), time.perf_counter()
             res = dec.generate([ids], max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos,
                                generator=gen)
             sync_device(dev)
-            return res, time.perf_counter() - t0, compiled_graphs() != graphs
+            return res
 
-        res, first, compiled = run()
-        if not (retime and agree(compiled)):  # rank 0 decides: every rank of a tensor-parallel run runs again, or none
-            return res, first, None
-        for _ in range(RETIMES):  # until a run compiles nothing (the first rerun does, unless a cache grew in a run)
-            res, wall, compiled = run()
-            if not agree(compiled):
-                break
-        return res, wall, round(max(first - wall, 0.0), 3)
+        res, wall, compile_s = timed_without_compiling(run, agree, RETIMES if retime else 0)
+        return res, wall, None if compile_s is None else round(compile_s, 3)
 
     for t, question in enumerate(q["turns"]):
         turn_seed = seed + 1000 * (zlib.crc32(str(q["question_id"]).encode()) % 1000003) + t  # same on resume
