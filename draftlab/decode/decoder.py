@@ -111,9 +111,11 @@ class Verifier:
         for b, p in enumerate(self.prompts):
             ids[b, L - len(p):] = torch.tensor(p, device=dev)
             valid[b, L - len(p):] = True
-        if self.static_nodes:  # room for the prompt, the output and two trees (holes are defragmented away)
-            size = static_slots(L + self.max_new + 2 * self.static_nodes)
-            self.target = static_slot_cache(self.base, B, size, self.forward, reuse=self.target)
+        # Room after the prompt for the output and two trees (holes are defragmented away): the base's static cache
+        # holds it, and the drafters size theirs from it (PromptState.room).
+        room = self.max_new + 2 * self.static_nodes if self.static_nodes else 0
+        if self.static_nodes:
+            self.target = static_slot_cache(self.base, B, static_slots(L + room), self.forward, reuse=self.target)
         else:
             self.target = SlotCache(self.base)
         out, pos = self.target.prefill(ids, valid, hidden=bool(self.layers), bucket=self.sync is None)
@@ -124,7 +126,6 @@ class Verifier:
             self._emit(b, [int(root[b])])
         sync_device(dev)
         self.res.time_s["prefill"] += time.perf_counter() - t0
-        room = self.max_new + 2 * self.static_nodes if self.static_nodes else 0  # what the base's cache holds
         return PromptState(ids, valid, pos, _layers(out, self.layers), room=room), root
 
     def verify(self, prop: Proposal, draft_s: float = 0.0, drafter: Drafter | None = None) -> StepResult:
