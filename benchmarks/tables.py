@@ -244,6 +244,25 @@ def rerun_compiles(p, d) -> None:
             p(f"| {side} | {r['run']} | {r['graphs']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['same_tokens']} |")
 
 
+def compile_shapes(p, d, name: str = "compile_shapes") -> None:
+    label, export = next(iter(d["export"].items()))
+    named = "" if name == "compile_shapes" else f" --name {name}"
+    heading(p, f"Compiled shapes of a long eval ({label})", f"`benchmarks/compile_shapes.py --commit {d['commit']} "
+            f"--export {label}={export} --questions {d['questions']}{named}` at {d['after']}; before = {d['commit']}, "
+            f"after = {d['after']} (a growth rule for cache sizes, reverted since: see below); `eval mt-bench --compile` "
+            f"of the first {d['questions']} questions (two turns, {d['max_new_tokens']} new tokens each, greedy) on "
+            f"stories260K with a {d['context']}-position context, through the `{d['backend']}` torch.compile backend "
+            f"(dynamo's tracing and guards without code generation: the same variants); each side in its own process; "
+            f"{where(d)}")
+    names = sorted({n for s in d["sides"].values() for n in s["variants"]})
+    p("| side | " + " | ".join(f"variants of `{n}`" for n in names) + " | graphs compiled | turns that compiled | "
+      "identical to HF |")
+    p("|---|" + "---|" * len(names) + "---|---|---|")
+    for side, s in d["sides"].items():
+        p(f"| {side} | " + " | ".join(str(s["variants"].get(n, 0)) for n in names) + f" | {s['graphs']} | "
+          f"{s['turns_compiled']} of {s['turns']} | {100 * s['identical_share']:.0f}% |")
+
+
 def train_ssm(p, d) -> None:
     heading(p, "Distilling an SSM", "`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
             f"continuations of the training stories; {where(d)}")
@@ -673,6 +692,8 @@ TABLES = {
     "mt_bench": ("mt_bench", mt_bench),
     "mt_bench_compiled": ("mt_bench_compiled", mt_bench_compiled),
     "rerun_compiles": ("rerun_compiles", rerun_compiles),
+    "compile_shapes": ("compile_shapes", compile_shapes),
+    "compile_shapes_eagle3": ("compile_shapes_eagle3", lambda p, d: compile_shapes(p, d, "compile_shapes_eagle3")),
     "train_ssm": ("train_ssm", train_ssm),
     "ssm": ("ssm", ssm),
     "refactor_check": ("refactor_check", refactor_check_drafter),

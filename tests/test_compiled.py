@@ -484,43 +484,6 @@ def test_a_second_run_of_a_length_compiles_nothing(kind):
     assert run() == first and compiled_graphs() == before, f"{kind}: the second run compiled again"
 
 
-@pytest.mark.parametrize("kind", ["ssm", "eagle3", "dflash"])
-def test_runs_of_other_lengths_make_few_buffer_sizes(kind):
-    """Every size of a static buffer is one more compiled shape of each call that reads it (times the attention
-    windows used with it), and dynamo keeps at most 64 per function: an eval of 1,024-token turns made 30 variants
-    of the verify step in 10 questions, one per 256 slots of new maximum length. A run that fits reuses the base's
-    static cache (and an SSM its own); a longer run replaces it with one at least half as large again
-    (decode.cache.run_slots). EAGLE-3's and DFlash's draft caches, made per run and read whole, take sizes from a
-    ladder of such steps (ladder_slots), where they took the run's length rounded to 256. The tokens are a fresh
-    eager decoder's."""
-    from draftlab.decode.cache import RUN_GROWTH, ladder_slots, run_slots
-
-    sizes, held = set(), 0
-    for need in range(256, 8193, 256):  # 32 sizes rounded to 256
-        held = run_slots(need, held)
-        assert held >= need and ladder_slots(need) >= need
-        sizes |= {held, ladder_slots(need)}
-    assert sizes == {256, 512, 768, 1280, 2048, 3072, 4608, 6912, 10496}
-
-    base = peaked(layers=1)
-    d = drafter(kind, base)
-    dec = SpeculativeDecoder(base, d, static=True)
-
-    def run(prompt):  # the base's static cache, the drafter's buffer and their sizes after a run
-        tokens = dec.generate([prompt], max_new_tokens=20).tokens
-        assert tokens == SpeculativeDecoder(base, drafter(kind, base)).generate([prompt], max_new_tokens=20).tokens
-        mine = {"ssm": lambda: d.target.slots, "eagle3": lambda: d.k, "dflash": lambda: d.kv[0][0]}[kind]()
-        return dec._cache, mine, (dec._cache.max_len, mine.shape[-1] if kind == "ssm" else mine.shape[2])
-
-    cache, mine, first = run([1] + [5, 7, 9, 11] * 225)  # 901 tokens
-    if kind != "ssm":  # (about 935 slots: 1024 rounded to 256, 1280 on the ladder)
-        assert first[1] in sizes, first
-    again = run([1, 5, 7])  # shorter: the same base cache (and SSM cache)
-    assert again[0] is cache and (kind != "ssm" or again[1] is mine) and again[2][0] == first[0]
-    longer = run([1] + [5, 7, 9, 11] * 275)  # 1,101 tokens: too long for them; new ones grown at least by half
-    assert longer[2][0] >= RUN_GROWTH * first[0] and (kind != "ssm" or longer[2][1] >= RUN_GROWTH * first[1]), longer
-
-
 def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
     """On a CPU the compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
     DRAFTLAB_FUSED_STEP=0 splits it into the verify forward and the acceptance graph. Both give the eager tokens,

@@ -275,33 +275,6 @@ def static_slots(n: int) -> int:
     return -(-n // 256) * 256
 
 
-RUN_GROWTH = 1.5  # static buffers for runs of other lengths: sizes about this factor apart (run_slots, ladder_slots)
-
-
-def run_slots(need: int, held: int = 0) -> int:
-    """The size of a static buffer for a run that needs `need` slots, where the caller holds one of `held` slots
-    from its earlier runs (0: none) and attends over a window of it (StaticSlotCache): `held` when it fits (the
-    buffer is reused, no new compiled shape); else `need` rounded up to 256 and at least RUN_GROWTH times `held`.
-    Each buffer size is one more compiled shape of every call that reads the buffer (times the attention windows
-    used with it), and dynamo keeps at most 64 per function: runs of growing length (an eval's turns, a server's
-    requests) then make a few sizes, about log1.5 of the longest run's over the first, where rounding to 256 alone
-    made one per 256 slots of new maximum length; the price is at most 1.5 times the memory the longest run needs."""
-    if need <= held:
-        return held
-    return max(static_slots(need), static_slots(int(held * RUN_GROWTH)))
-
-
-def ladder_slots(need: int) -> int:
-    """The size of a static buffer made for one run and read whole (EAGLE-3's and DFlash's draft caches): the
-    smallest of 256, 512, 768, 1280, 2048, 3072, 4608, ... (each RUN_GROWTH times the last, rounded up to 256; the
-    sizes run_slots grows through from 256) that holds `need`. Runs of any lengths then make a few compiled shapes,
-    at most about 1.6 times the memory and attention the run needs (a small one-layer cache)."""
-    size = 256
-    while size < need:
-        size = static_slots(int(size * RUN_GROWTH))
-    return size
-
-
 def slot_cache(model, batch: int, length: int, path: dict | None, reuse=None):
     """The KV cache a model decodes with on the decoder's path: a SlotCache on the eager path (path None or not
     static); on the static-shape path a StaticSlotCache of `length` slots (rounded up to 256, grown if needed)
@@ -321,14 +294,11 @@ def static_slot_cache(model, batch: int, size: int, forward=None, reuse=None) ->
     """A StaticSlotCache of at least `size` slots: `reuse` (the caller's cache of its previous run) emptied, when it
     is one for the same model, forward and batch size with as many slots or more; else a new one. Reusing keeps the
     buffers (and their addresses: CUDA graphs are recorded against them, so a new cache per run would re-record
-    every graph, and past torch's limit of 128 re-records the graphs would no longer be used). A reused cache too
-    small for this run is replaced by one of run_slots's size."""
+    every graph, and past torch's limit of 128 re-records the graphs would no longer be used)."""
     if (isinstance(reuse, StaticSlotCache) and reuse.model is model and reuse.run is (forward or model)
-            and reuse.batch == batch):
-        if reuse.max_len >= size:
-            reuse.reset()
-            return reuse
-        size = run_slots(size, reuse.max_len)  # one too small is replaced by one grown at least by half (run_slots)
+            and reuse.batch == batch and reuse.max_len >= size):
+        reuse.reset()
+        return reuse
     return StaticSlotCache(model, batch, size, forward)
 
 

@@ -439,13 +439,9 @@ class DFlashDrafter(Drafter):
 
     # --- the interface ----------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
-        from ..decode.cache import ladder_slots
-
         self.sampling, self.generator = sampling, generator
         self.kv, self.n, self.staged = None, 0, None
-        # The cache's first size: room for the prompt and the run (PromptState.room), on a ladder of few sizes (a
-        # size per 256 slots made a compiled shape per prompt length: decode.cache.ladder_slots).
-        self.slots = ladder_slots(prompt.ids.shape[1] + prompt.room)
+        self.slots = prompt.ids.shape[1] + prompt.room  # the cache's first size (PromptState.room)
         feats = torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2)  # [B, L, n, H]
         self.states_like = (feats.dtype, feats.shape[3], feats.shape[2])  # a step's base states (empty_fixed)
         with torch.no_grad():

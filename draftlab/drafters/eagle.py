@@ -419,13 +419,9 @@ class Eagle3Drafter(Drafter):
 
     # --- the interface ---------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling, generator) -> None:
-        from ..decode.cache import ladder_slots
-
         self.k = self.v = self.valid = self.out = self.staged = None
         self.n = 0  # committed entries in the cache
-        # The cache's first size: room for the prompt and the run (PromptState.room), on a ladder of few sizes (a
-        # size per 256 slots made a compiled shape per prompt length: decode.cache.ladder_slots).
-        self.slots = ladder_slots(prompt.ids.shape[1] + prompt.room)
+        self.slots = prompt.ids.shape[1] + prompt.room  # the cache's first size (PromptState.room)
         self.next_pos = torch.zeros(prompt.ids.shape[0], dtype=torch.long, device=self.device)
         self.pending = (torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2), prompt.ids, prompt.valid)
         feats = self.pending[0]
