@@ -2,7 +2,8 @@
 long turns makes, before (git commit C, unpacked as `draftlab_v0` as in refactor_check.py) and now, each side in a
 process of its own (the model classes' forwards are code objects both sides would share).
 
-    python benchmarks/compile_shapes.py --commit eefe41e --export ensemble5=benchmarks/exports/stories260k-ensemble-boost
+    python benchmarks/compile_shapes.py --commit eefe41e \
+        --export ensemble5=benchmarks/exports/stories260k-ensemble-boost
 
 dynamo keeps at most `recompile_limit` variants of one code object (draftlab raises torch's 8 to 64), and a call
 of a shape past that runs eagerly; every variant costs a compile (seconds with inductor, more on a GPU with CUDA

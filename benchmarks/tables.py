@@ -249,8 +249,9 @@ def compile_shapes(p, d, name: str = "compile_shapes") -> None:
     named = "" if name == "compile_shapes" else f" --name {name}"
     heading(p, f"Compiled shapes of a long eval ({label})", f"`benchmarks/compile_shapes.py --commit {d['commit']} "
             f"--export {label}={export} --questions {d['questions']}{named}` at {d['after']}; before = {d['commit']}, "
-            f"after = {d['after']} (a growth rule for cache sizes, reverted since: see below); `eval mt-bench --compile` "
-            f"of the first {d['questions']} questions (two turns, {d['max_new_tokens']} new tokens each, greedy) on "
+            f"after = {d['after']} (a growth rule for cache sizes, reverted since: see below); "
+            f"`eval mt-bench --compile` of the first {d['questions']} questions (two turns, {d['max_new_tokens']} new "
+            f"tokens each, greedy) on "
             f"stories260K with a {d['context']}-position context, through the `{d['backend']}` torch.compile backend "
             f"(dynamo's tracing and guards without code generation: the same variants); each side in its own process; "
             f"{where(d)}")
