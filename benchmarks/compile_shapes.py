@@ -74,10 +74,10 @@ def side(label: str, run_mt_bench, compiled_cls, compiled_graphs, export: str, b
     summary = run_mt_bench(export, str(ROOT / "data/mt_bench/question.jsonl"), out, base=base, compile=True,
                            max_new_tokens=max_new, limit=questions, overwrite=True, progress=False, plots=False)
     o = summary["overall"]
-    res = {"variants": variants(compiled_cls), "graphs": compiled_graphs() - graphs,
-           "wall_s": round(time.perf_counter() - t0, 1), "turns": o["turns"], "turns_compiled": o["turns_compiled"],
-           "compile_s": o["compile_s"], "identical_share": o["identical_share"]}
-    return res
+    return {"variants": variants(compiled_cls), "graphs": compiled_graphs() - graphs,
+            "wall_s": round(time.perf_counter() - t0, 1), "turns": o["turns"],
+            "turns_compiled": o.get("turns_compiled", 0),  # (absent from the summary when no turn compiled)
+            "compile_s": o.get("compile_s", 0.0), "identical_share": o["identical_share"]}
 
 
 def main() -> None:
