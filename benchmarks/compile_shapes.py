@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, stories_base, write_result
-from refactor_check import old_package
+from refactor_check import before_after_parser, old_package
 
 CONTEXT = 4096
 
@@ -81,12 +81,9 @@ def side(label: str, run_mt_bench, compiled_cls, compiled_graphs, export: str, b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--commit", required=True, help="the before side")
-    ap.add_argument("--export", required=True, metavar="LABEL=DIR")
+    ap = before_after_parser(__doc__, "compile_shapes")
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--name", default="compile_shapes", help="results/NAME.json")
     ap.add_argument("--side", choices=("before", "after"), help=argparse.SUPPRESS)  # (one side, in its process)
     ap.add_argument("--base", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -38,6 +38,16 @@ def old_package(commit: str) -> Path:
     return root
 
 
+def before_after_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options of a script that compares commit C (old_package) with the code now on one export: --commit,
+    --export LABEL=DIR, --name (results/NAME.json)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--commit", required=True, help="the before side")
+    ap.add_argument("--export", required=True, metavar="LABEL=DIR")
+    ap.add_argument("--name", default=name, help="results/NAME.json")
+    return ap
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=50)

@@ -11,11 +11,10 @@ other shapes than the first (and an SSM's feed stayed as wide as the last run le
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from common import stories_base, write_result
-from refactor_check import old_package
+from refactor_check import before_after_parser, old_package
 
 PROMPT = "Once upon a time there was a little girl named Lily. She"
 
@@ -36,12 +35,9 @@ def runs(load, compiled_graphs, label: str, export: str, base: str, n: int, reps
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--commit", required=True, help="the before side")
-    ap.add_argument("--export", required=True, metavar="LABEL=DIR")
+    ap = before_after_parser(__doc__, "rerun_compiles")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--name", default="rerun_compiles", help="results/NAME.json")
     a = ap.parse_args()
     old_package(a.commit)
     from draftlab_v0.decode.compiled import compiled_graphs as graphs_before

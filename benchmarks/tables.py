@@ -251,8 +251,8 @@ def compile_shapes(p, d, name: str = "compile_shapes") -> None:
             f"--export {label}={export} --questions {d['questions']}{named}` at {d['after']}; before = {d['commit']}, "
             f"after = {d['after']} (a growth rule for cache sizes, reverted since: see below); "
             f"`eval mt-bench --compile` of the first {d['questions']} questions (two turns, {d['max_new_tokens']} new "
-            f"tokens each, greedy) on "
-            f"stories260K with a {d['context']}-position context, through the `{d['backend']}` torch.compile backend "
+            f"tokens each, greedy) on stories260K with a {d['context']}-position context, through the `{d['backend']}` "
+            f"torch.compile backend "
             f"(dynamo's tracing and guards without code generation: the same variants); each side in its own process; "
             f"{where(d)}")
     names = sorted({n for s in d["sides"].values() for n in s["variants"]})
