@@ -426,19 +426,60 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
     from draftlab.interop.export import save_export
 
     monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # --compile-cache sets it; restored after the test
     base, _ = load_base(str(tiny_base_dir), "float32")
     save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
                 str(tiny_base_dir))
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--prompt", "A cat",
-                 "--max-new-tokens", "12", "--compare", "--compile", "--json"]) == 0
+                 "--max-new-tokens", "12", "--compare", "--compile", "--json", "--compile-cache",
+                 str(tmp_path / "cache")]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["compiled"] is True and rep["identical_to_baseline"] is True and rep["compile_failed"] is None
+    # the "eager" backend generates no code: nothing for inductor's cache, which --compile-cache put here
+    assert rep["compile_cache"] == {"dir": str(tmp_path / "cache"), "hits": 0, "misses": 0}
     assert rep["compile_s"] > 0 and rep["compiled_plain_tokens_per_s"] > 0
     assert rep["speedup_vs_compiled_plain"] == pytest.approx(rep["tokens_per_s"] / rep["compiled_plain_tokens_per_s"],
                                                              rel=1e-2)
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "8", "--compare",
                  "--compile"]) == 0
-    assert "; compiled plain decoding " in capsys.readouterr().err  # the human-readable line names both baselines
+    err = capsys.readouterr().err
+    assert "; compiled plain decoding " in err  # the human-readable line names both baselines
+    assert "compiled graphs loaded from the on-disk cache" in err
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--compile-cache", str(tmp_path)]) == 2
+    assert "--compile-cache DIR keeps the compiled path's cache: add --compile" in capsys.readouterr().err
+
+
+COMPILE_ONCE = """
+import json, sys, torch
+from draftlab.decode.compiled import Compiled, compile_cache_report, use_compile_cache
+use_compile_cache(sys.argv[1])
+torch.manual_seed(0)
+layer = torch.nn.Linear(8, 8)
+with torch.no_grad():
+    out = Compiled(lambda x: torch.relu(layer(x)) * 2)(torch.ones(2, 8))
+print(json.dumps({**compile_cache_report(), "out": out.tolist()}))
+"""
+
+
+@pytest.mark.slow  # one inductor compile from nothing (about 20 s on a 2-core CPU), then one from the cache
+def test_a_second_process_loads_its_compiled_graphs_from_the_compile_cache(tmp_path):
+    """use_compile_cache(DIR) (`--compile-cache DIR`): the first process generates and builds its graph and stores it
+    in DIR; a second process with the same DIR loads it rather than building it again, with the same result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def session():
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        out = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "cache")], env=env,
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = session(), session()
+    assert first["dir"] == second["dir"] == str(tmp_path / "cache")
+    assert (first["hits"], first["misses"]) == (0, 1) and (second["hits"], second["misses"]) == (1, 0)
+    assert first["out"] == second["out"]
 
 
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow)  # CI's slow run has them

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .args import positive_int
+from .args import apply_compile_cache, positive_int
 
 
 def _print_json(obj: dict) -> None:
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "tp", False) and int(os.environ.get("RANK", "0")) != 0:
         sys.stdout = open(os.devnull, "w")  # tensor-parallel ranks other than 0 decode silently
     try:
+        apply_compile_cache(args)  # before anything compiles (--compile-cache DIR)
         return args.func(args)
     except (ConfigError, DataError, ExportError, BaseModelError, ValueError, FileNotFoundError) as e:
         if getattr(args, "json", False):

@@ -67,3 +67,23 @@ def sampling_from_args(a):
     extra = {} if a.typical_epsilon is None else {"posterior_threshold": a.typical_epsilon}
     return Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, typical=a.typical,
                     posterior_alpha=a.typical_alpha, **extra)
+
+
+def add_compile_cache_arg(p) -> None:
+    """--compile-cache DIR: where torch.compile keeps what it generates (decode.compiled.use_compile_cache)."""
+    p.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="with --compile: keep torch.compile's on-disk cache (generated code, built kernels) in DIR, "
+                        "so that later runs, on this machine or on others of the same kind that see DIR (a shared "
+                        "file system for cluster jobs), load the compiled graphs rather than build them again "
+                        "(default: $TORCHINDUCTOR_CACHE_DIR, else torch's per-user folder in the temporary directory)")
+
+
+def apply_compile_cache(a) -> None:
+    """Point the on-disk compile cache at --compile-cache, which needs --compile."""
+    if getattr(a, "compile_cache", None) is None:
+        return
+    if not a.compile:
+        raise ValueError("--compile-cache DIR keeps the compiled path's cache: add --compile")
+    from ..decode.compiled import use_compile_cache
+
+    use_compile_cache(a.compile_cache)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import positive_int
+from .args import add_compile_cache_arg, positive_int
 
 
 def add_dsi_args(p) -> None:
@@ -42,6 +42,7 @@ def add_dsi_args(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="the static-shape compiled path (see generate --compile) for the servers, the drafter and "
                         "--compare's SI / non-SI; everything compiles before it is timed; same tokens")
+    add_compile_cache_arg(p)  # the servers' processes inherit it
     p.add_argument("--json", action="store_true")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..eval.compare import compare_slices, format_comparison
 from ..eval.mt_bench import EvalError, compare_runs, load_summary, run_mt_bench
 from ..shipped import mt_bench_questions
-from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
+from .args import add_compile_cache_arg, add_placement_args, add_typical_args, positive_int, sampling_from_args
 
 
 def add_eval_args(sub) -> None:
@@ -32,6 +32,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=1024)
     p.add_argument("--compile", action="store_true",
                    help="the static-shape, compiled decode path (see generate --compile); same answers")
+    add_compile_cache_arg(p)
     p.add_argument("--limit", type=int, default=None, help="first N selected questions")
     p.add_argument("--category", action="append", default=None, help="only this category; repeatable")
     p.add_argument("--slice-field", default=None, metavar="NAME",

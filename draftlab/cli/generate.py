@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..serve.generate import load_decoder, run_generate
-from .args import add_placement_args, add_typical_args, positive_int, sampling_from_args
+from .args import add_compile_cache_arg, add_placement_args, add_typical_args, positive_int, sampling_from_args
 
 
 def add_generate_args(p) -> None:
@@ -34,6 +34,7 @@ def add_generate_args(p) -> None:
                    help="static-shape decoding (static KV cache, trees padded to the drafter's node budget) with "
                         "torch.compile (CUDA graphs on a GPU); same tokens as the default eager path. The first "
                         "call compiles (reported as compile_s); with --compare, also plain decoding compiled")
+    add_compile_cache_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ensemble-mode", choices=["merge", "vote"], default=None,
                    help="ensemble exports: merged trees (SpecInfer) or weighted-majority vote (Minions)")
@@ -75,6 +76,10 @@ def generate_command(a) -> int:
             print(t)
     line = f"\n{rep['new_tokens']} tokens in {rep['steps']} steps, accept length {rep['accept_length']:.2f}, " \
            f"{rep['tokens_per_s']:.1f} tokens/s"
+    if rep["compiled"]:
+        cache = rep["compile_cache"]
+        line += (f"; warm-up {rep['warmup_s']:.1f} s ({cache['hits']} compiled graphs loaded from the on-disk cache, "
+                 f"{cache['misses']} built)")
     if a.compare:
         line += f"; plain decoding {rep['baseline_tokens_per_s']:.1f} tokens/s, speedup {rep['speedup']:.2f}x"
         if "identical_to_baseline" in rep:

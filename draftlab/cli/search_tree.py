@@ -8,7 +8,7 @@ import argparse
 import json
 
 from ..serve.tree_search import search_tree
-from .args import add_placement_args, positive_int
+from .args import add_compile_cache_arg, add_placement_args, positive_int
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -54,6 +54,7 @@ def add_search_args(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="time the trees on the static-shape compiled path (generate --compile), so the tree fits "
                         "that path's costs; each tree size compiles once (tens of seconds on a CPU)")
+    add_compile_cache_arg(p)
     add_placement_args(p)
     p.add_argument("--json", action="store_true")
 

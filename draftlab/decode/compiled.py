@@ -120,6 +120,28 @@ def cpp_wrapper() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+def use_compile_cache(directory) -> str:
+    """Keep inductor's on-disk cache in `directory` for the rest of this process and the processes it starts (the
+    code generated for each compiled graph, the C++ and Triton kernels built from it, AOTAutograd's traced graphs).
+    A later process that compiles the same graphs with the same torch on the same kind of machine loads them from
+    there rather than generating and building them again, which is most of a compile's time (docs/decoding.md,
+    "Compile warm-up and the on-disk cache"). Torch's default is a per-user folder in the temporary directory, which
+    a fresh machine, container or cluster node does not have. Call it before the first compile. Returns the path."""
+    path = os.path.abspath(os.path.expanduser(str(directory)))
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # what inductor reads each time it looks for its cache
+    return path
+
+
+def compile_cache_report() -> dict:
+    """Inductor's on-disk cache and how this process's compiles used it so far: `hits`, graphs whose generated code
+    was loaded from it; `misses`, graphs generated and built (and then stored there)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    counts = torch._dynamo.utils.counters["inductor"]
+    return {"dir": cache_dir(), "hits": counts["fxgraph_cache_hit"], "misses": counts["fxgraph_cache_miss"]}
+
+
 def guards_skipped() -> bool:
     """Whether calls of a seen signature skip dynamo's guard evaluation (default yes; DRAFTLAB_COMPILE_GUARDS=1: no)."""
     return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")

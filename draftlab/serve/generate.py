@@ -7,6 +7,7 @@ import time
 import torch
 
 from ..decode.acceptance import Sampling
+from ..decode.compiled import compile_cache_report
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..decode.tree import DynamicTree, Tree, TreeError
 
@@ -220,5 +221,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
             sync_device(decoder.device)
             report["compiled_plain_tokens_per_s"] = round(r.new_tokens / (time.perf_counter() - t0), 2)
             report["speedup_vs_compiled_plain"] = round(report["tokens_per_s"] / report["compiled_plain_tokens_per_s"], 4)
+    if decoder.forward is not None:  # every compile of this process, --compare's included
+        report["compile_cache"] = compile_cache_report()  # graphs loaded from inductor's on-disk cache, and built
     report["tokens"] = res.tokens
     return report
