@@ -5,12 +5,14 @@
 For plain decoding (draftlab's compiled loop, no drafter) and each export, two processes in turn, each one a user's
 `generate --compile` session: the first with an empty cache folder (`--compile-cache`, decode.compiled.
 use_compile_cache: what a fresh machine, container or cluster node has), the second with the folder the first
-filled. Each process loads the base and the drafter, then decodes --prompts held-out TinyStories prompts one by one
-(greedy, batch 1) on the compiled path, then the same prompts again. Per process: seconds from its start to the
-first answer (the interpreter started, torch imported, the model loaded, the first prompt's shapes compiled, its answer
-decoded), the first pass's seconds (every shape the prompts meet compiled), the second pass's tokens/s (nothing
-left to compile), and the graphs inductor loaded from the cache (hits) and generated and built (misses). The two
-processes must give the same tokens.
+filled. The default exports: the boost-tuned five-SSM ensemble (benchmarks/train_ensemble.py) and random-weight
+EAGLE-3 and Hydra++ heads of the stories260K recipes' shapes (written here when missing). Each process loads the
+base and the drafter, then decodes --prompts held-out TinyStories prompts one by one (greedy, batch 1) on the
+compiled path, then the same prompts again. Per process: seconds from its start to the first answer (the
+interpreter started, torch imported, the model loaded, the first prompt's shapes compiled, its answer decoded), the
+first pass's seconds (every shape the prompts meet compiled), the second pass's tokens/s (nothing left to compile),
+and the graphs inductor loaded from the cache (hits) and generated and built (misses). The two processes must give
+the same tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from common import ROOT, heldout_story_prompts, stories_base, write_result
 from compiled import parse_export
@@ -28,6 +31,23 @@ from compiled import parse_export
 DEFAULT = ["ensemble5=benchmarks/exports/stories260k-ensemble-boost",
            "eagle3=benchmarks/exports/stories260k-eagle3-untrained",
            "hydra++=benchmarks/exports/stories260k-hydra++-untrained"]
+# Random-weight drafters (what compiles, and how long, does not depend on the weights), written when missing.
+UNTRAINED = {"stories260k-eagle3-untrained": {"type": "eagle3", "eagle": {"ttt_steps": 7, "step_decay": 0.8}},
+             "stories260k-hydra++-untrained": {"type": "hydra", "num_heads": 4, "num_layers": 4,
+                                               "prefix_attention": True}}
+
+
+def write_untrained(path: str) -> None:
+    """An UNTRAINED drafter's export at path (benchmarks/exports/NAME), the heads of the stories260K recipes."""
+    import torch
+
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    torch.manual_seed(0)
+    base, _ = load_base(str(stories_base()), "float32")
+    save_export(build_draft(UNTRAINED[Path(path).name], base), base, ROOT / path, "runs/stories260k-base")
 
 
 def child(spec: str, cache: str, prompts: int, max_new_tokens: int, started: float) -> dict:
@@ -59,7 +79,8 @@ def child(spec: str, cache: str, prompts: int, max_new_tokens: int, started: flo
             first_answer = time.time() - started
     graphs_first = compiled_graphs()
     n = len(ids)
-    return {"load_s": round(load_s, 2), "first_answer_s": round(first_answer, 2), "first_pass_s": round(sum(seconds[:n]), 2),
+    return {"load_s": round(load_s, 2), "first_answer_s": round(first_answer, 2),
+            "first_pass_s": round(sum(seconds[:n]), 2),
             "second_pass_tokens_per_s": round(sum(map(len, tokens[n:])) / sum(seconds[n:]), 1),
             "graphs": graphs_first, "cache": {k: v for k, v in compile_cache_report().items() if k != "dir"},
             "tokens": tokens[:n], "second_pass_same": tokens[n:] == tokens[:n]}
@@ -88,6 +109,10 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, a.cache, a.prompts, a.max_new_tokens, a.started)))
         return
+    for spec in a.exports:
+        path = parse_export(spec, None)[1]
+        if Path(path).name in UNTRAINED and not (ROOT / path / "draftlab.json").is_file():
+            write_untrained(path)
     methods = {}
     for spec in ["plain"] + a.exports:
         label = spec if spec == "plain" else (parse_export(spec, None)[0] or spec)

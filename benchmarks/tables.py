@@ -264,6 +264,23 @@ def compile_shapes(p, d, name: str = "compile_shapes") -> None:
           f"{s['turns_compiled']} of {s['turns']} | {100 * s['identical_share']:.0f}% |")
 
 
+def compile_warmup(p, d) -> None:
+    exports = ", ".join(f"{k}: `{m['export']}`" for k, m in d["methods"].items() if k != "plain")
+    heading(p, "Compile warm-up with an empty and a filled on-disk cache", f"`benchmarks/compile_warmup.py`; {exports}; "
+            f"per method two processes in turn, the first with an empty `--compile-cache` folder, the second with the "
+            f"folder the first filled; each decodes {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens "
+            f"(greedy, batch 1, compiled) and then the same prompts again; {where(d)}")
+    p("| method | cache | first answer after the process's start, s | load s | first pass s | graphs built / loaded "
+      "| second pass tokens/s | same tokens |")
+    p("|---|---|---|---|---|---|---|---|")
+    for k, m in d["methods"].items():
+        for side, label in (("cold", "empty"), ("warm", "filled")):
+            r = m[side]
+            p(f"| {k} | {label} | {r['first_answer_s']:.1f} | {r['load_s']:.1f} | {r['first_pass_s']:.1f} | "
+              f"{r['cache']['misses']} / {r['cache']['hits']} | {r['second_pass_tokens_per_s']:.0f} | "
+              f"{m['same_tokens'] and r['second_pass_same']} |")
+
+
 def train_ssm(p, d) -> None:
     heading(p, "Distilling an SSM", "`benchmarks/train_ssm.py`; recipes/stories260k-ssm.yaml on the base's greedy "
             f"continuations of the training stories; {where(d)}")
@@ -694,6 +711,7 @@ TABLES = {
     "mt_bench_compiled": ("mt_bench_compiled", mt_bench_compiled),
     "rerun_compiles": ("rerun_compiles", rerun_compiles),
     "compile_shapes": ("compile_shapes", compile_shapes),
+    "compile_warmup": ("compile_warmup", compile_warmup),
     "compile_shapes_eagle3": ("compile_shapes_eagle3", lambda p, d: compile_shapes(p, d, "compile_shapes_eagle3")),
     "train_ssm": ("train_ssm", train_ssm),
     "ssm": ("ssm", ssm),

@@ -121,16 +121,38 @@ def cpp_wrapper() -> bool:
 
 
 def use_compile_cache(directory) -> str:
-    """Keep inductor's on-disk cache in `directory` for the rest of this process and the processes it starts (the
+    """Keep inductor's on-disk cache under `directory` for the rest of this process and the processes it starts (the
     code generated for each compiled graph, the C++ and Triton kernels built from it, AOTAutograd's traced graphs).
     A later process that compiles the same graphs with the same torch on the same kind of machine loads them from
     there rather than generating and building them again, which is most of a compile's time (docs/decoding.md,
     "Compile warm-up and the on-disk cache"). Torch's default is a per-user folder in the temporary directory, which
-    a fresh machine, container or cluster node does not have. Call it before the first compile. Returns the path."""
-    path = os.path.abspath(os.path.expanduser(str(directory)))
+    a fresh machine, container or cluster node does not have. Each kind of machine gets a folder of its own
+    (machine_kind): torch keys a GPU's entries by the GPU but builds CPU code for the CPU it runs on without keying
+    it by the CPU, so machines of several kinds can share `directory` (a cluster's file system) without one loading
+    code built for another. Call it before the first compile. Returns the folder in use."""
+    path = os.path.join(os.path.abspath(os.path.expanduser(str(directory))), machine_kind())
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # what inductor reads each time it looks for its cache
     return path
+
+
+def machine_kind() -> str:
+    """A folder name for the code this machine builds: its CPU model and a hash of its instruction-set flags (a
+    virtual machine's model name can be generic), its GPU's name (if any) and torch's version."""
+    import hashlib
+    import platform
+    import re
+
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:  # Linux (elsewhere: the platform's name for the processor)
+            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        cpu, flags = info.get("model name", cpu), info.get("flags", "")
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-gpu"
+    tag = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", f"{cpu}-{tag}-{gpu}-torch-{torch.__version__}").strip("-")
 
 
 def compile_cache_report() -> dict:
