@@ -23,7 +23,7 @@ import torch
 from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
-from ..decode.compiled import RETIMES, timed_without_compiling
+from ..decode.compiled import RETIMES, compile_cache_report, timed_without_compiling
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
@@ -289,6 +289,10 @@ def write_report(out: Path, s: dict) -> Path:
                   f"while decoding ({s['overall']['compile_s']:.1f} s in all); each was decoded again until a run "
                   f"compiled nothing (at most {RETIMES} times) and that run timed, so the figures above hold no "
                   "compile time."]
+    if s.get("compile_cache"):
+        c = s["compile_cache"]
+        lines += ["", f"Compiled graphs in this run's process: {c['hits']} loaded from the on-disk cache, "
+                  f"{c['misses']} built (`{c['dir']}`; `--compile-cache DIR` keeps them for the next run)."]
     if s["greedy"]:
         lines += ["", "Greedy decoding must reproduce plain decoding exactly."]
         if s["differences"]:
@@ -442,6 +446,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             bar.set_postfix(running_totals(run, d_turns))
     summary = summarize(qs, d_ans, b_ans if baseline else {}, settings, slice_field or "category")
     summary["answers"] = {"draftlab": str(d_path), **({"plain": str(b_path)} if baseline else {})}
+    if compile:  # this process's compiles (a resumed run's earlier ones are not in it)
+        summary["compile_cache"] = compile_cache_report()
     summary["report"] = str(write_report(outp, summary))
     if plots:
         summary["plots"] = plot_summary(outp, summary) + plot_slices(outp, summary["slices"], model_id)
