@@ -125,11 +125,12 @@ def use_compile_cache(directory) -> str:
     code generated for each compiled graph, the C++ and Triton kernels built from it, AOTAutograd's traced graphs).
     A later process that compiles the same graphs with the same torch on the same kind of machine loads them from
     there rather than generating and building them again, which is most of a compile's time (docs/decoding.md,
-    "Compile warm-up and the on-disk cache"). Torch's default is a per-user folder in the temporary directory, which
-    a fresh machine, container or cluster node does not have. Each kind of machine gets a folder of its own
-    (machine_kind): torch keys a GPU's entries by the GPU but builds CPU code for the CPU it runs on without keying
-    it by the CPU, so machines of several kinds can share `directory` (a cluster's file system) without one loading
-    code built for another. Call it before the first compile. Returns the folder in use."""
+    "Static shapes and compilation"). Torch's default is a per-user folder in the temporary directory, which a
+    fresh machine, container or cluster node does not have. Each kind of CPU gets a folder of its own
+    (machine_kind): torch keys a graph's entry by the GPU it was built for, but not by the CPU whose vector
+    instructions its generated CPU code is written for, so machines of several kinds can share `directory` (a
+    cluster's file system) without one loading code written for another. Call it before the first compile.
+    Returns the folder in use."""
     path = os.path.join(os.path.abspath(os.path.expanduser(str(directory))), machine_kind())
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # what inductor reads each time it looks for its cache
@@ -137,8 +138,9 @@ def use_compile_cache(directory) -> str:
 
 
 def machine_kind() -> str:
-    """A folder name for the code this machine builds: its CPU model and a hash of its instruction-set flags (a
-    virtual machine's model name can be generic), its GPU's name (if any) and torch's version."""
+    """A folder name for the CPU code this machine builds: its CPU model, a hash of its instruction-set flags (a
+    virtual machine's model name can be generic) and torch's version. Not the GPU (torch keys its GPU entries by it,
+    and asking for its name would start CUDA in every process of a launch)."""
     import hashlib
     import platform
     import re
@@ -150,9 +152,8 @@ def machine_kind() -> str:
         cpu, flags = info.get("model name", cpu), info.get("flags", "")
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-gpu"
     tag = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
-    return re.sub(r"[^A-Za-z0-9.+]+", "-", f"{cpu}-{tag}-{gpu}-torch-{torch.__version__}").strip("-")
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", f"{cpu}-{tag}-torch-{torch.__version__}").strip("-")
 
 
 def compile_cache_report() -> dict:
