@@ -265,7 +265,7 @@ def compile_shapes(p, d, name: str = "compile_shapes") -> None:
 
 
 def compile_warmup(p, d) -> None:
-    exports = ", ".join(f"{k}: `{m['export']}`" for k, m in d["methods"].items() if k != "plain")
+    exports = ", ".join(f"{k}: `{m['export'].split('=', 1)[-1]}`" for k, m in d["methods"].items() if k != "plain")
     heading(p, "Compile warm-up with an empty and a filled on-disk cache", f"`benchmarks/compile_warmup.py`; {exports}; "
             f"per method two processes in turn, the first with an empty `--compile-cache` folder, the second with the "
             f"folder the first filled; each decodes {d['prompts']} held-out prompts x {d['max_new_tokens']} tokens "
