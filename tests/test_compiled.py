@@ -624,3 +624,59 @@ def test_signatures_hold_settings_by_value():
     assert _signature(Sampling()) == _signature(Sampling())
     assert _signature(Sampling(typical=True)) != _signature(Sampling())
     assert _signature(Sampling(typical=True, posterior_threshold=0.2)) != _signature(Sampling(typical=True))
+
+
+def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_graph_break(monkeypatch):
+    """A seen signature's call runs its compiled variant's code without dynamo's frame hook (decode.compiled): the
+    variant found is the one whose guards pass (two variants of one function, told apart by a plain argument), its
+    outputs and in-place writes are the hooked call's, and a variant with a graph break keeps the hook."""
+    import draftlab.decode.compiled as compiled
+
+    found = []
+    real = compiled._variant_code
+    monkeypatch.setattr(compiled, "_variant_code", lambda *a: found.append(real(*a)) or found[-1])
+
+    def scaled(x, out, k: int):
+        out.copy_(torch.tanh(x) * k)
+        return x.sum() * k, [x + k]
+
+    fn = compiled.Compiled(scaled, "eager")
+    x, out = torch.randn(3), torch.zeros(3)
+    for k in (2, 3, 2, 3, 2, 3):  # two variants; each signature's second call finds its own
+        total, (plus,) = fn(x, out, k)
+        assert torch.equal(total, x.sum() * k) and torch.equal(plus, x + k) and torch.equal(out, torch.tanh(x) * k)
+    assert len(found) == 2 and all(f is not None for f in found)
+
+    def broken(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    fn = compiled.Compiled(broken, "eager")
+    assert [fn(x).tolist() for _ in range(3)] == [(x * 2 + 1).tolist()] * 3
+    assert len(found) == 3 and found[-1] is None
+
+
+@pytest.mark.parametrize("kind", ["ssm", "eagle3"])
+def test_direct_calls_give_the_hooked_calls_tokens(kind, monkeypatch):
+    """Decoding runs its compiled steps without dynamo's hook once their signatures are seen, and gives the tokens
+    of the hooked calls (DRAFTLAB_COMPILE_DIRECT=0) and of eager decoding."""
+    import draftlab.decode.compiled as compiled
+
+    calls = []
+    real = compiled._variant_code
+
+    def counted(*a):
+        run = real(*a)
+        return None if run is None else (lambda *args, **kw: calls.append(1) or run(*args, **kw))
+    monkeypatch.setattr(compiled, "_variant_code", counted)
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
+    dec = SpeculativeDecoder(base, drafter(kind, base), compile="eager")
+    direct = [dec.generate(prompts, max_new_tokens=21).tokens for _ in range(2)]
+    assert len(calls) > 5, "no compiled step ran without the hook"
+    monkeypatch.setenv("DRAFTLAB_COMPILE_DIRECT", "0")
+    n = len(calls)
+    hooked = dec.generate(prompts, max_new_tokens=21).tokens
+    assert len(calls) == n and direct == [hooked, hooked]
+    assert hooked == SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21).tokens

@@ -15,14 +15,27 @@ evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
 dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
 graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
 full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
+
+Direct calls (a CPU). Even with guards skipped, each call goes through dynamo's frame hook: it looks the code object's
+compiled variants up by the guards that tell them apart, sets the stance twice and enters and leaves the compiled
+region, about a quarter of a millisecond per call on a 2-core CPU, as much as a third of a whole step of the test
+base. On a signature's second call draftlab finds, once, the variant dynamo would run for it (the first of the code
+object's cache entries whose every guard passes on the call's arguments, as dynamo picks them) and from then on
+calls that variant's code (dynamo's transformed bytecode: the compiled graph's call and everything dynamo replays
+around it) as a plain function, without the hook. A variant with a graph break (its code calls a resume function,
+which needs the hook to run compiled) keeps the hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0
+keeps the hook everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 import time
+import types
 import weakref
 
 import torch
@@ -170,6 +183,39 @@ def guards_skipped() -> bool:
     return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")
 
 
+def direct_calls(device: str) -> bool:
+    """Whether calls of a seen signature run the compiled variant's code without dynamo's frame hook (see the module's
+    overview): on a CPU, unless DRAFTLAB_COMPILE_DIRECT=0."""
+    return device == "cpu" and os.environ.get("DRAFTLAB_COMPILE_DIRECT", "1") not in ("0", "false", "no")
+
+
+def _variant_code(fn, args: tuple, kwargs: dict):
+    """The code of the compiled variant dynamo runs for fn(*args, **kwargs) (a function or a bound method), as a
+    callable taking the same arguments; None when there is none to call without dynamo's hook: fn is not a Python
+    function, no variant's guards all pass, or the variant has a graph break."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    func, owner = getattr(fn, "__func__", fn), getattr(fn, "__self__", None)
+    if not isinstance(func, types.FunctionType):
+        return None
+    head = () if owner is None else (owner,)
+    try:
+        bound = inspect.signature(func).bind(*head, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    local = dict(bound.arguments)  # the frame's locals on entry, which dynamo's guards read
+    # dynamo runs the first variant whose guards pass, in the order of its cache (the last one run first)
+    code = next((e.code for e in _debug_get_cache_entry_list(func.__code__) if e.guard_manager.check(local)), None)
+    if code is None or code.co_freevars != func.__code__.co_freevars:
+        return None
+    if any(n.startswith("__resume_at") for n in code.co_names):  # a graph break: the rest runs under the hook
+        return None
+    run = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    run.__kwdefaults__ = func.__kwdefaults__
+    return run if owner is None else functools.partial(run, owner)
+
+
 class Compiled:
     """fn through torch.compile with fixed shapes, an eager fallback, and guard evaluation only on a signature's first
     call (see the module's overview); `warmup_s` is the time the first calls of each new signature spent compiling
@@ -199,6 +245,9 @@ class Compiled:
         self.skip: set = set()  # signatures whose guarded first call is done: later calls skip guard evaluation
         self.guarded: set = set()  # signatures that keep their guards (see __call__)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
+        # signature -> its variant's code, called without dynamo's hook (None: with it; see _variant_code)
+        self.direct: dict | None = None if isinstance(fn, torch.nn.Module) else {}
+        self.device = device
 
     def __call__(self, *args, **kwargs):
         if self.failed:
@@ -209,6 +258,12 @@ class Compiled:
             key = (_signature(args), _signature(kwargs), torch.is_grad_enabled(),
                    None if self.owner is None else _held(self.owner))
             if key in self.skip:
+                if self.direct is not None and direct_calls(self.device):
+                    run = self.direct.get(key, False)
+                    if run is False:  # the signature's second call: its variant, found once
+                        run = self.direct[key] = _variant_code(self.model, args, kwargs)
+                    if run is not None:
+                        return run(*args, **kwargs)
                 prior = _set_stance(_SKIP)
                 try:
                     return self.fn(*args, **kwargs)
