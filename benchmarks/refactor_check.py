@@ -116,7 +116,9 @@ def main() -> None:
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
                           **({"ensemble_options": options["options"]} if options else {}),
-                          "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio, "same_accept_length": same,
+                          "exports": {k: str(v).replace(str(ROOT) + "/", "") for k, v in exports.items()},
+                          "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio,
+                          "same_accept_length": same,
                           **({"training": training} if training else {})})
 
 

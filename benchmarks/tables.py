@@ -677,7 +677,8 @@ def refactor_check_compiled_exports(title: str, name: str):
 
     def table(p, d) -> None:
         kinds = [k[: -len("_after")] for k in d["methods"] if k.endswith("_after") and k != "plain_after"]
-        exports = " ".join(f"--export {k}={dirs[k]}" for k in kinds) + "".join(  # in the command's order
+        paths = d.get("exports") or dirs  # (results before 2026-11-28 do not name their exports)
+        exports = " ".join(f"--export {k}={paths[k]}" for k in kinds) + "".join(  # in the command's order
             f" --ensemble-option {k}={v}" for k, v in (d.get("ensemble_options") or {}).items())
         compiled, T = d.get("compiled", True), d.get("temperature", 0)
         opts = ("--compile " if compiled else "") + (f"--temperature {T} " if T else "")
@@ -802,6 +803,9 @@ TABLES = {
     "refactor_check_ssm_chained": ("refactor_check_ssm_chained", refactor_check_compiled_exports(
         "The SSM's chained step: its commit, feed and tree inside the verify call (CPU)",
         "refactor_check_ssm_chained")),
+    "refactor_check_direct_calls": ("refactor_check_direct_calls", refactor_check_compiled_exports(
+        "Compiled calls without dynamo's frame hook (CPU)", "refactor_check_direct_calls")),
+    "compiled_all_kinds_direct": ("compiled_all_kinds_direct", compiled),
 }
 
 

@@ -16,15 +16,15 @@ dynamo then only runs the guards that tell its compiled variants apart. That is 
 graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
 full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
 
-Direct calls (a CPU). Even with guards skipped, each call goes through dynamo's frame hook: it looks the code object's
-compiled variants up by the guards that tell them apart, sets the stance twice and enters and leaves the compiled
-region, about a quarter of a millisecond per call on a 2-core CPU, as much as a third of a whole step of the test
-base. On a signature's second call draftlab finds, once, the variant dynamo would run for it (the first of the code
-object's cache entries whose every guard passes on the call's arguments, as dynamo picks them) and from then on
-calls that variant's code (dynamo's transformed bytecode: the compiled graph's call and everything dynamo replays
-around it) as a plain function, without the hook. A variant with a graph break (its code calls a resume function,
-which needs the hook to run compiled) keeps the hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0
-keeps the hook everywhere.
+Direct calls (a CPU). Even with guards skipped, each call goes through dynamo's frame hook: it looks the code
+object's compiled variants up by the guards that tell them apart, sets the stance twice and enters and leaves the
+compiled region: 0.12-0.19 ms per call on a 2-core CPU, about a sixth of a plain compiled step of the test base. On
+a signature's second call draftlab finds, once, the variant dynamo would run for it (the first of the code object's
+cache entries whose every guard passes on the call's arguments, as dynamo picks them) and from then on calls that
+variant's code (dynamo's transformed bytecode: the compiled graph's call and everything dynamo replays around it) as
+a plain function, without the hook. A variant with a graph break (its code calls a resume function, which needs the
+hook to run compiled) keeps the hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0 keeps the hook
+everywhere.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def _variant_code(fn, args: tuple, kwargs: dict):
         return None
     head = () if owner is None else (owner,)
     try:
-        bound = inspect.signature(func).bind(*head, *args, **kwargs)
+        bound = inspect.signature(func, follow_wrapped=False).bind(*head, *args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
