@@ -806,6 +806,7 @@ TABLES = {
     "refactor_check_direct_calls": ("refactor_check_direct_calls", refactor_check_compiled_exports(
         "Compiled calls without dynamo's frame hook (CPU)", "refactor_check_direct_calls")),
     "compiled_all_kinds_direct": ("compiled_all_kinds_direct", compiled),
+    "compiled_hydra_searched_xeon": ("compiled_hydra_searched_xeon", compiled),
 }
 
 
