@@ -547,7 +547,7 @@ def tp_decode(p, d) -> None:
 def compiled(p, d) -> None:
     trees = d.get("trees") or {}
     exports = ", ".join(f"{k}: `{v}`" + (f" (tree `{trees[k]}`)" if k in trees else "") for k, v in d["exports"].items())
-    if d.get("tree"):
+    if d.get("tree") and not trees:  # (newer results name it per export, above)
         exports += f", tree `{d['tree']}`"
     heading(p, d.get("title") or "Eager vs compiled decoding", f"`benchmarks/compiled.py`; {exports}; base `{d['base']}`; "
             f"{d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1; {where(d)}")
