@@ -628,8 +628,9 @@ def test_signatures_hold_settings_by_value():
 
 def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_graph_break(monkeypatch):
     """A seen signature's call runs its compiled variant's code without dynamo's frame hook (decode.compiled): the
-    variant found is the one whose guards pass (two variants of one function, told apart by a plain argument), its
-    outputs and in-place writes are the hooked call's, and a variant with a graph break keeps the hook."""
+    variant is the one dynamo ran for it (two variants of one function, told apart by a plain argument; two backends
+    compiling one function, each its own variant), its outputs and in-place writes are the hooked call's, and a
+    variant with a graph break keeps the hook."""
     import draftlab.decode.compiled as compiled
 
     found = []
@@ -647,6 +648,15 @@ def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_grap
         assert torch.equal(total, x.sum() * k) and torch.equal(plus, x + k) and torch.equal(out, torch.tanh(x) * k)
     assert len(found) == 2 and all(f is not None for f in found)
 
+    def tanh2(x):
+        return torch.tanh(x) * 2
+
+    one, other = compiled.Compiled(tanh2, "eager"), compiled.Compiled(tanh2, "aot_eager")
+    for _ in range(3):  # turn by turn: the other backend's variant is the front of the cache at each one's call
+        assert torch.equal(one(x), tanh2(x)) and torch.equal(other(x), tanh2(x))
+    assert len(found) == 4 and found[-1] is not None and found[-2] is not None
+    assert found[-1].__code__ is not found[-2].__code__  # each backend runs its own variant
+
     def broken(x):
         y = x * 2
         torch._dynamo.graph_break()
@@ -654,7 +664,7 @@ def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_grap
 
     fn = compiled.Compiled(broken, "eager")
     assert [fn(x).tolist() for _ in range(3)] == [(x * 2 + 1).tolist()] * 3
-    assert len(found) == 3 and found[-1] is None
+    assert len(found) == 5 and found[-1] is None
 
 
 @pytest.mark.parametrize("kind", ["ssm", "eagle3"])

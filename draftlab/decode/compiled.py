@@ -19,12 +19,12 @@ full guard evaluation on every call (the reference, for debugging), and tests ch
 Direct calls (a CPU). Even with guards skipped, each call goes through dynamo's frame hook: it looks the code
 object's compiled variants up by the guards that tell them apart, sets the stance twice and enters and leaves the
 compiled region: 0.12-0.19 ms per call on a 2-core CPU, about a sixth of a plain compiled step of the test base. On
-a signature's second call draftlab finds, once, the variant dynamo would run for it (the first of the code object's
-cache entries whose every guard passes on the call's arguments, as dynamo picks them) and from then on calls that
-variant's code (dynamo's transformed bytecode: the compiled graph's call and everything dynamo replays around it) as
-a plain function, without the hook. A variant with a graph break (its code calls a resume function, which needs the
-hook to run compiled) keeps the hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0 keeps the hook
-everywhere.
+a signature's guarded first call draftlab notes the variant dynamo ran (the front of the code object's cache, where
+dynamo puts the variant a call runs, chosen by every guard, the backend's among them); on its second call it checks
+that variant's guards on the arguments, once, and from then on calls the variant's code (dynamo's transformed
+bytecode: the compiled graph's call and everything dynamo replays around it) as a plain function, without the hook.
+A variant with a graph break (its code calls a resume function, which needs the hook to run compiled) keeps the
+hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0 keeps the hook everywhere.
 """
 
 from __future__ import annotations
@@ -189,28 +189,33 @@ def direct_calls(device: str) -> bool:
     return device == "cpu" and os.environ.get("DRAFTLAB_COMPILE_DIRECT", "1") not in ("0", "false", "no")
 
 
-def _variant_code(fn, args: tuple, kwargs: dict):
-    """The code of the compiled variant dynamo runs for fn(*args, **kwargs) (a function or a bound method), as a
-    callable taking the same arguments; None when there is none to call without dynamo's hook: fn is not a Python
-    function, no variant's guards all pass, or the variant has a graph break."""
+def _last_variant(fn):
+    """(code, guards) of the compiled variant of fn (a function or a bound method) that dynamo ran last: the front of
+    its code object's cache, where dynamo puts the variant a call runs. Read right after a guarded call, that is the
+    variant chosen by every guard, the backend's among them. None for what is not a Python function."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    func = getattr(fn, "__func__", fn)
+    entries = _debug_get_cache_entry_list(func.__code__) if isinstance(func, types.FunctionType) else []
+    return (entries[0].code, entries[0].guard_manager) if entries else None
+
+
+def _variant_code(fn, variant, args: tuple, kwargs: dict):
+    """The code of `variant` (_last_variant) as a callable taking fn's arguments, to call without dynamo's hook; None
+    when its guards do not all pass on these arguments (the guarded call ran eagerly, past dynamo's recompile limit)
+    or it has a graph break."""
     func, owner = getattr(fn, "__func__", fn), getattr(fn, "__self__", None)
-    if not isinstance(func, types.FunctionType):
-        return None
-    head = () if owner is None else (owner,)
+    code, guards = variant
     try:
-        bound = inspect.signature(func, follow_wrapped=False).bind(*head, *args, **kwargs)
+        bound = inspect.signature(func, follow_wrapped=False).bind(*(() if owner is None else (owner,)), *args,
+                                                                   **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
-    local = dict(bound.arguments)  # the frame's locals on entry, which dynamo's guards read
-    # dynamo runs the first variant whose guards pass, in the order of its cache (the last one run first)
-    code = next((e.code for e in _debug_get_cache_entry_list(func.__code__) if e.guard_manager.check(local)), None)
-    if code is None or code.co_freevars != func.__code__.co_freevars:
+    if not guards.check(dict(bound.arguments)):  # the frame's locals on entry, which the guards read
         return None
-    if any(n.startswith("__resume_at") for n in code.co_names):  # a graph break: the rest runs under the hook
-        return None
+    if code.co_freevars != func.__code__.co_freevars or any(n.startswith("__resume_at") for n in code.co_names):
+        return None  # (a graph break: the rest runs under the hook)
     run = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     run.__kwdefaults__ = func.__kwdefaults__
     return run if owner is None else functools.partial(run, owner)
@@ -245,7 +250,8 @@ class Compiled:
         self.skip: set = set()  # signatures whose guarded first call is done: later calls skip guard evaluation
         self.guarded: set = set()  # signatures that keep their guards (see __call__)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
-        # signature -> its variant's code, called without dynamo's hook (None: with it; see _variant_code)
+        # signature -> the variant its guarded call ran (_last_variant), then its code called without dynamo's hook
+        # (None: with it; see _variant_code)
         self.direct: dict | None = None if isinstance(fn, torch.nn.Module) else {}
         self.device = device
 
@@ -259,9 +265,9 @@ class Compiled:
                    None if self.owner is None else _held(self.owner))
             if key in self.skip:
                 if self.direct is not None and direct_calls(self.device):
-                    run = self.direct.get(key, False)
-                    if run is False:  # the signature's second call: its variant, found once
-                        run = self.direct[key] = _variant_code(self.model, args, kwargs)
+                    run = self.direct.get(key)
+                    if isinstance(run, tuple):  # the signature's second call: its variant's guards checked once
+                        run = self.direct[key] = _variant_code(self.model, run, args, kwargs)
                     if run is not None:
                         return run(*args, **kwargs)
                 prior = _set_stance(_SKIP)
@@ -286,6 +292,8 @@ class Compiled:
             return self.model(*args, **kwargs)
         if key is not None and key not in self.guarded:
             self.skip.add(key)
+            if self.direct is not None and direct_calls(self.device):
+                self.direct[key] = _last_variant(self.model)  # the variant this guarded call ran
         if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
         return out
