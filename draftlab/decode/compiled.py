@@ -183,10 +183,10 @@ def guards_skipped() -> bool:
     return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")
 
 
-def direct_calls(device: str) -> bool:
-    """Whether calls of a seen signature run the compiled variant's code without dynamo's frame hook (see the module's
-    overview): on a CPU, unless DRAFTLAB_COMPILE_DIRECT=0."""
-    return device == "cpu" and os.environ.get("DRAFTLAB_COMPILE_DIRECT", "1") not in ("0", "false", "no")
+def direct_calls() -> bool:
+    """Whether calls of a seen signature run the compiled variant's code without dynamo's frame hook, where they can
+    (a CPU; see the module's overview): yes, unless DRAFTLAB_COMPILE_DIRECT=0."""
+    return os.environ.get("DRAFTLAB_COMPILE_DIRECT", "1") not in ("0", "false", "no")
 
 
 def _last_variant(fn):
@@ -251,9 +251,8 @@ class Compiled:
         self.guarded: set = set()  # signatures that keep their guards (see __call__)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
         # signature -> the variant its guarded call ran (_last_variant), then its code called without dynamo's hook
-        # (None: with it; see _variant_code)
-        self.direct: dict | None = None if isinstance(fn, torch.nn.Module) else {}
-        self.device = device
+        # (None: with it; see _variant_code). None where calls keep the hook: a GPU, a module.
+        self.direct: dict | None = {} if device == "cpu" and not isinstance(fn, torch.nn.Module) else None
 
     def __call__(self, *args, **kwargs):
         if self.failed:
@@ -264,7 +263,7 @@ class Compiled:
             key = (_signature(args), _signature(kwargs), torch.is_grad_enabled(),
                    None if self.owner is None else _held(self.owner))
             if key in self.skip:
-                if self.direct is not None and direct_calls(self.device):
+                if self.direct is not None and direct_calls():
                     run = self.direct.get(key)
                     if isinstance(run, tuple):  # the signature's second call: its variant's guards checked once
                         run = self.direct[key] = _variant_code(self.model, run, args, kwargs)
@@ -292,7 +291,7 @@ class Compiled:
             return self.model(*args, **kwargs)
         if key is not None and key not in self.guarded:
             self.skip.add(key)
-            if self.direct is not None and direct_calls(self.device):
+            if self.direct is not None and direct_calls():
                 self.direct[key] = _last_variant(self.model)  # the variant this guarded call ran
         if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
