@@ -207,8 +207,8 @@ def search_inputs(tiny_base_dir, tmp_path, kind: str = "hydra"):
     from draftlab.interop.export import save_export
 
     base, tok = load_base(str(tiny_base_dir), "float32")
-    head = {"type": "hydra", "num_heads": 2, "num_layers": 1} if kind == "hydra" else \
-        {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}
+    head = {"hydra": {"type": "hydra", "num_heads": 2, "num_layers": 1}, "eagle3": {"type": "eagle3"},
+            "ssm": {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}}[kind]
     save_export(build_draft(head, base), base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))
@@ -236,6 +236,44 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
         assert {"chain-2", "chain-4", "chain-8"} <= set(names) and max(r["tree_depth"] for r in rep["sizes"]) > 2
     else:
         assert not any(n.startswith("chain") for n in names)
+
+
+def test_the_dynamic_grid_holds_small_trees_and_only_settings_that_fill_their_trees():
+    """search-tree's EAGLE-2 settings for an eagle3 export: 8-token trees among them (the compiled path on a CPU),
+    none past --max-nodes, and none whose drafted candidates, counted in the drafter itself, are fewer than
+    total_tokens - 1 (its tree would be a smaller setting's, padded)."""
+    from test_eagle import eagle
+    from draftlab.decode.tree import DynamicTree
+    from draftlab.serve.tree_search import DYNAMIC_GRID, dynamic_grid
+
+    grid = dynamic_grid(64)
+    assert DynamicTree(3, 2, 8) in grid and DynamicTree(7, 10, 60) in grid
+    assert all(t.total_tokens <= 17 for t in dynamic_grid(16)) and 0 < len(dynamic_grid(16)) < len(grid)
+    base = tiny_llama(layers=3)  # a vocabulary of 64: every top_k of the grid fits
+    module = eagle(base)
+    for setting in itertools.product(*DYNAMIC_GRID.values()):
+        drafter = make_drafter(module, DynamicTree(*setting))
+        drafted, rerank = [], drafter._rerank
+        drafter._rerank = lambda tok, *rest: drafted.append(tok.shape[1] - 1) or rerank(tok, *rest)
+        SpeculativeDecoder(base, drafter).generate([[1, 2, 3]], max_new_tokens=2)
+        assert (DynamicTree(*setting) in grid) == (drafted[0] >= setting[2] - 1), (setting, drafted)
+
+
+def test_search_tree_on_an_eagle3_export_writes_the_fastest_dynamic_setting(tiny_base_dir, tmp_path, capsys):
+    from draftlab.cli import main
+    from draftlab.decode.tree import DynamicTree
+    from draftlab.serve.tree_search import dynamic_grid
+
+    _, data = search_inputs(tiny_base_dir, tmp_path, "eagle3")
+    out = tmp_path / "tree.json"
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "7",
+                 "--timing-prompts", "2", "--max-new-tokens", "8", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["name"] for r in rep["sizes"]] == [t.spec() for t in dynamic_grid(7)]  # every 8-token setting timed
+    best = max(rep["sizes"], key=lambda r: r["tokens_per_s"])
+    tree = Tree.load(out)
+    assert isinstance(tree, DynamicTree) and tree.spec() == rep["dynamic"] == best["name"]
+    assert json.loads(out.read_text())["metadata"]["tokens_per_s"] == best["tokens_per_s"]
 
 
 def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, capsys, monkeypatch):

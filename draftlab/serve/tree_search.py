@@ -211,17 +211,26 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     return report
 
 
-DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (4, 10), "total_tokens": (16, 32, 60)}
+# EAGLE-2 settings search-tree times for an eagle3 export. The small ones (top_k 2, 8 tokens) are for the compiled path
+# on hardware where every verified token costs time (a CPU; docs/drafters.md has the figures).
+DYNAMIC_GRID = {"depth": (3, 5, 7), "top_k": (2, 4, 10), "total_tokens": (8, 16, 32, 60)}
+
+
+def dynamic_grid(max_nodes: int) -> list[DynamicTree]:
+    """The settings of DYNAMIC_GRID that verify at most max_nodes + 1 tokens, less those whose drafted candidates
+    (top_k below the root, then top_k * top_k per further level) are fewer than total_tokens - 1: their trees are
+    the same as a smaller total's, padded."""
+    return [DynamicTree(d, k, n) for d in DYNAMIC_GRID["depth"] for k in DYNAMIC_GRID["top_k"]
+            for n in DYNAMIC_GRID["total_tokens"] if n <= max_nodes + 1 and k + (d - 1) * k * k >= n - 1]
 
 
 def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source,
                    sync=None, compile: bool = False, rounds: int = 3) -> dict:
-    """EAGLE-2 dynamic trees have no static shape to grow: time every setting of DYNAMIC_GRID (total_tokens up to
-    max_nodes + 1) on the prompts and keep the fastest."""
+    """EAGLE-2 dynamic trees have no static shape to grow: time every setting of dynamic_grid(max_nodes) on the prompts
+    and keep the fastest."""
     from ..drafters import make_drafter
 
-    grid = [DynamicTree(d, k, n) for d in DYNAMIC_GRID["depth"] for k in DYNAMIC_GRID["top_k"]
-            for n in DYNAMIC_GRID["total_tokens"] if n <= max_nodes + 1]
+    grid = dynamic_grid(max_nodes)
     if not grid:
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
