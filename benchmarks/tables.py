@@ -564,10 +564,10 @@ def compiled(p, d) -> None:
           f"{r.get('warmup_s', '-')} |")
 
 
-def step_bounds(p, d) -> None:
+def step_bounds(p, d, title: str = "Where a compiled step's time goes, and the kernel-only bound") -> None:
     exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
     same = all(r["identical_to_plain"] for r in d["methods"].values())
-    heading(p, "Where a compiled step's time goes, and the kernel-only bound", f"`benchmarks/step_bounds.py`; "
+    heading(p, title, f"`benchmarks/step_bounds.py`; "
             f"{exports}; base `{d['base']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens (kernels profiled "
             f"on the first {d['profiled_prompts']}), greedy, batch 1, compiled; outputs "
             f"{'identical to' if same else 'NOT all identical to'} plain decoding; {where(d)}")
@@ -807,6 +807,9 @@ TABLES = {
         "Compiled calls without dynamo's frame hook (CPU)", "refactor_check_direct_calls")),
     "compiled_all_kinds_direct": ("compiled_all_kinds_direct", compiled),
     "compiled_hydra_searched_xeon": ("compiled_hydra_searched_xeon", compiled),
+    "compiled_eagle3_trees_xeon": ("compiled_eagle3_trees_xeon", compiled),
+    "step_bounds_xeon": ("step_bounds_xeon", lambda p, d: step_bounds(
+        p, d, "Where a compiled step's time goes on the Intel Xeon, with direct calls")),
 }
 
 
