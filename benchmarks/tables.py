@@ -808,6 +808,7 @@ TABLES = {
     "compiled_all_kinds_direct": ("compiled_all_kinds_direct", compiled),
     "compiled_hydra_searched_xeon": ("compiled_hydra_searched_xeon", compiled),
     "compiled_eagle3_trees_xeon": ("compiled_eagle3_trees_xeon", compiled),
+    "compiled_targets_xeon": ("compiled_targets_xeon", compiled),
     "ensemble_cost_xeon_direct": ("ensemble_cost_xeon_direct", lambda p, d: ensemble_cost(
         p, d, "The ensemble's cost schedule with direct calls (Intel Xeon)", "ensemble_cost_xeon_direct")),
     "step_bounds_xeon": ("step_bounds_xeon", lambda p, d: step_bounds(
