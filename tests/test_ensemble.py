@@ -305,8 +305,10 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
 def test_a_member_that_begins_late_takes_the_text_as_its_prompt(compile, monkeypatch):
     """Under the cost policy a member begins when it first drafts in a run; one that reads no base states (an SSM,
     prompt lookup) then takes the prompt and the text committed so far, but each row's last token, as its prompt
-    (one prefill), and feeds that token with the next root. Its tree is the one it drafts after a begin on the
-    prompt alone and a feed of the whole backlog; greedy stays exact, batch 2 with uneven prompts."""
+    (one prefill), and feeds that token with the next root. That prompt grows only up to the width the run's prompt
+    is prefilled at (16 here; a wider prefill would compile late in a run), the rest is fed. Its tree is the one it
+    drafts after a begin on the prompt alone and a feed of the whole backlog; greedy stays exact, batch 2 with
+    uneven prompts."""
     from draftlab.drafters.ensemble import extended_prompt
     from draftlab.drafters import PromptState
 
@@ -323,7 +325,9 @@ def test_a_member_that_begins_late_takes_the_text_as_its_prompt(compile, monkeyp
     res = dec.generate(prompts, max_new_tokens=40)
     assert res.tokens == [plain_greedy(base, p, 40) for p in prompts]
     first = [n for who, n in begun if who == id(late)][0]
-    assert all(n > len(p) for n, p in zip(first, prompts)), first  # its prompt held the text so far
+    # Its prompt held the text so far, up to the 16 tokens the prompt's prefill is padded to (the first member,
+    # the base itself here, drafted 5 steps of 4 tokens).
+    assert first == [16, 16], first
     # The same tree as a begin on the prompt and a feed of the backlog (eager, float64).
     ids = torch.tensor([[5, 9, 2, 7, 5, 9], [0, 0, 0, 3, 8, 1]])
     valid = ids > 0
@@ -428,20 +432,22 @@ def test_the_cost_schedule_chooses_the_most_tokens_per_second():
     "complement": members 0 and 1 each hold them on one of the rows."""
     held = {"same": [(3, 1, 0), (3, 1, 0)], "second": [(1, 3, 0), (1, 3, 0)], "complement": [(3, 1, 0), (0, 3, 0)]}
     slow = {1: 1.0, 2: 1.5, 3: 2.0}  # a probe costs one step more than the lone member's
-    # (held rows, step seconds per member count, probe_share, the count chosen, the member alone, the last probe gap)
-    for kind, costs, share, want, alone, gap in (
-            ("same", slow, 0.02, 1, 0, 16),  # probes would cost 2% 50 steps apart: probe_max (16) is the bound
-            ("second", slow, 0.02, 1, 1, 16),
-            ("complement", {1: 1.0, 2: 1.2, 3: 2.0}, 0.02, 2, None, 16),
-            ("same", slow, 0.125, 1, 0, 8),  # 12.5% of the time: a probe every 8 steps
-            ("same", {1: 1.0, 2: 1.0, 3: 1.0}, 0.02, 1, 0, 4)):  # free probes: as often as probe_every
+    # (held rows, step seconds per member count, probe_share, the count chosen, the member alone, the last probe gap,
+    # seconds every step spends feeding members text they missed: a probe's count toward its cost)
+    for kind, costs, share, want, alone, gap, fed in (
+            ("same", slow, 0.02, 1, 0, 16, 0.0),  # probes would cost 2% 50 steps apart: probe_max (16) is the bound
+            ("second", slow, 0.02, 1, 1, 16, 0.0),
+            ("complement", {1: 1.0, 2: 1.2, 3: 2.0}, 0.02, 2, None, 16, 0.0),
+            ("same", slow, 0.125, 1, 0, 8, 0.0),  # 12.5% of the time: a probe every 8 steps
+            ("same", slow, 0.125, 1, 0, 16, 1.0),  # feeding a step's time more: twice as far apart
+            ("same", {1: 1.0, 2: 1.0, 3: 1.0}, 0.02, 1, 0, 4, 0.0)):  # free probes: as often as probe_every
         sched = Scheduler(policy="cost", warmup=2, explore=2, probe_every=4, probe_max=16, probe_share=share)
         sched.reset(3)
         for step in range(120):
             on = sched.active()
             rows = [[h[m] if on[m] else None for m in range(3)] for h in held[kind]]
             gains = [(2.0 if m == 0 else 1.0) if on[m] else None for m in range(3)]  # misleading on purpose
-            sched.update(gains, rows, costs[sum(on)])
+            sched.update(gains, rows, costs[sum(on)], fed)
         counts = [sum(on) for on in sched.history]
         assert counts[:2] == [3, 3] and sorted(counts[2:6]) == [1, 1, 2, 2], counts[:8]  # warm-up, exploring
         late = counts[40:]
@@ -461,6 +467,44 @@ def test_the_cost_schedule_chooses_the_most_tokens_per_second():
     assert sched._probe_cap(3) == 4
     with pytest.raises(ValueError, match="merge"):
         EnsembleDrafter([LookupDrafter(num_tokens=2)], mode="vote", scheduler=Scheduler(policy="cost"))
+
+
+def test_a_standing_choice_is_reused_as_the_count_would_give_it(monkeypatch):
+    """Between a choice and the next choice or probe, the cost policy's steps reuse the standing choice instead of
+    reading the records again: the same members drafting at every step as a schedule that reads them every step,
+    on records whose choice flips now and then (noisy step seconds, members whose lengths cross)."""
+    calls = []
+    count = Scheduler._count
+    monkeypatch.setattr(Scheduler, "_count", lambda self: calls.append(self) or count(self))
+    gen = torch.Generator().manual_seed(0)
+    scheds = [Scheduler(policy="cost", warmup=2, explore=2, probe_every=4, probe_max=64) for _ in range(2)]
+    for sched in scheds:
+        sched.reset(3)
+    for step in range(400):
+        ons = []
+        for i, sched in enumerate(scheds):
+            if i:  # the reference: never a standing choice
+                sched.steady_until = 0
+            ons.append(sched.active())
+        assert ons[0] == ons[1], step
+        k = sum(ons[0])
+        lengths = torch.randint(0, 4, (2, 3), generator=gen).tolist()
+        seconds = float(k) ** (0.3 if step % 100 < 50 else 2.0) * (1 + 0.2 * torch.rand(1, generator=gen).item())
+        for sched in scheds:
+            sched.update([1.0 if o else None for o in ons[0]], [[r[m] if ons[0][m] else None for m in range(3)]
+                                                                for r in lengths], seconds, 0.1)
+    assert scheds[0].history == scheds[1].history and scheds[0].k == scheds[1].k
+    assert {sum(on) for on in scheds[0].history[40:]} >= {1, 3}  # the choice moved, probes came
+    assert sum(c is scheds[0] for c in calls) < 0.5 * 400  # the first read its records on a minority of its steps
+    # A lone member's step (update_one) leaves the records update leaves.
+    for seconds in (0.5, None):
+        one, every = (Scheduler(policy="cost", warmup=0) for _ in range(2))
+        for sched in (one, every):
+            sched.reset(3)
+        for step in range(12):
+            one.update_one(1, 2.0 + step % 3, seconds)
+            every.update([None, 2.0 + step % 3, None], None, seconds)
+        assert one == every and one.seconds[1] == ([0.5] * 9 if seconds else []), one
 
 
 def test_schedule_histories_stay_bounded(monkeypatch):

@@ -26,6 +26,7 @@ from itertools import chain
 
 import torch
 
+from ..decode.cache import prefill_width
 from ..decode.compiled import compiled_graphs
 from ..decode.search import held_along
 from ..decode.tree import Tree
@@ -65,8 +66,9 @@ class Scheduler:
         where every member drafted or was scored, see `ranking`), with k chosen for the most tokens per second: the
         expected accepted length of those k, E[max over them of the accepted tokens their own trees held] + 1, over
         the steady-state seconds of a step with k members drafting, the fastest of the last `explore` x 3 steps timed
-        with k. A step's seconds leave out those spent feeding members the text they missed (paid per token of text
-        however the members are chosen); steps that compiled are not timed; a step that the machine slowed is slower,
+        with k. A step's seconds leave out those spent feeding members the text they missed (a member that drafts
+        again after sitting out pays for the text it missed, whichever k it drafts in); steps that compiled are not
+        timed; a step that the machine slowed is slower,
         never faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again).
         The lengths come from the last `cost_window` rows on which those k drafted or were scored: rows of steps
         with two members or more (the warm-up's, the exploration's, the probes'), and with `rank_on` text (greedy, SSM
@@ -77,8 +79,12 @@ class Scheduler:
         every member, each k is timed `explore` steps, then the best k drafts (chosen again every 8 steps), and every
         member drafts on probe steps to keep the lengths of the members not drafting current: first `probe_every`
         steps apart, the interval doubling while the choice stands, up to where probes cost `probe_share` of the
-        decoding time and never past `probe_max`: that bound is a probe's extra seconds (its mean timed seconds less
-        the chosen k's step seconds) divided by `probe_share` times the chosen k's step seconds.
+        decoding time and never past `probe_max`: that bound is a probe's extra seconds (its mean timed seconds, plus
+        the mean seconds a probe spends feeding the members that sat out the text they missed, less the chosen k's
+        step seconds) divided by `probe_share` times the chosen k's step seconds. The feeding is the larger part on a
+        CPU: a probe begins every member that sat out since the run began with a prefill over the text so far, and
+        scores them on it. Between a choice and the next choice or probe the choice stands, and a step reuses it
+        (active) without reading the records again.
         With one member the ensemble is that member: its tree alone is verified, and where it chains (SSMs on a
         compiled CPU path) the ensemble chains too.
     """
@@ -108,6 +114,9 @@ class Scheduler:
     interval: int = 0
     next_probe: int = 0
     next_choice: int = 0
+    fed: list[float] = field(default_factory=list)  # seconds the last probes (every member drafting) spent feeding
+    steady_until: int = 0  # the standing choice's last step + 1 (the next probe or choice), and who drafts until then
+    steady_on: list[bool] = field(default_factory=list)
 
     def __post_init__(self):
         if self.policy not in SCHEDULE_POLICIES:
@@ -124,16 +133,21 @@ class Scheduler:
         if len(self.gains) != n:
             self.gains = [1.0] * n
             self.seconds = [[] for _ in range(n + 1)]
-            self.lengths, self.order, self.k, self.probed_k = [], [], 0, -1
+            self.lengths, self.order, self.k, self.probed_k, self.fed = [], [], 0, -1, []
             self.__dict__.pop("_memo", None)
-            self.interval, self.next_probe, self.next_choice = self.probe_every, 0, 0
+            self.interval, self.next_probe, self.next_choice, self.steady_until = self.probe_every, 0, 0, 0
 
     def active(self) -> list[bool]:
         if self.policy == "cost":
-            k = self._count()
-            on = [False] * len(self.gains)
-            for m in (self.order or self.ranking())[:k]:
-                on[m] = True
+            if self.steps < self.steady_until:  # the choice stands (_count would return it unread)
+                on = self.steady_on
+            else:
+                k = self._count()
+                on = [False] * len(self.gains)
+                for m in (self.order or self.ranking())[:k]:
+                    on[m] = True
+                if self.steady_until > self.steps:
+                    self.steady_on = on
         elif self.steps < self.warmup:
             on = [True] * len(self.gains)
         else:
@@ -159,6 +173,9 @@ class Scheduler:
             rates = self.rates(self.order)
             self.k = max(rates, key=lambda k: (rates[k], -k)) if rates else n
             self.next_choice = self.steps + DECIDE_EVERY
+        # Until the next probe or choice every step returns this k (the exploration is over and stays over: the step
+        # seconds of each k are only ever trimmed to 3 x explore).
+        self.steady_until = min(self.next_probe, self.next_choice)
         return self.k
 
     def _probe_cap(self, n: int) -> int:
@@ -167,7 +184,7 @@ class Scheduler:
         probe, step = self.seconds[n], self.seconds[self.k] if self.k else []
         if not probe or not step or self.k == n:
             return self.probe_max
-        extra = sum(probe) / len(probe) - min(step)
+        extra = sum(probe) / len(probe) + (sum(self.fed) / len(self.fed) if self.fed else 0.0) - min(step)
         return min(self.probe_max, max(self.probe_every, math.ceil(extra / (self.probe_share * min(step)))))
 
     def ranking(self) -> list[int]:
@@ -216,21 +233,38 @@ class Scheduler:
                 out[i + 1] = (held[i] / rows[i] + 1) / min(times)
         return out
 
-    def update(self, gains: list[float | None], rows: list[list] | None = None, seconds: float | None = None) -> None:
+    def update(self, gains: list[float | None], rows: list[list] | None = None, seconds: float | None = None,
+               fed: float = 0.0) -> None:
         """One step: each member's gain (None: it did not draft); for the cost policy also, per live row, the
-        accepted tokens each member's own tree held (kept from steps of two members or more), and the step's
-        seconds (None: not timed)."""
+        accepted tokens each member's own tree held (kept from steps of two members or more), the step's seconds
+        (None: not timed) and the seconds it spent feeding members the text they had missed (outside `seconds`)."""
         self.steps += 1
+        k = 0  # members that drafted
         for m, g in enumerate(gains):
             if g is not None:
                 self.gains[m] = self.decay * self.gains[m] + (1 - self.decay) * g
+                k += 1
         if self.policy == "cost":
-            k = sum(g is not None for g in gains)
             if seconds is not None and k:
                 self.seconds[k].append(seconds)
                 del self.seconds[k][: -3 * self.explore]
+                if k == len(gains):  # every member drafted (a probe, the warm-up): what it fed is its cost too
+                    self.fed.append(fed)
+                    del self.fed[: -3 * self.explore]
             if k >= 2 and rows:  # a lone member's rows come from the text, if at all (add_rows)
                 self.add_rows(rows)
+
+    def update_one(self, m: int, gain: float, seconds: float | None) -> None:
+        """update() for a step member m drafted alone, with no rows and nothing fed: the same records, read less (a
+        lone member's steps are nearly all of them)."""
+        if len(self.gains) == 1:
+            return self.update([gain], None, seconds)
+        self.steps += 1
+        self.gains[m] = self.decay * self.gains[m] + (1 - self.decay) * gain
+        if self.policy == "cost" and seconds is not None:
+            timed = self.seconds[1]
+            timed.append(seconds)
+            del timed[: -3 * self.explore]
 
     def add_rows(self, rows: list[list]) -> None:
         """Rows for the cost policy: per row of a step, the accepted tokens each member's own tree held or, for a
@@ -420,7 +454,7 @@ def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeigh
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
     state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "row_updates", "interval",
-             "next_probe", "next_choice", "count")  # running state
+             "next_probe", "next_choice", "count", "steady_until")  # running state
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
              if not isinstance(getattr(p, f.name), list) and f.name not in state}
     for name, value in options.items():
@@ -580,8 +614,14 @@ class EnsembleDrafter(Drafter):
             if unseen is not None and not member.hidden_layers:
                 # A member that reads no base states takes the text so far as its prompt (all but each row's last
                 # token, which it feeds with the next root as after any step): one prefill instead of a prefill and
-                # forwards over the backlog (a probe begins the members that sat out).
-                prompt, unseen = extended_prompt(prompt, [u[:-1] for u in unseen]), [u[-1:] for u in unseen]
+                # forwards over the backlog (a probe begins the members that sat out). The prompt grows only up to
+                # the width the run's own prompt is prefilled at (compiled: padded to prefill_width), a shape the
+                # run's first member compiled: a longer one would compile a prefill of its own late in some run, in
+                # the middle of decoding. The rest is fed as any backlog is (catch_up: one compiled shape).
+                room = prefill_width(prompt.ids.shape[1])
+                take = [max(0, min(len(u) - 1, room - n)) for u, n in zip(unseen, prompt.valid.sum(-1).tolist())]
+                prompt = extended_prompt(prompt, [u[:t] for u, t in zip(unseen, take)])
+                unseen = [u[t:] for u, t in zip(unseen, take)]
             member.begin(replace(prompt, hidden={l: prompt.hidden[l] for l in member.hidden_layers}), sampling,
                          generator)
             self.started[m] = True
@@ -692,11 +732,15 @@ class EnsembleDrafter(Drafter):
 
     def _one(self, on: list[bool] | None) -> int | None:
         """The member that drafts alone under the cost policy, if one does (one whose tree is larger than the node
-        budget drafts through the merge, which cuts it)."""
-        if not self.cost or on is None or sum(on) != 1:
-            return None
-        m = on.index(True)
-        return m if self.fits[m] else None
+        budget drafts through the merge, which cuts it). A standing choice is one list (never changed) step after
+        step: its answer is kept."""
+        memo = self.__dict__.get("_one_memo")
+        if memo is not None and memo[0] is on:
+            return memo[1]
+        m = on.index(True) if self.cost and on is not None and sum(on) == 1 else None
+        solo = m if m is not None and self.fits[m] else None
+        self._one_memo = (on, solo)
+        return solo
 
     @property
     def chainer(self) -> Drafter:
@@ -847,7 +891,8 @@ class EnsembleDrafter(Drafter):
         if self.cost:
             rows = [[len(own[m][b]) - 1 if m in own else None for m in range(len(self.members))]
                     for b in range(len(live)) if live[b]]
-            self.scheduler.update(gains, rows, self._lap())
+            seconds = self._lap()
+            self.scheduler.update(gains, rows, seconds, self.fed_s)
         elif self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
@@ -862,16 +907,16 @@ class EnsembleDrafter(Drafter):
         """The step of one member drafting alone: it commits (or, chained, reads the next proposal its chain drafted
         in the verification's call); the others are given the step's text when they next draft (_ready)."""
         t0 = time.perf_counter()
-        m, n = self.solo, len(self.members)
+        m = self.solo
         member, live = self.members[m], step.live_rows()
-        gains: list[float | None] = [None] * n
-        gains[m] = _held(step.paths, live)
         prop = member.chained(step) if chained else member.commit(step)
+        held = [len(p) - 1 if ok else None for p, ok in zip(step.paths, live)]
         if self.text:
-            self.lone[self.log0 + len(self.log)] = (m, [len(p) - 1 if ok else None for p, ok in zip(step.paths, live)])
+            self.lone[self.log0 + len(self.log)] = (m, held)
         self._logged(step.path_tokens(), (m,))
         t1 = time.perf_counter()
-        self.scheduler.update(gains, None, self._lap())
+        gain = [h for h in held if h is not None] or [len(p) - 1 for p in step.paths]  # as _held
+        self.scheduler.update_one(m, sum(gain) / len(gain), self._lap())
         self.time_s["members"] += t1 - t0
         if chained:
             self._advance()  # the next step's member is this one (the plan that let this step chain)
@@ -893,13 +938,13 @@ class EnsembleDrafter(Drafter):
             self.log0, self.trim_at = low, len(self.log) + LOG_KEEP
 
     def _lap(self) -> float | None:
-        """Seconds since the last step was committed, less those spent feeding members the text they missed (paid per
-        token of text, whoever drafts and however often probes come); None for a run's first step (its time holds the
-        prefill) and for a step that compiled a graph (its time holds the compiling)."""
+        """Seconds since the last step was committed, less those spent feeding members the text they missed (self.fed_s
+        after the call; see Scheduler); None for a run's first step (its time holds the prefill) and for a step that
+        compiled a graph (its time holds the compiling)."""
         now, last, graphs = time.perf_counter(), self.lap, compiled_graphs()
         compiled, self.lap, self.graphs = graphs != self.graphs, now, graphs
-        fed, self.text_s = self.text_s, 0.0
-        return None if last is None or compiled else now - last - fed
+        self.fed_s, self.text_s = self.text_s, 0.0
+        return None if last is None or compiled else now - last - self.fed_s
 
     def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
         """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""
