@@ -303,6 +303,16 @@ def ssm(p, d) -> None:
           f"{r.get('predicted_speedup', '-')} | {r.get('break_even_c', '-')} | {split(r)} |")
 
 
+def timed_compiles(p, d) -> None:
+    """A line on the graphs compiled inside the timed loop (results from 2026-11-28 on record them per method)."""
+    counts = {k: r["graphs_compiled_timed"] for k, r in d["methods"].items() if "graphs_compiled_timed" in r}
+    if not counts:
+        return
+    late = {k: n for k, n in counts.items() if n}
+    p("\ngraphs compiled inside the timed loop (their compiling is in the figures): "
+      + (", ".join(f"{k} {n}" for k, n in late.items()) if late else "none"))
+
+
 def refactor_check(p, d, title: str, setting: str, per_phase: bool = False) -> None:
     """per_phase: also each side's milliseconds per step and phase."""
     heading(p, title, setting)
@@ -315,6 +325,7 @@ def refactor_check(p, d, title: str, setting: str, per_phase: bool = False) -> N
         p(f"| {k} | {b['accept_length']} / {a['accept_length']} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | "
           f"{ratio:.3f} |" + (f" {split(b)} | {split(a)} |" if per_phase else ""))
     p(f"\nplain HF generate in the same run: {d['methods']['hf_generate']['tokens_per_s']:.0f} tokens/s")
+    timed_compiles(p, d)
 
 
 def refactor_check_drafter(p, d) -> None:
@@ -562,6 +573,7 @@ def compiled(p, d) -> None:
         p(f"| {m} | {r.get('tree_size', '-')} | {r.get('accept_length', '-')} | {r['tokens_per_s']:.0f} | "
           f"{r['speedup']:.2f}x | {r['speedup_vs_fastest_plain']:.2f}x | {r['identical_to_baseline']} | {split(r)} | "
           f"{r.get('warmup_s', '-')} |")
+    timed_compiles(p, d)
 
 
 def step_bounds(p, d, title: str = "Where a compiled step's time goes, and the kernel-only bound") -> None:
@@ -608,6 +620,7 @@ def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its 
         split = " / ".join(f"{v:.2f}" for v in r.get("ms_per_step", {}).values()) or "-"
         p(f"| {k} | {r['tree_size']} | {r.get('accept_length', 1.0):.2f} | {r['tokens_per_s']:.0f} | "
           f"{r['speedup']:.2f}x | {r['vs_best_member']:.2f}x | {split} | {r['warmup_s']:.1f} |")
+    timed_compiles(p, d)
     for key, who in (("cost_schedule", "The cost schedule"), ("cost_schedule_alt", "ensemble_cost_alt")):
         if key not in d:
             continue
