@@ -826,6 +826,7 @@ TABLES = {
         p, d, "The ensemble's cost schedule with direct calls (Intel Xeon)", "ensemble_cost_xeon_direct")),
     "step_bounds_xeon": ("step_bounds_xeon", lambda p, d: step_bounds(
         p, d, "Where a compiled step's time goes on the Intel Xeon, with direct calls")),
+    "compiled_targets_xeon_timed": ("compiled_targets_xeon_timed", compiled),
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
         p, d, "The cost schedule with probes bounded by their feeding too and late prompts within the prefill's "
         "width (Intel Xeon)", "ensemble_cost_xeon_fed")),

@@ -68,8 +68,8 @@ class Scheduler:
         the steady-state seconds of a step with k members drafting, the fastest of the last `explore` x 3 steps timed
         with k. A step's seconds leave out those spent feeding members the text they missed (a member that drafts
         again after sitting out pays for the text it missed, whichever k it drafts in); steps that compiled are not
-        timed; a step that the machine slowed is slower,
-        never faster (a quantile of slow samples could price a k out for good: a k not chosen is not timed again).
+        timed; a step that the machine slowed is slower, never faster (a quantile of slow samples could price a k
+        out for good: a k not chosen is not timed again).
         The lengths come from the last `cost_window` rows on which those k drafted or were scored: rows of steps
         with two members or more (the warm-up's, the exploration's, the probes'), and with `rank_on` text (greedy, SSM
         members) rows of the steps one member drafted alone, the others scored at the next probe on the text
@@ -503,6 +503,7 @@ class EnsembleDrafter(Drafter):
                              "merge")
         self.plan: list[bool] | None = None  # the cost policy: who drafts at the next step (see _advance)
         self.solo: int | None = None  # the one member drafting this step alone (the cost policy), if any
+        self._one_memo: tuple = (None, None)  # _one's last list and answer
         self.lap: float | None = None  # when the last step was committed (the cost policy's step seconds)
         self.graphs = 0  # graphs compiled in this process by then
         self.vote = vote or VoteWeights()
@@ -734,9 +735,8 @@ class EnsembleDrafter(Drafter):
         """The member that drafts alone under the cost policy, if one does (one whose tree is larger than the node
         budget drafts through the merge, which cuts it). A standing choice is one list (never changed) step after
         step: its answer is kept."""
-        memo = self.__dict__.get("_one_memo")
-        if memo is not None and memo[0] is on:
-            return memo[1]
+        if self._one_memo[0] is on:
+            return self._one_memo[1]
         m = on.index(True) if self.cost and on is not None and sum(on) == 1 else None
         solo = m if m is not None and self.fits[m] else None
         self._one_memo = (on, solo)
