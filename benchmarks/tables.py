@@ -601,6 +601,7 @@ def step_bounds(p, d, title: str = "Where a compiled step's time goes, and the k
         p(f"| {k} | {r['tree_size']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.0f} | "
           f"{r['speedup_vs_plain']:.2f}x | {r['step_ms']:.2f} | {r['kernels_ms']:.2f} ({r['kernel_share']:.0%}): "
           f"{calls} | {r['bound_vs_plain']:.2f}x | {at_plain:.2f}x | {target} | {needs} |")
+    timed_compiles(p, d)
 
 
 def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its best member",
