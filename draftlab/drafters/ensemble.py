@@ -246,8 +246,7 @@ class Scheduler:
                 k += 1
         if self.policy == "cost":
             if seconds is not None and k:
-                self.seconds[k].append(seconds)
-                del self.seconds[k][: -3 * self.explore]
+                self._timed(k, seconds)
                 if k == len(gains):  # every member drafted (a probe, the warm-up): what it fed is its cost too
                     self.fed.append(fed)
                     del self.fed[: -3 * self.explore]
@@ -262,9 +261,12 @@ class Scheduler:
         self.steps += 1
         self.gains[m] = self.decay * self.gains[m] + (1 - self.decay) * gain
         if self.policy == "cost" and seconds is not None:
-            timed = self.seconds[1]
-            timed.append(seconds)
-            del timed[: -3 * self.explore]
+            self._timed(1, seconds)
+
+    def _timed(self, k: int, seconds: float) -> None:
+        """A step's seconds with k members drafting; the last 3 x explore are kept."""
+        self.seconds[k].append(seconds)
+        del self.seconds[k][: -3 * self.explore]
 
     def add_rows(self, rows: list[list]) -> None:
         """Rows for the cost policy: per row of a step, the accepted tokens each member's own tree held or, for a
@@ -431,8 +433,8 @@ class AdaptiveLength:
 def _held(paths: list[list[int]], live: list[bool]) -> float:
     """A member's gain in one step: the drafted tokens its own paths held (root excluded), a mean over the live rows
     (over every row once all have ended)."""
-    rows = [b for b in range(len(paths)) if live[b]] or list(range(len(paths)))
-    return sum(len(paths[b]) - 1 for b in rows) / len(rows)
+    held = [len(p) - 1 for p, ok in zip(paths, live) if ok] or [len(p) - 1 for p in paths]
+    return sum(held) / len(held)
 
 
 @dataclass
@@ -891,8 +893,7 @@ class EnsembleDrafter(Drafter):
         if self.cost:
             rows = [[len(own[m][b]) - 1 if m in own else None for m in range(len(self.members))]
                     for b in range(len(live)) if live[b]]
-            seconds = self._lap()
-            self.scheduler.update(gains, rows, seconds, self.fed_s)
+            self.scheduler.update(gains, rows, *self._lap())
         elif self.scheduler is not None:
             self.scheduler.update(gains)
         if self.mode == "vote":
@@ -910,13 +911,11 @@ class EnsembleDrafter(Drafter):
         m = self.solo
         member, live = self.members[m], step.live_rows()
         prop = member.chained(step) if chained else member.commit(step)
-        held = [len(p) - 1 if ok else None for p, ok in zip(step.paths, live)]
         if self.text:
-            self.lone[self.log0 + len(self.log)] = (m, held)
+            self.lone[self.log0 + len(self.log)] = (m, [len(p) - 1 if ok else None for p, ok in zip(step.paths, live)])
         self._logged(step.path_tokens(), (m,))
         t1 = time.perf_counter()
-        gain = [h for h in held if h is not None] or [len(p) - 1 for p in step.paths]  # as _held
-        self.scheduler.update_one(m, sum(gain) / len(gain), self._lap())
+        self.scheduler.update_one(m, _held(step.paths, live), self._lap()[0])
         self.time_s["members"] += t1 - t0
         if chained:
             self._advance()  # the next step's member is this one (the plan that let this step chain)
@@ -937,14 +936,14 @@ class EnsembleDrafter(Drafter):
             del self.log[: low - self.log0]
             self.log0, self.trim_at = low, len(self.log) + LOG_KEEP
 
-    def _lap(self) -> float | None:
-        """Seconds since the last step was committed, less those spent feeding members the text they missed (self.fed_s
-        after the call; see Scheduler); None for a run's first step (its time holds the prefill) and for a step that
-        compiled a graph (its time holds the compiling)."""
+    def _lap(self) -> tuple[float | None, float]:
+        """(The seconds since the last step was committed, less those spent feeding members the text they missed;
+        the seconds spent feeding them: see Scheduler.) The first is None for a run's first step (its time holds the
+        prefill) and for a step that compiled a graph (its time holds the compiling)."""
         now, last, graphs = time.perf_counter(), self.lap, compiled_graphs()
         compiled, self.lap, self.graphs = graphs != self.graphs, now, graphs
-        self.fed_s, self.text_s = self.text_s, 0.0
-        return None if last is None or compiled else now - last - self.fed_s
+        fed, self.text_s = self.text_s, 0.0
+        return None if last is None or compiled else now - last - fed, fed
 
     def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
         """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""
