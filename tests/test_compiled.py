@@ -5,6 +5,7 @@ The compiled runs here use torch.compile's "eager" backend (dynamo's graph captu
 few seconds): what they check is that the static path traces and gives the same tokens. The inductor backend,
 which generates code (about 40 s per shape on 2 CPU cores), is checked in one slow test."""
 
+import contextlib
 import copy
 
 import pytest
@@ -690,3 +691,40 @@ def test_direct_calls_give_the_hooked_calls_tokens(kind, monkeypatch):
     hooked = dec.generate(prompts, max_new_tokens=21).tokens
     assert len(calls) == n and direct == [hooked, hooked]
     assert hooked == SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21).tokens
+
+
+@pytest.mark.parametrize("kind", ["hydra++", "dflash"] + [pytest.param(k, marks=pytest.mark.slow)  # 10-30 s each
+                                                    for k in ("eagle3", "ssm", "ensemble")])
+def test_no_output_a_cuda_graph_overwrites_is_read(kind, monkeypatch):
+    """Under CUDA graphs a graphed call's outputs are overwritten by the next graphed call (decode.compiled's
+    overview); on an H200 the fused step read its last bonus token as the next step's input and raised. With that
+    lifetime emulated on this CPU (each graphed call first overwrites the last one's outputs with NaN, negative
+    indices and flipped booleans), the compiled path gives the tokens it gives without the emulation (greedy: the
+    eager tokens), fused and chained, fused alone and split, greedy and sampled; and the emulation bites: where the
+    fused and chained steps do not keep their outputs, decoding fails or gives other tokens."""
+    from draftlab.decode import compiled
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.decoder import chained_step, fused_step
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    monkeypatch.setattr(compiled, "EMULATE_GRAPH_OUTPUTS", emulate := [False])
+    run = lambda sampling=None, **kw: SpeculativeDecoder(base, drafter(kind, base), **kw).generate(  # noqa: E731
+        prompts, max_new_tokens=17, sampling=sampling, generator=torch.Generator().manual_seed(3)).tokens
+    greedy = run()
+    for sampling in (None, Sampling(temperature=0.9)):
+        for opts in ({}, {"chained": False}, {"fused": False}):
+            emulate[0] = False
+            ref = run(sampling, compile="eager", **opts)
+            assert sampling is not None or ref == greedy
+            emulate[0] = True
+            assert run(sampling, compile="eager", **opts) == ref, (kind, sampling, opts)
+    if kind == "ensemble":  # (its steps here read no earlier step's outputs after the next graphed call)
+        return
+    for step in (fused_step("eager", "cpu"), chained_step("eager", "cpu")):
+        monkeypatch.setattr(step, "keep_outputs", False)
+    try:
+        wrong = run(compile="eager") != greedy
+    except (RuntimeError, IndexError, ValueError):
+        wrong = True
+    assert wrong

@@ -25,6 +25,15 @@ that variant's guards on the arguments, once, and from then on calls the variant
 bytecode: the compiled graph's call and everything dynamo replays around it) as a plain function, without the hook.
 A variant with a graph break (its code calls a resume function, which needs the hook to run compiled) keeps the
 hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0 keeps the hook everywhere.
+
+Outputs under CUDA graphs. A graphed call's outputs live in the CUDA graphs' shared memory pool, which the next
+graphed call (of any function) writes over: torch raises "accessing tensor output of CUDAGraphs that has been
+overwritten by a subsequent run" where one is read later, e.g. when a step's bonus token is the next step's input.
+A call whose outputs must outlive the next call (`keep_outputs`: the fused and chained verify steps, whose outputs
+are the next step's inputs) returns clones of them; a verify forward's outputs are read before the next one and
+are returned as they are. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1 emulates that lifetime on any device: each graphed call
+first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so a CPU test
+fails where a GPU would read an overwritten output.
 """
 
 from __future__ import annotations
@@ -224,10 +233,12 @@ def _variant_code(fn, variant, args: tuple, kwargs: dict):
 class Compiled:
     """fn through torch.compile with fixed shapes, an eager fallback, and guard evaluation only on a signature's first
     call (see the module's overview); `warmup_s` is the time the first calls of each new signature spent compiling
-    (reported beside the speed figures, never hidden). graphs: CUDA graphs on a GPU (model forwards)."""
+    (reported beside the speed figures, never hidden). graphs: CUDA graphs on a GPU (model forwards); keep_outputs:
+    under CUDA graphs, return clones of the outputs, which then outlive the next graphed call (see the module's
+    overview)."""
 
     def __init__(self, fn, backend: str = "inductor", device: str = "cpu", graphs: bool = False,
-                 skip_guards: bool = True):
+                 skip_guards: bool = True, keep_outputs: bool = False):
         self.model, self.backend = fn, backend  # `model`: what runs when compiling fails (any callable)
         # inductor: CUDA graphs on a GPU when asked; other backends (aot_eager, eager: tracing without code generation,
         # for tests and debugging) take no mode.
@@ -236,6 +247,9 @@ class Compiled:
         if mode == "default" and device == "cpu" and cpp_wrapper():
             mode, options = None, {"cpp_wrapper": True}  # see cpp_wrapper (torch.compile takes a mode or options)
         self.fn = torch.compile(fn, backend=backend, mode=mode, options=options, dynamic=False)
+        # Outputs under CUDA graphs (see the module's overview): emulated, and cloned where they must outlive the next
+        # graphed call.
+        self.graphs, self.keep_outputs, self.cudagraphs = graphs, keep_outputs, mode == "reduce-overhead"
         # dynamo keeps at most `recompile_limit` (8) variants of one code object, and every model of a class shares
         # its forward's: batch sizes, tree sizes and cache lengths of one server easily pass 8, after which dynamo
         # would run the forward eagerly without a word.
@@ -255,6 +269,19 @@ class Compiled:
         self.direct: dict | None = {} if device == "cpu" and not isinstance(fn, torch.nn.Module) else None
 
     def __call__(self, *args, **kwargs):
+        emulated = self.graphs and EMULATE_GRAPH_OUTPUTS[0]
+        if not (emulated or (self.keep_outputs and self.cudagraphs)):
+            return self._call(*args, **kwargs)
+        if emulated:
+            _overwrite_pool()
+        out = self._call(*args, **kwargs)
+        if emulated:
+            _into_pool(out, (args, kwargs))
+        if self.keep_outputs:
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
+
+    def _call(self, *args, **kwargs):
         if self.failed:
             return self.model(*args, **kwargs)
         self.calls += 1
@@ -298,6 +325,55 @@ class Compiled:
         return out
 
 
+# DRAFTLAB_EMULATE_GRAPH_OUTPUTS (the module's overview): whether it is on (tests set it), and the outputs of the last
+# graphed call, which the next overwrites
+EMULATE_GRAPH_OUTPUTS = [os.environ.get("DRAFTLAB_EMULATE_GRAPH_OUTPUTS", "") in ("1", "true", "yes")]
+_POOL: list = []
+
+
+def _storages(x, found: set, depth: int = 0) -> set:
+    """The storages (data pointers) of the tensors x holds: in containers, a module's parameters and buffers, an
+    object's attributes (a KV cache, a drafter), a few levels down."""
+    if isinstance(x, torch.Tensor):
+        found.add(x.untyped_storage().data_ptr())
+    elif isinstance(x, torch.nn.Module):
+        found.update(t.untyped_storage().data_ptr() for t in (*x.parameters(), *x.buffers()))
+    elif depth < 4:
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else (
+            vars(x).values() if hasattr(x, "__dict__") and not isinstance(x, type) else ())
+        for v in items:
+            _storages(v, found, depth + 1)
+    return found
+
+
+def _into_pool(out, inputs) -> None:
+    """Note a graphed call's outputs for _overwrite_pool, less those that alias what it was given (CUDA graphs
+    return those as they are, outside their pool)."""
+    given = _storages(inputs, set())
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in given:
+            _POOL.append(t)
+
+
+def _overwrite_pool() -> None:
+    """Overwrite the last graphed call's outputs, each storage once, as the next call's CUDA graph would."""
+    seen = set()
+    with torch.inference_mode():
+        for t in _POOL:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+            if t.dtype == torch.bool:
+                whole.logical_not_()
+            elif t.is_floating_point():
+                whole.fill_(float("nan"))
+            else:
+                whole.fill_(torch.iinfo(t.dtype).min // 2 if t.dtype != torch.uint8 else 255)
+    _POOL.clear()
+
+
 def compile_backend(compile: bool | str) -> str | None:
     """The torch.compile backend a `compile` option names: True is inductor (or the one DRAFTLAB_COMPILE_BACKEND
     names, e.g. eager / aot_eager to trace without generating code), a string names one, False / None: no compiling."""
@@ -314,13 +390,15 @@ def compiled_forward(model, backend: str = "inductor") -> Compiled:
     return fns[backend]
 
 
-def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = False, skip_guards: bool = False) -> Compiled:
+def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = False, skip_guards: bool = False,
+                      keep_outputs: bool = False) -> Compiled:
     """The process's compiled form of the function fn for `backend` on a device type (made once, then shared).
-    graphs, skip_guards: as Compiled's (a function of a few tensors evaluates its guards faster than its signature)."""
+    graphs, skip_guards, keep_outputs: as Compiled's (a function of a few tensors evaluates its guards faster than
+    its signature)."""
     fns = _COMPILED.setdefault(fn, {})
-    key = (backend, device, graphs, skip_guards)
+    key = (backend, device, graphs, skip_guards, keep_outputs)
     if key not in fns:
-        fns[key] = Compiled(fn, backend, device, graphs=graphs, skip_guards=skip_guards)
+        fns[key] = Compiled(fn, backend, device, graphs=graphs, skip_guards=skip_guards, keep_outputs=keep_outputs)
     return fns[key]
 
 

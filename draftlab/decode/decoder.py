@@ -366,7 +366,8 @@ def chained_step(backend: str | None, device: str, on: bool | None = None):
         on = os.environ.get("DRAFTLAB_CHAINED_STEP", "") not in ("0", "false", "no")
     if backend is None or not on:
         return None
-    return compiled_function(verify_keep_and_draft, backend, device, graphs=True, skip_guards=True)
+    return compiled_function(verify_keep_and_draft, backend, device, graphs=True, skip_guards=True,
+                             keep_outputs=True)  # its outputs are the next step's inputs
 
 
 def fused_step(backend: str | None, device: str, on: bool | None = None):
@@ -380,7 +381,8 @@ def fused_step(backend: str | None, device: str, on: bool | None = None):
         on = flag in ("1", "true", "yes") or (device == "cpu" and flag not in ("0", "false", "no"))
     if backend is None or not on:
         return None
-    return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True)
+    return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True,
+                             keep_outputs=True)  # its outputs are the next step's inputs
 
 
 def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
