@@ -21,6 +21,12 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   the same tokens (`sampled_agree`);
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
+--inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
+coordinate_descent_tuning=True, under which inductor writes one-row matrix products as tuned Triton reductions
+rather than calling cuBLAS); --name names the results file. --profile adds where a step's time goes: the matrix
+products of every linear layer alone (cuBLAS, one CUDA graph, one row and one per tree node: the floor the weights'
+reads set), and the kernels of the compiled verify forward under the profiler, summed by kind.
+
 Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
 bytes of weights one decoding step reads (every parameter but the input embedding, of which one row is read), and
 so plain decoding's share of the bandwidth bound; and the compiled verify forward timed alone (the same static
@@ -38,14 +44,17 @@ plain loop; time excluded, events counted as bf16 re-syncs).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 
 from common import ROOT, SHAPE_7B, Oracle, random_llama, sync, timed
 
@@ -73,6 +82,84 @@ def step_bytes(base) -> int:
     return total - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
 
 
+def matmul_floor(base, rows: int, dev: str) -> dict:
+    """Every linear layer's matrix product (lm_head included) on `rows` rows, alone, in order: one CUDA graph on a
+    GPU. Its time is the floor the weights' reads set for a forward through cuBLAS."""
+    import torch.nn.functional as F
+
+    ws = [m.weight for m in base.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(1, rows, w.shape[1], dtype=w.dtype, device=dev) for w in ws}
+
+    def run():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    fn = run
+    if dev == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        fn = graph.replay
+    ms = timed(fn, reps=20, warmup=3)
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    return {"rows": rows, "layers": len(ws), "ms": round(ms, 3), "gb": round(nbytes / 1e9, 3),
+            "tbps": round(nbytes / ms / 1e9, 3)}
+
+
+KINDS = (("matmul", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+         ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("triton", ("triton",)),
+         ("copy", ("memcpy", "memset", "copy")))
+
+
+def profile(base, methods, live, tree_names, trees, n0, dev) -> dict:
+    """The matrix products alone (matmul_floor) and, on a GPU, the kernels the compiled verify forward runs (the
+    one the loop times, as in the verify-alone figures) under torch.profiler, per forward and summed by kind."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from draftlab.decode.tree import Tree, TreeView
+
+    out = {"matmul_floor": [matmul_floor(base, 1, dev), matmul_floor(base, 25, dev)]}
+    if dev != "cuda":
+        return out
+    for name in ("plain_compiled", *(f"oracle_{t}_compiled" for t in tree_names)):
+        if name not in live:
+            continue
+        dec = methods[name][1]
+        cache, size = dec._cache, dec.drafter.max_nodes
+        tree = Tree.from_paths([]) if size == 1 else trees[name[len("oracle_"):-len("_compiled")]]
+        view = TreeView.of_static(tree.buffers(dev), 1)
+        toks = torch.randint(3, base.config.vocab_size, (1, size), device=dev)
+        reps = 5
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                cache.rewind(n0)
+                cache.forward(toks, view.ancestors, view.depth)
+            sync()
+        cache.rewind(n0)
+        kinds: dict = {}
+        kernels = []
+        for e in prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.self_device_time_total / reps
+            low = e.key.lower()
+            kind = next((k for k, words in KINDS if any(w in low for w in words)), "other")
+            kinds[kind] = kinds.get(kind, 0.0) + us
+            kernels.append((us, e.count // reps, kind, e.key[:120]))
+        kernels.sort(reverse=True)
+        out[name] = {"tree_size": size, "kernel_ms": round(sum(kinds.values()) / 1000, 3),
+                     "by_kind_ms": {k: round(v / 1000, 3) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
+                     "kernels_per_forward": sum(k[1] for k in kernels),
+                     "top": [{"us": round(us, 1), "calls": c, "kind": k, "name": n} for us, c, k, n in kernels[:12]]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
@@ -91,7 +178,19 @@ def main() -> None:
                     "per step of each (random heads accept next to nothing)")
     ap.add_argument("--sampled", action="store_true", help="also sampled decoding (temperature 0.8) with the acceptance "
                     "rule in its own graph and in the fused verify call (with --chained, the Medusa heads too)")
+    ap.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config options set before anything compiles")
+    ap.add_argument("--name", help="the results file's name (default gpu_compiled, gpu_compiled_tiny with --tiny)")
+    ap.add_argument("--deadline", type=float, help="start no warm-up after this many seconds of the run (the methods "
+                    "left are listed as skipped), so that a run with a time limit still reaches its timed rounds")
+    ap.add_argument("--profile", action="store_true", help="also the matrix products alone and the verify forward's "
+                    "kernels by kind")
     a = ap.parse_args()
+    options = {}
+    for item in a.inductor:
+        key, _, value = item.partition("=")
+        options[key] = ast.literal_eval(value)
+        setattr(inductor_config, key, options[key])  # raises on an unknown option
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.search import default_tree
     from draftlab.decode.tree import Tree, TreeView
@@ -106,10 +205,12 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+           "command": " ".join(["python benchmarks/gpu_compiled.py", *[x for i, x in enumerate(sys.argv[1:]) if not (
+               x.startswith("--out") or sys.argv[i] == "--out")]]), "torch": torch.__version__,
            "transformers": transformers.__version__, "shape": shape, "dtype": dtype, "context": a.context,
-           "new_tokens": N, "alpha": a.alpha, "reps": a.reps, "methods": {}, "errors": {}}
-    path = out_dir / ("gpu_compiled_tiny.json" if a.tiny else "gpu_compiled.json")
+           "new_tokens": N, "alpha": a.alpha, "reps": a.reps, "inductor_options": options, "methods": {}, "errors": {}}
+    path = out_dir / f"{a.name or ('gpu_compiled_tiny' if a.tiny else 'gpu_compiled')}.json"
 
     def save():
         res["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -166,7 +267,7 @@ def main() -> None:
         from draftlab.drafters import build_draft, make_drafter
 
         torch.manual_seed(0)
-        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(base.dtype).eval()
+        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(dev, base.dtype).eval()
         for label, chained in (("split", False), ("chained", True)):
             methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
@@ -200,6 +301,9 @@ def main() -> None:
     # Warm-up (compiles), in order: a method that fails is reported and left out of the timed rounds.
     live = {}
     for name, (fn, dec) in methods.items():
+        if a.deadline is not None and time.perf_counter() - t_start > a.deadline:
+            res["errors"][name] = f"skipped: past --deadline {a.deadline:g} s"
+            continue
         try:
             before = dec.compile_s if dec is not None else 0.0  # decoders of one base share its compiled forward
             wall, toks, r = timed_run(fn)
@@ -298,6 +402,13 @@ def main() -> None:
             res["errors"][f"verify_alone_{name}"] = f"{type(e).__name__}: {e}"[:500]
             print(traceback.format_exc(), flush=True)
     res["verify_alone"] = alone
+    if a.profile:
+        try:
+            res["profile"] = profile(base, methods, live, a.trees, trees, a.context + N // 2, dev)
+            print("profile", json.dumps(res["profile"], indent=1), flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["errors"]["profile"] = f"{type(e).__name__}: {e}"[:500]
+            print(traceback.format_exc(), flush=True)
     res["inductor_counters"] = dict(torch._dynamo.utils.counters["inductor"])  # cudagraph_skips among them
     res["identical_hf_vs_truth"] = hf_tokens == truth[:N] if hf_tokens is not None else None
     save()

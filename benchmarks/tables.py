@@ -397,9 +397,38 @@ def gpu_compiled(p, d, title: str) -> None:
         diff = "none" if r["first_difference"] is None else r["first_difference"]
         p(f"| {m} | {r['tokens_per_s']:.1f} | {r['vs_fastest_plain']:.2f}x | {r.get('accept_length', 1.0):.2f} | "
           f"{ms} | {share} | {warm} | {diff} |")
-    p("\n| compiled verify forward | tree size | alone ms | in the loop ms | in the loop / alone |\n|---|---|---|---|---|")
-    for m, r in d["verify_alone"].items():
+    if d.get("inductor_options"):
+        p("\ninductor options set for every compile of the run: " + ", ".join(
+            f"`{k}={v}`" for k, v in d["inductor_options"].items()))
+    if d.get("note"):
+        p(f"\n{d['note']}")
+    failed = {m: e for m, e in d.get("errors", {}).items() if not e.startswith("skipped")}
+    if failed:
+        p("\nFailed in the run (left out of the rounds):\n")
+        for m, e in failed.items():
+            p(f"- {m}: {e.splitlines()[0][:160]}")
+    skipped = [m for m, e in d.get("errors", {}).items() if e.startswith("skipped")]
+    if skipped:
+        p(f"\nNot run (past the run's --deadline): {', '.join(skipped)}")
+    if d.get("verify_alone"):
+        p("\n| compiled verify forward | tree size | alone ms | in the loop ms | in the loop / alone |\n"
+          "|---|---|---|---|---|")
+    for m, r in d.get("verify_alone", {}).items():
         p(f"| {m} | {r['tree_size']} | {r['alone_ms']:.2f} | {r['in_loop_ms']:.2f} | {r['in_loop_over_alone']:.3f} |")
+    prof = d.get("profile")
+    if prof:
+        p("\nThe matrix products alone (every linear layer of the base, lm_head included, through cuBLAS in one CUDA "
+          "graph): " + "; ".join(f"{r['rows']} row{'s' if r['rows'] > 1 else ''}: {r['ms']:.2f} ms, "
+                                  f"{r['tbps']:.2f} TB/s" for r in prof["matmul_floor"]) + ".")
+        forwards = {m: r for m, r in prof.items() if m != "matmul_floor"}
+        kinds = sorted({k for r in forwards.values() for k in r["by_kind_ms"]},
+                       key=lambda k: -max(r["by_kind_ms"].get(k, 0) for r in forwards.values()))
+        p("\nKernels of one compiled verify forward under the profiler (CUDA graph replays; ms per forward):\n")
+        p(f"| forward | tree size | kernels | kernel ms | {' | '.join(kinds)} |\n|---|---|---|---|"
+          + "---|" * len(kinds))
+        for m, r in forwards.items():
+            p(f"| {m} | {r['tree_size']} | {r['kernels_per_forward']} | {r['kernel_ms']:.2f} | "
+              + " | ".join(f"{r['by_kind_ms'].get(k, 0):.2f}" for k in kinds) + " |")
 
 
 def gpu_train(p, d, title: str = "bf16 training steps on a GPU") -> None:
@@ -743,6 +772,10 @@ TABLES = {
     "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
     "gpu_compiled_before": ("gpu_compiled_before", lambda p, d: gpu_compiled(
         p, d, "Compiled decoding on a GPU, before plain steps skipped their KV keep, with the eager methods")),
+    "gpu_compiled_fused": ("gpu_compiled_fused", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: the fused, chained and sampled steps' first run, with a profile")),
+    "gpu_compiled_cdt": ("gpu_compiled_cdt", lambda p, d: gpu_compiled(
+        p, d, "Compiled plain decoding on a GPU with inductor's coordinate-descent tuning")),
     "train_ensemble": ("train_ensemble", train_ensemble),
     "ensemble": ("ensemble", ensemble),
     "eagle": ("eagle", eagle),
