@@ -14,7 +14,9 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   does not run by default until measured;
 - with --chained, medusa_compiled_fused_split / _chained: random-weight Medusa heads (4 heads, the default tree)
   on the fused step, their fill in a call of its own or inside the verify call (the chained step, docs/decoding.md):
-  the cost of a step each way (random heads accept next to nothing, so this is per-step cost, not speedup);
+  the cost of a step each way (random heads accept next to nothing, so this is per-step cost, not speedup); and
+  eagle3_compiled_fused_split / _chained, a random-weight EAGLE-3 drafter (its default tree) the same two ways,
+  whose chained commit writes into its own buffers inside the call;
 - with --sampled, plain_compiled[_fused]_sampled (and with --chained medusa_compiled_fused_{split,chained}_sampled):
   speculative sampling at temperature 0.8 with the on-device rule (docs/decoding.md), its acceptance in its own
   compiled graph or inside the fused verify call; each run draws from one seed, so split and fused runs must give
@@ -28,9 +30,11 @@ products of every linear layer alone (cuBLAS, one CUDA graph, one row and one pe
 reads set), and the kernels of the compiled verify forward under the profiler, summed by kind.
 
 Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
-bytes of weights one decoding step reads (every parameter but the input embedding, of which one row is read), and
-so plain decoding's share of the bandwidth bound; and the compiled verify forward timed alone (the same static
-cache, shapes and compiled graph, outside the loop) against its time per step inside the loop.
+bytes of weights one decoding step reads (every parameter but the input embedding, of which one row is read), and so
+plain decoding's share of the bandwidth bound; per method, the graphs compiled in its warm-up that inductor runs
+without CUDA graphs (cudagraph_skips, e.g. for inputs written in place that are not marked static); and the compiled
+verify forward timed alone (the same static cache, shapes and compiled graph, outside the loop) against its time per
+step inside the loop.
 
 Random weights make near-ties everywhere, and a compiled forward or one over N tree tokens rounds differently from
 HF's one-token eager step in bf16, so outputs are compared with HF's (identical / first difference) but not
@@ -271,6 +275,11 @@ def main() -> None:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
+        # EAGLE-3 commits into buffers of its own inside the chained call (in-place writes under CUDA graphs)
+        eagle = build_draft({"type": "eagle3", "eagle": {}}, base).to(dev, base.dtype).eval()
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(eagle), compile=True, fused=True, chained=chained))
     if a.sampled:
         from draftlab.decode.acceptance import Sampling
 
@@ -306,10 +315,14 @@ def main() -> None:
             continue
         try:
             before = dec.compile_s if dec is not None else 0.0  # decoders of one base share its compiled forward
+            skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
             wall, toks, r = timed_run(fn)
             live[name] = []
             res["methods"][name] = {"warmup_s": round(wall, 2),
                                     "compile_s": round(dec.compile_s - before, 2) if dec is not None else None}
+            skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
+            if skips:  # graphs compiled in this warm-up that run without CUDA graphs (inductor says why in its log)
+                res["methods"][name]["cudagraph_skips"] = skips
             if dec is not None and dec.compile_failed:
                 res["methods"][name]["compile_failed"] = dec.compile_failed
             print(name, "warm-up", res["methods"][name], flush=True)

@@ -407,6 +407,10 @@ def gpu_compiled(p, d, title: str) -> None:
         p("\nFailed in the run (left out of the rounds):\n")
         for m, e in failed.items():
             p(f"- {m}: {e.splitlines()[0][:160]}")
+    graphless = {m: r["cudagraph_skips"] for m, r in d["methods"].items() if r.get("cudagraph_skips")}
+    if graphless:
+        p("\nGraphs that ran without CUDA graphs (inductor's cudagraph_skips in the method's warm-up): "
+          + ", ".join(f"{m} {n}" for m, n in graphless.items()))
     skipped = [m for m, e in d.get("errors", {}).items() if e.startswith("skipped")]
     if skipped:
         p(f"\nNot run (past the run's --deadline): {', '.join(skipped)}")
