@@ -868,6 +868,9 @@ TABLES = {
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
         p, d, "The cost schedule with probes bounded by their feeding too and late prompts within the prefill's "
         "width (Intel Xeon)", "ensemble_cost_xeon_fed")),
+    "refactor_check_graph_outputs": ("refactor_check_graph_outputs", refactor_check_compiled_exports(
+        "Compiled calls with the CUDA graphs' output lifetime handled, against the commit before (Intel Xeon)",
+        "refactor_check_graph_outputs")),
     "refactor_check_cost_steady": ("refactor_check_cost_steady", refactor_check_compiled_exports(
         "The cost schedule's probes bounded with their feeding, late prompts within the prefill's width and the "
         "standing choice reused, against the commit before them (Intel Xeon)", "refactor_check_cost_steady")),

@@ -372,9 +372,9 @@ def chained_step(backend: str | None, device: str, on: bool | None = None):
 
 def fused_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
-    `on`; on=None is the device type's default: on for a CPU, off for a GPU until it has been measured there (under
-    CUDA graphs the step's outputs are overwritten by the next replay, as the forward's are), and
-    DRAFTLAB_FUSED_STEP=1 / 0 sets that default everywhere. Its signature holds the base and the cache, so guards
+    `on`; on=None is the device type's default: on for a CPU, off for a GPU until it has been measured there (its
+    first run on a GPU failed: under CUDA graphs the next replay overwrote the outputs the next step reads, which
+    it now returns as clones, keep_outputs), and DRAFTLAB_FUSED_STEP=1 / 0 sets that default everywhere. Its signature holds the base and the cache, so guards
     are evaluated once per signature (decode.compiled)."""
     if on is None:
         flag = os.environ.get("DRAFTLAB_FUSED_STEP", "")
