@@ -5,7 +5,6 @@ The compiled runs here use torch.compile's "eager" backend (dynamo's graph captu
 few seconds): what they check is that the static path traces and gives the same tokens. The inductor backend,
 which generates code (about 40 s per shape on 2 CPU cores), is checked in one slow test."""
 
-import contextlib
 import copy
 
 import pytest
