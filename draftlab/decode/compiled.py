@@ -32,8 +32,9 @@ overwritten by a subsequent run" where one is read later, e.g. when a step's bon
 A call whose outputs must outlive the next call (`keep_outputs`: the fused and chained verify steps, whose outputs
 are the next step's inputs) returns clones of them; a verify forward's outputs are read before the next one and
 are returned as they are. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1 emulates that lifetime on any device: each graphed call
-first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so a CPU test
-fails where a GPU would read an overwritten output.
+first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so that a
+read of an overwritten output raises or changes the tokens on a CPU too (a read whose wrong value changes nothing,
+such as positions on a small test base, goes unseen there; a GPU raises on every such read).
 """
 
 from __future__ import annotations
