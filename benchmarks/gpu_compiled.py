@@ -115,37 +115,43 @@ def matmul_floor(base, rows: int, dev: str) -> dict:
             "tbps": round(nbytes / ms / 1e9, 3)}
 
 
+def verify_call(dec, tree, n0: int, dev: str):
+    """(tree size, verify, back): the compiled verify forward of decoder `dec` as its loop runs it (its static cache,
+    graph and mask) over `tree`'s random tokens at cache length n0, then back to n0; back alone goes back to n0."""
+    from draftlab.decode.tree import TreeView
+
+    cache, size = dec._cache, dec.drafter.max_nodes
+    view = TreeView.of_static(tree.buffers(dev), 1)
+    toks = torch.randint(3, dec.base.config.vocab_size, (1, size), device=dev)
+    back = lambda: cache.rewind(n0)  # noqa: E731
+    back()
+
+    def verify():
+        cache.forward(toks, view.ancestors, view.depth)
+        back()
+    return size, verify, back
+
+
 KINDS = (("matmul", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
          ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("triton", ("triton",)),
          ("copy", ("memcpy", "memset", "copy")))
 
 
-def profile(base, methods, live, tree_names, trees, n0, dev) -> dict:
-    """The matrix products alone (matmul_floor) and, on a GPU, the kernels the compiled verify forward runs (the
-    one the loop times, as in the verify-alone figures) under torch.profiler, per forward and summed by kind."""
+def profile(base, verifies: dict, dev: str) -> dict:
+    """The matrix products alone (matmul_floor) and, on a GPU, the kernels each compiled verify forward of
+    `verifies` (name -> verify_call) runs under torch.profiler, per forward and summed by kind."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-
-    from draftlab.decode.tree import Tree, TreeView
 
     out = {"matmul_floor": [matmul_floor(base, 1, dev), matmul_floor(base, 25, dev)]}
     if dev != "cuda":
         return out
-    for name in ("plain_compiled", *(f"oracle_{t}_compiled" for t in tree_names)):
-        if name not in live:
-            continue
-        dec = methods[name][1]
-        cache, size = dec._cache, dec.drafter.max_nodes
-        tree = Tree.from_paths([]) if size == 1 else trees[name[len("oracle_"):-len("_compiled")]]
-        view = TreeView.of_static(tree.buffers(dev), 1)
-        toks = torch.randint(3, base.config.vocab_size, (1, size), device=dev)
+    for name, (size, verify, _) in verifies.items():
         reps = 5
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                cache.rewind(n0)
-                cache.forward(toks, view.ancestors, view.depth)
+                verify()
             sync()
-        cache.rewind(n0)
         kinds: dict = {}
         kernels = []
         for e in prof.key_averages():
@@ -197,7 +203,7 @@ def main() -> None:
         setattr(inductor_config, key, options[key])  # raises on an unknown option
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.decode.search import default_tree
-    from draftlab.decode.tree import Tree, TreeView
+    from draftlab.decode.tree import Tree
 
     t_start = time.perf_counter()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -388,25 +394,16 @@ def main() -> None:
         summarize(final=False)
     hf_tokens = summarize(final=True)
 
-    # The compiled verify forward alone: the same decoder's static cache, graph and window, outside the loop.
-    alone = {}
+    # The compiled verify forward alone: the same decoder's static cache, graph and window, outside the loop, at a
+    # length the run went through (the same attention window).
+    verifies, alone = {}, {}
     for name in ("plain_compiled", *(f"oracle_{t}_compiled" for t in a.trees)):
         if name not in live:
             continue
-        try:
-            dec = methods[name][1]
-            cache = dec._cache
-            n0 = a.context + N // 2  # a length the run went through: the same attention window
-            size = dec.drafter.max_nodes
-            tree = Tree.from_paths([]) if size == 1 else trees[name[len("oracle_"):-len("_compiled")]]
-            view = TreeView.of_static(tree.buffers(dev), 1)
-            toks = torch.randint(3, V, (1, size), device=dev)
-            cache.rewind(n0)
-
-            def verify():  # the forward as the loop times it (mask included), then back to n0 (timed apart)
-                cache.forward(toks, view.ancestors, view.depth)
-                cache.rewind(n0)
-            ms = timed(verify, reps=20, warmup=3) - timed(lambda: cache.rewind(n0), reps=20, warmup=3)
+        try:  # the forward as the loop times it (mask included), less going back to the length (timed apart)
+            tree = Tree.from_paths([]) if name == "plain_compiled" else trees[name[len("oracle_"):-len("_compiled")]]
+            size, verify, back = verifies[name] = verify_call(methods[name][1], tree, a.context + N // 2, dev)
+            ms = timed(verify, reps=20, warmup=3) - timed(back, reps=20, warmup=3)
             inside = res["methods"][name]["phases_ms_per_step"]["verify"]
             alone[name] = {"tree_size": size, "alone_ms": round(ms, 3), "in_loop_ms": inside,
                            "in_loop_over_alone": round(inside / ms, 3)}
@@ -417,7 +414,7 @@ def main() -> None:
     res["verify_alone"] = alone
     if a.profile:
         try:
-            res["profile"] = profile(base, methods, live, a.trees, trees, a.context + N // 2, dev)
+            res["profile"] = profile(base, verifies, dev)
             print("profile", json.dumps(res["profile"], indent=1), flush=True)
         except Exception as e:  # noqa: BLE001
             res["errors"]["profile"] = f"{type(e).__name__}: {e}"[:500]
