@@ -21,6 +21,10 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   speculative sampling at temperature 0.8 with the on-device rule (docs/decoding.md), its acceptance in its own
   compiled graph or inside the fused verify call; each run draws from one seed, so split and fused runs must give
   the same tokens (`sampled_agree`);
+- with --fuse-projections, plain_compiled_fuseproj and oracle_default-4h-25_compiled_fuseproj: plain and the
+  oracle on a copy of the base whose q/k/v and gate/up projections run as one product each (decode.fuse; 129
+  matrix products per 7B forward instead of 225), which a GPU does not do by default until measured; every other
+  method runs unfused;
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
 --inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
@@ -193,9 +197,14 @@ def main() -> None:
     ap.add_argument("--name", help="the results file's name (default gpu_compiled, gpu_compiled_tiny with --tiny)")
     ap.add_argument("--deadline", type=float, help="start no warm-up after this many seconds of the run (the methods "
                     "left are listed as skipped), so that a run with a time limit still reaches its timed rounds")
+    ap.add_argument("--fuse-projections", action="store_true", help="also plain and the oracle (default tree) on a "
+                    "copy of the base whose q/k/v and gate/up projections are fused (decode.fuse); every other "
+                    "method's are not")
     ap.add_argument("--profile", action="store_true", help="also the matrix products alone and the verify forward's "
                     "kernels by kind")
     a = ap.parse_args()
+    if a.fuse_projections:  # the other methods run unfused on every device (decode.fuse.fuse_by_default)
+        os.environ["DRAFTLAB_FUSE_PROJECTIONS"] = "0"
     options = {}
     for item in a.inductor:
         key, _, value = item.partition("=")
@@ -265,6 +274,16 @@ def main() -> None:
     methods["plain_compiled"] = decoder_method(plain_compiled)
     if a.fused_step:
         methods["plain_compiled_fused"] = decoder_method(SpeculativeDecoder(base, NoDraft(), compile=True, fused=True))
+    if a.fuse_projections:
+        import copy
+
+        fused_base = copy.deepcopy(base)
+        methods["plain_compiled_fuseproj"] = decoder_method(SpeculativeDecoder(fused_base, NoDraft(), compile=True,
+                                                                               fuse=True))
+        make = lambda rep: Oracle(fused_base, prompt, truth, trees["default-4h-25"], a.alpha, seed=rep,  # noqa: E731
+                                  continuation=continuation)
+        methods["oracle_default-4h-25_compiled_fuseproj"] = decoder_method(
+            SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True), make)
     for name in a.trees:
         tree = trees[name]
         make = lambda rep, tree=tree: Oracle(base, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)

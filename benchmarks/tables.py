@@ -871,6 +871,11 @@ TABLES = {
     "refactor_check_graph_outputs": ("refactor_check_graph_outputs", refactor_check_compiled_exports(
         "Compiled calls with the CUDA graphs' output lifetime handled, against the commit before (Intel Xeon)",
         "refactor_check_graph_outputs")),
+    "refactor_check_fuse_projections": ("refactor_check_fuse_projections", refactor_check_compiled_exports(
+        "Fused q/k/v and gate/up projections in compiled calls, against the commit before (Intel Xeon)",
+        "refactor_check_fuse_projections")),
+    "refactor_check_fuse_projections_2": ("refactor_check_fuse_projections_2", refactor_check_compiled_exports(
+        "Fused projections, a second run with the ensemble (Intel Xeon)", "refactor_check_fuse_projections_2")),
     "refactor_check_cost_steady": ("refactor_check_cost_steady", refactor_check_compiled_exports(
         "The cost schedule's probes bounded with their feeding, late prompts within the prefill's width and the "
         "standing choice reused, against the commit before them (Intel Xeon)", "refactor_check_cost_steady")),

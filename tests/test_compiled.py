@@ -727,3 +727,22 @@ def test_no_output_a_cuda_graph_overwrites_is_read(kind, monkeypatch):
     except (RuntimeError, IndexError, ValueError):
         wrong = True
     assert wrong
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("ssm",)])
+def test_compiled_decoding_fuses_the_base_and_drafter_projections_and_gives_the_eager_tokens(kind):
+    """The compiled path fuses the q/k/v and gate/up projections (decode.fuse) of the base and of the drafter's own
+    layers (EAGLE-3's and DFlash's call them on the same input, DFlash's k/v also on the context; an SSM is a Llama),
+    and gives the eager tokens with them fused and without."""
+    from draftlab.decode.fuse import fused, modules_of
+
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    eager = SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=17).tokens
+    for fuse in (True, False):
+        b = copy.deepcopy(base)
+        d = drafter(kind, b)
+        got = SpeculativeDecoder(b, d, compile="eager", fuse=fuse).generate(prompts, max_new_tokens=17).tokens
+        assert got == eager, (kind, fuse)
+        assert fused(b) == (4 if fuse else 0)
+        assert sum(fused(m) for m in modules_of(d)) >= (2 if fuse else 0)

@@ -50,6 +50,8 @@ import weakref
 
 import torch
 
+from . import fuse
+
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
@@ -270,6 +272,13 @@ class Compiled:
         self.direct: dict | None = {} if device == "cpu" and not isinstance(fn, torch.nn.Module) else None
 
     def __call__(self, *args, **kwargs):
+        was, fuse.ACTIVE[0] = fuse.ACTIVE[0], True  # fused projections run fused inside compiled calls (decode.fuse)
+        try:
+            return self._outputs(*args, **kwargs)
+        finally:
+            fuse.ACTIVE[0] = was
+
+    def _outputs(self, *args, **kwargs):
         emulated = self.graphs and EMULATE_GRAPH_OUTPUTS[0]
         if not (emulated or (self.keep_outputs and self.cudagraphs)):
             return self._call(*args, **kwargs)

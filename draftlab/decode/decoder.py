@@ -21,6 +21,7 @@ import torch
 from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
+from .fuse import fuse_by_default, fuse_projections, modules_of
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers,  # noqa: F401
                     check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
                     static_slots)
@@ -403,14 +404,17 @@ class SpeculativeDecoder:
     draftlab.decode.tensor_parallel.RankSync when the base is tensor-parallel over several processes."""
 
     def __init__(self, base, drafter: Drafter, check_base: bool = True, sync=None, compile: bool | str = False,
-                 static: bool | None = None, fused: bool | None = None, chained: bool | None = None):
+                 static: bool | None = None, fused: bool | None = None, chained: bool | None = None,
+                 fuse: bool | None = None):
         """compile: the fast path, verify forwards of one shape (static KV cache, trees padded to the drafter's
         max_nodes) through torch.compile (CUDA graphs on a GPU); True is the inductor backend (or the one
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
         the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
         default: the device's). chained: whether that call also runs the drafter's commit and next proposal, for
-        drafters that can (chained_step; default yes where the step is fused)."""
+        drafters that can (chained_step; default yes where the step is fused). fuse: whether the compiled path
+        computes the base's and the drafter's q/k/v and gate/up projections as one product each (decode.fuse, which
+        changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default)."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -426,6 +430,9 @@ class SpeculativeDecoder:
             from .compiled import compile_backend, compiled_forward
 
             self.forward = compiled_forward(base, compile_backend(compile))
+            if fuse_by_default(self.device.type) if fuse is None else fuse:
+                for m in (base, *modules_of(drafter)):
+                    fuse_projections(m)
             self.step = fused_step(self.forward.backend, self.device.type, fused) if sync is None else None
             if self.step is not None:
                 self.chain = chained_step(self.forward.backend, self.device.type, chained)

@@ -89,14 +89,18 @@ class StaticGreedy(CachedGreedy):
     and, after a sequence's first forward (its prompt, run eagerly), every forward `width` tokens wide (the new
     tokens in chunks, padded), so each has one shape and runs through the base's compiled forward (`backend`).
     The tokens are CachedGreedy's; the width is a speed setting (DSI's lookahead + 1: a task's drafts and one more
-    in one forward)."""
+    in one forward). Its compiled forward fuses the model's projections where the device's default says so
+    (decode.fuse)."""
 
     def __init__(self, model, width: int, backend: str, slots: int = 512):
         from ..decode.compiled import compiled_forward
+        from ..decode.fuse import fuse_by_default, fuse_projections
 
         super().__init__(model)
         self.width, self.slots = width, slots
         self.forward = compiled_forward(model, backend)
+        if fuse_by_default(self.device.type):
+            fuse_projections(model)
 
     def logits(self, prefix: list[int], drafts: list[int] = ()):
         import torch

@@ -1,0 +1,113 @@
+"""Fused projections (decode.fuse): one product for q/k/v and one for gate/up inside compiled calls, nothing changed
+outside them."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from conftest import tiny_llama
+from draftlab.decode import fuse
+from draftlab.decode.fuse import FusedLinear, fuse_projections, fused
+
+
+class Linears(TorchFunctionMode):
+    """Counts F.linear calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func is F.linear
+        return func(*args, **(kwargs or {}))
+
+
+def logits(model, x, active: bool):
+    fuse.ACTIVE[0] = active
+    try:
+        with torch.no_grad(), Linears() as count:
+            return model(x).logits, count.n
+    finally:
+        fuse.ACTIVE[0] = False
+
+
+def test_fusing_keeps_the_parameters_and_fuses_only_inside_compiled_calls():
+    base = tiny_llama(layers=3)
+    model = copy.deepcopy(base)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert fuse_projections(model) == 6 and fused(model) == 6
+    assert fuse_projections(model) == 0  # already fused
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    x = torch.randint(0, 64, (2, 9))
+    ref, n_ref = logits(base, x, active=False)
+    out, n = logits(model, x, active=False)  # outside a compiled call: the same products, bit for bit
+    assert torch.equal(out, ref) and n == n_ref == 3 * 7 + 1
+    out, n = logits(model, x, active=True)
+    assert torch.allclose(out, ref, atol=1e-12) and n == 3 * 4 + 1  # q/k/v and gate/up: one product each
+    attn = model.model.layers[0].self_attn
+    assert attn.fused_qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()  # the originals are views into it
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2)  # an in-place update (load_state_dict) reaches the fused product
+        base.model.layers[0].self_attn.v_proj.weight.mul_(2)
+    ref, _ = logits(base, x, active=False)
+    out, _ = logits(model, x, active=True)
+    assert torch.allclose(out, ref, atol=1e-12)
+
+
+def test_gradients_and_other_inputs_take_each_projections_own_product():
+    model = tiny_llama(layers=1)
+    fuse_projections(model)
+    attn = model.model.layers[0].self_attn
+    x, c = torch.randn(1, 3, 32, dtype=torch.float64), torch.randn(1, 3, 32, dtype=torch.float64)
+    fuse.ACTIVE[0] = True
+    try:
+        with torch.no_grad():  # k and v of another input than q's (a drafter's context): their own products
+            q, k, v = attn.q_proj(x), attn.k_proj(c), attn.v_proj(c)
+        assert torch.allclose(k, F.linear(c, attn.k_proj.weight)) and torch.allclose(v, F.linear(c, attn.v_proj.weight))
+        assert torch.allclose(q, F.linear(x, attn.q_proj.weight))
+        y = attn.k_proj(x)  # gradients recorded (training): nn.Linear's own product, and its gradient
+        y.sum().backward()
+        assert attn.k_proj.weight.grad is not None and attn.q_proj.weight.grad is None
+    finally:
+        fuse.ACTIVE[0] = False
+
+
+def test_a_copied_fused_model_computes_with_its_own_weights_and_fusing_it_again_makes_views_again():
+    model = tiny_llama(layers=1)
+    fuse_projections(model)
+    twin = copy.deepcopy(model)
+    attn = twin.model.layers[0].self_attn
+    assert fused(twin) == 2 and attn.q_proj.fused_group.owner is attn  # its own group, not the original's
+    x = torch.randint(0, 64, (1, 5))
+    assert torch.allclose(logits(twin, x, True)[0], logits(model, x, True)[0])
+    assert attn.fused_qkv_weight.data_ptr() != attn.q_proj.weight.data_ptr()  # the copy holds its weights twice
+    assert fuse_projections(twin) == 2 and fuse_projections(twin) == 0
+    assert attn.fused_qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(3)  # reaches the fused product again
+    assert torch.allclose(logits(twin, x, True)[0], logits(twin, x, False)[0], atol=1e-12)
+    assert not torch.allclose(logits(twin, x, True)[0], logits(model, x, True)[0])
+
+
+def test_projections_that_are_not_plain_float_linears_alike_are_left_alone():
+    class Quantised(nn.Linear):
+        pass
+
+    owner = nn.Module()
+    owner.q_proj, owner.k_proj, owner.v_proj = nn.Linear(8, 8), Quantised(8, 4), nn.Linear(8, 4)
+    owner.gate_proj, owner.up_proj = nn.Linear(8, 16, bias=False), nn.Linear(6, 16, bias=False)  # other inputs
+    assert fuse_projections(owner) == 0 and not isinstance(owner.q_proj, FusedLinear)
+    owner.k_proj = nn.Linear(8, 4)  # with biases, all three
+    assert fuse_projections(owner) == 1 and owner.fused_qkv_bias.shape == (16,)
+
+
+@pytest.mark.parametrize("device, env, on", [("cpu", "", True), ("cuda", "", False), ("cuda", "1", True),
+                                             ("cpu", "0", False)])
+def test_the_default_is_the_devices_unless_the_environment_says(device, env, on, monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_FUSE_PROJECTIONS", env)
+    assert fuse.fuse_by_default(device) is on
