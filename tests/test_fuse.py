@@ -106,6 +106,50 @@ def test_projections_that_are_not_plain_float_linears_alike_are_left_alone():
     assert fuse_projections(owner) == 1 and owner.fused_qkv_bias.shape == (16,)
 
 
+def test_projections_with_a_forward_of_their_own_or_weights_not_in_memory_are_left_alone():
+    owner = nn.Module()
+    owner.gate_proj, owner.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+    owner.up_proj.forward = lambda x: x  # a tensor-parallel plan's or an accelerate hook's forward
+    assert fuse_projections(owner) == 0
+    with torch.device("meta"):  # an offloaded layer's weights
+        owner.up_proj = nn.Linear(8, 16)
+        owner.gate_proj = nn.Linear(8, 16)
+    assert fuse_projections(owner) == 0
+
+
+def test_a_fused_group_whose_projections_were_replaced_is_dropped_not_forced():
+    class Grouped(nn.Linear):  # an ensemble's grouped copy of a fused member replaces the projections
+        pass
+
+    owner = nn.Module()
+    owner.gate_proj, owner.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+    assert fuse_projections(owner) == 1
+    owner.gate_proj, owner.up_proj = Grouped(8, 16), Grouped(8, 16)
+    assert fuse_projections(owner) == 0 and fused(owner) == 0
+
+
+def test_the_compiled_decoder_fuses_again_what_a_reload_left_stale():
+    """A reload that replaces the parameters (load_state_dict(assign=True), a .to()) leaves the fused weight behind;
+    the decoder fuses again at each generate, so its compiled calls decode the new weights."""
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+
+    base = tiny_llama(layers=2)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(4)
+    dec = SpeculativeDecoder(base, NoDraft(), compile="eager")
+    prompts = [[1, 5, 7, 9], [1, 3]]
+    dec.generate(prompts, max_new_tokens=6)
+    assert fused(base) == 4
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.dim() == 2 else v
+           for k, v in base.state_dict().items()}
+    base.load_state_dict(new, assign=True)
+    eager = SpeculativeDecoder(base, NoDraft()).generate(prompts, max_new_tokens=12).tokens
+    assert dec.generate(prompts, max_new_tokens=12).tokens == eager
+    attn = base.model.layers[0].self_attn
+    assert attn.fused_qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+
+
 @pytest.mark.parametrize("device, env, on", [("cpu", "", True), ("cuda", "", False), ("cuda", "1", True),
                                              ("cpu", "0", False)])
 def test_the_default_is_the_devices_unless_the_environment_says(device, env, on, monkeypatch):

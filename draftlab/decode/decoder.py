@@ -21,7 +21,7 @@ import torch
 from .interface import Drafter, PromptState, Proposal, StepResult
 from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
 from .compiled import compiled_function
-from .fuse import fuse_by_default, fuse_projections, modules_of
+from .fuse import fuse_by_default, fuse_projections, fused as fused_groups, modules_of
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers,  # noqa: F401
                     check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
                     static_slots)
@@ -414,7 +414,8 @@ class SpeculativeDecoder:
         default: the device's). chained: whether that call also runs the drafter's commit and next proposal, for
         drafters that can (chained_step; default yes where the step is fused). fuse: whether the compiled path
         computes the base's and the drafter's q/k/v and gate/up projections as one product each (decode.fuse, which
-        changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default)."""
+        changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default; never under tensor
+        parallelism)."""
         if not isinstance(drafter, Drafter):
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
@@ -426,13 +427,13 @@ class SpeculativeDecoder:
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
         self.forward = self.step = self.chain = None
+        self.fused_models: list = []  # models whose projections the compiled calls fuse (decode.fuse)
         if compile:
             from .compiled import compile_backend, compiled_forward
 
             self.forward = compiled_forward(base, compile_backend(compile))
-            if fuse_by_default(self.device.type) if fuse is None else fuse:
-                for m in (base, *modules_of(drafter)):
-                    fuse_projections(m)
+            if sync is None and (fuse_by_default(self.device.type) if fuse is None else fuse):
+                self.fused_models = [m for m in (base, *modules_of(drafter)) if fuse_projections(m) or fused_groups(m)]
             self.step = fused_step(self.forward.backend, self.device.type, fused) if sync is None else None
             if self.step is not None:
                 self.chain = chained_step(self.forward.backend, self.device.type, chained)
@@ -465,6 +466,8 @@ class SpeculativeDecoder:
         from it; the drafter from a stream of its own, seeded by the generator's first draw (see streams)."""
         sampling = sampling or Sampling()
         drafter = self.drafter
+        for m in self.fused_models:  # fused again where a copy, a move or a reload since has left two weights
+            fuse_projections(m)
         drafter.decode_path = {"static": self.static, "compile": self.forward.backend if self.forward else None}
         drafter_gen = None if generator is None else derived_generator(generator, "drafter")
         # The static path reuses the last run's cache (one at a time: generate is not re-entrant per decoder).

@@ -21,8 +21,12 @@ The fused products round like one wider product, which can differ from three nar
 
 A copy (`copy.deepcopy`) or a move (`.to(device, dtype)`) of a fused model copies the fused weight and the
 originals separately: still correct, but the weights are held twice and an in-place update of an original no
-longer reaches the fused one. `fuse_projections` on it again makes the originals views into the fused weight again
-(the compiled decoder calls it when it is made), so fuse after placing the base.
+longer reaches the fused one. `fuse_projections` on it again makes the originals views into the fused weight again;
+the compiled decoder calls it before each `generate`, so a reload between runs is decoded as loaded.
+
+Left alone: projections that are not plain float `nn.Linear`s alike (quantised, LoRA-wrapped), whose weights are
+sharded (tensor parallelism's DTensors) or not in memory (an offloaded layer's, on the meta device), or whose module
+carries a forward of its own (a tensor-parallel plan's, an accelerate hook's).
 """
 
 from __future__ import annotations
@@ -72,11 +76,14 @@ class FusedLinear(nn.Linear):
 
 def _fusable(linears: list) -> bool:
     """Plain float `nn.Linear`s (not a quantised or adapter subclass) of one input size, device and dtype, with bias
-    on all or none."""
-    if not all(type(m) is nn.Linear for m in linears):
+    on all or none, whose weights are plain tensors in memory (not sharded DTensors, not on the meta device of an
+    offloaded layer) and whose forward is their class's (not one a tensor-parallel plan or an accelerate hook put on
+    the module)."""
+    if not all(type(m) is nn.Linear and "forward" not in m.__dict__ for m in linears):
         return False
     w = [m.weight for m in linears]
-    return (all(t.is_floating_point() and t.dtype == w[0].dtype and t.device == w[0].device for t in w)
+    return (all(type(t.data) is torch.Tensor and t.is_floating_point() and t.dtype == w[0].dtype
+                and t.device == w[0].device and t.device.type != "meta" for t in w)
             and len({m.in_features for m in linears}) == 1 and len({m.bias is None for m in linears}) == 1)
 
 
@@ -111,18 +118,20 @@ def fuse_projections(model: nn.Module) -> int:
             linears = [getattr(owner, name, None) for name in names]
             prefix = PREFIX[names[0]]
             if prefix + "_weight" in owner._buffers:
-                if _views(owner, prefix, linears):
+                if all(type(m) is FusedLinear for m in linears) and _views(owner, prefix, linears):
                     continue
-                for m in linears:  # copied or moved since it was fused: fused again from the originals
-                    m.__class__ = nn.Linear
-            elif not _fusable(linears):
+                for m in linears:  # copied or moved since it was fused (or replaced): fused again from the originals
+                    if type(m) is FusedLinear:
+                        m.__class__ = nn.Linear
+                del owner._buffers[prefix + "_weight"], owner._buffers[prefix + "_bias"]
+            if not _fusable(linears):
                 continue
             with torch.no_grad():
                 weight = torch.cat([m.weight for m in linears])
                 bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
             bounds = [0]
             for m in linears:
-                bounds.append(bounds[-1] + m.out_features)
+                bounds.append(bounds[-1] + m.weight.shape[0])
             owner.register_buffer(prefix + "_weight", weight, persistent=False)
             owner.register_buffer(prefix + "_bias", bias, persistent=False)
             group = _Group(owner, prefix, bounds)
@@ -144,8 +153,8 @@ def fuse_by_default(device_type: str) -> bool:
 
 
 def modules_of(obj, depth: int = 0, seen: set | None = None):
-    """The `nn.Module`s an object holds in its attributes, lists, tuples and dicts, a few levels down (an ensemble's
-    members' models), or itself if it is one: a drafter's modules."""
+    """The `nn.Module`s an object holds in its attributes, lists, tuples and dicts (of at most 64 items), a few levels
+    down (an ensemble's members' models), or itself if it is one: a drafter's modules."""
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 4:
         return
@@ -155,5 +164,7 @@ def modules_of(obj, depth: int = 0, seen: set | None = None):
         return
     items = (obj if isinstance(obj, (list, tuple)) else obj.values() if isinstance(obj, dict)
              else vars(obj).values() if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.Tensor)) else ())
+    if isinstance(items, (list, tuple, type({}.values()))) and len(items) > 64:
+        return  # data (a retrieval drafter's n-gram table), not modules
     for v in items:
         yield from modules_of(v, depth + 1, seen)
