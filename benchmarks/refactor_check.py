@@ -16,6 +16,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
 from __future__ import annotations
 
 import argparse
+import copy
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,10 @@ def main() -> None:
         from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
 
         pairs = {"plain": (NoDraftBefore(), NoDraft()), **{k: (b.drafter, f.drafter) for k, (b, f) in pairs.items()}}
-        pairs = {k: (DecoderBefore(base, b, compile=True), SpeculativeDecoder(base, f, compile=True))
+        # Each side's compiled path fuses its base's projections (decode.fuse) with its own classes, which only its
+        # own compiled calls run fused: the before side decodes a copy of the base (the same weights).
+        base_before = copy.deepcopy(base)
+        pairs = {k: (DecoderBefore(base_before, b, compile=True), SpeculativeDecoder(base, f, compile=True))
                  for k, (b, f) in pairs.items()}
     eos, N = tok.eos_token_id, a.max_new_tokens
     prompts = [encode_prompt(tok, p, chat=False) for p in heldout_story_prompts(a.prompts)]

@@ -877,6 +877,9 @@ TABLES = {
     "refactor_check_fuse_projections_2": ("refactor_check_fuse_projections_2", refactor_check_compiled_exports(
         "Fused projections, a second run with the ensemble (Intel Xeon)", "refactor_check_fuse_projections_2")),
     "compiled_targets_xeon_fuse": ("compiled_targets_xeon_fuse", compiled),
+    "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
+        "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
+        "refactor_check_fuse_static")),
     "refactor_check_cost_steady": ("refactor_check_cost_steady", refactor_check_compiled_exports(
         "The cost schedule's probes bounded with their feeding, late prompts within the prefill's width and the "
         "standing choice reused, against the commit before them (Intel Xeon)", "refactor_check_cost_steady")),

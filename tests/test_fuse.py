@@ -126,6 +126,11 @@ def test_a_fused_group_whose_projections_were_replaced_is_dropped_not_forced():
     assert fuse_projections(owner) == 1
     owner.gate_proj, owner.up_proj = Grouped(8, 16), Grouped(8, 16)
     assert fuse_projections(owner) == 0 and fused(owner) == 0
+    owner.gate_proj, owner.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+    assert fuse_projections(owner) == 1
+    for m in (owner.gate_proj, owner.up_proj):  # fused by another copy of draftlab in the process: left to it
+        m.__class__ = Grouped
+    assert fuse_projections(owner) == 0 and fused(owner) == 1
 
 
 def test_the_compiled_decoder_fuses_again_what_a_reload_left_stale():

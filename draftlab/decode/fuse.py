@@ -102,6 +102,17 @@ def _views(owner: nn.Module, prefix: str, linears: list) -> bool:
     return True
 
 
+def _into(new: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    """A fused weight: fused again into its old storage where it fits (so its address, which CUDA graphs recorded,
+    stays), else new; marked as a tensor whose address does not change without a guard on its identity, as dynamo
+    marks parameters (models of one shape keep sharing compiled variants)."""
+    if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
+        return old.copy_(new)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(new, guard=False)
+    return new
+
+
 def fused(model: nn.Module) -> int:
     """How many groups of `model` are fused."""
     return sum(1 for m in model.modules() for prefix in PREFIX.values() if prefix + "_weight" in m._buffers)
@@ -117,18 +128,22 @@ def fuse_projections(model: nn.Module) -> int:
         for names in GROUPS:
             linears = [getattr(owner, name, None) for name in names]
             prefix = PREFIX[names[0]]
+            before = (None, None)
             if prefix + "_weight" in owner._buffers:
+                if any(type(m) is not FusedLinear and "fused_group" in getattr(m, "__dict__", {}) for m in linears):
+                    continue  # fused by another copy of this module (another draftlab in the process): its own
                 if all(type(m) is FusedLinear for m in linears) and _views(owner, prefix, linears):
                     continue
                 for m in linears:  # copied or moved since it was fused (or replaced): fused again from the originals
                     if type(m) is FusedLinear:
                         m.__class__ = nn.Linear
-                del owner._buffers[prefix + "_weight"], owner._buffers[prefix + "_bias"]
+                before = owner._buffers.pop(prefix + "_weight"), owner._buffers.pop(prefix + "_bias")
             if not _fusable(linears):
                 continue
             with torch.no_grad():
-                weight = torch.cat([m.weight for m in linears])
-                bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+                weight, bias = (_into(torch.cat([getattr(m, name) for m in linears]), old)
+                                if getattr(linears[0], name) is not None else None
+                                for name, old in zip(("weight", "bias"), before))
             bounds = [0]
             for m in linears:
                 bounds.append(bounds[-1] + m.weight.shape[0])
