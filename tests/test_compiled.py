@@ -437,6 +437,7 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
                  str(tmp_path / "cache")]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["compiled"] is True and rep["identical_to_baseline"] is True and rep["compile_failed"] is None
+    assert rep["fused_projections"] == 2 * base.config.num_hidden_layers  # q/k/v and gate/up per layer, on a CPU
     # the "eager" backend generates no code: nothing for inductor's cache, which --compile-cache put in a folder
     # for this kind of machine
     assert rep["compile_cache"] == {"dir": str(tmp_path / "cache" / machine_kind()), "hits": before["hits"],
