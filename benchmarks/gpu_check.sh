@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 20's GPU check in one call of about 9 minutes (docs/benchmarks.md, "Compiled decoding on a GPU"): compiled
-# plain decoding against HF's, the oracle drafter, fused projections, the fused, chained and sampled steps, whether each keeps its CUDA
-# graph, and a profile of the verify forward. Run from the repository root on a machine with a CUDA GPU:
+# plain decoding against HF's, the oracle drafter, fused projections, the fused, chained and sampled steps, whether
+# each keeps its CUDA graph, and a profile of the verify forward. Run from the repository root on a machine with a
+# CUDA GPU:
 #
 #     OUT=results_dir bash benchmarks/gpu_check.sh                 # writes $OUT/gpu_compiled.json and its log
 #     OUT=/tmp/gc EXTRA="--tiny --no-hf-compile" bash benchmarks/gpu_check.sh   # a smoke test on any machine
@@ -21,8 +22,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # shellcheck disable=SC2086  # EXTRA is a list of options
-timeout "${LIMIT:-560}" python3 benchmarks/gpu_compiled.py --no-eager --fuse-projections --fused-step --chained --sampled \
-  --reps 2 --profile --deadline "${DEADLINE:-400}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
+timeout "${LIMIT:-560}" python3 benchmarks/gpu_compiled.py --no-eager --fuse-projections --fused-step --chained \
+  --sampled --reps 2 --profile --deadline "${DEADLINE:-400}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
 status=$?
 echo "gpu_compiled.py exit status $status (124: stopped at LIMIT; the rounds saved so far are in the results)"
 grep -E "warm-up|failed|Error|verify alone|^(plain|oracle|medusa|eagle3|hf)_|agree" "$OUT/gpu_compiled.log" | cut -c1-300

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import json
 import os
 import statistics
@@ -274,19 +275,18 @@ def main() -> None:
     methods["plain_compiled"] = decoder_method(plain_compiled)
     if a.fused_step:
         methods["plain_compiled_fused"] = decoder_method(SpeculativeDecoder(base, NoDraft(), compile=True, fused=True))
-    if a.fuse_projections:
-        import copy
+    def oracles(model, tree):  # rep -> a fresh oracle drafter (its seed) for a decoder of `model`
+        return lambda rep: Oracle(model, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
 
+    if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
         methods["plain_compiled_fuseproj"] = decoder_method(SpeculativeDecoder(fused_base, NoDraft(), compile=True,
                                                                                fuse=True))
-        make = lambda rep: Oracle(fused_base, prompt, truth, trees["default-4h-25"], a.alpha, seed=rep,  # noqa: E731
-                                  continuation=continuation)
+        make = oracles(fused_base, trees["default-4h-25"])
         methods["oracle_default-4h-25_compiled_fuseproj"] = decoder_method(
             SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True), make)
     for name in a.trees:
-        tree = trees[name]
-        make = lambda rep, tree=tree: Oracle(base, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
+        make = oracles(base, trees[name])
         for kind, compiled in kinds:
             methods[f"oracle_{name}_{kind}"] = decoder_method(SpeculativeDecoder(base, make(0), compile=compiled), make)
         if a.fused_step:

@@ -433,7 +433,10 @@ class SpeculativeDecoder:
 
             self.forward = compiled_forward(base, compile_backend(compile))
             if sync is None and (fuse_by_default(self.device.type) if fuse is None else fuse):
-                self.fused_models = [m for m in (base, *modules_of(drafter)) if fuse_projections(m) or fused_groups(m)]
+                models = [base, *modules_of(drafter)]
+                for m in models:
+                    fuse_projections(m)
+                self.fused_models = [m for m in models if fused_groups(m)]
             self.step = fused_step(self.forward.backend, self.device.type, fused) if sync is None else None
             if self.step is not None:
                 self.chain = chained_step(self.forward.backend, self.device.type, chained)

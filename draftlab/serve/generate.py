@@ -204,7 +204,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
 
         report["compile_s"] = round(decoder.compile_s, 3)
         report["compile_failed"] = decoder.compile_failed
-        report["fused_projections"] = sum(fused(m) for m in getattr(decoder, "fused_models", ()))  # decode.fuse
+        report["fused_projections"] = sum(fused(m) for m in decoder.fused_models)  # decode.fuse
     if compare:
         plain_generate(decoder.base, ids[:1], 4, sampling, eos, seed)  # warm-up
         base_tokens, base_t = plain_generate(decoder.base, ids, max_new_tokens, sampling, eos, seed)
