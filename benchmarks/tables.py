@@ -879,6 +879,7 @@ TABLES = {
     "compiled_targets_xeon_fuse": ("compiled_targets_xeon_fuse", compiled),
     "compiled_targets_xeon_selfdata": ("compiled_targets_xeon_selfdata", compiled),
     "compiled_targets_xeon_selfdata_2": ("compiled_targets_xeon_selfdata_2", compiled),
+    "compiled_targets_xeon_selfdata_3": ("compiled_targets_xeon_selfdata_3", compiled),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),
