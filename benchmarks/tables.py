@@ -880,6 +880,8 @@ TABLES = {
     "compiled_targets_xeon_selfdata": ("compiled_targets_xeon_selfdata", compiled),
     "compiled_targets_xeon_selfdata_2": ("compiled_targets_xeon_selfdata_2", compiled),
     "compiled_targets_xeon_selfdata_3": ("compiled_targets_xeon_selfdata_3", compiled),
+    "compiled_hydra_selfdata_searched_xeon": ("compiled_hydra_selfdata_searched_xeon", compiled),
+    "compiled_heads_selfdata_searched_xeon": ("compiled_heads_selfdata_searched_xeon", compiled),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),
