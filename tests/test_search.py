@@ -349,3 +349,35 @@ def test_search_timing_leaves_a_later_batchs_compile_out(monkeypatch):
     m = measure(dec, [[1], [2], [3]], 1, 10, None)
     assert dec.calls == [1, 2, 2, 3]  # the compiling batch ran again
     assert m["tokens_per_s"] > 30 / 0.3 and m["accept_length"] == 5.0 and m["steps"] == 6
+
+
+def test_tree_timing_stops_at_its_time_budget(monkeypatch):
+    """A budget spent: the tree being timed is the last one, trees not timed at all are None; the first is always
+    timed, and no budget times every tree in every round."""
+    from draftlab.serve import tree_search
+
+    calls = []
+    monkeypatch.setattr(tree_search, "measure", lambda dec, *a, **kw: calls.append(dec) or
+                        {"tokens_per_s": 1.0, "accept_length": 1.5})
+    best = tree_search.time_trees(["a", "b", "c"], [[1]], 1, 8, None, rounds=3, budget_s=0)
+    assert calls == ["a"] and best[0] is not None and best[1:] == [None, None]
+    calls.clear()
+    assert None not in tree_search.time_trees(["a", "b", "c"], [[1]], 1, 8, None, rounds=2, budget_s=3600)
+    assert calls == ["a", "b", "c"] * 2
+
+
+@pytest.mark.parametrize("kind", ["ssm", "eagle3"])  # (an untrained head's search has a single tree to time)
+def test_search_tree_within_a_time_budget_chooses_among_the_trees_it_timed(tiny_base_dir, tmp_path, capsys, kind):
+    from draftlab.cli import main
+
+    _, data = search_inputs(tiny_base_dir, tmp_path, kind)
+    out = tmp_path / "tree.json"
+    args = ["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "7",
+            "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--json"]
+    assert main(args + ["--time-budget", "0"]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(rep["sizes"]) == 1 and len(rep["untimed"]) >= 1 and "time budget" in captured.err
+    meta = json.loads(out.read_text())["metadata"]
+    assert meta["untimed"] == rep["untimed"] and meta["time_budget_s"] == 0
+    assert main(args + ["--time-budget=-1"]) == 2 and "--time-budget" in capsys.readouterr().err

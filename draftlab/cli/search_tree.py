@@ -47,6 +47,9 @@ def add_search_args(p) -> None:
     p.add_argument("--timing-rounds", type=positive_int, default=3,
                    help="times each tree is timed, interleaved with the others; its fastest round counts (a busy "
                         "machine's slow spells then do not decide the choice)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="stop timing trees after this many minutes (compiles included) and choose among those "
+                        "timed; the rest are listed as untimed (not with --batch-sizes)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
@@ -88,11 +91,14 @@ def schedule_command(a) -> int:
 
 
 def search_command(a) -> int:
+    if a.time_budget is not None and (a.batch_sizes or a.time_budget < 0):
+        raise ValueError("--time-budget takes minutes >= 0 and applies to the search of one tree, not --batch-sizes")
     if a.batch_sizes:
         return schedule_command(a)
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
-                      tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds)
+                      tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,
+                      time_budget_s=None if a.time_budget is None else a.time_budget * 60)
     if a.json:
         print(json.dumps(rep))
         return 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import platform
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,20 +78,39 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: i
 
 
 def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,
-               rounds: int) -> list[dict]:
+               rounds: int, budget_s: float | None = None) -> list[dict | None]:
     """measure() of every decoder, `rounds` times interleaved (round 1 of every tree, then round 2, ...); each
     tree keeps its fastest round. A shared or busy machine slows some rounds down: the fastest round of each is
-    the one least disturbed, and interleaving spreads a slow spell over all trees instead of one."""
+    the one least disturbed, and interleaving spreads a slow spell over all trees instead of one.
+    budget_s: once this many seconds have gone (warm-ups and compiles included), the tree being timed is the last;
+    the trees not timed at all by then get None. The first tree is always timed. Rank 0's clock decides, so the
+    ranks of a tensor-parallel search stop together."""
     best: list[dict | None] = [None] * len(decoders)
     bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
+    start = time.perf_counter()
     for r in range(rounds):
         for i, dec in enumerate(decoders):
+            if budget_s is not None and (r or i) and agree(time.perf_counter() - start >= budget_s):
+                bar.close()
+                return best
             m = measure(dec, prompts, batch_size, max_new_tokens, eos, warm=r == 0)  # warmed up once
             if best[i] is None or m["tokens_per_s"] > best[i]["tokens_per_s"]:
                 best[i] = m
             bar.update(1)
     bar.close()
     return best
+
+
+def timed_trees(trees: list, decoders: list, prompts, batch_size: int, max_new_tokens: int, eos, rounds: int,
+                budget_s: float | None, name) -> tuple[list[tuple], list[str]]:
+    """time_trees within budget_s: ([(tree, its measure()), ...] for the trees timed, [name(tree), ...] for the
+    others), saying on stderr how many the budget left out."""
+    timed = time_trees(decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s)
+    untimed = [name(t) for t, m in zip(trees, timed) if m is None]
+    if untimed:
+        print(f"search-tree: the time budget ({budget_s:g} s) was spent after {len(trees) - len(untimed)} of "
+              f"{len(trees)} trees; choosing among those (not timed: {', '.join(untimed)})", file=sys.stderr)
+    return [(t, m) for t, m in zip(trees, timed) if m is not None], untimed
 
 
 def hardware() -> str:
@@ -157,14 +178,17 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
                 max_depth: int = 8, tp: bool = False, device_map: str | None = None, compile: bool = False,
-                timing_rounds: int = 3) -> dict:
+                timing_rounds: int = 3, time_budget_s: float | None = None) -> dict:
     """The whole search; writes the tree file (and PNGs with plot) and returns a report.
 
     Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
     grows with depth (one forward per level) rather than with width, so chains of several lengths are
     timed beside the greedy trees. compile: time every tree on the static-shape compiled path (each tree size
     compiles once, in its warm-up), so the tree is chosen by the costs of the path that will run it.
-    timing_rounds: each tree is timed this many times, interleaved with the others; its fastest round counts."""
+    timing_rounds: each tree is timed this many times, interleaved with the others; its fastest round counts.
+    time_budget_s: stop timing trees after this many seconds (see time_trees) and choose among those timed; on a CPU
+    every tree size of the compiled path compiles graphs of its own, which for an SSM's or EAGLE-3's many settings
+    can take half an hour."""
     from ..decode.tensor_parallel import is_main
     from ..drafters import make_drafter
 
@@ -175,7 +199,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
     if draft.kind == "eagle3":
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
-                              calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds)
+                              calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds,
+                              budget_s=time_budget_s)
     stats, per_text, trees = rank_statistics(base, draft, calib, max_new_tokens, eos, depth, max_rank, max_nodes)
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
     candidates = [trees[n - 1] for n in sizes]
@@ -183,7 +208,9 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12, 15) if d <= depth]
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
-    for tree, m in zip(candidates, time_trees(decoders, timing, batch_size, max_new_tokens, eos, timing_rounds)):
+    timed, untimed = timed_trees(candidates, decoders, timing, batch_size, max_new_tokens, eos, timing_rounds,
+                                 time_budget_s, lambda t: t.metadata.get("name", ""))
+    for tree, m in timed:
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
@@ -198,14 +225,14 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         "replayed_accept_length": best["replayed_accept_length"],
         "measured_accept_length": best["measured_accept_length"], "tokens_per_s": best["tokens_per_s"],
         "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(), "compiled": compile,
-        "timing_rounds": timing_rounds,
+        "timing_rounds": timing_rounds, "time_budget_s": time_budget_s, "untimed": untimed,
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
     report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "replayed_accept_length",
                                                                     "measured_accept_length",
                                                                     "tokens_per_s", "tree_size", "batch_size", "hardware",
                                                                     "compiled")},
-              "sizes": rows}
+              "sizes": rows, "untimed": untimed}
     if plot:
         report["plots"] = plot_search(rows, chosen, Path(out))
     return report
@@ -225,9 +252,9 @@ def dynamic_grid(max_nodes: int) -> list[DynamicTree]:
 
 
 def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max_new_tokens, eos, calib_source,
-                   sync=None, compile: bool = False, rounds: int = 3) -> dict:
+                   sync=None, compile: bool = False, rounds: int = 3, budget_s: float | None = None) -> dict:
     """EAGLE-2 dynamic trees have no static shape to grow: time every setting of dynamic_grid(max_nodes) on the prompts
-    and keep the fastest."""
+    (within budget_s: see time_trees) and keep the fastest."""
     from ..drafters import make_drafter
 
     grid = dynamic_grid(max_nodes)
@@ -235,20 +262,23 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in grid]
-    for tree, m in zip(grid, time_trees(decoders, prompts, batch_size, max_new_tokens, eos, rounds)):
+    timed, untimed = timed_trees(grid, decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s,
+                                 DynamicTree.spec)
+    for tree, m in timed:
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
             "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
             "hardware": hardware(), "compiled": compile, "date": datetime.date.today().isoformat(),
-            "sizes_measured": rows,
+            "time_budget_s": budget_s, "untimed": untimed, "sizes_measured": rows,
             **{k: best[k] for k in ("measured_accept_length", "tokens_per_s", "tree_size")}}
     DynamicTree.parse(best["name"].partition(":")[2]).save(out, meta)
     return {"tree": str(out), "dynamic": best["name"], "expected_accept_length": None,
             "replayed_accept_length": None, "measured_accept_length": best["measured_accept_length"],
             "tokens_per_s": best["tokens_per_s"], "tree_size": best["tree_size"], "batch_size": batch_size,
-            "hardware": hardware(), "compiled": compile, "sizes": [{**r, "expected_accept_length": None} for r in rows]}
+            "hardware": hardware(), "compiled": compile, "sizes": [{**r, "expected_accept_length": None} for r in rows],
+            "untimed": untimed}
 
 
 def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:
