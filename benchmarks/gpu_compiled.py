@@ -275,6 +275,7 @@ def main() -> None:
     methods["plain_compiled"] = decoder_method(plain_compiled)
     if a.fused_step:
         methods["plain_compiled_fused"] = decoder_method(SpeculativeDecoder(base, NoDraft(), compile=True, fused=True))
+
     def oracles(model, tree):  # rep -> a fresh oracle drafter (its seed) for a decoder of `model`
         return lambda rep: Oracle(model, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
 
