@@ -882,6 +882,7 @@ TABLES = {
     "compiled_targets_xeon_selfdata_3": ("compiled_targets_xeon_selfdata_3", compiled),
     "compiled_hydra_selfdata_searched_xeon": ("compiled_hydra_selfdata_searched_xeon", compiled),
     "compiled_heads_selfdata_searched_xeon": ("compiled_heads_selfdata_searched_xeon", compiled),
+    "eagle3_chains_xeon": ("eagle3_chains_xeon", compiled),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 import sys
 import time
 import types
@@ -104,6 +105,25 @@ try:  # the stance's own setter: torch.compiler.set_stance's context manager cos
     _SKIP = DynamoStance("default", skip_guard_eval_unsafe=True)
 except ImportError:  # a torch without it (before 2.6): guards are always evaluated
     _set_stance = _SKIP = None
+
+
+def remove_broken_builds(error: BaseException) -> list[str]:
+    """Remove the built kernels in inductor's on-disk cache that a failed compile could not load, and return their
+    paths. A build that is interrupted (a search or a job killed while it compiles) can leave an empty or short
+    shared library there, which inductor then loads rather than builds again: every later compile of that graph, in
+    any process using the cache, fails with an ImportError naming the file. Only files under the cache folder are
+    touched; the next compile builds them again."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__
+    if not isinstance(inner, (ImportError, OSError)):
+        return []
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = os.path.realpath(cache_dir()) + os.sep
+    broken = [p for p in re.findall(r"(/[^\s:'\"]+\.so)\b", str(inner))
+              if os.path.realpath(p).startswith(root) and os.path.isfile(p)]
+    for p in broken:
+        os.remove(p)
+    return broken
 
 
 def compiled_graphs() -> int:
@@ -318,14 +338,23 @@ class Compiled:
                 finally:
                     _set_stance(prior)
         graphs, t0 = compiled_graphs(), time.perf_counter()
-        try:
-            out = self.fn(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
-            # error of the model such as out-of-memory, which is raised): run eagerly, as the reference does
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            name = getattr(self.model, "__qualname__", type(self.model).__name__)
-            print(f"draftlab: {name} does not compile ({self.failed}); decoding eagerly", file=sys.stderr)
-            return self.model(*args, **kwargs)
+        name = getattr(self.model, "__qualname__", type(self.model).__name__)
+        for retry in (False, True):
+            try:
+                out = self.fn(*args, **kwargs)
+                break
+            except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
+                # error of the model such as out-of-memory, which is raised): run eagerly, as the reference does,
+                # unless the cache held a broken build (remove_broken_builds), which is built again once
+                broken = [] if retry else remove_broken_builds(e)
+                if broken:
+                    print(f"draftlab: {name}: removed {len(broken)} unreadable file(s) from the compile cache, left by "
+                          f"an interrupted build ({broken[0]}); compiling again", file=sys.stderr)
+                    continue
+                lines = str(e).splitlines()
+                self.failed = f"{type(e).__name__}: {' '.join(lines[:2])}"
+                print(f"draftlab: {name} does not compile ({self.failed}); decoding eagerly", file=sys.stderr)
+                return self.model(*args, **kwargs)
         if key is not None and key not in self.guarded:
             self.skip.add(key)
             if self.direct is not None and direct_calls():
