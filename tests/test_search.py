@@ -366,6 +366,37 @@ def test_tree_timing_stops_at_its_time_budget(monkeypatch):
     assert calls == ["a", "b", "c"] * 2
 
 
+def test_trees_timed_after_a_compile_fell_back_to_eager_are_left_out_of_the_choice(monkeypatch, capsys):
+    """A graph that fails to build turns its function eager for every later call (of every tree on that base): the
+    trees timed after that have no compiled figure and are not chosen from; earlier trees keep their compiled round.
+    A base none of whose trees compiled is searched eagerly, all trees compared."""
+    from draftlab.serve import tree_search
+
+    failed = [None]
+
+    class Dec:
+        def __init__(self, name, speed):
+            self.name, self.speed = name, speed
+
+        @property
+        def compile_failed(self):
+            return failed[0]
+
+    def fake_measure(dec, *a, **kw):
+        if dec.name == "c":
+            failed[0] = "BackendCompilerFailed: ImportError: x.main.so: file too short"
+        return {"tokens_per_s": dec.speed / (5 if failed[0] else 1), "accept_length": 2.0}
+
+    monkeypatch.setattr(tree_search, "measure", fake_measure)
+    decs = [Dec("a", 10.0), Dec("b", 12.0), Dec("c", 80.0), Dec("d", 90.0)]
+    timed, untimed = tree_search.timed_trees(list("abcd"), decs, [[1]], 1, 8, None, 2, None, str)
+    assert [t for t, _ in timed] == ["a", "b"] and untimed == ["c", "d"]
+    assert timed[1][1]["tokens_per_s"] == 12.0  # its compiled round, not the eager one after
+    assert "2 trees ran eagerly (BackendCompilerFailed: ImportError" in capsys.readouterr().err
+    timed, untimed = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 1, None, str)
+    assert [t for t, _ in timed] == ["c", "d"] and untimed == [] and "eagerly" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", ["ssm", "eagle3"])  # (an untrained head's search has a single tree to time)
 def test_search_tree_within_a_time_budget_chooses_among_the_trees_it_timed(tiny_base_dir, tmp_path, capsys, kind):
     from draftlab.cli import main

@@ -84,7 +84,8 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
     the one least disturbed, and interleaving spreads a slow spell over all trees instead of one.
     budget_s: once this many seconds have gone (warm-ups and compiles included), the tree being timed is the last;
     the trees not timed at all by then get None. The first tree is always timed. Rank 0's clock decides, so the
-    ranks of a tensor-parallel search stop together."""
+    ranks of a tensor-parallel search stop together. A round timed on the compiled path beats one that fell back
+    to eager decoding (measure()'s `eager_fallback`: why, or None)."""
     best: list[dict | None] = [None] * len(decoders)
     bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
     start = time.perf_counter()
@@ -94,7 +95,9 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
                 bar.close()
                 return best
             m = measure(dec, prompts, batch_size, max_new_tokens, eos, warm=r == 0)  # warmed up once
-            if best[i] is None or m["tokens_per_s"] > best[i]["tokens_per_s"]:
+            m["eager_fallback"] = getattr(dec, "compile_failed", None)  # see timed_trees
+            if best[i] is None or (not m["eager_fallback"], m["tokens_per_s"]) > (not best[i]["eager_fallback"],
+                                                                                   best[i]["tokens_per_s"]):
                 best[i] = m
             bar.update(1)
     bar.close()
@@ -104,12 +107,21 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
 def timed_trees(trees: list, decoders: list, prompts, batch_size: int, max_new_tokens: int, eos, rounds: int,
                 budget_s: float | None, name) -> tuple[list[tuple], list[str]]:
     """time_trees within budget_s: ([(tree, its measure()), ...] for the trees timed, [name(tree), ...] for the
-    others), saying on stderr how many the budget left out."""
+    others), saying on stderr how many the budget left out. A tree timed only after a compiled call fell back to
+    eager decoding (a graph that failed to build; the fallback holds for every later call of that function) has no
+    figure of the path the search is for, unlike trees timed before: it joins the others, with a line saying why."""
     timed = time_trees(decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s)
     untimed = [name(t) for t, m in zip(trees, timed) if m is None]
     if untimed:
         print(f"search-tree: the time budget ({budget_s:g} s) was spent after {len(trees) - len(untimed)} of "
               f"{len(trees)} trees; choosing among those (not timed: {', '.join(untimed)})", file=sys.stderr)
+    eager = [i for i, m in enumerate(timed) if m is not None and m["eager_fallback"]]
+    if eager and len(eager) < sum(m is not None for m in timed):
+        print(f"search-tree: {len(eager)} trees ran eagerly ({timed[eager[0]]['eager_fallback']}); choosing among "
+              f"those timed compiled (eager: {', '.join(name(trees[i]) for i in eager)})", file=sys.stderr)
+        for i in eager:
+            timed[i] = None
+            untimed.append(name(trees[i]))
     return [(t, m) for t, m in zip(trees, timed) if m is not None], untimed
 
 
