@@ -883,6 +883,8 @@ TABLES = {
     "compiled_hydra_selfdata_searched_xeon": ("compiled_hydra_selfdata_searched_xeon", compiled),
     "compiled_heads_selfdata_searched_xeon": ("compiled_heads_selfdata_searched_xeon", compiled),
     "eagle3_chains_xeon": ("eagle3_chains_xeon", compiled),
+    "compiled_targets_xeon_searched": ("compiled_targets_xeon_searched", compiled),
+    "compiled_targets_xeon_searched_2": ("compiled_targets_xeon_searched_2", compiled),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),
