@@ -885,6 +885,7 @@ TABLES = {
     "eagle3_chains_xeon": ("eagle3_chains_xeon", compiled),
     "compiled_targets_xeon_searched": ("compiled_targets_xeon_searched", compiled),
     "compiled_targets_xeon_searched_2": ("compiled_targets_xeon_searched_2", compiled),
+    "eagle3_searched_selfdata_xeon": ("eagle3_searched_selfdata_xeon", compiled),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),

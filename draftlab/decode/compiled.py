@@ -122,7 +122,10 @@ def remove_broken_builds(error: BaseException) -> list[str]:
     broken = [p for p in re.findall(r"(/[^\s:'\"]+\.so)\b", str(inner))
               if os.path.realpath(p).startswith(root) and os.path.isfile(p)]
     for p in broken:
-        os.remove(p)
+        try:
+            os.remove(p)
+        except FileNotFoundError:  # another process of the job removed it first
+            pass
     return broken
 
 
