@@ -341,7 +341,6 @@ class Compiled:
                 finally:
                     _set_stance(prior)
         graphs, t0 = compiled_graphs(), time.perf_counter()
-        name = getattr(self.model, "__qualname__", type(self.model).__name__)
         for retry in (False, True):
             try:
                 out = self.fn(*args, **kwargs)
@@ -350,6 +349,7 @@ class Compiled:
                 # error of the model such as out-of-memory, which is raised): run eagerly, as the reference does,
                 # unless the cache held a broken build (remove_broken_builds), which is built again once
                 broken = [] if retry else remove_broken_builds(e)
+                name = getattr(self.model, "__qualname__", type(self.model).__name__)
                 if broken:
                     print(f"draftlab: {name}: removed {len(broken)} unreadable file(s) from the compile cache, left by "
                           f"an interrupted build ({broken[0]}); compiling again", file=sys.stderr)

@@ -84,8 +84,8 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
     the one least disturbed, and interleaving spreads a slow spell over all trees instead of one.
     budget_s: once this many seconds have gone (warm-ups and compiles included), the tree being timed is the last;
     the trees not timed at all by then get None. The first tree is always timed. Rank 0's clock decides, so the
-    ranks of a tensor-parallel search stop together. A round timed on the compiled path beats one that fell back
-    to eager decoding (measure()'s `eager_fallback`: why, or None)."""
+    ranks of a tensor-parallel search stop together. Each round records `eager_fallback` (why the decoder's compiled
+    calls fell back to eager decoding, or None), and a round timed on the compiled path beats one that fell back."""
     best: list[dict | None] = [None] * len(decoders)
     bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
     start = time.perf_counter()
