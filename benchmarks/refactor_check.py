@@ -7,6 +7,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
     python benchmarks/refactor_check.py --commit C --export medusa=runs/x/export --export eagle3=...  # any exports
     python benchmarks/refactor_check.py --commit C --train recipes/stories260k-hydra++.yaml ...  # + the training loop
     python benchmarks/refactor_check.py --commit C --compile --export ...  # the static-shape compiled path, plain too
+    python benchmarks/refactor_check.py --commit C --export eagle3=DIR@dynamic:4,2,8 ...  # a tree (--tree) for both
     python benchmarks/refactor_check.py --commit C --compile --export ensemble=DIR --ensemble-option policy=cost
         # an ensemble's schedule options (both sides)
     python benchmarks/refactor_check.py --commit C --temperature 0.8 --export ...  # sampled decoding (the two sides
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--commit", default=BEFORE)
     ap.add_argument("--name", default="refactor_check", help="results/NAME.json")
-    ap.add_argument("--export", action="append", default=[], metavar="LABEL=DIR",
+    ap.add_argument("--export", action="append", default=[], metavar="LABEL=DIR[@TREE]",
                     help="exports to compare (default: the three of benchmarks/train_heads.py)")
     ap.add_argument("--train", action="append", default=[], metavar="RECIPE",
                     help="also train these recipes before and after (alternating), compare time and weights")
@@ -82,7 +83,10 @@ def main() -> None:
     pairs = {}
     exports = dict(e.split("=", 1) for e in a.export) or {k: str(EXPORTS / n) for k, n in STORIES_EXPORTS.items()}
     options = {"options": dict(o.split("=", 1) for o in a.ensemble_option)} if a.ensemble_option else {}
-    for kind, path in exports.items():
+    ensemble_options = dict(options)
+    for kind, spec in exports.items():
+        path, _, tree = spec.partition("@")  # TREE: the --tree of both sides (default: the export's)
+        options["tree"] = tree or None
         after, tok, _ = load_decoder(path, **options)
         before, _, _ = load_before(path, **options)
         base = base or after.base
@@ -119,7 +123,7 @@ def main() -> None:
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
-                          **({"ensemble_options": options["options"]} if options else {}),
+                          **({"ensemble_options": ensemble_options["options"]} if ensemble_options else {}),
                           "exports": {k: str(v).replace(str(ROOT) + "/", "") for k, v in exports.items()},
                           "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio,
                           "same_accept_length": same,

@@ -827,6 +827,9 @@ TABLES = {
     "batch_schedule": ("batch_schedule", batch_schedule),
     "compiled_all_kinds_fused": ("compiled_all_kinds_fused", compiled),
     "compiled_all_kinds_dc71163": ("compiled_all_kinds_dc71163", compiled),
+    "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
+        "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
+        "refactor_check_sort_free")),
     "refactor_check_cpp_wrapper": ("refactor_check_cpp_wrapper", refactor_check_compiled_exports(
         "Inductor's C++ wrapper on a CPU", "refactor_check_cpp_wrapper")),
     "refactor_check_keep_on_device": ("refactor_check_keep_on_device", refactor_check_compiled_exports(

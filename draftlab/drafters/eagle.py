@@ -468,8 +468,8 @@ class Eagle3Drafter(Drafter):
         return tokens, view.parents, view.depth, view.ancestors
 
     def _draft(self, root: torch.Tensor, full: bool, out: torch.Tensor, next_pos: torch.Tensor):
-        """The dynamic tree's candidates: (tokens, parents, depths, scores) [B, n] of every drafted node, root
-        first. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
+        """The dynamic tree's candidates: (tokens, parents, scores) [B, n] of every drafted node, root first, level
+        by level. Tensor operations only, their shapes fixed by depth and top_k (and, with full, by the cache's
         buffer): on the compiled path this whole function is part of one graph. out / next_pos: the state to
         draft from (the committed output and the root's positions)."""
         B, dev = root.shape[0], root.device
@@ -478,7 +478,6 @@ class Eagle3Drafter(Drafter):
         score0, idx0 = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [B, k]
         tok = [root[:, None], self.draft_rows[idx0]]
         par = [torch.full((B, 1), -1, device=dev), torch.zeros_like(idx0)]
-        dep = [torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones_like(idx0)]
         scr = [torch.zeros(B, 1, device=dev), score0]
         frontier, f_score = 1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1), score0  # last level
         n_nodes = 1 + idx0.shape[1]
@@ -523,24 +522,21 @@ class Eagle3Drafter(Drafter):
             child_tok = self.draft_rows[ix].flatten(1)
             child_par = exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1)
             tok.append(child_tok), par.append(child_par), scr.append(child_score)
-            dep.append(torch.full_like(child_tok, d + 1))
             frontier = n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1)
             f_score = child_score
             n_nodes += child_tok.shape[1]
-        return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(dep, 1), torch.cat(scr, 1)
+        return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(scr, 1)
 
-    def _rerank(self, tok, par, dep, scr) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rerank(self, tok, par, scr) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the total_tokens - 1 most probable drafted nodes (a node never beats its parent: prefix-closed), in
         (depth, node) order, on the device for all rows at once: ties go to the shallower, then the earlier node."""
         B, n = tok.shape
         keep = min(self.total, n) - 1
-        idx = torch.arange(1, n, device=tok.device)[None].expand(B, -1)  # drafted nodes, root excluded
-        # Stable sorts, least significant key first: node order, then depth, then score (descending).
-        o = torch.sort(dep[:, 1:], dim=1, stable=True).indices
-        o = o.gather(1, torch.sort(scr[:, 1:].gather(1, o), dim=1, descending=True, stable=True).indices)
-        chosen = idx.gather(1, o[:, :keep])  # [B, keep] node ids
-        rank = dep.gather(1, chosen) * n + chosen  # (depth, node) order of the chosen ones
-        chosen = chosen.gather(1, rank.sort(dim=1).indices)
+        # _draft numbers the nodes level by level, so node order is (depth, node) order: one stable sort by score
+        # (descending) breaks ties towards the shallower, then the earlier node, and the chosen ones go back into
+        # node order.
+        o = torch.sort(scr[:, 1:], dim=1, descending=True, stable=True).indices
+        chosen = (o[:, :keep] + 1).sort(dim=1).values  # [B, keep] node ids (root excluded), in (depth, node) order
         order = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=tok.device), chosen], 1)  # [B, keep + 1]
         new = torch.full((B, n), -1, dtype=torch.long, device=tok.device)
         new.scatter_(1, order, torch.arange(keep + 1, device=tok.device)[None].expand(B, -1))
