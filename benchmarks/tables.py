@@ -827,6 +827,7 @@ TABLES = {
     "batch_schedule": ("batch_schedule", batch_schedule),
     "compiled_all_kinds_fused": ("compiled_all_kinds_fused", compiled),
     "compiled_all_kinds_dc71163": ("compiled_all_kinds_dc71163", compiled),
+    "compiled_targets_xeon_sort_free": ("compiled_targets_xeon_sort_free", compiled),
     "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
         "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
         "refactor_check_sort_free")),
