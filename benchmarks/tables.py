@@ -828,6 +828,9 @@ TABLES = {
     "compiled_all_kinds_fused": ("compiled_all_kinds_fused", compiled),
     "compiled_all_kinds_dc71163": ("compiled_all_kinds_dc71163", compiled),
     "compiled_targets_xeon_sort_free": ("compiled_targets_xeon_sort_free", compiled),
+    "refactor_check_eagle_frontier": ("refactor_check_eagle_frontier", refactor_check_compiled_exports(
+        "EAGLE-3's draft carries its frontier's tokens, scores and parent entries (Intel Xeon)",
+        "refactor_check_eagle_frontier")),
     "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
         "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
         "refactor_check_sort_free")),

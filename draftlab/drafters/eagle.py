@@ -474,57 +474,55 @@ class Eagle3Drafter(Drafter):
         draft from (the committed output and the root's positions)."""
         B, dev = root.shape[0], root.device
         logp = torch.log_softmax(self.m.lm_head(self.m.head_input(out)).float(), -1)  # [B, Vd] below the root
-        # Nodes per row: token, parent, depth, score, and (for expanded ones) the output that feeds their children.
+        # Nodes per row: token, parent, score, and (for expanded ones) the output that feeds their children.
         score0, idx0 = logp.topk(min(self.top_k, logp.shape[-1]), -1)  # [B, k]
         tok = [root[:, None], self.draft_rows[idx0]]
         par = [torch.full((B, 1), -1, device=dev), torch.zeros_like(idx0)]
         scr = [torch.zeros(B, 1, device=dev), score0]
-        frontier, f_score = 1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1), score0  # last level
+        # The last level's nodes: their node ids, tokens, scores, and the tree entry of each one's parent (level 1:
+        # the root, which has none).
+        frontier, f_tok, f_score = 1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1), tok[1], score0
+        f_slot = None
         n_nodes = 1 + idx0.shape[1]
         kk = vv = None  # keys / values of the tree entries forwarded so far (never added to the cache)
-        ent_nodes = torch.zeros(B, 0, dtype=torch.long, device=dev)  # node id of each forwarded tree entry
         ent_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # entry i may attend to entry j
         parent_out = None  # outputs of the forwarded tree entries [B, T, H], in entry order
         for d in range(1, self.depth):
             # Expand the top_k most probable nodes of depth d (the previous level's children).
             k_exp = min(self.top_k, frontier.shape[1])
-            exp_nodes = frontier.gather(1, f_score.topk(k_exp, -1).indices)  # [B, k_exp] node ids to forward
-            all_par = torch.cat(par, 1)
-            all_tok = torch.cat(tok, 1)
-            parents = all_par.gather(1, exp_nodes)  # their parents (node ids)
+            exp_score, pick = f_score.topk(k_exp, -1)  # [B, k_exp]
+            exp_nodes = frontier.gather(1, pick)  # node ids to forward
+            T_prev = ent_anc.shape[1]
             # Their g: the parent's output (root's = committed state; others = their entry's output).
             if d == 1:
                 g = out[:, None].expand(B, k_exp, -1)
-                anc_rows = torch.zeros(B, k_exp, ent_nodes.shape[1], dtype=torch.bool, device=dev)
+                anc_rows = torch.zeros(B, k_exp, 0, dtype=torch.bool, device=dev)
             else:
-                slot = (ent_nodes[:, None, :] == parents[:, :, None]).float().argmax(-1)  # parent's entry index
+                slot = f_slot.gather(1, pick)  # each one's parent's entry
                 g = parent_out.gather(1, slot[..., None].expand(-1, -1, parent_out.shape[-1]))
-                anc_rows = ent_anc.gather(1, slot[..., None].expand(-1, -1, ent_anc.shape[-1])) | \
-                    torch.nn.functional.one_hot(slot, ent_anc.shape[-1]).bool()
-            T_prev = ent_nodes.shape[1]
+                anc_rows = ent_anc.gather(1, slot[..., None].expand(-1, -1, T_prev)) | \
+                    torch.nn.functional.one_hot(slot, T_prev).bool()
             allowed_new = torch.cat([anc_rows, torch.eye(k_exp, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)],
                                     -1)  # [B, k_exp, T_prev + k_exp]
             positions = next_pos[:, None] - 1 + d  # a depth-d node is the entry at (root position) - 1 + d
-            emb = self.m.embed(all_tok.gather(1, exp_nodes)).to(self.dtype)
+            emb = self.m.embed(f_tok.gather(1, pick)).to(self.dtype)
             q, k_, v_ = self.m.midlayer.qkv(emb, g, *self.m.rope(g, positions.expand(B, k_exp)))
             kk = k_ if kk is None else torch.cat([kk, k_], 2)
             vv = v_ if vv is None else torch.cat([vv, v_], 2)
             o = self.m.advance(self._attend(q, kk, vv, allowed_new, full), g)  # [B, k_exp, H]
-            ent_nodes = torch.cat([ent_nodes, exp_nodes], 1)
             pad = torch.zeros(B, T_prev, k_exp, dtype=torch.bool, device=dev)
             ent_anc = torch.cat([torch.cat([ent_anc, pad], 2), allowed_new], 1)
             parent_out = o if d == 1 else torch.cat([parent_out, o], 1)
             # Children of each expanded node.
             lp = torch.log_softmax(self.m.lm_head(self.m.head_input(o)).float(), -1)  # [B, k_exp, Vd]
             sc, ix = lp.topk(min(self.top_k, lp.shape[-1]), -1)  # [B, k_exp, k]
-            exp_score = torch.cat(scr, 1).gather(1, exp_nodes)
-            child_score = (exp_score[..., None] + sc).flatten(1)  # [B, k_exp * k]
-            child_tok = self.draft_rows[ix].flatten(1)
-            child_par = exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1)
-            tok.append(child_tok), par.append(child_par), scr.append(child_score)
-            frontier = n_nodes + torch.arange(child_tok.shape[1], device=dev)[None].expand(B, -1)
-            f_score = child_score
-            n_nodes += child_tok.shape[1]
+            f_score = (exp_score[..., None] + sc).flatten(1)  # [B, k_exp * k]
+            f_tok = self.draft_rows[ix].flatten(1)
+            f_slot = (T_prev + torch.arange(k_exp, device=dev))[None, :, None].expand(B, -1, ix.shape[-1]).flatten(1)
+            tok.append(f_tok), scr.append(f_score)
+            par.append(exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1))
+            frontier = n_nodes + torch.arange(f_tok.shape[1], device=dev)[None].expand(B, -1)
+            n_nodes += f_tok.shape[1]
         return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(scr, 1)
 
     def _rerank(self, tok, par, scr) -> tuple[torch.Tensor, torch.Tensor]:
