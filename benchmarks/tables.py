@@ -831,6 +831,9 @@ TABLES = {
     "refactor_check_eagle_frontier": ("refactor_check_eagle_frontier", refactor_check_compiled_exports(
         "EAGLE-3's draft carries its frontier's tokens, scores and parent entries (Intel Xeon)",
         "refactor_check_eagle_frontier")),
+    "refactor_check_eagle_grouped_rows": ("refactor_check_eagle_grouped_rows", refactor_check_compiled_exports(
+        "EAGLE-3's draft attention with each kv head's query heads as rows of one product (Intel Xeon)",
+        "refactor_check_eagle_grouped_rows")),
     "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
         "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
         "refactor_check_sort_free")),

@@ -325,24 +325,28 @@ class Eagle3Drafter(Drafter):
 
     # --- the draft's KV cache over committed positions -----------------------------------------------------
     def _attend(self, q, k_new, v_new, allowed_new: torch.Tensor, full: bool = False) -> torch.Tensor:
-        """Attention of new entries [B, h, T, d] over the committed cache (valid slots) and the new ones
-        (allowed_new [B, T, T]); the new keys are not added to the cache. The cache is read in place (no copy
-        of it per call): scores over both parts share one softmax, and grouped query heads read their kv head
-        by broadcasting instead of repeating it. full: read the whole preallocated buffer (slots past the
-        committed ones are not valid), so the shapes do not change from step to step (the compiled path)."""
+        """Attention of new entries [B, h, T, d] over the committed cache (valid slots) and the new ones (keys and
+        values [B, kv_heads, T_new, d], allowed_new [B, T, T_new]); the new keys are not added to the cache. The
+        cache is read in place (no copy of it per call): scores over both parts share one softmax, and the query
+        heads of one kv head are rows of one product with it (not a broadcast product, which copies the keys once
+        per query head). full: read the whole preallocated buffer (slots past the committed ones are not valid),
+        so the shapes do not change from step to step (the compiled path)."""
         B, h, T, d = q.shape
         kvh = k_new.shape[1]
-        qg = q.reshape(B, kvh, h // kvh, T, d) * (1.0 / math.sqrt(d))  # query heads grouped by their kv head
-        scores = (qg @ k_new[:, :, None].transpose(-1, -2)).masked_fill(~allowed_new[:, None, None], float("-inf"))
+        g = h // kvh  # query heads per kv head
+        qf = q.reshape(B, kvh, g * T, d) * (1.0 / math.sqrt(d))  # [B, kvh, g * T, d]
+
+        def scores_over(k, allowed):  # [B, kvh, g, T, S], masked where allowed [B, T, S] is False
+            return (qf @ k.transpose(-1, -2)).view(B, kvh, g, T, -1).masked_fill(~allowed[:, None, None],
+                                                                                float("-inf"))
+        scores = scores_over(k_new, allowed_new)
         n = self.k.shape[2] if full and self.k is not None else self.n
         if n:
-            cached = (qg @ self.k[:, :, None, :n].transpose(-1, -2)).masked_fill(
-                ~self.valid[:, None, None, None, :n], float("-inf"))
-            scores = torch.cat([cached, scores], -1)
+            scores = torch.cat([scores_over(self.k[:, :, :n], self.valid[:, None, :n].expand(B, T, n)), scores], -1)
         p = torch.softmax(scores, -1)
-        out = p[..., n:] @ v_new[:, :, None]
+        out = p[..., n:].reshape(B, kvh, g * T, k_new.shape[2]) @ v_new
         if n:
-            out = out + p[..., :n] @ self.v[:, :, None, :n]
+            out = out + p[..., :n].reshape(B, kvh, g * T, n) @ self.v[:, :, :n]
         return out.reshape(B, h, T, d)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> None:
