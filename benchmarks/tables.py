@@ -834,6 +834,8 @@ TABLES = {
     "refactor_check_eagle_grouped_rows": ("refactor_check_eagle_grouped_rows", refactor_check_compiled_exports(
         "EAGLE-3's draft attention with each kv head's query heads as rows of one product (Intel Xeon)",
         "refactor_check_eagle_grouped_rows")),
+    "compiled_eagle3_xeon_draft_changes": ("compiled_eagle3_xeon_draft_changes", compiled),
+    "compiled_eagle3_xeon_draft_changes_2": ("compiled_eagle3_xeon_draft_changes_2", compiled),
     "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
         "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
         "refactor_check_sort_free")),
