@@ -83,12 +83,10 @@ def main() -> None:
     pairs = {}
     exports = dict(e.split("=", 1) for e in a.export) or {k: str(EXPORTS / n) for k, n in STORIES_EXPORTS.items()}
     options = {"options": dict(o.split("=", 1) for o in a.ensemble_option)} if a.ensemble_option else {}
-    ensemble_options = dict(options)
     for kind, spec in exports.items():
         path, _, tree = spec.partition("@")  # TREE: the --tree of both sides (default: the export's)
-        options["tree"] = tree or None
-        after, tok, _ = load_decoder(path, **options)
-        before, _, _ = load_before(path, **options)
+        after, tok, _ = load_decoder(path, tree=tree or None, **options)
+        before, _, _ = load_before(path, tree=tree or None, **options)
         base = base or after.base
         after.base = before.base = base  # one base object: every method runs the same weights
         pairs[kind] = (before, after)
@@ -123,7 +121,7 @@ def main() -> None:
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
-                          **({"ensemble_options": ensemble_options["options"]} if ensemble_options else {}),
+                          **({"ensemble_options": options["options"]} if options else {}),
                           "exports": {k: str(v).replace(str(ROOT) + "/", "") for k, v in exports.items()},
                           "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio,
                           "same_accept_length": same,

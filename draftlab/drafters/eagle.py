@@ -483,26 +483,26 @@ class Eagle3Drafter(Drafter):
         tok = [root[:, None], self.draft_rows[idx0]]
         par = [torch.full((B, 1), -1, device=dev), torch.zeros_like(idx0)]
         scr = [torch.zeros(B, 1, device=dev), score0]
-        # The last level's nodes: their node ids, tokens, scores, and the tree entry of each one's parent (level 1:
-        # the root, which has none).
-        frontier, f_tok, f_score = 1 + torch.arange(idx0.shape[1], device=dev)[None].expand(B, -1), tok[1], score0
-        f_slot = None
+        # The last level's nodes: the first one's node id, their tokens and scores; each one's parent is tree entry
+        # parent_first + (its index // kids) (level 1: the root, which has no entry).
+        first, f_tok, f_score = 1, tok[1], score0
+        parent_first = kids = 0
         n_nodes = 1 + idx0.shape[1]
         kk = vv = None  # keys / values of the tree entries forwarded so far (never added to the cache)
         ent_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # entry i may attend to entry j
         parent_out = None  # outputs of the forwarded tree entries [B, T, H], in entry order
         for d in range(1, self.depth):
             # Expand the top_k most probable nodes of depth d (the previous level's children).
-            k_exp = min(self.top_k, frontier.shape[1])
+            k_exp = min(self.top_k, f_score.shape[1])
             exp_score, pick = f_score.topk(k_exp, -1)  # [B, k_exp]
-            exp_nodes = frontier.gather(1, pick)  # node ids to forward
+            exp_nodes = first + pick  # node ids to forward
             T_prev = ent_anc.shape[1]
             # Their g: the parent's output (root's = committed state; others = their entry's output).
             if d == 1:
                 g = out[:, None].expand(B, k_exp, -1)
                 anc_rows = torch.zeros(B, k_exp, 0, dtype=torch.bool, device=dev)
             else:
-                slot = f_slot.gather(1, pick)  # each one's parent's entry
+                slot = parent_first + pick // kids  # each one's parent's entry
                 g = parent_out.gather(1, slot[..., None].expand(-1, -1, parent_out.shape[-1]))
                 anc_rows = ent_anc.gather(1, slot[..., None].expand(-1, -1, T_prev)) | \
                     torch.nn.functional.one_hot(slot, T_prev).bool()
@@ -522,11 +522,10 @@ class Eagle3Drafter(Drafter):
             sc, ix = lp.topk(min(self.top_k, lp.shape[-1]), -1)  # [B, k_exp, k]
             f_score = (exp_score[..., None] + sc).flatten(1)  # [B, k_exp * k]
             f_tok = self.draft_rows[ix].flatten(1)
-            f_slot = (T_prev + torch.arange(k_exp, device=dev))[None, :, None].expand(B, -1, ix.shape[-1]).flatten(1)
+            parent_first, kids = T_prev, ix.shape[-1]
             tok.append(f_tok), scr.append(f_score)
-            par.append(exp_nodes[..., None].expand(-1, -1, ix.shape[-1]).flatten(1))
-            frontier = n_nodes + torch.arange(f_tok.shape[1], device=dev)[None].expand(B, -1)
-            n_nodes += f_tok.shape[1]
+            par.append(exp_nodes[..., None].expand(-1, -1, kids).flatten(1))
+            first, n_nodes = n_nodes, n_nodes + f_tok.shape[1]
         return torch.cat(tok, 1), torch.cat(par, 1), torch.cat(scr, 1)
 
     def _rerank(self, tok, par, scr) -> tuple[torch.Tensor, torch.Tensor]:
