@@ -69,7 +69,8 @@ def drafter(kind: str, base):
 KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "ensemble-grouped", "lookup"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "ensemble" else k  # 13 s
+                                  for k in KINDS])
 def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
     """... and every compiled call traces as whole graphs: a graph break would run Python between its pieces on every
     call (a DFlash call once read Tree.depth, a max() dynamo cannot trace, inside its graph)."""

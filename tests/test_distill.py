@@ -37,7 +37,8 @@ def lines(path):
     return sorted((json.loads(l) for l in path.read_text().splitlines()), key=lambda r: r["source_index"])
 
 
-@pytest.mark.parametrize("mode,all_turns", [("chat", False), ("chat", True), ("text", False)])
+@pytest.mark.parametrize("mode,all_turns", [("chat", False), pytest.param("chat", True, marks=pytest.mark.slow),
+                                            ("text", False)])
 def test_endpoint_records_equal_in_process_records(tiny_base_dir, server, tmp_path, mode, all_turns):
     url, stats = server
     src = chats(tmp_path / "p.jsonl")
