@@ -22,12 +22,19 @@ step costing its kernels plus plain decoding's non-kernel time per step, against
 speculative step can pay less besides its kernels than a plain step does (one compiled call, the host copy,
 emitting), so a bound at plain's overhead below a target says that no cut of overhead reaches the target with that
 drafter, tree and base on this machine; only cheaper kernels, a smaller tree or a higher accept length can.
+
+--ops: the profiled runs also record what the kernels are, per step: each matrix product, attention and top-k call
+by the number of rows it multiplies (its first operand's rows; attention: its queries), and inductor's generated
+kernels, with their calls per step and microseconds per call (tables.py: step_ops). The C++ wrapper hides the
+calls it makes from the profiler, so this mode compiles with the Python wrapper (DRAFTLAB_CPP_WRAPPER=0): the
+kernels are the same, the time between them is not, so read its wall figures beside a run without --ops.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 
@@ -35,7 +42,7 @@ import torch
 
 from common import ROOT, heldout_story_prompts, write_result
 from compiled import load_exports
-from tables import step_bounds as render
+from tables import step_bounds as render, step_ops
 
 TARGETS = {"eagle3": 1.5, "hydra++": 1.6, "hydra": 1.6, "ssm": 1.3}  # issue 20's CPU targets vs plain
 
@@ -55,6 +62,38 @@ def graph_ms(prof, into: dict) -> None:
         into.setdefault(label, [0.0, 0])[0] += e.cpu_time_total / 1e3
 
 
+# Extern calls of compiled graphs the --ops table breaks down by rows (the rest of a graph is generated kernels).
+OPS = {"aten::mm": "matrix product", "aten::addmm": "matrix product", "aten::bmm": "batched product",
+       "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::topk": "top-k", "aten::sort": "sort"}
+
+
+def op_rows(name: str, shapes: list) -> int | None:
+    """The rows an extern call multiplies: mm's first operand's, addmm's (after the bias), bmm's per batch entry,
+    attention's queries [B, H, T, D]."""
+    try:
+        return {"aten::mm": lambda: shapes[0][0], "aten::addmm": lambda: shapes[1][0],
+                "aten::bmm": lambda: shapes[0][1],
+                "aten::_scaled_dot_product_flash_attention_for_cpu": lambda: shapes[0][2]}[name]()
+    except (KeyError, IndexError):
+        return None
+
+
+def op_us(prof, into: dict) -> None:
+    """Add a profile's extern calls (OPS, keyed by kind and rows) and generated kernels (inductor's kernel profile)
+    to into[key] = [us, calls] (self time)."""
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in OPS:
+            rows = op_rows(e.key, e.input_shapes)
+            key = OPS[e.key] + (f", {rows} rows" if rows is not None else "")
+        elif "cpp_fused" in e.key:
+            key = "generated kernels"
+        else:
+            continue
+        slot = into.setdefault(key, [0.0, 0])
+        slot[0] += e.self_cpu_time_total
+        slot[1] += e.count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="+", help="export directories of one base (LABEL=DIR@TREE)")
@@ -62,7 +101,13 @@ def main() -> None:
     ap.add_argument("--profiled-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--name", default="step_bounds")
+    ap.add_argument("--ops", action="store_true", help="also break the kernels down by operation and rows (see above)")
     a = ap.parse_args()
+    if a.ops:  # before anything compiles
+        import torch._inductor.config as inductor_config
+
+        os.environ["DRAFTLAB_CPP_WRAPPER"] = "0"
+        inductor_config.cpp.enable_kernel_profile = True
     from draftlab.decode import compiled as compiled_mod
     from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
     from draftlab.serve.generate import encode_prompt
@@ -101,7 +146,7 @@ def main() -> None:
             fn(p)
         warm[k] = round(time.perf_counter() - t0, 2)
     wall, steps, tokens, outputs = defaultdict(float), defaultdict(int), defaultdict(int), defaultdict(list)
-    graphs, profiled_steps, late = defaultdict(dict), defaultdict(int), defaultdict(int)
+    graphs, profiled_steps, late, ops = defaultdict(dict), defaultdict(int), defaultdict(int), defaultdict(dict)
     for i, p in enumerate(prompts):  # interleaved: each prompt through every method, timed, then profiled
         for k, fn in run.items():
             g0 = compiled_mod.compiled_graphs()
@@ -116,11 +161,14 @@ def main() -> None:
                 continue
             compiled_mod.Compiled.__call__ = labelled
             try:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            record_shapes=a.ops) as prof:
                     profiled_steps[k] += fn(p).steps
             finally:
                 compiled_mod.Compiled.__call__ = call
             graph_ms(prof, graphs[k])
+            if a.ops:
+                op_us(prof, ops[k])
     profiles = {k: {g: {"kernels_ms": round(ms / profiled_steps[k], 4),
                         "calls_per_step": round(calls / profiled_steps[k], 2)}
                     for g, (ms, calls) in sorted(v.items(), key=lambda kv: -kv[1][0])} for k, v in graphs.items()}
@@ -135,6 +183,10 @@ def main() -> None:
                       "kernel_share": round(kernels / step_ms, 3), "graphs": profiles[k],
                       "bound_tokens_per_s": round(accept / kernels * 1e3, 1), "warmup_s": warm[k],
                       "identical_to_plain": outputs[k] == outputs["plain"], "graphs_compiled_timed": late[k]}
+        if a.ops:
+            results[k]["ops"] = {o: {"calls_per_step": round(c / profiled_steps[k], 2), "us_per_call": round(us / c, 2),
+                                     "us_per_step": round(us / profiled_steps[k], 1)}
+                                 for o, (us, c) in sorted(ops[k].items(), key=lambda kv: -kv[1][0])}
     plain = results["plain"]
     for k, r in results.items():
         r["speedup_vs_plain"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3)
@@ -144,9 +196,12 @@ def main() -> None:
             r["accept_for_target"] = round(r["target"] * plain["bound_tokens_per_s"] * r["kernels_ms"] / 1e3, 2)
     data = write_result(a.name, {"exports": exports, "prompts": len(prompts), "profiled_prompts": a.profiled_prompts,
                           "max_new_tokens": N, "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
-                          "torch_threads": torch.get_num_threads(), "methods": results})
+                          "torch_threads": torch.get_num_threads(), "ops": a.ops, "methods": results})
     print()
     render(print, json.loads(data.read_text()))
+    if a.ops:
+        print()
+        step_ops(print, json.loads(data.read_text()))
 
 
 if __name__ == "__main__":
