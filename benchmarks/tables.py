@@ -637,6 +637,22 @@ def step_bounds(p, d, title: str = "Where a compiled step's time goes, and the k
     timed_compiles(p, d)
 
 
+def step_ops(p, d, title: str = "What a compiled step's kernels are: products, attention and generated kernels",
+             least_us: float = 2.0) -> None:
+    """The --ops breakdown of a step_bounds run: per method, each kind of call by rows, costing at least least_us
+    microseconds per step."""
+    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    heading(p, title, f"`benchmarks/step_bounds.py --ops`; {exports}; base `{d['base']}`; the first "
+            f"{d['profiled_prompts']} of {d['prompts']} prompts x {d['max_new_tokens']} tokens profiled, greedy, "
+            f"batch 1, compiled with the Python wrapper and inductor's kernel profile; {where(d)}")
+    p("| method | call (rows) | calls per step | us per call | us per step |")
+    p("|---|---|---|---|---|")
+    for k, r in d["methods"].items():
+        for o, v in r["ops"].items():
+            if v["us_per_step"] >= least_us:
+                p(f"| {k} | {o} | {v['calls_per_step']:.2f} | {v['us_per_call']:.1f} | {v['us_per_step']:.1f} |")
+
+
 def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its best member",
                   name: str = "ensemble_cost") -> None:
     same = all(r["identical_to_baseline"] for r in d["methods"].values())
@@ -877,6 +893,11 @@ TABLES = {
     "step_bounds_xeon": ("step_bounds_xeon", lambda p, d: step_bounds(
         p, d, "Where a compiled step's time goes on the Intel Xeon, with direct calls")),
     "compiled_targets_xeon_timed": ("compiled_targets_xeon_timed", compiled),
+    "step_bounds_ops_epyc": ("step_ops_epyc", lambda p, d: step_bounds(
+        p, d, "Where a compiled step's time goes on the AMD EPYC, Python wrapper (the --ops run)")),
+    "step_ops_epyc": ("step_ops_epyc", lambda p, d: step_ops(
+        p, d, "What a compiled step's kernels are on the AMD EPYC: products and attention by rows")),
+    "compiled_targets_epyc": ("compiled_targets_epyc", compiled),
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
         p, d, "The cost schedule with probes bounded by their feeding too and late prompts within the prefill's "
         "width (Intel Xeon)", "ensemble_cost_xeon_fed")),
