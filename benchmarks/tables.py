@@ -899,6 +899,8 @@ TABLES = {
         p, d, "What a compiled step's kernels are on the AMD EPYC: products and attention by rows")),
     "compiled_targets_epyc": ("compiled_targets_epyc", compiled),
     "compiled_targets_epyc_1thread": ("compiled_targets_epyc_1thread", compiled),
+    "compiled_targets_epyc_ssm": ("compiled_targets_epyc_ssm", compiled),
+    "compiled_targets_epyc_ssm_1thread": ("compiled_targets_epyc_ssm_1thread", compiled),
     "step_ops_epyc_1thread": ("step_ops_epyc_1thread", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC, on one thread")),
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
