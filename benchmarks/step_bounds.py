@@ -67,13 +67,17 @@ OPS = {"aten::mm": "matrix product", "aten::addmm": "matrix product", "aten::bmm
        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::topk": "top-k", "aten::sort": "sort"}
 
 
+# Where an extern call's rows are: (operand, dimension). mm: its first operand's rows; addmm: the same after the
+# bias; bmm: per batch entry; attention: the queries of [B, H, T, D].
+ROWS = {"aten::mm": (0, 0), "aten::addmm": (1, 0), "aten::bmm": (0, 1),
+        "aten::_scaled_dot_product_flash_attention_for_cpu": (0, 2)}
+
+
 def op_rows(name: str, shapes: list) -> int | None:
-    """The rows an extern call multiplies: mm's first operand's, addmm's (after the bias), bmm's per batch entry,
-    attention's queries [B, H, T, D]."""
+    """The rows an extern call multiplies (ROWS); None for calls without rows (top-k, sort)."""
     try:
-        return {"aten::mm": lambda: shapes[0][0], "aten::addmm": lambda: shapes[1][0],
-                "aten::bmm": lambda: shapes[0][1],
-                "aten::_scaled_dot_product_flash_attention_for_cpu": lambda: shapes[0][2]}[name]()
+        operand, dim = ROWS[name]
+        return shapes[operand][dim]
     except (KeyError, IndexError):
         return None
 
