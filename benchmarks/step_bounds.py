@@ -201,11 +201,12 @@ def main() -> None:
     data = write_result(a.name, {"exports": exports, "prompts": len(prompts), "profiled_prompts": a.profiled_prompts,
                           "max_new_tokens": N, "base": meta["base"]["name_or_path"].replace(str(ROOT) + "/", ""),
                           "torch_threads": torch.get_num_threads(), "ops": a.ops, "methods": results})
+    written = json.loads(data.read_text())  # as the docs' tables read it (write_result adds the machine and date)
     print()
-    render(print, json.loads(data.read_text()))
+    render(print, written)
     if a.ops:
         print()
-        step_ops(print, json.loads(data.read_text()))
+        step_ops(print, written)
 
 
 if __name__ == "__main__":

@@ -609,8 +609,13 @@ def compiled(p, d) -> None:
     timed_compiles(p, d)
 
 
+def step_exports(d) -> str:
+    """A step_bounds run's exports as its tables' headings name them."""
+    return ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+
+
 def step_bounds(p, d, title: str = "Where a compiled step's time goes, and the kernel-only bound") -> None:
-    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    exports = step_exports(d)
     same = all(r["identical_to_plain"] for r in d["methods"].values())
     heading(p, title, f"`benchmarks/step_bounds.py`; "
             f"{exports}; base `{d['base']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens (kernels profiled "
@@ -641,8 +646,7 @@ def step_ops(p, d, title: str = "What a compiled step's kernels are: products, a
              least_us: float = 2.0) -> None:
     """The --ops breakdown of a step_bounds run: per method, each kind of call by rows, costing at least least_us
     microseconds per step."""
-    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
-    heading(p, title, f"`benchmarks/step_bounds.py --ops`; {exports}; base `{d['base']}`; the first "
+    heading(p, title, f"`benchmarks/step_bounds.py --ops`; {step_exports(d)}; base `{d['base']}`; the first "
             f"{d['profiled_prompts']} of {d['prompts']} prompts x {d['max_new_tokens']} tokens profiled, greedy, "
             f"batch 1, compiled with the Python wrapper and inductor's kernel profile; {where(d)}")
     p("| method | call (rows) | calls per step | us per call | us per step |")
