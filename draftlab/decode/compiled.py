@@ -51,7 +51,7 @@ import weakref
 
 import torch
 
-from . import fuse
+from . import fuse, gqa
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -273,6 +273,8 @@ class Compiled:
         if mode == "default" and device == "cpu" and cpp_wrapper():
             mode, options = None, {"cpp_wrapper": True}  # see cpp_wrapper (torch.compile takes a mode or options)
         self.fn = torch.compile(fn, backend=backend, mode=mode, options=options, dynamic=False)
+        if device == "cpu":
+            gqa.install()  # grouped-query attention without copying keys and values inside compiled calls (decode.gqa)
         # Outputs under CUDA graphs (see the module's overview): emulated, and cloned where they must outlive the next
         # graphed call.
         self.graphs, self.keep_outputs, self.cudagraphs = graphs, keep_outputs, mode == "reduce-overhead"
