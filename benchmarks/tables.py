@@ -918,6 +918,12 @@ TABLES = {
         "refactor_check_fuse_projections")),
     "refactor_check_fuse_projections_2": ("refactor_check_fuse_projections_2", refactor_check_compiled_exports(
         "Fused projections, a second run with the ensemble (Intel Xeon)", "refactor_check_fuse_projections_2")),
+    "refactor_check_cpu_gqa_2threads": ("refactor_check_cpu_gqa_2threads", refactor_check_compiled_exports(
+        "Grouped-query attention without copying keys and values, against the commit before (AMD EPYC)",
+        "refactor_check_cpu_gqa_2threads")),
+    "refactor_check_cpu_gqa": ("refactor_check_cpu_gqa", refactor_check_compiled_exports(
+        "Grouped-query attention without copying keys and values, on one thread (AMD EPYC)",
+        "refactor_check_cpu_gqa")),
     "compiled_targets_xeon_fuse": ("compiled_targets_xeon_fuse", compiled),
     "compiled_targets_xeon_selfdata": ("compiled_targets_xeon_selfdata", compiled),
     "compiled_targets_xeon_selfdata_2": ("compiled_targets_xeon_selfdata_2", compiled),
