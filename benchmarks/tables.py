@@ -905,6 +905,9 @@ TABLES = {
     "compiled_targets_epyc_1thread": ("compiled_targets_epyc_1thread", compiled),
     "compiled_targets_epyc_ssm": ("compiled_targets_epyc_ssm", compiled),
     "compiled_targets_epyc_ssm_1thread": ("compiled_targets_epyc_ssm_1thread", compiled),
+    "compiled_targets_epyc_gqa_1thread": ("compiled_targets_epyc_gqa_1thread", compiled),
+    "step_ops_epyc_gqa_1thread": ("step_ops_epyc_gqa_1thread", lambda p, d: step_ops(
+        p, d, "What a compiled step's kernels are on the AMD EPYC with grouped-query attention, on one thread")),
     "step_ops_epyc_1thread": ("step_ops_epyc_1thread", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC, on one thread")),
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
