@@ -906,6 +906,15 @@ TABLES = {
     "compiled_targets_epyc_ssm": ("compiled_targets_epyc_ssm", compiled),
     "compiled_targets_epyc_ssm_1thread": ("compiled_targets_epyc_ssm_1thread", compiled),
     "compiled_targets_epyc_gqa_1thread": ("compiled_targets_epyc_gqa_1thread", compiled),
+    "refactor_check_window128": ("refactor_check_window128", refactor_check_compiled_exports(
+        "The smallest attention window 128 slots on a CPU rather than 256, against the commit before, one thread "
+        "(AMD EPYC)", "refactor_check_window128")),
+    "refactor_check_window128_2threads": ("refactor_check_window128_2threads", refactor_check_compiled_exports(
+        "The smallest attention window 128 slots on a CPU, two threads (AMD EPYC)",
+        "refactor_check_window128_2threads")),
+    "window_fresh_cache_256": ("window_fresh_cache_256", compiled),
+    "window_fresh_cache_128": ("window_fresh_cache_128", compiled),
+    "window_fresh_cache_64": ("window_fresh_cache_64", compiled),
     "step_ops_epyc_gqa_1thread": ("step_ops_epyc_gqa_1thread", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC with grouped-query attention, on one thread")),
     "step_ops_epyc_1thread": ("step_ops_epyc_1thread", lambda p, d: step_ops(

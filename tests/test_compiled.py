@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from draftlab.decode.cache import SlotCache, StaticSlotCache, keep_on_device
+from draftlab.decode.cache import SlotCache, StaticSlotCache, attention_window, keep_on_device
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import DynamicTree, Tree, TreeView
 from draftlab.drafters import build_draft, make_drafter
@@ -263,6 +263,13 @@ def test_trees_that_change_between_steps_decode_exactly_on_the_compiled_path():
     assert d.groups  # the two members draft as one grouped model
     assert SpeculativeDecoder(base, d, compile="eager").generate(prompts, max_new_tokens=24).tokens == ref
     assert len(set(adaptive.history)) >= 3
+
+
+def test_the_smallest_attention_window_is_the_devices_and_a_window_never_passes_the_buffer():
+    """128 slots on a CPU, 256 elsewhere, doubling to hold what a forward can see, at most the whole buffer."""
+    assert [attention_window(n, 1024) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1024]
+    assert [attention_window(n, 1024, "cuda") for n in (1, 256, 257)] == [256, 256, 512]
+    assert attention_window(200, 192) == 192 and attention_window(10, 64, "cuda") == 64
 
 
 @pytest.mark.parametrize("window_min", [256, 4])

@@ -302,13 +302,16 @@ def static_slot_cache(model, batch: int, size: int, forward=None, reuse=None) ->
     return StaticSlotCache(model, batch, size, forward)
 
 
-WINDOW_MIN = 256  # the smallest attention window (slots)
+WINDOW_MIN = 128  # the smallest attention window (slots) on a CPU
+WINDOW_MIN_GPU = 256  # elsewhere: each window size is one more set of graphs to build; a smaller one is not measured
 
 
-def attention_window(need: int, max_len: int) -> int:
+def attention_window(need: int, max_len: int, device_type: str = "cpu") -> int:
     """The slots a forward attends over when the first `need` slots are all it can see: the smallest power of two
-    times WINDOW_MIN that holds them (at most max_len). A few window sizes per cache, so a few compiled shapes."""
-    w = WINDOW_MIN
+    times the device's smallest window (WINDOW_MIN on a CPU, WINDOW_MIN_GPU elsewhere) that holds them (at most
+    max_len). A few window sizes per cache, so a few compiled shapes. On a CPU attention over a small base's window is
+    a large part of a step (docs/decoding.md, "Static shapes and compilation"), so the smallest window there is 128."""
+    w = WINDOW_MIN if device_type == "cpu" else WINDOW_MIN_GPU
     while w < need:
         w *= 2
     return min(w, max_len)
@@ -338,8 +341,8 @@ class StaticSlotCache:
     The KV cache is transformers' StaticCache of `max_len` slots per row; `valid` [B, max_len] marks the slots
     a row may attend to (committed tokens; the rest are holes or not yet written). A forward over N tree tokens
     writes slots [length, length + N) in place and attends through a [B, 1, N, W] mask over the first W slots (the
-    attention window: attention_window of the slots written so far, a power of two times 256), so its shapes depend
-    on (B, N, W) only, never on how far decoding got within a window: one compiled graph (and on a GPU one CUDA
+    attention window: attention_window of the slots written so far, a power of two times 128 or 256), so its shapes
+    depend on (B, N, W) only, never on how far decoding got within a window: one compiled graph (and on a GPU one CUDA
     graph) per window size serves every step. Attending over the window rather than the whole buffer matters where
     attention is a large part of a forward (a small base on a CPU: a 60-token verify over 512 slots spends most of
     its time in attention). `keep` moves the accepted slots into place inside the buffers (a gather and a write of
@@ -435,7 +438,7 @@ class StaticSlotCache:
     def _set_window(self, need: int) -> None:
         """Attend over the window holding the first `need` slots in the next forward. The window is an attribute of
         the cache object (StaticCache.window), so a compiled forward's call signature holds it (decode.compiled)."""
-        self.window = attention_window(need, self.max_len) if self.windowed else self.max_len
+        self.window = attention_window(need, self.max_len, self.device.type) if self.windowed else self.max_len
         self.cache.window = self.window
         for layer in self.cache.layers:
             if hasattr(layer, "window"):

@@ -501,7 +501,7 @@ class DFlashDrafter(Drafter):
         W = ok.shape[1]
         self._room(W, self.kv, self.valid)
         n = torch.tensor(self.n, device=root.device)
-        window = attention_window(self.n + W, self.valid.shape[1])
+        window = attention_window(self.n + W, self.valid.shape[1], self.valid.device.type)
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
         out, self.next_pos = fn(root, states, keep, positions, ok, n, window, greedy)
         self.n += 0 if empty else W
@@ -527,7 +527,8 @@ class DFlashDrafter(Drafter):
             return None  # sampled blocks draw their tree from the generator, outside any call
         W = self.tree.depth + 1
         self._room(W, self.kv, self.valid)
-        return W, torch.tensor(self.n, device=self.valid.device), attention_window(self.n + W, self.valid.shape[1])
+        return (W, torch.tensor(self.n, device=self.valid.device),
+                attention_window(self.n + W, self.valid.shape[1], self.valid.device.type))
 
     def chain(self, states, full, tokens, bonus, last, W: int, n, window: int):
         keep, ok, positions = [t[:, :W] for t in full]
