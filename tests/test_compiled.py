@@ -387,8 +387,9 @@ def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(mon
 
 @pytest.mark.parametrize("kind", ["ssm", "hydra++"])
 def test_later_runs_reuse_the_static_caches_and_give_the_eager_tokens(kind):
-    """A decoder's next run empties and reuses its last static cache (and the drafter its own), so CUDA graphs
-    recorded against their buffers stay valid; a batch of another size gets caches of its own."""
+    """A decoder's next run empties and reuses its last static cache (and the drafter its own, also after an eager
+    decoder ran the same drafter in between), so CUDA graphs recorded against their buffers stay valid; a batch of
+    another size gets caches of its own."""
     base = peaked()
     d = drafter(kind, base)
     dec = SpeculativeDecoder(base, d, static=True)
@@ -396,10 +397,12 @@ def test_later_runs_reuse_the_static_caches_and_give_the_eager_tokens(kind):
     dec.generate([[1, 5, 7, 9, 5, 7]], max_new_tokens=30)  # a long first run: later ones reuse what it wrote over
     first, first_own = dec._cache, own()
     eager = SpeculativeDecoder(base, drafter(kind, base))
+    same_drafter_eager = SpeculativeDecoder(base, d)
     for prompts in ([[1, 3]], [[1, 8, 8, 3, 6]]):
         got = dec.generate(prompts, max_new_tokens=21).tokens
         assert dec._cache is first and own() is first_own
-        assert got == eager.generate(prompts, max_new_tokens=21).tokens
+        want = eager.generate(prompts, max_new_tokens=21).tokens
+        assert got == want and same_drafter_eager.generate(prompts, max_new_tokens=21).tokens == want
     two = [[1, 3], [1, 2, 3, 4]]
     assert dec.generate(two, max_new_tokens=21).tokens == eager.generate(two, max_new_tokens=21).tokens
     assert dec._cache is not first and dec._cache.batch == 2

@@ -346,8 +346,12 @@ class SSMDrafter(Drafter):
         self.feed_width = 2  # a feed the last run widened would cost this run's every step, at other shapes
         # On the static path: room for the prompt and the run (prompt.room, at least 256 slots; rounded up to 256),
         # grown when needed (a run whose length it was not told).
+        # The last static run's cache is emptied and reused, also after eager runs between (kept_static): a new one
+        # per run would cost each run its allocation (and on a GPU its CUDA graphs' recording).
         self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + max(256, prompt.room),
-                                 self.decode_path, reuse=self.target)
+                                 self.decode_path, reuse=getattr(self, "kept_static", None))
+        if self.decode_path and self.decode_path.get("static"):
+            self.kept_static = self.target
         out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True)
         if self.ranks is not None:
             self.record_ranks(out.logits, prompt.ids, prompt.valid, None)

@@ -53,7 +53,7 @@ class HeadsDrafter(Drafter):
 
     def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
-        previous, self.static, self.pending = self.static, None, None  # previous: reused on the static path
+        self.static, self.pending = None, None
         if not self.prefix:
             self.hidden = hidden[:, -1]
             return
@@ -66,8 +66,9 @@ class HeadsDrafter(Drafter):
             if getattr(self, "_prefix_model", None) is None:
                 self._prefix_model = PrefixModel(self.heads)
             B, L = prompt.valid.shape
-            self.static = slot_cache(self._prefix_model, B, L + max(256, prompt.room), self.decode_path,
-                                     reuse=previous)
+            # the last static run's cache, emptied and reused (also after eager runs between: kept_static)
+            self.static = self.kept_static = slot_cache(self._prefix_model, B, L + max(256, prompt.room),
+                                                        self.decode_path, reuse=getattr(self, "kept_static", None))
             self.hidden = self.static.prefill(hidden, prompt.valid, bucket=True)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
