@@ -389,18 +389,21 @@ def test_the_static_cache_grows_when_its_run_is_longer_than_it_was_sized_for(mon
 def test_later_runs_reuse_the_static_caches_and_give_the_eager_tokens(kind):
     """A decoder's next run empties and reuses its last static cache (and the drafter its own, also after an eager
     decoder ran the same drafter in between), so CUDA graphs recorded against their buffers stay valid; a batch of
-    another size gets caches of its own."""
+    another size gets caches of its own. An eager run leaves no tensor in the drafter that would change its compiled
+    calls' signature (decode.compiled._held) for the static runs after it."""
+    from draftlab.decode.compiled import _held
+
     base = peaked()
     d = drafter(kind, base)
     dec = SpeculativeDecoder(base, d, static=True)
     own = (lambda: d.target) if kind == "ssm" else (lambda: d.static)  # the drafter's own static cache
     dec.generate([[1, 5, 7, 9, 5, 7]], max_new_tokens=30)  # a long first run: later ones reuse what it wrote over
-    first, first_own = dec._cache, own()
+    first, first_own, held = dec._cache, own(), _held(d)
     eager = SpeculativeDecoder(base, drafter(kind, base))
     same_drafter_eager = SpeculativeDecoder(base, d)
     for prompts in ([[1, 3]], [[1, 8, 8, 3, 6]]):
         got = dec.generate(prompts, max_new_tokens=21).tokens
-        assert dec._cache is first and own() is first_own
+        assert dec._cache is first and own() is first_own and _held(d) == held
         want = eager.generate(prompts, max_new_tokens=21).tokens
         assert got == want and same_drafter_eager.generate(prompts, max_new_tokens=21).tokens == want
     two = [[1, 3], [1, 2, 3, 4]]

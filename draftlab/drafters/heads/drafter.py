@@ -53,7 +53,9 @@ class HeadsDrafter(Drafter):
 
     def _begin(self, prompt: PromptState) -> None:
         hidden = prompt.hidden[-1]  # [B, L, H]
-        self.static, self.pending = None, None
+        # (the eager path's cache and slots too: tensors a drafter holds are part of its compiled calls' signature,
+        # so an eager run's, left behind, would make the next static run's calls a new signature for every prompt)
+        self.static = self.pending = self.cache = self.valid = None
         if not self.prefix:
             self.hidden = hidden[:, -1]
             return
