@@ -912,6 +912,8 @@ TABLES = {
     "refactor_check_window128_2threads": ("refactor_check_window128_2threads", refactor_check_compiled_exports(
         "The smallest attention window 128 slots on a CPU, two threads (AMD EPYC)",
         "refactor_check_window128_2threads")),
+    "compiled_targets_epyc_final_1thread": ("compiled_targets_epyc_final_1thread", compiled),
+    "compiled_targets_epyc_final": ("compiled_targets_epyc_final", compiled),
     "window_fresh_cache_256": ("window_fresh_cache_256", compiled),
     "window_fresh_cache_128": ("window_fresh_cache_128", compiled),
     "window_fresh_cache_64": ("window_fresh_cache_64", compiled),
