@@ -43,8 +43,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
 
 def install() -> bool:
-    """Put grouped_sdpa in front of transformers' `sdpa` attention (once per process; it reads DRAFTLAB_CPU_GQA at
-    each call, through ON); whether it is there."""
+    """Put grouped_sdpa in front of transformers' `sdpa` attention (once per process); whether it is there. Whether
+    it attends with the grouping is ON's (DRAFTLAB_CPU_GQA, read at import), which each call reads."""
     if _HF:
         return True
     try:
