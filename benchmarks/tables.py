@@ -914,6 +914,7 @@ TABLES = {
         "refactor_check_window128_2threads")),
     "compiled_targets_epyc_final_1thread": ("compiled_targets_epyc_final_1thread", compiled),
     "compiled_targets_epyc_final": ("compiled_targets_epyc_final", compiled),
+    "compiled_ssm_epyc1_tree_1thread": ("compiled_ssm_epyc1_tree_1thread", compiled),
     "window_fresh_cache_256": ("window_fresh_cache_256", compiled),
     "window_fresh_cache_128": ("window_fresh_cache_128", compiled),
     "window_fresh_cache_64": ("window_fresh_cache_64", compiled),
