@@ -767,6 +767,11 @@ def refactor_check_session_cpu(p, d) -> None:
                    f"prompts x {d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
 
 
+def same_name(render, *names: str) -> dict:
+    """TABLES entries whose docs section and results file share a name, all drawn by `render`."""
+    return {n: (n, render) for n in names}
+
+
 TABLES = {
     "kinds": (None, kinds),
     "recipes": (None, recipes),
@@ -789,8 +794,8 @@ TABLES = {
     "refactor_check_compiled": ("refactor_check_compiled", refactor_check_compiled),
     "gpu_decode": ("gpu_decode", gpu_decode),
     "gpu_train": ("gpu_train", gpu_train),
-    "dflash_anchors": ("dflash_anchors", compiled),
-    "eagle3_trees": ("eagle3_trees", compiled),
+    **same_name(compiled,
+        "dflash_anchors", "eagle3_trees"),
     "refactor_check_session_cpu": ("refactor_check_session_cpu", refactor_check_session_cpu),
     "gpu_train_block": ("gpu_train_block", lambda p, d: gpu_train(p, d, "EAGLE-3 and DFlash training steps on a GPU")),
     "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
@@ -838,24 +843,20 @@ TABLES = {
     "refactor_check_cost_probes": ("refactor_check_cost_probes", refactor_check_compiled_exports(
         "The cost schedule with bounded probes, late members' text as their prompt and deferred following, against "
         "the commit before them", "refactor_check_cost_probes")),
-    "compiled_searched": ("compiled_searched", compiled),
-    "block_drafters": ("block_drafters", compiled),
-    "block_drafters_selfdata": ("block_drafters_selfdata", compiled),
-    "compiled_all_kinds": ("compiled_all_kinds", compiled),
-    "block_drafters_selfdata_full": ("block_drafters_selfdata_full", compiled),
-    "compiled_all_kinds_6ep": ("compiled_all_kinds_6ep", compiled),
+    **same_name(compiled,
+        "compiled_searched", "block_drafters", "block_drafters_selfdata", "compiled_all_kinds",
+        "block_drafters_selfdata_full", "compiled_all_kinds_6ep"),
     "batch_schedule": ("batch_schedule", batch_schedule),
-    "compiled_all_kinds_fused": ("compiled_all_kinds_fused", compiled),
-    "compiled_all_kinds_dc71163": ("compiled_all_kinds_dc71163", compiled),
-    "compiled_targets_xeon_sort_free": ("compiled_targets_xeon_sort_free", compiled),
+    **same_name(compiled,
+        "compiled_all_kinds_fused", "compiled_all_kinds_dc71163", "compiled_targets_xeon_sort_free"),
     "refactor_check_eagle_frontier": ("refactor_check_eagle_frontier", refactor_check_compiled_exports(
         "EAGLE-3's draft carries its frontier's tokens, scores and parent entries (Intel Xeon)",
         "refactor_check_eagle_frontier")),
     "refactor_check_eagle_grouped_rows": ("refactor_check_eagle_grouped_rows", refactor_check_compiled_exports(
         "EAGLE-3's draft attention with each kv head's query heads as rows of one product (Intel Xeon)",
         "refactor_check_eagle_grouped_rows")),
-    "compiled_eagle3_xeon_draft_changes": ("compiled_eagle3_xeon_draft_changes", compiled),
-    "compiled_eagle3_xeon_draft_changes_2": ("compiled_eagle3_xeon_draft_changes_2", compiled),
+    **same_name(compiled,
+        "compiled_eagle3_xeon_draft_changes", "compiled_eagle3_xeon_draft_changes_2"),
     "refactor_check_sort_free": ("refactor_check_sort_free", refactor_check_compiled_exports(
         "The step's node order and EAGLE-3's rerank without the sorts they did not need (Intel Xeon)",
         "refactor_check_sort_free")),
@@ -888,10 +889,9 @@ TABLES = {
         "refactor_check_ssm_chained")),
     "refactor_check_direct_calls": ("refactor_check_direct_calls", refactor_check_compiled_exports(
         "Compiled calls without dynamo's frame hook (CPU)", "refactor_check_direct_calls")),
-    "compiled_all_kinds_direct": ("compiled_all_kinds_direct", compiled),
-    "compiled_hydra_searched_xeon": ("compiled_hydra_searched_xeon", compiled),
-    "compiled_eagle3_trees_xeon": ("compiled_eagle3_trees_xeon", compiled),
-    "compiled_targets_xeon": ("compiled_targets_xeon", compiled),
+    **same_name(compiled,
+        "compiled_all_kinds_direct", "compiled_hydra_searched_xeon", "compiled_eagle3_trees_xeon",
+        "compiled_targets_xeon"),
     "ensemble_cost_xeon_direct": ("ensemble_cost_xeon_direct", lambda p, d: ensemble_cost(
         p, d, "The ensemble's cost schedule with direct calls (Intel Xeon)", "ensemble_cost_xeon_direct")),
     "step_bounds_xeon": ("step_bounds_xeon", lambda p, d: step_bounds(
@@ -901,23 +901,18 @@ TABLES = {
         p, d, "Where a compiled step's time goes on the AMD EPYC, Python wrapper (the --ops run)")),
     "step_ops_epyc": ("step_ops_epyc", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC: products and attention by rows")),
-    "compiled_targets_epyc": ("compiled_targets_epyc", compiled),
-    "compiled_targets_epyc_1thread": ("compiled_targets_epyc_1thread", compiled),
-    "compiled_targets_epyc_ssm": ("compiled_targets_epyc_ssm", compiled),
-    "compiled_targets_epyc_ssm_1thread": ("compiled_targets_epyc_ssm_1thread", compiled),
-    "compiled_targets_epyc_gqa_1thread": ("compiled_targets_epyc_gqa_1thread", compiled),
+    **same_name(compiled,
+        "compiled_targets_epyc", "compiled_targets_epyc_1thread", "compiled_targets_epyc_ssm",
+        "compiled_targets_epyc_ssm_1thread", "compiled_targets_epyc_gqa_1thread"),
     "refactor_check_window128": ("refactor_check_window128", refactor_check_compiled_exports(
         "The smallest attention window 128 slots on a CPU rather than 256, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_window128")),
     "refactor_check_window128_2threads": ("refactor_check_window128_2threads", refactor_check_compiled_exports(
         "The smallest attention window 128 slots on a CPU, two threads (AMD EPYC)",
         "refactor_check_window128_2threads")),
-    "compiled_targets_epyc_final_1thread": ("compiled_targets_epyc_final_1thread", compiled),
-    "compiled_targets_epyc_final": ("compiled_targets_epyc_final", compiled),
-    "compiled_ssm_epyc1_tree_1thread": ("compiled_ssm_epyc1_tree_1thread", compiled),
-    "window_fresh_cache_256": ("window_fresh_cache_256", compiled),
-    "window_fresh_cache_128": ("window_fresh_cache_128", compiled),
-    "window_fresh_cache_64": ("window_fresh_cache_64", compiled),
+    **same_name(compiled,
+        "compiled_targets_epyc_final_1thread", "compiled_targets_epyc_final", "compiled_ssm_epyc1_tree_1thread",
+        "window_fresh_cache_256", "window_fresh_cache_128", "window_fresh_cache_64"),
     "step_ops_epyc_gqa_1thread": ("step_ops_epyc_gqa_1thread", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC with grouped-query attention, on one thread")),
     "step_ops_epyc_1thread": ("step_ops_epyc_1thread", lambda p, d: step_ops(
@@ -939,16 +934,11 @@ TABLES = {
     "refactor_check_cpu_gqa": ("refactor_check_cpu_gqa", refactor_check_compiled_exports(
         "Grouped-query attention without copying keys and values, on one thread (AMD EPYC)",
         "refactor_check_cpu_gqa")),
-    "compiled_targets_xeon_fuse": ("compiled_targets_xeon_fuse", compiled),
-    "compiled_targets_xeon_selfdata": ("compiled_targets_xeon_selfdata", compiled),
-    "compiled_targets_xeon_selfdata_2": ("compiled_targets_xeon_selfdata_2", compiled),
-    "compiled_targets_xeon_selfdata_3": ("compiled_targets_xeon_selfdata_3", compiled),
-    "compiled_hydra_selfdata_searched_xeon": ("compiled_hydra_selfdata_searched_xeon", compiled),
-    "compiled_heads_selfdata_searched_xeon": ("compiled_heads_selfdata_searched_xeon", compiled),
-    "eagle3_chains_xeon": ("eagle3_chains_xeon", compiled),
-    "compiled_targets_xeon_searched": ("compiled_targets_xeon_searched", compiled),
-    "compiled_targets_xeon_searched_2": ("compiled_targets_xeon_searched_2", compiled),
-    "eagle3_searched_selfdata_xeon": ("eagle3_searched_selfdata_xeon", compiled),
+    **same_name(compiled,
+        "compiled_targets_xeon_fuse", "compiled_targets_xeon_selfdata", "compiled_targets_xeon_selfdata_2",
+        "compiled_targets_xeon_selfdata_3", "compiled_hydra_selfdata_searched_xeon",
+        "compiled_heads_selfdata_searched_xeon", "eagle3_chains_xeon", "compiled_targets_xeon_searched",
+        "compiled_targets_xeon_searched_2", "eagle3_searched_selfdata_xeon"),
     "refactor_check_fuse_static": ("refactor_check_fuse_static", refactor_check_compiled_exports(
         "Fused weights marked as static addresses and fused again in place, against the commit before (Intel Xeon)",
         "refactor_check_fuse_static")),
