@@ -21,11 +21,15 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   speculative sampling at temperature 0.8 with the on-device rule (docs/decoding.md), its acceptance in its own
   compiled graph or inside the fused verify call; each run draws from one seed, so split and fused runs must give
   the same tokens (`sampled_agree`);
-- with --fuse-projections, plain_compiled_fuseproj and oracle_default-4h-25_compiled_fuseproj: plain and the
-  oracle on a copy of the base whose q/k/v and gate/up projections run as one product each (decode.fuse; 129
-  matrix products per 7B forward instead of 225), which a GPU does not do by default until measured; every other
-  method runs unfused;
+- with --fuse-projections, plain_compiled_fuseproj and oracle_default-4h-25_compiled_fuseproj (with --fused-step
+  also each with the verify step fused, *_fuseproj_fused): plain and the oracle on a copy of the base whose q/k/v
+  and gate/up projections run as one product each (decode.fuse; 129 matrix products per 7B forward instead of 225),
+  which a GPU does not do by default until measured; every other method runs unfused;
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
+
+Methods warm up in the order of what the GPU targets need most: plain decoding's variants, the oracle's, the
+sampled plain pair, the chained drafters, the sampled Medusa pair, then HF's static compile, so that a run cut short
+by --deadline keeps the first. The fastest plain decoding is the fastest greedy hf_* or plain_* method measured.
 
 --inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
 coordinate_descent_tuning=True, under which inductor writes one-row matrix products as tuned Triton reductions
@@ -279,13 +283,12 @@ def main() -> None:
     def oracles(model, tree):  # rep -> a fresh oracle drafter (its seed) for a decoder of `model`
         return lambda rep: Oracle(model, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
 
+    steps = (("", False), ("_fused", True)) if a.fused_step else (("", False),)
     if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
-        methods["plain_compiled_fuseproj"] = decoder_method(SpeculativeDecoder(fused_base, NoDraft(), compile=True,
-                                                                               fuse=True))
-        make = oracles(fused_base, trees["default-4h-25"])
-        methods["oracle_default-4h-25_compiled_fuseproj"] = decoder_method(
-            SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True), make)
+        for label, fused in steps:
+            methods[f"plain_compiled_fuseproj{label}"] = decoder_method(SpeculativeDecoder(
+                fused_base, NoDraft(), compile=True, fuse=True, fused=fused))
     for name in a.trees:
         make = oracles(base, trees[name])
         for kind, compiled in kinds:
@@ -293,6 +296,18 @@ def main() -> None:
         if a.fused_step:
             methods[f"oracle_{name}_compiled_fused"] = decoder_method(
                 SpeculativeDecoder(base, make(0), compile=True, fused=True), make)
+    if a.fuse_projections:
+        make = oracles(fused_base, trees["default-4h-25"])
+        for label, fused in steps:
+            methods[f"oracle_default-4h-25_compiled_fuseproj{label}"] = decoder_method(
+                SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True, fused=fused), make)
+    if a.sampled:
+        from draftlab.decode.acceptance import Sampling
+
+        s = Sampling(temperature=0.8)
+        for label, fused in (("", False), ("_fused", True)):
+            methods[f"plain_compiled{label}_sampled"] = decoder_method(
+                SpeculativeDecoder(base, NoDraft(), compile=True, fused=fused), sampling=s)
     if a.chained:  # the chained step under CUDA graphs: one call per step against two
         from draftlab.drafters import build_draft, make_drafter
 
@@ -306,14 +321,7 @@ def main() -> None:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(eagle), compile=True, fused=True, chained=chained))
-    if a.sampled:
-        from draftlab.decode.acceptance import Sampling
-
-        s = Sampling(temperature=0.8)
-        for label, fused in (("", False), ("_fused", True)):
-            methods[f"plain_compiled{label}_sampled"] = decoder_method(
-                SpeculativeDecoder(base, NoDraft(), compile=True, fused=fused), sampling=s)
-        if a.chained:
+        if a.sampled:
             for label, chained in (("split", False), ("chained", True)):
                 methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
                     base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained),
@@ -380,9 +388,8 @@ def main() -> None:
             if final:
                 print(name, row, flush=True)
         speed = {m: row["tokens_per_s"] for m, row in res["methods"].items() if "tokens_per_s" in row}
-        fastest = max((m for m in ("hf_generate", "hf_static_compiled", "plain_eager", "plain_compiled",
-                                   "plain_compiled_fused")
-                       if m in speed), key=speed.get, default=None)
+        fastest = max((m for m in speed if m.startswith(("hf_", "plain_")) and not m.endswith("_sampled")),
+                      key=speed.get, default=None)
         res["fastest_plain"] = fastest
         for name, row in res["methods"].items():
             if name in speed:
@@ -417,11 +424,11 @@ def main() -> None:
     # The compiled verify forward alone: the same decoder's static cache, graph and window, outside the loop, at a
     # length the run went through (the same attention window).
     verifies, alone = {}, {}
-    for name in ("plain_compiled", *(f"oracle_{t}_compiled" for t in a.trees)):
+    for name in ("plain_compiled", "plain_compiled_fuseproj", *(f"oracle_{t}_compiled" for t in a.trees)):
         if name not in live:
             continue
         try:  # the forward as the loop times it (mask included), less going back to the length (timed apart)
-            tree = Tree.from_paths([]) if name == "plain_compiled" else trees[name[len("oracle_"):-len("_compiled")]]
+            tree = Tree.from_paths([]) if name.startswith("plain") else trees[name[len("oracle_"):-len("_compiled")]]
             size, verify, back = verifies[name] = verify_call(methods[name][1], tree, a.context + N // 2, dev)
             ms = timed(verify, reps=20, warmup=3) - timed(back, reps=20, warmup=3)
             inside = res["methods"][name]["phases_ms_per_step"]["verify"]
