@@ -407,6 +407,13 @@ def gpu_compiled(p, d, title: str) -> None:
         p("\nFailed in the run (left out of the rounds):\n")
         for m, e in failed.items():
             p(f"- {m}: {e.splitlines()[0][:160]}")
+    parts = d.get("first_difference_from_split")
+    if parts:
+        p("\nFirst token where a fused (chained) method's output parts from its split one's: " + ", ".join(
+            f"{k} {'none' if v is None else v}" for k, v in parts.items()))
+    elif d.get("sampled_agree"):
+        p("\nSampled runs of one seed, split and fused, the same tokens: " + ", ".join(
+            f"{k} {'yes' if v else 'no'}" for k, v in d["sampled_agree"].items()))
     graphless = {m: r["cudagraph_skips"] for m, r in d["methods"].items() if r.get("cudagraph_skips")}
     if graphless:
         p("\nGraphs that ran without CUDA graphs (inductor's cudagraph_skips in the method's warm-up): "
@@ -803,6 +810,10 @@ TABLES = {
         p, d, "Compiled decoding on a GPU, before plain steps skipped their KV keep, with the eager methods")),
     "gpu_compiled_fused": ("gpu_compiled_fused", lambda p, d: gpu_compiled(
         p, d, "Compiled decoding on a GPU: the fused, chained and sampled steps' first run, with a profile")),
+    "gpu_compiled_fuseproj": ("gpu_compiled_fuseproj", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: the fused step, fused projections, the chained step and sampling")),
+    "gpu_compiled_fuseproj_2": ("gpu_compiled_fuseproj_2", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: the fused step and fused projections, the session's second call")),
     "gpu_compiled_cdt": ("gpu_compiled_cdt", lambda p, d: gpu_compiled(
         p, d, "Compiled plain decoding on a GPU with inductor's coordinate-descent tuning")),
     "train_ensemble": ("train_ensemble", train_ensemble),
