@@ -558,9 +558,9 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
     """On a CPU the compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
     DRAFTLAB_FUSED_STEP=0 splits it into the verify forward and the acceptance graph. Both give the eager tokens,
     greedy and with typical acceptance (its thresholds are in the graph), with drafters that read the base's states
-    from the step (Hydra++, EAGLE-3) too, and the fused call is the one that ran. On a GPU it is opt-in."""
+    from the step (Hydra++, EAGLE-3) too, and the fused call is the one that ran."""
     from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.decoder import fused_step
+    from draftlab.decode.decoder import fused_default, fused_step
 
     base = peaked()
     prompts = [[1, 5, 7, 9], [1, 3]]
@@ -579,9 +579,42 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
         assert fused.calls == calls
         monkeypatch.delenv("DRAFTLAB_FUSED_STEP")
     assert SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", fused=False).step is None
-    assert fused_step("eager", "cuda") is None and fused_step("eager", "cuda", on=True) is not None
-    monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
+    # A GPU fuses greedy and typical steps by default, not sampled ones; DRAFTLAB_FUSED_STEP sets both.
     assert fused_step("eager", "cuda") is not None
+    assert fused_default("cuda", sampled=False) and not fused_default("cuda", sampled=True)
+    assert fused_default("cpu", sampled=True)
+    monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
+    assert fused_default("cuda", sampled=True)
+    monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "0")
+    assert fused_step("eager", "cuda") is None and not fused_default("cpu", sampled=False)
+
+
+def test_a_device_that_fuses_only_deterministic_steps_splits_the_sampled_ones(monkeypatch):
+    """The GPU default (decode.decoder.fused_default), emulated on a CPU: greedy steps run the fused call, sampled
+    steps the split calls, with the tokens the fused sampled steps give for one seed; fused=True fuses both."""
+    from draftlab.decode import decoder as decoder_mod
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.decode.decoder import fused_step
+
+    monkeypatch.setattr(decoder_mod, "fused_default", lambda device, sampled: not sampled)
+    base = peaked()
+    prompts = [[1, 5, 7, 9], [1, 3]]
+    sampled = Sampling(temperature=0.9)
+    fused = fused_step("eager", "cpu", on=True)
+
+    def run(sampling=None, **kw):
+        calls = fused.calls
+        res = SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", chained=False, **kw).generate(
+            prompts, max_new_tokens=13, sampling=sampling, generator=torch.Generator().manual_seed(3))
+        return res.tokens, fused.calls - calls
+
+    greedy, calls = run()
+    assert calls > 0 and greedy == SpeculativeDecoder(base, drafter("hydra++", base)).generate(
+        prompts, max_new_tokens=13).tokens
+    split, calls = run(sampled)
+    assert calls == 0
+    both, calls = run(sampled, fused=True)
+    assert calls > 0 and both == split
 
 
 # (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
@@ -621,6 +654,9 @@ def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
         else:
             assert chained.chained_steps == chained.steps > (3 if e is None else 1)
     assert SpeculativeDecoder(base, make(), compile="eager", fused=False).chain is None
+    assert chained_step("eager", "cuda") is None  # on a GPU: opt-in (chained=True, DRAFTLAB_CHAINED_STEP=1)
+    monkeypatch.setenv("DRAFTLAB_CHAINED_STEP", "1")
+    assert chained_step("eager", "cuda") is not None
     monkeypatch.setenv("DRAFTLAB_CHAINED_STEP", "0")
     assert chained_step("eager", "cpu") is None
     assert SpeculativeDecoder(base, make(), compile="eager").generate(prompts, max_new_tokens=5).chained_steps == 0

@@ -76,13 +76,15 @@ class Verifier:
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
-                 forward=None, cache=None, fused: bool | None = None, chain=None):
+                 forward=None, cache=None, fused: bool | None = None, chain=None,
+                 fused_sampled: bool | None = None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
         (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
         cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
         fused: whether a compiled static path verifies in one call (fused_step; None: the device's default); chain:
         the compiled verify_keep_and_draft (chained_step) the fused path runs instead when verify is given a drafter
-        that chains."""
+        that chains; fused_sampled: whether sampled steps run that call too (None: as `fused`, or where it is None
+        the device's default, fused_default)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -95,6 +97,9 @@ class Verifier:
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
         self.fused = fused_step(backend, self.device.type, fused) if static_nodes and sync is None else None
+        if fused_sampled is None:
+            fused_sampled = fused_default(self.device.type, sampled=True) if fused is None else fused
+        self.fused_sampled = fused_sampled
         self.chain = chain if self.fused is not None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
@@ -152,7 +157,7 @@ class Verifier:
         if on_device and not deterministic:
             drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
                      *tree_bounds(view, rounded=self.compiled))
-        fused = on_device and self.fused is not None
+        fused = on_device and self.fused is not None and (deterministic or self.fused_sampled)
         chainer = drafter.chainer if fused and self.chain is not None and drafter is not None else None
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
@@ -362,27 +367,44 @@ def verify_keep_and_draft(model, inputs: dict, window: int, spans: tuple | None,
     return states, decided, drafter.chain(states, (keep, keep_valid, kept_pos), tokens, bonus, length - 1, *args)
 
 
+def _flag(name: str) -> bool | None:
+    """An on/off environment switch: True for 1/true/yes, False for 0/false/no, None when unset (the default)."""
+    value = os.environ.get(name, "").lower()
+    return True if value in ("1", "true", "yes") else False if value in ("0", "false", "no") else None
+
+
 def chained_step(backend: str | None, device: str, on: bool | None = None):
-    """The compiled verify_keep_and_draft for a compiled verify forward's backend, if `on` (None: yes unless
-    DRAFTLAB_CHAINED_STEP=0). The verifier runs it only where the fused step runs (fused_step) and the drafter
-    chains (Drafter.chain_args). Its signature holds the drafter's buffers' shapes (decode.compiled._signature)."""
+    """The compiled verify_keep_and_draft for a compiled verify forward's backend, if `on`; on=None is the device
+    type's default, DRAFTLAB_CHAINED_STEP=1 / 0 sets it everywhere: on for a CPU, off for a GPU, where only Medusa
+    heads have run it (1.12x their split step on an H200; a drafter whose buffers inductor does not graph would take
+    the whole verify call off CUDA graphs). The verifier runs it only where the fused step runs (fused_step) and
+    the drafter chains (Drafter.chain_args). Its signature holds the drafter's buffers' shapes
+    (decode.compiled._signature)."""
     if on is None:
-        on = os.environ.get("DRAFTLAB_CHAINED_STEP", "") not in ("0", "false", "no")
+        flag = _flag("DRAFTLAB_CHAINED_STEP")
+        on = device == "cpu" if flag is None else flag
     if backend is None or not on:
         return None
     return compiled_function(verify_keep_and_draft, backend, device, graphs=True, skip_guards=True,
                              keep_outputs=True)  # its outputs are the next step's inputs
 
 
+def fused_default(device: str, sampled: bool) -> bool:
+    """Whether the compiled static path fuses its verify step by default (DRAFTLAB_FUSED_STEP=1 / 0 says, for every
+    step): on a CPU, always; on a GPU, for greedy and typical steps (measured on an H200: 1.08x plain decoding,
+    1.19-1.43x the oracle drafter), not yet for sampled ones, whose law has not been checked through the fused call
+    on a GPU (tests/test_gpu_law.py, in benchmarks/gpu_check.sh, is that check)."""
+    flag = _flag("DRAFTLAB_FUSED_STEP")
+    return (device == "cpu" or not sampled) if flag is None else flag
+
+
 def fused_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
-    `on`; on=None is the device type's default: on for a CPU, off for a GPU until it has been measured there (its
-    first run on a GPU failed: under CUDA graphs the next replay overwrote the outputs the next step reads, which
-    it now returns as clones, keep_outputs), and DRAFTLAB_FUSED_STEP=1 / 0 sets that default everywhere. Its signature holds the base and the cache, so guards
-    are evaluated once per signature (decode.compiled)."""
+    `on` (None: where the device fuses some steps by default, fused_default). Under CUDA graphs it returns clones of
+    its outputs (keep_outputs): the next step reads them after the next replay. Its signature holds the base and
+    the cache, so guards are evaluated once per signature (decode.compiled)."""
     if on is None:
-        flag = os.environ.get("DRAFTLAB_FUSED_STEP", "")
-        on = flag in ("1", "true", "yes") or (device == "cpu" and flag not in ("0", "false", "no"))
+        on = fused_default(device, sampled=False)
     if backend is None or not on:
         return None
     return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True,
@@ -414,8 +436,8 @@ class SpeculativeDecoder:
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
         the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
-        default: the device's). chained: whether that call also runs the drafter's commit and next proposal, for
-        drafters that can (chained_step; default yes where the step is fused). fuse: whether the compiled path
+        default: the device's, fused_default). chained: whether that call also runs the drafter's commit and next
+        proposal, for drafters that can (chained_step; default: the device's). fuse: whether the compiled path
         computes the base's and the drafter's q/k/v and gate/up projections as one product each (decode.fuse, which
         changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default; never under tensor
         parallelism)."""
@@ -430,6 +452,7 @@ class SpeculativeDecoder:
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
         self.forward = self.step = self.chain = None
+        self.fused_sampled = fused_default(self.device.type, sampled=True) if fused is None else fused
         self.fused_models: list = []  # models whose projections the compiled calls fuse (decode.fuse)
         if compile:
             from .compiled import compile_backend, compiled_forward
@@ -481,7 +504,7 @@ class SpeculativeDecoder:
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,
                             static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache,
-                            fused=self.step is not None, chain=self.chain)
+                            fused=self.step is not None, chain=self.chain, fused_sampled=self.fused_sampled)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)

@@ -1,0 +1,35 @@
+"""Speculative sampling keeps the base's law on a GPU through the compiled path: its acceptance in a graph of its own
+(the split calls, a GPU's default for sampled steps) and inside the fused and chained verify call under CUDA graphs,
+which a GPU does not run for sampled steps by default until this test has passed there (decode.decoder.fused_default).
+The check of tests/test_sampling_law.py (an SSM drafting a tree with sampled siblings, several steps, depth >= 2),
+in float32 on the GPU, with the GPU's own random streams. Skipped without CUDA; benchmarks/gpu_check.sh runs it.
+DRAFTLAB_GPU_LAW_DEVICE=cpu runs it on a CPU (a smoke test of the test itself)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from law import StepLog, conditional_laws, pad_samples
+from test_sampling_law import S_SSM, SSM_TREE, assert_deep_accepts, assert_fits, law_checks, prompts, ssm_setup
+from draftlab.decode.decoder import SpeculativeDecoder
+from draftlab.drafters.ssm import SSMDrafter
+
+DEVICE = os.environ.get("DRAFTLAB_GPU_LAW_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused-chained"])
+def test_sampled_steps_keep_the_law_on_the_gpu(fused):
+    base, lm = (m.to(DEVICE, torch.float32) for m in ssm_setup())
+    dec = SpeculativeDecoder(base, SSMDrafter(lm, SSM_TREE), compile=True, fused=fused, chained=fused)
+    n, log = 600, StepLog()
+    res = dec.generate(prompts(n), max_new_tokens=8, sampling=S_SSM, on_tokens=log,
+                       generator=torch.Generator(DEVICE).manual_seed(0))
+    assert dec.compile_failed is None
+    assert (res.chained_steps > 0) == fused
+    x = pad_samples(res.tokens)
+    assert_deep_accepts(res, log)
+    assert_fits(law_checks(x, *(conditional_laws(m, prompts(n), x, S_SSM) for m in (base, lm))))
