@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 20's GPU check in one call of about 9 minutes (docs/benchmarks.md, "Compiled decoding on a GPU"): the sampling
 # law through the compiled path (tests/test_gpu_law.py, at most LAW_LIMIT seconds, default 150), then compiled
-# plain decoding against HF's, the oracle drafter, fused projections, the fused, chained and sampled steps, whether
-# each keeps its CUDA graph, and a profile of the verify forward. Run from the repository root on a machine with a
-# CUDA GPU:
+# plain decoding against HF's, the oracle drafter, the fused, chained and sampled steps, whether each keeps its CUDA
+# graph, and a profile of the verify forward (EXTRA="--fuse-projections" adds fused projections, measured twice).
+# Run from the repository root on a machine with a CUDA GPU:
 #
 #     OUT=results_dir bash benchmarks/gpu_check.sh                 # writes $OUT/gpu_compiled.json and its log
 #     OUT=/tmp/gc EXTRA="--tiny --no-hf-compile" bash benchmarks/gpu_check.sh   # a smoke test on any machine
@@ -28,7 +28,7 @@ timeout "${LAW_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_
 echo "tests/test_gpu_law.py exit status $? (124: stopped at LAW_LIMIT)"
 tail -n 3 "$OUT/gpu_law.log" | cut -c1-300
 # shellcheck disable=SC2086  # EXTRA is a list of options
-timeout "${LIMIT:-400}" python3 benchmarks/gpu_compiled.py --no-eager --fuse-projections --fused-step --chained \
+timeout "${LIMIT:-400}" python3 benchmarks/gpu_compiled.py --no-eager --fused-step --chained \
   --sampled --reps 2 --profile --deadline "${DEADLINE:-260}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
 status=$?
 echo "gpu_compiled.py exit status $status (124: stopped at LIMIT; the rounds saved so far are in the results)"

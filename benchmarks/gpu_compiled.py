@@ -31,7 +31,7 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
 Methods warm up in the order of what the GPU targets need most: plain decoding's variants, the oracle's, the
-sampled plain pair, the chained drafters, the sampled Medusa pair, then HF's static compile, so that a run cut short
+chained drafters, the sampled plain pair, the sampled Medusa pair, then HF's static compile, so that a run cut short
 by --deadline keeps the first. The fastest plain decoding is the fastest greedy hf_* or plain_* method measured.
 
 --inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
@@ -40,13 +40,15 @@ rather than calling cuBLAS); --name names the results file. --profile adds where
 products of every linear layer alone (cuBLAS, one CUDA graph, one row and one per tree node: the floor the weights'
 reads set), and the kernels of the compiled verify forward under the profiler, summed by kind.
 
-Per fused or chained method, the first token where its output parts from its split counterpart's
-(`first_difference_from_split`; None: the same tokens). Also: the GPU's copy bandwidth measured in the run (bytes
-read + written by a 4 GiB device-to-device copy), the bytes of weights one decoding step reads (every parameter but
-the input embedding, of which one row is read), and so plain decoding's share of the bandwidth bound; per method,
-the graphs compiled in its warm-up that inductor runs without CUDA graphs (cudagraph_skips, e.g. for inputs written
-in place that are not marked static); and the compiled verify forward timed alone (the same static cache, shapes and
-compiled graph, outside the loop) against its time per step inside the loop.
+A plain method's share of the bandwidth bound is given per token (its prefill included, as HF's) and per decoding
+step (`bandwidth_share_decode`: the prefill left out, issue 20's target). Per fused or chained method, the first
+token where its output parts from its split counterpart's (`first_difference_from_split`; None: the same tokens).
+Also: the GPU's copy bandwidth measured in the run (bytes read + written by a 4 GiB device-to-device copy), the
+bytes of weights one decoding step reads (every parameter but the input embedding, of which one row is read), and so
+plain decoding's share of the bandwidth bound; per method, the graphs compiled in its warm-up that inductor runs
+without CUDA graphs (cudagraph_skips, e.g. for inputs written in place that are not marked static); and the compiled
+verify forward timed alone (the same static cache, shapes and compiled graph, outside the loop) against its time per
+step inside the loop.
 
 Random weights make near-ties everywhere, and a compiled forward or one over N tree tokens rounds differently from
 HF's one-token eager step in bf16, so outputs are compared with HF's (identical / first difference) but not
@@ -309,13 +311,6 @@ def main() -> None:
         for label, fused in steps:
             methods[f"oracle_default-4h-25_compiled_fuseproj{label}"] = decoder_method(
                 SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True, fused=fused), make)
-    if a.sampled:
-        from draftlab.decode.acceptance import Sampling
-
-        s = Sampling(temperature=0.8)
-        for label, fused in (("", False), ("_fused", True)):
-            methods[f"plain_compiled{label}_sampled"] = decoder_method(
-                SpeculativeDecoder(base, NoDraft(), compile=True, fused=fused), sampling=s)
     if a.chained:  # the chained step under CUDA graphs: one call per step against two
         from draftlab.drafters import build_draft, make_drafter
 
@@ -329,11 +324,17 @@ def main() -> None:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(eagle), compile=True, fused=True, chained=chained))
-        if a.sampled:
-            for label, chained in (("split", False), ("chained", True)):
-                methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
-                    base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained),
-                    sampling=s)
+    if a.sampled:
+        from draftlab.decode.acceptance import Sampling
+
+        s = Sampling(temperature=0.8)
+        for label, fused in (("", False), ("_fused", True)):
+            methods[f"plain_compiled{label}_sampled"] = decoder_method(
+                SpeculativeDecoder(base, NoDraft(), compile=True, fused=fused), sampling=s)
+    if a.sampled and a.chained:
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained), sampling=s)
     if not a.no_hf_compile:
         from transformers import CompileConfig
 
@@ -386,8 +387,10 @@ def main() -> None:
             diff = next((i for i, (x, y) in enumerate(zip(toks, truth)) if x != y), None)
             row.update(identical_to_hf=diff is None and len(toks) == N, first_difference=diff)
             if r is not None:
+                prefill = r.time_s.get("prefill", 0.0)  # the target's step time leaves the prompt's forward out
                 row.update(steps=r.steps, chained_steps=r.chained_steps, accept_length=round(r.accept_length, 3),
-                           ms_per_step=round(1000 * wall / r.steps, 3),
+                           ms_per_step=round(1000 * wall / r.steps, 3), prefill_ms=round(1000 * prefill, 2),
+                           decode_ms_per_step=round(1000 * (wall - prefill) / r.steps, 3),
                            phases_ms_per_step={k: round(1000 * v / r.steps, 3) for k, v in r.time_s.items()
                                                if k != "prefill"})
                 drafter = methods[name][1].drafter
@@ -408,6 +411,8 @@ def main() -> None:
                 if name.startswith(("plain", "hf")) and bw:
                     # a plain step reads every weight once: its bandwidth bound over its measured time
                     row["bandwidth_share"] = round(weights / (row["ms_per_token"] / 1000) / bw, 3)
+                    if "decode_ms_per_step" in row:  # per decoding step, the prefill left out (issue 20's target)
+                        row["bandwidth_share_decode"] = round(weights / (row["decode_ms_per_step"] / 1000) / bw, 3)
         if final:  # each fused (chained) method against its split one: the first token where their outputs part
             picked = {n: sorted(r, key=lambda x: x[0])[len(r) // 2][1] for n, r in live.items()}
             parts = {}

@@ -393,10 +393,15 @@ def gpu_compiled(p, d, title: str) -> None:
         ph = r.get("phases_ms_per_step")
         ms = f"{r['ms_per_step']:.2f} ({ph['verify']:.2f} / {ph['accept']:.2f})" if ph else f"{r['ms_per_token']:.2f}"
         share = f"{r['bandwidth_share']:.0%}" if "bandwidth_share" in r else "-"
+        if "bandwidth_share_decode" in r:
+            share += f" ({r['bandwidth_share_decode']:.0%})"
         warm = f"{r['warmup_s']:.1f}" + (f" ({r['compile_s']:.1f})" if r.get("compile_s") else "")
         diff = "none" if r["first_difference"] is None else r["first_difference"]
         p(f"| {m} | {r['tokens_per_s']:.1f} | {r['vs_fastest_plain']:.2f}x | {r.get('accept_length', 1.0):.2f} | "
           f"{ms} | {share} | {warm} | {diff} |")
+    if any("bandwidth_share_decode" in r for r in d["methods"].values()):
+        p("\nShares of the bandwidth bound per token, the prefill included; in brackets per decoding step, the "
+          "prefill left out (issue 20's target).")
     if d.get("inductor_options"):
         p("\ninductor options set for every compile of the run: " + ", ".join(
             f"`{k}={v}`" for k, v in d["inductor_options"].items()))
