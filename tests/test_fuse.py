@@ -133,6 +133,29 @@ def test_a_fused_group_whose_projections_were_replaced_is_dropped_not_forced():
     assert fuse_projections(owner) == 0 and fused(owner) == 1
 
 
+def test_fusing_again_walks_the_modules_only_after_a_group_changed(monkeypatch):
+    """The decoder fuses before every run: a model whose groups are as the last pass left them is not walked again
+    (decode.fuse._unchanged); a replaced projection, a moved or reloaded weight, or a group that became fusable
+    makes the next call walk it and fuse what needs fusing."""
+    model = tiny_llama(layers=2)
+    assert fuse_projections(model) == 4
+    walks = []
+    real = nn.Module.modules
+    monkeypatch.setattr(nn.Module, "modules", lambda self: walks.append(1) or real(self))
+    assert fuse_projections(model) == 0 and not walks
+    attn = model.model.layers[1].self_attn
+    attn.k_proj = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False).to(torch.float64)
+    assert fuse_projections(model) == 1 and len(walks) == 1 and type(attn.k_proj) is FusedLinear
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert fuse_projections(model) == 4 and len(walks) == 2
+    assert fuse_projections(model) == 0 and len(walks) == 2
+    owner = nn.Module()
+    owner.gate_proj, owner.up_proj = nn.Linear(8, 16), nn.Linear(8, 16).half()  # not alike: left alone
+    assert fuse_projections(owner) == 0 and fuse_projections(owner) == 0 and len(walks) == 3
+    owner.up_proj.float()  # the same module, now alike: fused at the next call
+    assert fuse_projections(owner) == 1 and fused(owner) == 1
+
+
 def test_the_compiled_decoder_fuses_again_what_a_reload_left_stale():
     """A reload that replaces the parameters (load_state_dict(assign=True), a .to()) leaves the fused weight behind;
     the decoder fuses again at each generate, so its compiled calls decode the new weights."""

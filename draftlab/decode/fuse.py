@@ -118,15 +118,37 @@ def fused(model: nn.Module) -> int:
     return sum(1 for m in model.modules() for prefix in PREFIX.values() if prefix + "_weight" in m._buffers)
 
 
+def _unchanged(owner: nn.Module, names: tuple, linears: tuple) -> bool:
+    """Whether a group the last pass of fuse_projections saw is as that pass left it: the same projection modules,
+    fused with their weights still views into the fused ones, or not fused and still not fusable."""
+    if any(owner._modules.get(name) is not m for name, m in zip(names, linears)):
+        return False
+    prefix = PREFIX[names[0]]
+    if prefix + "_weight" in owner._buffers:
+        return all(type(m) is FusedLinear and m.fused_group.owner is owner for m in linears) and _views(
+            owner, prefix, list(linears))
+    return not _fusable(list(linears))
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every q/k/v and gate/up group of `model` (any module holding those `nn.Linear`s: Llama, Mistral, Qwen2
     and Qwen3 layers and their kin), in place; returns the number of groups fused. Groups already fused, or whose
     projections are not plain float `nn.Linear`s alike (quantised, LoRA-wrapped, split over devices), are left as
-    they are. See the module's docstring."""
-    n = 0
+    they are. See the module's docstring.
+
+    The compiled decoder calls it before every run, so it first checks the groups its last pass on `model` saw
+    (_unchanged), which walks no modules: where every one is as it was left (nothing replaced a projection, moved
+    or reloaded a weight since) it returns 0 at once. A layer added to the model since is found by the next pass that
+    walks the modules (one that follows a change to a group it saw), not before."""
+    seen = model.__dict__.get("_fuse_seen")
+    if seen is not None and all(_unchanged(*group) for group in seen):
+        return 0
+    n, seen = 0, []
     for owner in list(model.modules()):
         for names in GROUPS:
             linears = [getattr(owner, name, None) for name in names]
+            if all(isinstance(m, nn.Module) for m in linears):
+                seen.append((owner, names, tuple(linears)))
             prefix = PREFIX[names[0]]
             before = (None, None)
             if prefix + "_weight" in owner._buffers:
@@ -157,6 +179,7 @@ def fuse_projections(model: nn.Module) -> int:
                 m.__class__ = FusedLinear  # its group in __dict__, not as a submodule: a copy.deepcopy copies both
                 m.__dict__.update(fused_group=group, fused_index=i)
             n += 1
+    model.__dict__["_fuse_seen"] = seen  # in __dict__, not a submodule list: state_dict and modules() never see it
     return n
 
 
