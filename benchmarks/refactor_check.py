@@ -77,14 +77,16 @@ def main() -> None:
         except ImportError:
             from draftlab_v0.decode.cli import load_decoder as load_before
 
+    from draftlab.interop.export import read_meta
     from draftlab.serve.generate import encode_prompt, load_decoder
 
     methods, base, tok = {}, None, None
     pairs = {}
     exports = dict(e.split("=", 1) for e in a.export) or {k: str(EXPORTS / n) for k, n in STORIES_EXPORTS.items()}
-    options = {"options": dict(o.split("=", 1) for o in a.ensemble_option)} if a.ensemble_option else {}
+    ensemble = {"options": dict(o.split("=", 1) for o in a.ensemble_option)} if a.ensemble_option else {}
     for kind, spec in exports.items():
         path, _, tree = spec.partition("@")  # TREE: the --tree of both sides (default: the export's)
+        options = ensemble if read_meta(path)["head"].get("type") == "ensemble" else {}  # --ensemble-option: ensembles
         after, tok, _ = load_decoder(path, tree=tree or None, **options)
         before, _, _ = load_before(path, tree=tree or None, **options)
         base = base or after.base

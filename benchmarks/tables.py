@@ -933,6 +933,11 @@ TABLES = {
         p, d, "What a compiled step's kernels are on the AMD EPYC with grouped-query attention, on one thread")),
     "step_ops_epyc_1thread": ("step_ops_epyc_1thread", lambda p, d: step_ops(
         p, d, "What a compiled step's kernels are on the AMD EPYC, on one thread")),
+    "refactor_check_fuse_seen": ("refactor_check_fuse_seen", refactor_check_compiled_exports(
+        "Fusing again only after a group changed, against the commit before (AMD EPYC)", "refactor_check_fuse_seen")),
+    "ensemble_cost_fuse_seen": ("ensemble_cost_fuse_seen", lambda p, d: ensemble_cost(
+        p, d, "The cost schedule against its members after fusing again only where a group changed (AMD EPYC)",
+        "ensemble_cost_fuse_seen")),
     "ensemble_cost_xeon_fed": ("ensemble_cost_xeon_fed", lambda p, d: ensemble_cost(
         p, d, "The cost schedule with probes bounded by their feeding too and late prompts within the prefill's "
         "width (Intel Xeon)", "ensemble_cost_xeon_fed")),
