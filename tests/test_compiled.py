@@ -685,6 +685,27 @@ def test_signatures_hold_settings_by_value():
     assert _signature(Sampling()) == _signature(Sampling())
     assert _signature(Sampling(typical=True)) != _signature(Sampling())
     assert _signature(Sampling(typical=True, posterior_threshold=0.2)) != _signature(Sampling(typical=True))
+    s = Sampling(temperature=0.5)
+    assert _signature(s) == _signature(s) == _signature(Sampling(temperature=0.5))  # the second read kept on it
+    assert s == Sampling(temperature=0.5) and hash(s) == hash(Sampling(temperature=0.5))
+
+
+def test_a_static_caches_device_state_is_one_object_until_its_buffers_change():
+    """The fused step's signature reads the cache's KV buffers from its device_state, a decode.compiled.Fixed that
+    holds its signature: one object from step to step, and a new one, with the new shapes, after the buffers grew."""
+    from draftlab.decode.compiled import Fixed, _signature
+
+    base = peaked()
+    dec = SpeculativeDecoder(base, drafter("hydra++", base), compile="eager")
+    dec.generate([[1, 5, 7]], max_new_tokens=5)
+    cache = dec._cache
+    state = cache.device_state()
+    assert type(state) is Fixed and cache.device_state() is state
+    sig = _signature(state)
+    assert _signature(state) is sig and sig == _signature(tuple(state))  # as a plain tuple's
+    cache._grow(cache.max_len + 1)
+    grown = cache.device_state()
+    assert grown is not state and _signature(grown) != sig and grown[0][0].shape[2] == cache.max_len
 
 
 def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_graph_break(monkeypatch):

@@ -373,6 +373,7 @@ class StaticSlotCache:
         self.n = 0  # slots committed (holes included); tentative slots start here
         self.tentative = 0  # slots written since the last keep
         self.next_pos: torch.Tensor | None = None
+        self._state: tuple | None = None  # device_state, while the buffers stay the same tensors
 
     @property
     def length(self) -> int:
@@ -418,6 +419,7 @@ class StaticSlotCache:
                 setattr(layer, name, new)
             layer.max_cache_len = size
         self.cache.max_cache_len = size
+        self._state = None
         self.slots = _static(torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1))
         self.max_len = size
 
@@ -533,10 +535,20 @@ class StaticSlotCache:
         self.n, self.tentative = start + m, 0
         self.next_pos = self.next_pos + keep_valid.sum(-1)
 
-    def device_state(self) -> tuple[list, list]:
-        """The tensors keep_on_device updates: every layer's keys and values, and every layer's write pointer."""
-        layers = self._layers()
-        return [t for l in layers for t in (l.keys, l.values)], [l.cumulative_length for l in layers]
+    def device_state(self) -> tuple[tuple, tuple]:
+        """The tensors keep_on_device updates: every layer's keys and values, and every layer's write pointer. One
+        object (decode.compiled.Fixed) for as long as the buffers are the same tensors (until _grow), so a compiled
+        call's signature is read from it rather than from 3 x layers tensors each step."""
+        state = self._state
+        if state is None:
+            from .compiled import Fixed
+
+            layers = self._layers()
+            state = Fixed((tuple(t for l in layers for t in (l.keys, l.values)),
+                           tuple(l.cumulative_length for l in layers)))
+            if len(layers) == len(self.cache.layers):  # every layer initialised (by the prefill): its buffers stay
+                self._state = state
+        return state
 
     def kept(self, m: int, next_pos: torch.Tensor, tentative: int = 0) -> None:
         """The host's side of keep_on_device: the first m tentative slots are now committed (holes included), the
@@ -568,7 +580,7 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def keep_on_device(kv: list, cumulative: list, slots: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor,
+def keep_on_device(kv: tuple, cumulative: tuple, slots: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor,
                    length: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
     """StaticSlotCache.keep after a forward over N tentative slots, with tensor operations only, so it runs inside
     the verify step's compiled acceptance graph: keep [B, N] (each row's kept path first; the entries past it, which

@@ -57,6 +57,12 @@ _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
+class Fixed(tuple):
+    """A tuple of tensors (directly or in plain tuples) whose members are never replaced and whose tensors keep their
+    shapes: its signature in compiled calls (_signature) is computed once and kept on it. A static cache's
+    device_state is one, for as long as its buffers stay the same tensors."""
+
+
 def _signature(x, depth: int = 0):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
     (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; an object
@@ -72,13 +78,26 @@ def _signature(x, depth: int = 0):
     if depth > 2:
         return (type(x).__name__, id(x))
     if isinstance(x, (list, tuple)):
+        if type(x) is Fixed:  # computed once (its class docstring)
+            sig = x.__dict__.get("signature")
+            if sig is None:
+                sig = x.__dict__["signature"] = tuple([_signature(v, depth + 1) for v in x])
+            return sig
         return tuple([_signature(v, depth + 1) for v in x])
     if isinstance(x, dict):
         return tuple([(k, _signature(v, depth + 1)) for k, v in x.items()])
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
-        return (type(x).__name__, *(_signature(getattr(x, f.name), depth + 1) for f in dataclasses.fields(x)))
+        sig = getattr(x, "__dict__", {}).get("_signature")
+        if sig is not None:
+            return sig
+        values = [getattr(x, f.name) for f in dataclasses.fields(x)]
+        sig = (type(x).__name__, *(_signature(v, depth + 1) for v in values))
+        if type(x).__dataclass_params__.frozen and all(isinstance(v, _PLAIN) for v in values) and hasattr(
+                x, "__dict__"):
+            x.__dict__["_signature"] = sig  # frozen, of plain values: kept on it (fields, eq and hash ignore it)
+        return sig
     if getattr(x, "signature_holds", False):  # a drafter given to a compiled call: its buffers' shapes too (_held)
         return (type(x).__name__, _held(x))
     return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
