@@ -935,6 +935,10 @@ TABLES = {
         p, d, "What a compiled step's kernels are on the AMD EPYC, on one thread")),
     "refactor_check_fuse_seen": ("refactor_check_fuse_seen", refactor_check_compiled_exports(
         "Fusing again only after a group changed, against the commit before (AMD EPYC)", "refactor_check_fuse_seen")),
+    "refactor_check_fixed_signature": ("refactor_check_fixed_signature", refactor_check_compiled_exports(
+        "A compiled call's signature reading the KV buffers and the sampling settings once, against the commit "
+        "before (AMD EPYC)", "refactor_check_fixed_signature")),
+    **same_name(compiled, "compiled_targets_epyc_signature_1thread"),
     "ensemble_cost_fuse_seen": ("ensemble_cost_fuse_seen", lambda p, d: ensemble_cost(
         p, d, "The cost schedule against its members after fusing again only where a group changed (AMD EPYC)",
         "ensemble_cost_fuse_seen")),
