@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20's GPU check in one call of about 9 minutes (docs/benchmarks.md, "Compiled decoding on a GPU"): the sampling
-# law through the compiled path (tests/test_gpu_law.py, at most LAW_LIMIT seconds, default 150), then compiled
+# law through the compiled path (tests/test_gpu_law.py, at most LAW_LIMIT seconds, default 200), then compiled
 # plain decoding against HF's, the oracle drafter, the fused, chained and sampled steps, whether each keeps its CUDA
 # graph, and a profile of the verify forward (EXTRA="--fuse-projections" adds fused projections, measured twice).
 # Run from the repository root on a machine with a CUDA GPU:
@@ -9,8 +9,8 @@
 #     OUT=/tmp/gc EXTRA="--tiny --no-hf-compile" bash benchmarks/gpu_check.sh   # a smoke test on any machine
 #
 # Wheels in .whl/ (a machine that cannot reach a package index: e.g. the transformers the results were made with)
-# are installed into /tmp/site first. LIMIT caps the benchmark (seconds, default 400); no warm-up starts after
-# DEADLINE (default 260), so the timed rounds still run within LIMIT. Partial results are saved after every round.
+# are installed into /tmp/site first. LIMIT caps the benchmark (seconds, default 350); no warm-up starts after
+# DEADLINE (default 220), so the timed rounds still run within LIMIT. Partial results are saved after every round.
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -24,12 +24,12 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # The sampling law through the compiled path on the GPU, split and fused (tests/test_gpu_law.py): what a GPU needs
 # before it fuses sampled steps by default (decode.decoder.fused_default).
-timeout "${LAW_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_law.py > "$OUT/gpu_law.log" 2>&1
+timeout "${LAW_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_law.py > "$OUT/gpu_law.log" 2>&1
 echo "tests/test_gpu_law.py exit status $? (124: stopped at LAW_LIMIT)"
 tail -n 3 "$OUT/gpu_law.log" | cut -c1-300
 # shellcheck disable=SC2086  # EXTRA is a list of options
-timeout "${LIMIT:-400}" python3 benchmarks/gpu_compiled.py --no-eager --fused-step --chained \
-  --sampled --reps 2 --profile --deadline "${DEADLINE:-260}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
+timeout "${LIMIT:-350}" python3 benchmarks/gpu_compiled.py --no-eager --fused-step --chained \
+  --sampled --reps 2 --profile --deadline "${DEADLINE:-220}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
 status=$?
 echo "gpu_compiled.py exit status $status (124: stopped at LIMIT; the rounds saved so far are in the results)"
 grep -E "warm-up|failed|Error|verify alone|^(plain|oracle|medusa|eagle3|hf)_|agree" "$OUT/gpu_compiled.log" | cut -c1-300

@@ -30,8 +30,9 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   which a GPU does not do by default (two calls disagreed); every other method runs unfused;
 - hf_static_compiled (last; --no-hf-compile skips it): HF `generate` with a static cache and its own compile.
 
-Methods warm up in the order of what the GPU targets need most: plain decoding's variants, the oracle's, the
-chained drafters, the sampled plain pair, the sampled Medusa pair, then HF's static compile, so that a run cut short
+Methods warm up in the order of what the next GPU run needs most: plain decoding split and fused, the chained
+drafters, then fused projections and the oracle's variants (both measured in two calls before), the sampled plain
+pair, the sampled Medusa pair, then HF's static compile, so that a run cut short
 by --deadline keeps the first. The fastest plain decoding is the fastest greedy hf_* or plain_* method measured.
 
 --inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
@@ -292,6 +293,19 @@ def main() -> None:
     def oracles(model, tree):  # rep -> a fresh oracle drafter (its seed) for a decoder of `model`
         return lambda rep: Oracle(model, prompt, truth, tree, a.alpha, seed=rep, continuation=continuation)
 
+    if a.chained:  # the chained step under CUDA graphs: one call per step against two
+        from draftlab.drafters import build_draft, make_drafter
+
+        torch.manual_seed(0)
+        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(dev, base.dtype).eval()
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
+        # EAGLE-3 commits into buffers of its own inside the chained call (in-place writes under CUDA graphs)
+        eagle = build_draft({"type": "eagle3", "eagle": {}}, base).to(dev, base.dtype).eval()
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(eagle), compile=True, fused=True, chained=chained))
     steps = (("", False), ("_fused", True)) if a.fused_step else (("", False),)
     if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
@@ -311,19 +325,6 @@ def main() -> None:
         for label, fused in steps:
             methods[f"oracle_default-4h-25_compiled_fuseproj{label}"] = decoder_method(
                 SpeculativeDecoder(fused_base, make(0), compile=True, fuse=True, fused=fused), make)
-    if a.chained:  # the chained step under CUDA graphs: one call per step against two
-        from draftlab.drafters import build_draft, make_drafter
-
-        torch.manual_seed(0)
-        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(dev, base.dtype).eval()
-        for label, chained in (("split", False), ("chained", True)):
-            methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
-        # EAGLE-3 commits into buffers of its own inside the chained call (in-place writes under CUDA graphs)
-        eagle = build_draft({"type": "eagle3", "eagle": {}}, base).to(dev, base.dtype).eval()
-        for label, chained in (("split", False), ("chained", True)):
-            methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(eagle), compile=True, fused=True, chained=chained))
     if a.sampled:
         from draftlab.decode.acceptance import Sampling
 
