@@ -377,9 +377,10 @@ def main() -> None:
 
     def summarize(final: bool) -> list | None:
         """Rows from the runs so far (saved after every round: a run cut short keeps its rounds)."""
-        hf_tokens = None
+        hf_tokens, picked = None, {}  # picked: each method's median run's tokens
         for name, runs in live.items():
             wall, toks, r = sorted(runs, key=lambda x: x[0])[len(runs) // 2]
+            picked[name] = toks
             if name == "hf_generate":
                 hf_tokens = toks
             row = res["methods"][name]
@@ -415,7 +416,6 @@ def main() -> None:
                     if "decode_ms_per_step" in row:  # per decoding step, the prefill left out (issue 20's target)
                         row["bandwidth_share_decode"] = round(weights / (row["decode_ms_per_step"] / 1000) / bw, 3)
         if final:  # each fused (chained) method against its split one: the first token where their outputs part
-            picked = {n: sorted(r, key=lambda x: x[0])[len(r) // 2][1] for n, r in live.items()}
             parts = {}
             for name, toks in picked.items():
                 other = next((o for o in (name.replace("_fused", "", 1), name.replace("_chained", "_split"))

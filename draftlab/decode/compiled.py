@@ -89,14 +89,13 @@ def _signature(x, depth: int = 0):
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
-        sig = getattr(x, "__dict__", {}).get("_signature")
-        if sig is not None:
-            return sig
+        kept = getattr(x, "__dict__", None)
+        if kept is not None and "_signature" in kept:
+            return kept["_signature"]
         values = [getattr(x, f.name) for f in dataclasses.fields(x)]
         sig = (type(x).__name__, *(_signature(v, depth + 1) for v in values))
-        if type(x).__dataclass_params__.frozen and all(isinstance(v, _PLAIN) for v in values) and hasattr(
-                x, "__dict__"):
-            x.__dict__["_signature"] = sig  # frozen, of plain values: kept on it (fields, eq and hash ignore it)
+        if kept is not None and type(x).__dataclass_params__.frozen and all(isinstance(v, _PLAIN) for v in values):
+            kept["_signature"] = sig  # frozen, of plain values: kept on it (fields, eq and hash ignore it)
         return sig
     if getattr(x, "signature_holds", False):  # a drafter given to a compiled call: its buffers' shapes too (_held)
         return (type(x).__name__, _held(x))

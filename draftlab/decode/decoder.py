@@ -83,8 +83,8 @@ class Verifier:
         cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
         fused: whether a compiled static path verifies in one call (fused_step; None: the device's default); chain:
         the compiled verify_keep_and_draft (chained_step) the fused path runs instead when verify is given a drafter
-        that chains; fused_sampled: whether sampled steps run that call too (None: as `fused`, or where it is None
-        the device's default, fused_default)."""
+        that chains; fused_sampled: whether sampled steps run that call too (None: the device's default,
+        fused_default)."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -97,9 +97,7 @@ class Verifier:
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
         self.fused = fused_step(backend, self.device.type, fused) if static_nodes and sync is None else None
-        if fused_sampled is None:
-            fused_sampled = fused_default(self.device.type, sampled=True) if fused is None else fused
-        self.fused_sampled = fused_sampled
+        self.fused_sampled = fused_default(self.device.type, sampled=True) if fused_sampled is None else fused_sampled
         self.chain = chain if self.fused is not None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)

@@ -126,8 +126,8 @@ def _unchanged(owner: nn.Module, names: tuple, linears: tuple) -> bool:
     prefix = PREFIX[names[0]]
     if prefix + "_weight" in owner._buffers:
         return all(type(m) is FusedLinear and m.fused_group.owner is owner for m in linears) and _views(
-            owner, prefix, list(linears))
-    return not _fusable(list(linears))
+            owner, prefix, linears)
+    return not _fusable(linears)
 
 
 def fuse_projections(model: nn.Module) -> int:

@@ -283,6 +283,8 @@ class SSMDrafter(Drafter):
     cache and the rest dropped, as in the base.
     """
 
+    kept_static = None  # the last static run's cache (begin)
+
     def __init__(self, lm, tree: Tree):
         self.lm = lm
         self.device = next(lm.parameters()).device
@@ -349,7 +351,7 @@ class SSMDrafter(Drafter):
         # The last static run's cache is emptied and reused, also after eager runs between (kept_static): a new one
         # per run would cost each run its allocation (and on a GPU its CUDA graphs' recording).
         self.target = slot_cache(self.lm, prompt.ids.shape[0], prompt.ids.shape[1] + max(256, prompt.room),
-                                 self.decode_path, reuse=getattr(self, "kept_static", None))
+                                 self.decode_path, reuse=self.kept_static)
         if self.decode_path and self.decode_path.get("static"):
             self.kept_static = self.target
         out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True)

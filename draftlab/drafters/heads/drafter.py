@@ -20,6 +20,7 @@ class HeadsDrafter(Drafter):
     """
 
     hidden_layers = (-1,)
+    kept_static = None  # the last static run's prefix-layer cache (_begin)
 
     def __init__(self, heads, tree: Tree):
         num_heads = getattr(heads, "num_heads", 0)
@@ -70,7 +71,7 @@ class HeadsDrafter(Drafter):
             B, L = prompt.valid.shape
             # the last static run's cache, emptied and reused (also after eager runs between: kept_static)
             self.static = self.kept_static = slot_cache(self._prefix_model, B, L + max(256, prompt.room),
-                                                        self.decode_path, reuse=getattr(self, "kept_static", None))
+                                                        self.decode_path, reuse=self.kept_static)
             self.hidden = self.static.prefill(hidden, prompt.valid, bucket=True)[0].last_hidden_state[:, -1]
             return
         from transformers import DynamicCache
