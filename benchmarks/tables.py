@@ -395,13 +395,17 @@ def gpu_compiled(p, d, title: str) -> None:
         share = f"{r['bandwidth_share']:.0%}" if "bandwidth_share" in r else "-"
         if "bandwidth_share_decode" in r:
             share += f" ({r['bandwidth_share_decode']:.0%})"
+        elif "bandwidth_share" in r and ph:  # runs before the prefill was recorded: a step's phases leave it out
+            share += f" ({d['step_weight_gb'] / sum(ph.values()) / d['copy_bandwidth_tbps']:.0%}*)"
         warm = f"{r['warmup_s']:.1f}" + (f" ({r['compile_s']:.1f})" if r.get("compile_s") else "")
         diff = "none" if r["first_difference"] is None else r["first_difference"]
         p(f"| {m} | {r['tokens_per_s']:.1f} | {r['vs_fastest_plain']:.2f}x | {r.get('accept_length', 1.0):.2f} | "
           f"{ms} | {share} | {warm} | {diff} |")
-    if any("bandwidth_share_decode" in r for r in d["methods"].values()):
+    if any("bandwidth_share" in r for r in d["methods"].values()):
+        recorded = any("bandwidth_share_decode" in r for r in d["methods"].values())
         p("\nShares of the bandwidth bound per token, the prefill included; in brackets per decoding step, the "
-          "prefill left out (issue 20's target).")
+          "prefill left out (issue 20's target)" + ("" if recorded else "; * from the sum of a step's timed phases "
+                                                    "(the run did not record its prefill)") + ".")
     if d.get("inductor_options"):
         p("\ninductor options set for every compile of the run: " + ", ".join(
             f"`{k}={v}`" for k, v in d["inductor_options"].items()))
@@ -445,6 +449,33 @@ def gpu_compiled(p, d, title: str) -> None:
         for m, r in forwards.items():
             p(f"| {m} | {r['tree_size']} | {r['kernels_per_forward']} | {r['kernel_ms']:.2f} | "
               + " | ".join(f"{r['by_kind_ms'].get(k, 0):.2f}" for k in kinds) + " |")
+
+
+def sampling_rounding(p, d) -> None:
+    heading(p, "Inverse-CDF draws under last-bit changes of the law",
+            f"`python benchmarks/sampling_rounding.py`; {d['draws']} draws per case, random bf16 logits of standard "
+            f"deviation {d['logit_std']}, temperature {d['temperature']}, one uniform per draw on both sides; {where(d)}")
+    p("| vocabulary | change | draws that differ | all of 127 draws agree |\n|---|---|---|---|")
+    names = {"reordered": "float32 probabilities summed in another order", "bf16_bump_0.01": "1% of the logits one "
+             "bf16 step up", "bf16_bump_0.1": "10% of the logits one bf16 step up"}
+    for V, cases in d["vocab"].items():
+        for k, r in cases.items():
+            p(f"| {int(V):,} | {names[k]} | {r['draws_differ']:.3%} | {r['all_agree_over_127_draws']:.1%} |")
+
+
+def signature_cost(p, d) -> None:
+    heading(p, "What a compiled call's signature costs per step",
+            f"`python benchmarks/signature_cost.py`; the arguments of a fused verify step of compiled plain decoding "
+            f"of stories260K ({d['arguments']} arguments, {d['tensors_in_state']} KV and pointer tensors), timeit; "
+            f"{where(d)}")
+    us = d["signature_us"]
+    p("| arguments | us per signature |\n|---|---|")
+    p(f"| as the decoder passes them now | {us['now']:.1f} |")
+    p(f"| as before (buffers in lists, a new settings object) | {us['before']:.1f} (building them: "
+      f"{us['building_the_before_arguments_alone']:.1f}) |")
+    p("\n| argument | us |\n|---|---|")
+    for k, v in d["per_argument_us"].items():
+        p(f"| {k} | {v:.2f} |")
 
 
 def gpu_train(p, d, title: str = "bf16 training steps on a GPU") -> None:
@@ -935,6 +966,8 @@ TABLES = {
         p, d, "What a compiled step's kernels are on the AMD EPYC, on one thread")),
     "refactor_check_fuse_seen": ("refactor_check_fuse_seen", refactor_check_compiled_exports(
         "Fusing again only after a group changed, against the commit before (AMD EPYC)", "refactor_check_fuse_seen")),
+    "sampling_rounding": ("sampling_rounding", sampling_rounding),
+    "signature_cost": ("signature_cost", signature_cost),
     "refactor_check_fixed_signature": ("refactor_check_fixed_signature", refactor_check_compiled_exports(
         "A compiled call's signature reading the KV buffers and the sampling settings once, against the commit "
         "before (AMD EPYC)", "refactor_check_fixed_signature")),
