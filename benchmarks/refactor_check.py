@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an ensemble option for both sides' decoders (the exports must be ensembles)")
     a = ap.parse_args()
+    a.commit = subprocess.run(["git", "rev-parse", "--short", a.commit], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.strip()  # a name such as HEAD: the commit it names now
     old_package(a.commit)
     training = {Path(r).stem: train_check(r, a.train_steps) for r in a.train}
     try:

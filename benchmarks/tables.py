@@ -478,6 +478,21 @@ def signature_cost(p, d) -> None:
         p(f"| {k} | {v:.2f} |")
 
 
+def attention_packing(p, d) -> None:
+    heading(p, "CPU attention over grouped heads: a group's query heads packed as one head's rows, or enable_gqa",
+            "`python benchmarks/attention_packing.py`; decode.gqa.grouped_sdpa compiled both ways (fixed shapes), "
+            f"interleaved, best of 3 rounds; batch 1, an additive mask shared by the heads; {d['machine']['cpu']}, "
+            f"torch {d['machine']['torch']}, {d['date']}")
+    p("| shape | query rows | threads | packed us | enable_gqa us | packed speedup | largest difference |")
+    p("|---|---|---|---|---|---|---|")
+    for name, shape in d["shapes"].items():
+        dims = f"{name} ({shape['heads']} over {shape['kv_heads']} heads of {shape['head_dim']}, {shape['slots']} slots)"
+        for n, by_threads in shape["rows"].items():
+            for t, r in by_threads.items():
+                p(f"| {dims} | {n} | {t} | {r['packed_us']:.1f} | {r['enable_gqa_us']:.1f} | {r['speedup']:.2f}x | "
+                  f"{r['max_abs_difference']:.1e} |")
+
+
 def gpu_train(p, d, title: str = "bf16 training steps on a GPU") -> None:
     heading(p, title, f"`benchmarks/gpu_train.py`; {d['device']}, torch {d['torch']}, "
             f"{d['date']}; random-weight Llama-2-7B shape in bfloat16, batch {d['batch_size']} x up to {d['max_len']} "
@@ -972,6 +987,14 @@ TABLES = {
         "A compiled call's signature reading the KV buffers and the sampling settings once, against the commit "
         "before (AMD EPYC)", "refactor_check_fixed_signature")),
     **same_name(compiled, "compiled_targets_epyc_signature_1thread"),
+    "attention_packing": ("attention_packing", attention_packing),
+    **same_name(compiled, "compiled_targets_epyc_packed_1thread"),
+    "refactor_check_gqa_packed": ("refactor_check_gqa_packed", refactor_check_compiled_exports(
+        "A group's query heads packed as one head's rows in CPU attention, against the commit before, one thread "
+        "(AMD EPYC)", "refactor_check_gqa_packed")),
+    "refactor_check_gqa_packed_2threads": ("refactor_check_gqa_packed_2threads", refactor_check_compiled_exports(
+        "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
+        "refactor_check_gqa_packed_2threads")),
     "ensemble_cost_fuse_seen": ("ensemble_cost_fuse_seen", lambda p, d: ensemble_cost(
         p, d, "The cost schedule against its members after fusing again only where a group changed (AMD EPYC)",
         "ensemble_cost_fuse_seen")),

@@ -48,14 +48,27 @@ def tree():
     return model, ids, mask
 
 
-def test_inside_compiled_calls_the_kernel_takes_the_grouping_and_computes_the_same(tree):
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_inside_compiled_calls_the_kernel_takes_the_grouping_and_computes_the_same(tree, packed, per_head):
+    """Packed (a group's query heads as one head's rows, the default) or through enable_gqa, with one mask for every
+    head or one per head (each head's own: here head 1 of each group does not see token 3)."""
     model, ids, mask = tree
-    ref, outside = run(model, ids, mask, active=False)
-    got, inside = run(model, ids, mask, active=True)
     kv, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+    if per_head:
+        mask = mask.expand(-1, 2 * kv, -1, -1).clone()
+        mask[:, 1::2, 4:, 3] = torch.finfo(torch.float32).min
+    ref, outside = run(model, ids, mask, active=False)
+    was, gqa.PACKED[0] = gqa.PACKED[0], packed
+    try:
+        got, inside = run(model, ids, mask, active=True)
+    finally:
+        gqa.PACKED[0] = was
     assert outside == [(False, 2 * kv)] * layers  # transformers' own: keys copied once per query head
-    assert inside == [(True, kv)] * layers
+    assert inside == [(not packed, kv)] * layers  # the kernel is given the key/value heads as they are
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    if per_head:  # the per-head mask is read per head: without it the outputs differ
+        assert not torch.allclose(run(model, ids, mask[:, :1], active=True)[0], got, atol=1e-4)
 
 
 def test_switched_off_or_without_a_mask_it_is_transformers_own(tree):

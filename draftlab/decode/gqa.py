@@ -5,13 +5,20 @@ and one value per key/value head. transformers' `sdpa` attention passes the grou
 `scaled_dot_product_attention` (`enable_gqa=True`) only where no mask is given; with a mask, which every tree verify
 has, it first copies each key and value head once per query head of its group (`repeat_kv`): a copy of the whole
 attention window per layer and step, a fixed cost whatever the step's rows (on stories260K, most of plain decoding's
-generated kernels). On a CPU, torch's attention kernel takes the grouping with a mask as well, and computes every query
-row as before (the same products, in the same order), so the tokens do not change.
+generated kernels). On a CPU draftlab gives the kernel the key/value heads as they are, with each group's query heads
+packed as the rows of one head (G query heads of N rows: one head of G * N rows, each under its own mask row). torch's
+CPU attention kernel works in blocks of up to 32 query rows per head, and a block's fixed cost is most of a small
+call's: packed, a tree of 5 nodes over 8 query heads and 4 key/value heads is 4 blocks rather than 8. Against the
+grouping passed as `enable_gqa=True` (which the kernel takes with a mask too, and which DRAFTLAB_CPU_GQA_PACKED=0 uses
+instead) a Llama-3-8B-shaped layer's attention over 5 query rows took 1.04 against 1.81 ms on one thread
+(benchmarks/attention_packing.py). Every row is the same dot products and softmax as before; blocks of another
+size can round the last bit differently (about 1e-7 in float32), so greedy tokens are the same except at near-ties.
 
 `install()` puts a function in front of transformers' `sdpa` entry (its attention registry, which every model that
 looks `sdpa` up there reads; idempotent). It calls transformers' own function unchanged except inside draftlab's
 compiled calls (decode.fuse.ACTIVE, set by decode.compiled.Compiled), on a CPU, for a module with grouped heads and a
-mask, and nothing else asked of it (no dropout, no position bias, no softcap): there it attends with `enable_gqa`.
+mask, and nothing else asked of it (no dropout, no position bias, no softcap): there it attends as above (a mask
+given per query head is packed alike; a mask of another head count goes to the kernel with `enable_gqa`).
 Outside those calls (the eager path, the reference; HF `generate` on the same model object in a benchmark) attention
 is transformers' own. Not on a GPU, where attention with a mask and `enable_gqa` falls back to the unfused kernel.
 DRAFTLAB_CPU_GQA=0 turns it off.
@@ -27,6 +34,8 @@ from . import fuse
 
 _HF: list = []  # transformers' sdpa function, once installed
 ON = [os.environ.get("DRAFTLAB_CPU_GQA", "1") not in ("0", "false", "no")]  # DRAFTLAB_CPU_GQA (the overview)
+# DRAFTLAB_CPU_GQA_PACKED (the overview): the query heads of a group packed as one head's rows, or enable_gqa
+PACKED = [os.environ.get("DRAFTLAB_CPU_GQA_PACKED", "1") not in ("0", "false", "no")]
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -38,8 +47,20 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
         return _HF[0](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                       is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    B, H, N, D = query.shape
+    kv = key.shape[1]
+    mask_heads = attention_mask.shape[1] if attention_mask.dim() == 4 else 0
+    if not PACKED[0] or mask_heads not in (1, H):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    # A key/value head's query heads as one head of G * N query rows (head j * G + g's row i is row g * N + i, the
+    # order of transformers' repeat_kv), each row under its own mask row.
+    G = H // kv
+    mask = (attention_mask.repeat(1, 1, G, 1) if mask_heads == 1 else
+            attention_mask.reshape(attention_mask.shape[0], kv, G * N, attention_mask.shape[-1]))
+    out = F.scaled_dot_product_attention(query.reshape(B, kv, G * N, D), key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, H, N, D).transpose(1, 2).contiguous(), None
 
 
 def install() -> bool:
