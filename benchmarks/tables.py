@@ -989,6 +989,8 @@ TABLES = {
     **same_name(compiled, "compiled_targets_epyc_signature_1thread"),
     "attention_packing": ("attention_packing", attention_packing),
     **same_name(compiled, "compiled_targets_epyc_packed_1thread"),
+    "step_bounds_epyc_packed_1thread": ("step_bounds_epyc_packed_1thread", lambda p, d: step_bounds(
+        p, d, "Where a compiled step's time goes on the AMD EPYC with packed grouped-query attention, one thread")),
     "refactor_check_gqa_packed": ("refactor_check_gqa_packed", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_gqa_packed")),
