@@ -988,7 +988,7 @@ TABLES = {
         "before (AMD EPYC)", "refactor_check_fixed_signature")),
     **same_name(compiled, "compiled_targets_epyc_signature_1thread"),
     "attention_packing": ("attention_packing", attention_packing),
-    **same_name(compiled, "compiled_targets_epyc_packed_1thread"),
+    **same_name(compiled, "compiled_targets_epyc_packed_1thread", "compiled_targets_epyc_packed_2threads"),
     "step_bounds_epyc_packed_1thread": ("step_bounds_epyc_packed_1thread", lambda p, d: step_bounds(
         p, d, "Where a compiled step's time goes on the AMD EPYC with packed grouped-query attention, one thread")),
     "refactor_check_gqa_packed": ("refactor_check_gqa_packed", refactor_check_compiled_exports(
