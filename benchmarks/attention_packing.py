@@ -1,8 +1,8 @@
 """CPU attention over grouped heads with a mask, as draftlab's compiled calls run it (decode.gqa): each group's query
 heads packed as one head's rows (the default) against the grouping passed to the kernel (`enable_gqa=True`,
 DRAFTLAB_CPU_GQA_PACKED=0), through decode.gqa.grouped_sdpa itself, compiled (torch.compile, fixed shapes, so the
-mask's repeat is fused as in a verify step), both ways interleaved in one run, per thread count; the largest
-difference of the outputs too.
+mask's repeat is fused as in a verify step), both ways one after the other for each shape, in one run, per thread
+count; the largest difference of the outputs too.
 
 Shapes: stories260K's attention (8 query heads over 4, head size 8, a 256-slot window: draftlab's smallest) and a
 Llama-3-8B layer's (32 over 8, head size 128, 1,024 slots), batch 1, for 1 (plain decoding) to 60 query rows (a

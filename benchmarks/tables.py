@@ -481,7 +481,7 @@ def signature_cost(p, d) -> None:
 def attention_packing(p, d) -> None:
     heading(p, "CPU attention over grouped heads: a group's query heads packed as one head's rows, or enable_gqa",
             "`python benchmarks/attention_packing.py`; decode.gqa.grouped_sdpa compiled both ways (fixed shapes), "
-            f"interleaved, best of 3 rounds; batch 1, an additive mask shared by the heads; {d['machine']['cpu']}, "
+            f"one after the other per shape, best of 3 rounds; batch 1, an additive mask shared by the heads; {d['machine']['cpu']}, "
             f"torch {d['machine']['torch']}, {d['date']}")
     p("| shape | query rows | threads | packed us | enable_gqa us | packed speedup | largest difference |")
     p("|---|---|---|---|---|---|---|")
