@@ -481,12 +481,13 @@ def signature_cost(p, d) -> None:
 def attention_packing(p, d) -> None:
     heading(p, "CPU attention over grouped heads: a group's query heads packed as one head's rows, or enable_gqa",
             "`python benchmarks/attention_packing.py`; decode.gqa.grouped_sdpa compiled both ways (fixed shapes), "
-            f"one after the other per shape, best of 3 rounds; batch 1, an additive mask shared by the heads; {d['machine']['cpu']}, "
-            f"torch {d['machine']['torch']}, {d['date']}")
+            "one after the other per shape, best of 3 rounds; batch 1, an additive mask shared by the heads; "
+            f"{d['machine']['cpu']}, torch {d['machine']['torch']}, {d['date']}")
     p("| shape | query rows | threads | packed us | enable_gqa us | packed speedup | largest difference |")
     p("|---|---|---|---|---|---|---|")
     for name, shape in d["shapes"].items():
-        dims = f"{name} ({shape['heads']} over {shape['kv_heads']} heads of {shape['head_dim']}, {shape['slots']} slots)"
+        dims = (f"{name} ({shape['heads']} over {shape['kv_heads']} heads of {shape['head_dim']}, "
+                f"{shape['slots']} slots)")
         for n, by_threads in shape["rows"].items():
             for t, r in by_threads.items():
                 p(f"| {dims} | {n} | {t} | {r['packed_us']:.1f} | {r['enable_gqa_us']:.1f} | {r['speedup']:.2f}x | "
