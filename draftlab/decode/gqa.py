@@ -50,6 +50,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     B, H, N, D = query.shape
     kv = key.shape[1]
     mask_heads = attention_mask.shape[1] if attention_mask.dim() == 4 else 0
+    if mask_heads:
+        attention_mask = attention_mask[..., : key.shape[-2]]  # as transformers' own (a mask past the keys' length)
     if not PACKED[0] or mask_heads not in (1, H):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=True)
@@ -60,7 +62,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     mask = (attention_mask.repeat(1, 1, G, 1) if mask_heads == 1 else
             attention_mask.reshape(attention_mask.shape[0], kv, G * N, attention_mask.shape[-1]))
     out = F.scaled_dot_product_attention(query.reshape(B, kv, G * N, D), key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(B, H, N, D).transpose(1, 2).contiguous(), None
+    return out.reshape(B, H, N, out.shape[-1]).transpose(1, 2).contiguous(), None  # (values may be of another size)
 
 
 def install() -> bool:
