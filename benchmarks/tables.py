@@ -995,6 +995,12 @@ TABLES = {
     "refactor_check_gqa_packed": ("refactor_check_gqa_packed", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_gqa_packed")),
+    "refactor_check_ssm_fixed_args": ("refactor_check_ssm_fixed_args", refactor_check_compiled_exports(
+        "The SSM's chain arguments as kept signatures, against the commit before, one thread (AMD EPYC)",
+        "refactor_check_ssm_fixed_args")),
+    "refactor_check_drafter_signature": ("refactor_check_drafter_signature", refactor_check_compiled_exports(
+        "A chained step's signature: the drafter's tensors and the SSM's chain arguments, against the commit before, "
+        "one thread (AMD EPYC)", "refactor_check_drafter_signature")),
     "refactor_check_gqa_packed_2threads": ("refactor_check_gqa_packed_2threads", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
         "refactor_check_gqa_packed_2threads")),

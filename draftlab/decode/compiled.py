@@ -58,9 +58,9 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 class Fixed(tuple):
-    """A tuple of tensors (directly or in plain tuples) whose members are never replaced and whose tensors keep their
-    shapes: its signature in compiled calls (_signature) is computed once and kept on it. A static cache's
-    device_state is one, for as long as its buffers stay the same tensors."""
+    """A tuple of tensors or plain values (directly or in plain tuples) whose members are never replaced and whose
+    tensors keep their shapes: its signature in compiled calls (_signature) is computed once and kept on it. A static
+    cache's device_state is one, for as long as its buffers stay the same tensors; an SSM's tree paths are one."""
 
 
 def _signature(x, depth: int = 0):
@@ -106,15 +106,23 @@ def _held(obj):
     """The shapes of the tensors an object holds (directly, or in a list / tuple: a drafter's KV buffers), which
     its compiled methods read; its Python numbers are left out: a graph that read one would recompile on every
     change, which tests rule out (see tests/test_compiled.py)."""
+    # Every call of a chained step computes this (a drafter holds a few dozen attributes): the types that hold no
+    # tensors are passed over first, and a list without tensors adds no entry.
     out = []
     for k, v in vars(obj).items():
-        if isinstance(v, (list, tuple)):
+        if type(v) in _NO_TENSORS:
+            continue
+        if isinstance(v, torch.Tensor):
+            out.append((k, _signature(v)))
+        elif isinstance(v, (list, tuple)):
             v = [t for t in v if isinstance(t, torch.Tensor)] or [t for p in v if isinstance(p, (list, tuple))
                                                                    for t in p if isinstance(t, torch.Tensor)]
-            out.append((k, tuple([_signature(t) for t in v])))
-        elif isinstance(v, torch.Tensor):
-            out.append((k, _signature(v)))
+            if v:
+                out.append((k, tuple([_signature(t) for t in v])))
     return (id(obj), tuple(out))
+
+
+_NO_TENSORS = frozenset({bool, int, float, str, type(None), dict, torch.device, torch.dtype})  # (_held)
 
 
 try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU

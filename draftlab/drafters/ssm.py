@@ -17,7 +17,7 @@ from torch import nn
 
 from ..decode.acceptance import Sampling, draw, warp
 from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
-from ..decode.compiled import compiled_method
+from ..decode.compiled import Fixed, compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, rank_of, static_view
 
@@ -306,6 +306,7 @@ class SSMDrafter(Drafter):
         if key not in self.shapes:
             self.shapes[key] = self._shape(tree)
         self.tree, shape = tree, self.shapes[key]
+        self.shape = shape  # (a dict: a compiled call's signature does not walk it, see decode.compiled._held)
         self.buf, self.internal, self.slot, self.slot_of, self.levels, self.q_index = (
             shape["buf"], shape["internal"], shape["slot"], shape["slot_of"], shape["levels"], shape["q_index"])
         self.views: dict[int, TreeView] = shape["views"]
@@ -332,8 +333,9 @@ class SSMDrafter(Drafter):
         slot = {n: i for i, n in enumerate(internal)}
         # The chained step's commit reads each node's tentative slot on the device (-1: the root and the leaves).
         slot_of = torch.tensor([slot.get(n, -1) for n in range(tree.size)], device=self.device)
+        # The tree's paths as compiled calls are given them: a Fixed keeps its signature.
         return {"buf": buf, "internal": internal, "slot": slot, "slot_of": slot_of, "levels": levels,
-                "q_index": q_index, "views": {}}
+                "q_index": q_index, "views": {}, "paths": Fixed(tree.paths)}
 
     @property
     def max_nodes(self) -> int:
@@ -445,7 +447,7 @@ class SSMDrafter(Drafter):
         path = self.decode_path
         fn = compiled_method(self, "_draft", path["compile"]) if path.get("compile") else self._draft
         us = self._level_uniforms(ids.shape[0])
-        tokens, q, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.tree.paths,
+        tokens, q, cache.next_pos = fn(ids, ok, tokens, cache.slots, n, cache.next_pos, window, self.shape["paths"],
                                        us, self.sampling if us is not None else None)
         cache.commit_reserved(P)
         self.start = cache.length
@@ -500,18 +502,19 @@ class SSMDrafter(Drafter):
             return None
         window = cache.reserve(2 + I)  # the window for the longest keep (keeping fewer, they are written earlier)
         us = self._level_uniforms(cache.batch)
-        kv, cumulative = cache.device_state()
-        return (kv, cumulative, cache.slots, cache.next_pos, self.tree.depth, window, self.tree.paths, us,
+        # (the cache's state as one Fixed, and the paths as one: their signatures are kept, not walked each step)
+        return (cache.device_state(), cache.slots, cache.next_pos, self.tree.depth, window, self.shape["paths"], us,
                 self.sampling if us is not None else None)
 
-    def chain(self, states, full, tokens, bonus, last, kv, cumulative, slots, next_pos, D: int, window: int, paths,
-              us, sampling):
+    def chain(self, states, full, tokens, bonus, last, state, slots, next_pos, D: int, window: int, paths, us,
+              sampling):
         """commit's and propose's device work, tensor operations only: the accepted path's tentative slots are kept
         (the internal nodes on it, a prefix of it below the root), then the feed (the last accepted node if it is a
         leaf, which was never forwarded, and the bonus token: the next root) and the next tree run as _draft.
         Liveness is the step's before its tokens were emitted: a row that ends in this step feeds its last tokens
         (the split path feeds holes); either way a row that ended is never read again."""
         keep, valid = full[0], full[1]
+        kv, cumulative = state
         B = keep.shape[0]
         rows = torch.arange(B, device=keep.device)
         live = valid[:, 0]
