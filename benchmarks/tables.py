@@ -1004,6 +1004,9 @@ TABLES = {
     "refactor_check_gqa_packed_2threads": ("refactor_check_gqa_packed_2threads", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
         "refactor_check_gqa_packed_2threads")),
+    "ensemble_cost_packed": ("ensemble_cost_packed", lambda p, d: ensemble_cost(
+        p, d, "The cost schedule against its members after the packed grouped-query attention (AMD EPYC)",
+        "ensemble_cost_packed")),
     "ensemble_cost_fuse_seen": ("ensemble_cost_fuse_seen", lambda p, d: ensemble_cost(
         p, d, "The cost schedule against its members after fusing again only where a group changed (AMD EPYC)",
         "ensemble_cost_fuse_seen")),
