@@ -52,6 +52,7 @@ import weakref
 import torch
 
 from . import fuse, gqa
+from .switches import env_flag
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -189,7 +190,7 @@ def cpp_wrapper() -> bool:
     DRAFTLAB_CPP_WRAPPER=0: no). A verify forward of a small base is a few dozen kernels and matmuls of microseconds
     each, so the Python lines between them are a large part of its time. Not in a tensor-parallel process: graphs
     over sharded weights take a device mesh, which the C++ wrapper cannot pass."""
-    if os.environ.get("DRAFTLAB_CPP_WRAPPER", "1") in ("0", "false", "no"):
+    if env_flag("DRAFTLAB_CPP_WRAPPER") is False:
         return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
@@ -241,13 +242,13 @@ def compile_cache_report() -> dict:
 
 def guards_skipped() -> bool:
     """Whether calls of a seen signature skip dynamo's guard evaluation (default yes; DRAFTLAB_COMPILE_GUARDS=1: no)."""
-    return _SKIP is not None and os.environ.get("DRAFTLAB_COMPILE_GUARDS", "") not in ("1", "true", "yes")
+    return _SKIP is not None and env_flag("DRAFTLAB_COMPILE_GUARDS") is not True
 
 
 def direct_calls() -> bool:
     """Whether calls of a seen signature run the compiled variant's code without dynamo's frame hook, where they can
     (a CPU; see the module's overview): yes, unless DRAFTLAB_COMPILE_DIRECT=0."""
-    return os.environ.get("DRAFTLAB_COMPILE_DIRECT", "1") not in ("0", "false", "no")
+    return env_flag("DRAFTLAB_COMPILE_DIRECT") is not False
 
 
 def _last_variant(fn):
@@ -397,7 +398,7 @@ class Compiled:
 
 # DRAFTLAB_EMULATE_GRAPH_OUTPUTS (the module's overview): whether it is on (tests set it), and the outputs of the last
 # graphed call, which the next overwrites
-EMULATE_GRAPH_OUTPUTS = [os.environ.get("DRAFTLAB_EMULATE_GRAPH_OUTPUTS", "") in ("1", "true", "yes")]
+EMULATE_GRAPH_OUTPUTS = [env_flag("DRAFTLAB_EMULATE_GRAPH_OUTPUTS") is True]
 _POOL: list = []
 
 

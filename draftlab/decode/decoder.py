@@ -12,7 +12,6 @@ masked-out holes.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_laye
                     check_tree_support, compact_cache, keep_on_device, reserved_mask, static_slot_cache,
                     static_slots)
 from .streams import derived_generator
+from .switches import env_flag
 from .tree import TreeView
 
 
@@ -365,12 +365,6 @@ def verify_keep_and_draft(model, inputs: dict, window: int, spans: tuple | None,
     return states, decided, drafter.chain(states, (keep, keep_valid, kept_pos), tokens, bonus, length - 1, *args)
 
 
-def _flag(name: str) -> bool | None:
-    """An on/off environment switch: True for 1/true/yes, False for 0/false/no, None when unset (the default)."""
-    value = os.environ.get(name, "").lower()
-    return True if value in ("1", "true", "yes") else False if value in ("0", "false", "no") else None
-
-
 def chained_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_keep_and_draft for a compiled verify forward's backend, if `on`; on=None is the device
     type's default, DRAFTLAB_CHAINED_STEP=1 / 0 sets it everywhere: on for a CPU, off for a GPU, where only Medusa
@@ -379,7 +373,7 @@ def chained_step(backend: str | None, device: str, on: bool | None = None):
     the drafter chains (Drafter.chain_args). Its signature holds the drafter's buffers' shapes
     (decode.compiled._signature)."""
     if on is None:
-        flag = _flag("DRAFTLAB_CHAINED_STEP")
+        flag = env_flag("DRAFTLAB_CHAINED_STEP")
         on = device == "cpu" if flag is None else flag
     if backend is None or not on:
         return None
@@ -392,7 +386,7 @@ def fused_default(device: str, sampled: bool) -> bool:
     step): on a CPU, always; on a GPU, for greedy and typical steps (measured on an H200: 1.08x plain decoding,
     1.19-1.43x the oracle drafter), not yet for sampled ones, whose law has not been checked through the fused call
     on a GPU (tests/test_gpu_law.py, in benchmarks/gpu_check.sh, is that check)."""
-    flag = _flag("DRAFTLAB_FUSED_STEP")
+    flag = env_flag("DRAFTLAB_FUSED_STEP")
     return (device == "cpu" or not sampled) if flag is None else flag
 
 

@@ -31,11 +31,11 @@ carries a forward of its own (a tensor-parallel plan's, an accelerate hook's).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .switches import env_flag
 
 # Whether fused modules run fused: on inside draftlab's compiled calls only (decode.compiled.Compiled), so the eager
 # path, the reference, and anything else run on the same model object (HF generate in a benchmark) compute as before.
@@ -187,8 +187,8 @@ def fuse_by_default(device_type: str) -> bool:
     """Whether the compiled path fuses its models' projections on this device type: DRAFTLAB_FUSE_PROJECTIONS=1 or 0
     says; by default on a CPU (measured: docs/benchmarks.md), not on a GPU, where two calls on an H200 disagreed
     (0.92x and 1.09x plain decoding's speed without it)."""
-    env = os.environ.get("DRAFTLAB_FUSE_PROJECTIONS", "")
-    return env in ("1", "true", "yes") if env else device_type == "cpu"
+    flag = env_flag("DRAFTLAB_FUSE_PROJECTIONS")
+    return device_type == "cpu" if flag is None else flag
 
 
 def modules_of(obj, depth: int = 0, seen: set | None = None):

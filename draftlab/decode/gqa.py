@@ -26,16 +26,15 @@ DRAFTLAB_CPU_GQA=0 turns it off.
 
 from __future__ import annotations
 
-import os
-
 import torch.nn.functional as F
 
 from . import fuse
+from .switches import env_flag
 
 _HF: list = []  # transformers' sdpa function, once installed
-ON = [os.environ.get("DRAFTLAB_CPU_GQA", "1") not in ("0", "false", "no")]  # DRAFTLAB_CPU_GQA (the overview)
+ON = [env_flag("DRAFTLAB_CPU_GQA") is not False]  # DRAFTLAB_CPU_GQA (the overview)
 # DRAFTLAB_CPU_GQA_PACKED (the overview): the query heads of a group packed as one head's rows, or enable_gqa
-PACKED = [os.environ.get("DRAFTLAB_CPU_GQA_PACKED", "1") not in ("0", "false", "no")]
+PACKED = [env_flag("DRAFTLAB_CPU_GQA_PACKED") is not False]
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
