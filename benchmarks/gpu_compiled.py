@@ -33,7 +33,8 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
 Methods warm up in the order of what the next GPU run needs most: plain decoding split and fused, the chained
 drafters, then fused projections and the oracle's variants (both measured in two calls before), the sampled plain
 pair, the sampled Medusa pair, then HF's static compile, so that a run cut short
-by --deadline keeps the first. The fastest plain decoding is the fastest greedy hf_* or plain_* method measured.
+by --deadline keeps the first; --only METHOD ... runs the named ones alone, in the order given. The fastest plain
+decoding is the fastest greedy hf_* or plain_* method measured.
 
 --inductor KEY=VALUE sets torch._inductor.config options before anything compiles (e.g.
 coordinate_descent_tuning=True, under which inductor writes one-row matrix products as tuned Triton reductions
@@ -215,6 +216,8 @@ def main() -> None:
     ap.add_argument("--fuse-projections", action="store_true", help="also plain and the oracle (default tree) on a "
                     "copy of the base whose q/k/v and gate/up projections are fused (decode.fuse); every other "
                     "method's are not")
+    ap.add_argument("--only", nargs="+", metavar="METHOD", help="run these methods alone, in this order (names as in "
+                    "the results; the options above still add them): a short call that settles chosen questions")
     ap.add_argument("--profile", action="store_true", help="also the matrix products alone and the verify forward's "
                     "kernels by kind")
     a = ap.parse_args()
@@ -343,6 +346,12 @@ def main() -> None:
         cc._compile_all_devices = True  # on a CPU too (the smoke test)
         methods["hf_static_compiled"] = (lambda: (hf(cache_implementation="static", compile_config=cc)(), None, 0.0),
                                          None)
+
+    if a.only:
+        unknown = [m for m in a.only if m not in methods]
+        if unknown:
+            ap.error(f"--only: unknown methods {unknown} (with these options: {list(methods)})")
+        methods = {m: methods[m] for m in a.only}
 
     def timed_run(fn, *args):
         sync()
