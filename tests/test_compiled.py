@@ -555,10 +555,11 @@ def test_a_second_run_of_a_length_compiles_nothing(kind):
 
 
 def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
-    """On a CPU the compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
+    """The compiled path verifies, decides and keeps in one call (decode.decoder.verify_and_keep);
     DRAFTLAB_FUSED_STEP=0 splits it into the verify forward and the acceptance graph. Both give the eager tokens,
     greedy and with typical acceptance (its thresholds are in the graph), with drafters that read the base's states
-    from the step (Hydra++, EAGLE-3) too, and the fused call is the one that ran."""
+    from the step (Hydra++, EAGLE-3) too, and the fused call is the one that ran; sampled steps give the split calls'
+    tokens for one seed."""
     from draftlab.decode.acceptance import Sampling
     from draftlab.decode.decoder import fused_default, fused_step
 
@@ -579,42 +580,18 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
         assert fused.calls == calls
         monkeypatch.delenv("DRAFTLAB_FUSED_STEP")
     assert SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", fused=False).step is None
-    # A GPU fuses greedy and typical steps by default, not sampled ones; DRAFTLAB_FUSED_STEP sets both.
-    assert fused_step("eager", "cuda") is not None
-    assert fused_default("cuda", sampled=False) and not fused_default("cuda", sampled=True)
-    assert fused_default("cpu", sampled=True)
-    monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "1")
-    assert fused_default("cuda", sampled=True)
+    # Sampled steps run the fused call too, with the split calls' tokens for one seed.
+    fused, calls = fused_step("eager", "cpu"), fused.calls
+    sampled = lambda **kw: SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", chained=False,  # noqa
+                                              **kw).generate(prompts, max_new_tokens=13, sampling=Sampling(
+                                                  temperature=0.9), generator=torch.Generator().manual_seed(3)).tokens
+    both = sampled()
+    assert fused.calls > calls and both == sampled(fused=False)
+    # Every device fuses every rule's steps by default (a GPU too, since tests/test_gpu_law.py passed on an H200);
+    # DRAFTLAB_FUSED_STEP=0 splits them everywhere.
+    assert fused_step("eager", "cuda") is not None and fused_default()
     monkeypatch.setenv("DRAFTLAB_FUSED_STEP", "0")
-    assert fused_step("eager", "cuda") is None and not fused_default("cpu", sampled=False)
-
-
-def test_a_device_that_fuses_only_deterministic_steps_splits_the_sampled_ones(monkeypatch):
-    """The GPU default (decode.decoder.fused_default), emulated on a CPU: greedy steps run the fused call, sampled
-    steps the split calls, with the tokens the fused sampled steps give for one seed; fused=True fuses both."""
-    from draftlab.decode import decoder as decoder_mod
-    from draftlab.decode.acceptance import Sampling
-    from draftlab.decode.decoder import fused_step
-
-    monkeypatch.setattr(decoder_mod, "fused_default", lambda device, sampled: not sampled)
-    base = peaked()
-    prompts = [[1, 5, 7, 9], [1, 3]]
-    sampled = Sampling(temperature=0.9)
-    fused = fused_step("eager", "cpu", on=True)
-
-    def run(sampling=None, **kw):
-        calls = fused.calls
-        res = SpeculativeDecoder(base, drafter("hydra++", base), compile="eager", chained=False, **kw).generate(
-            prompts, max_new_tokens=13, sampling=sampling, generator=torch.Generator().manual_seed(3))
-        return res.tokens, fused.calls - calls
-
-    greedy, calls = run()
-    assert calls > 0 and greedy == SpeculativeDecoder(base, drafter("hydra++", base)).generate(
-        prompts, max_new_tokens=13).tokens
-    split, calls = run(sampled)
-    assert calls == 0
-    both, calls = run(sampled, fused=True)
-    assert calls > 0 and both == split
+    assert fused_step("eager", "cuda") is None and not fused_default()
 
 
 # (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
@@ -673,6 +650,22 @@ def test_a_chained_calls_signature_holds_the_drafters_buffers():
     before = _signature((d,))
     d.k = torch.cat([d.k, d.k], 2)  # a grown buffer
     assert _signature((d,)) != before
+
+
+def test_the_buffers_a_drafters_compiled_step_writes_are_marked_static():
+    """EAGLE-3 and DFlash write their committed entries into buffers of their own inside a compiled call. Inductor
+    records such a call under CUDA graphs only where the inputs it writes are marked static (decode.cache
+    .static_buffer): on an H200, EAGLE-3's chained step ran without CUDA graphs ("skipping cudagraphs due to mutated
+    inputs (3 instances)") before they were; after a grown buffer too."""
+    base = peaked()
+    for kind in ("eagle3", "dflash"):
+        d = drafter(kind, base)
+        SpeculativeDecoder(base, d, static=True).generate([[1, 5, 7]], max_new_tokens=5)
+        first = d.valid
+        d._room(d.valid.shape[1] + 1, *((d.k, d.v) if kind == "eagle3" else (d.kv,)), d.valid)
+        assert d.valid is not first and d.valid.shape[1] > first.shape[1]  # grown
+        for bufs in ((d.k, d.v, d.valid) if kind == "eagle3" else (*[t for kv in d.kv for t in kv], d.valid),):
+            assert all(getattr(t, "_dynamo_static_input_type", None) for t in bufs), kind
 
 
 def test_signatures_hold_settings_by_value():

@@ -1,6 +1,6 @@
 """Speculative sampling keeps the base's law on a GPU through the compiled path: its acceptance in a graph of its own
-(the split calls, a GPU's default for sampled steps) and inside the fused and chained verify call under CUDA graphs,
-which a GPU does not run for sampled steps by default until this test has passed there (decode.decoder.fused_default).
+(the split calls) and inside the fused and chained verify call under CUDA graphs, which a GPU runs for sampled steps
+by default since this test passed on an H200 (2026-11-30; decode.decoder.fused_default).
 The check of tests/test_sampling_law.py (an SSM drafting a tree with sampled siblings, several steps, depth >= 2),
 in float32 on the GPU, with the GPU's own random streams. Skipped without CUDA; benchmarks/gpu_check.sh runs it.
 DRAFTLAB_GPU_LAW_DEVICE=cpu runs it on a CPU (a smoke test of the test itself)."""

@@ -369,7 +369,7 @@ class StaticSlotCache:
         if self.windowed:
             self.cache.layers = [window_layer(max_len) for _ in self.cache.layers]
         self.window = max_len  # the slots the next forward attends over (see _set_window)
-        self.slots = _static(torch.zeros(batch, max_len, dtype=torch.bool, device=self.device))  # valid slots
+        self.slots = static_buffer(torch.zeros(batch, max_len, dtype=torch.bool, device=self.device))  # valid slots
         self.n = 0  # slots committed (holes included); tentative slots start here
         self.tentative = 0  # slots written since the last keep
         self.next_pos: torch.Tensor | None = None
@@ -420,7 +420,7 @@ class StaticSlotCache:
             layer.max_cache_len = size
         self.cache.max_cache_len = size
         self._state = None
-        self.slots = _static(torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1))
+        self.slots = static_buffer(torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1))
         self.max_len = size
 
     def _defragment(self) -> None:
@@ -572,9 +572,11 @@ class StaticSlotCache:
         return out
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
+def static_buffer(t: torch.Tensor) -> torch.Tensor:
     """t, marked as a buffer whose address never changes (as transformers marks its StaticCache's): a CUDA graph that
-    writes it in place (the fused verify step keeps the accepted slots' validity in `slots`) may then be recorded."""
+    writes it in place (the fused verify step keeps the accepted slots' validity in `slots`; EAGLE-3 and DFlash write
+    their committed entries into their own buffers) may then be recorded; inductor runs a graph that writes an
+    unmarked input in place without CUDA graphs ("skipping cudagraphs due to mutated inputs")."""
     if not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(t)
     return t

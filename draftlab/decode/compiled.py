@@ -30,8 +30,8 @@ Outputs under CUDA graphs. A graphed call's outputs live in the CUDA graphs' sha
 graphed call (of any function) writes over: torch raises "accessing tensor output of CUDAGraphs that has been
 overwritten by a subsequent run" where one is read later, e.g. when a step's bonus token is the next step's input.
 A call whose outputs must outlive the next call (`keep_outputs`: the fused and chained verify steps, whose outputs
-are the next step's inputs) returns clones of them; a verify forward's outputs are read before the next one and
-are returned as they are. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1 emulates that lifetime on any device: each graphed call
+are the next step's inputs; a verify forward, whose states a drafter's graphed step reads on the split path; a
+drafter's step, whose outputs it reads in the next step) returns clones of them. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1 emulates that lifetime on any device: each graphed call
 first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so that a
 read of an overwritten output raises or changes the tokens on a CPU too (a read whose wrong value changes nothing,
 such as positions on a small test base, goes unseen there; a GPU raises on every such read).
@@ -457,7 +457,7 @@ def compiled_forward(model, backend: str = "inductor") -> Compiled:
     """The process's compiled forward of `model` with `backend` (made on first use, then shared)."""
     fns = _COMPILED.setdefault(model, {})
     if backend not in fns:
-        fns[backend] = Compiled(model, backend, next(model.parameters()).device.type, graphs=True)
+        fns[backend] = Compiled(model, backend, next(model.parameters()).device.type, graphs=True, keep_outputs=True)
     return fns[backend]
 
 
@@ -475,9 +475,11 @@ def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = Fals
 
 def compiled_method(obj, name: str, backend: str) -> Compiled:
     """The compiled form of obj's method `name` with `backend` (made once per object and backend): a drafter's step
-    over its own buffers, whose shapes are part of each call's signature."""
+    over its own buffers, whose shapes are part of each call's signature. Under CUDA graphs on a GPU (the buffers it
+    writes in place marked with decode.cache.static_buffer), its outputs cloned: the drafter reads them after the
+    next graphed call."""
     cache = obj.__dict__.setdefault("_compiled", {})
     if (name, backend) not in cache:
         device = next((v.device.type for v in vars(obj).values() if isinstance(v, torch.Tensor)), "cpu")
-        cache[(name, backend)] = Compiled(getattr(obj, name), backend, device)
+        cache[(name, backend)] = Compiled(getattr(obj, name), backend, device, graphs=True, keep_outputs=True)
     return cache[(name, backend)]

@@ -76,15 +76,13 @@ class Verifier:
 
     def __init__(self, base, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, stop=None,
                  on_tokens=None, generator=None, hidden_layers=(), sync=None, static_nodes: int | None = None,
-                 forward=None, cache=None, fused: bool | None = None, chain=None,
-                 fused_sampled: bool | None = None):
+                 forward=None, cache=None, fused: bool | None = None, chain=None):
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
         (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
         cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
         fused: whether a compiled static path verifies in one call (fused_step; None: the device's default); chain:
         the compiled verify_keep_and_draft (chained_step) the fused path runs instead when verify is given a drafter
-        that chains; fused_sampled: whether sampled steps run that call too (None: the device's default,
-        fused_default)."""
+        that chains."""
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token (e.g. BOS)")
         self.base, self.sampling, self.generator, self.layers, self.sync = base, sampling, generator, hidden_layers, sync
@@ -97,7 +95,6 @@ class Verifier:
         self.decide = rule if backend is None else compiled_function(rule, backend, self.device.type)
         # The compiled static path verifies, decides and keeps in one call (see fused_step).
         self.fused = fused_step(backend, self.device.type, fused) if static_nodes and sync is None else None
-        self.fused_sampled = fused_default(self.device.type, sampled=True) if fused_sampled is None else fused_sampled
         self.chain = chain if self.fused is not None else None
         self.res = Result(tokens=[[] for _ in prompts])
         self.live = torch.ones(len(prompts), dtype=torch.bool, device=self.device)
@@ -155,7 +152,7 @@ class Verifier:
         if on_device and not deterministic:
             drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
                      *tree_bounds(view, rounded=self.compiled))
-        fused = on_device and self.fused is not None and (deterministic or self.fused_sampled)
+        fused = on_device and self.fused is not None
         chainer = drafter.chainer if fused and self.chain is not None and drafter is not None else None
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
@@ -381,22 +378,22 @@ def chained_step(backend: str | None, device: str, on: bool | None = None):
                              keep_outputs=True)  # its outputs are the next step's inputs
 
 
-def fused_default(device: str, sampled: bool) -> bool:
-    """Whether the compiled static path fuses its verify step by default (DRAFTLAB_FUSED_STEP=1 / 0 says, for every
-    step): on a CPU, always; on a GPU, for greedy and typical steps (measured on an H200: 1.08x plain decoding,
-    1.19-1.43x the oracle drafter), not yet for sampled ones, whose law has not been checked through the fused call
-    on a GPU (tests/test_gpu_law.py, in benchmarks/gpu_check.sh, is that check)."""
+def fused_default() -> bool:
+    """Whether the compiled static path fuses its verify step by default: yes, on every device and for every rule,
+    unless DRAFTLAB_FUSED_STEP=0. Measured on an H200 at 7B shape: plain decoding 1.08x the split calls, the oracle
+    drafter 1.19-1.43x, sampled plain decoding 1.10x; sampled steps joined once their law held through the fused and
+    chained call there (tests/test_gpu_law.py, run by benchmarks/gpu_check.sh; passed on an H200 on 2026-11-30)."""
     flag = env_flag("DRAFTLAB_FUSED_STEP")
-    return (device == "cpu" or not sampled) if flag is None else flag
+    return True if flag is None else flag
 
 
 def fused_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
-    `on` (None: where the device fuses some steps by default, fused_default). Under CUDA graphs it returns clones of
+    `on` (None: fused_default). Under CUDA graphs it returns clones of
     its outputs (keep_outputs): the next step reads them after the next replay. Its signature holds the base and
     the cache, so guards are evaluated once per signature (decode.compiled)."""
     if on is None:
-        on = fused_default(device, sampled=False)
+        on = fused_default()
     if backend is None or not on:
         return None
     return compiled_function(verify_and_keep, backend, device, graphs=True, skip_guards=True,
@@ -428,7 +425,7 @@ class SpeculativeDecoder:
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
         the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
-        default: the device's, fused_default). chained: whether that call also runs the drafter's commit and next
+        default: fused_default, on unless DRAFTLAB_FUSED_STEP=0). chained: whether that call also runs the drafter's commit and next
         proposal, for drafters that can (chained_step; default: the device's). fuse: whether the compiled path
         computes the base's and the drafter's q/k/v and gate/up projections as one product each (decode.fuse, which
         changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default; never under tensor
@@ -444,7 +441,6 @@ class SpeculativeDecoder:
         if compile and not self.static:
             raise ValueError("compile needs the static-shape path (static=True)")
         self.forward = self.step = self.chain = None
-        self.fused_sampled = fused_default(self.device.type, sampled=True) if fused is None else fused
         self.fused_models: list = []  # models whose projections the compiled calls fuse (decode.fuse)
         if compile:
             from .compiled import compile_backend, compiled_forward
@@ -496,7 +492,7 @@ class SpeculativeDecoder:
         verifier = Verifier(self.base, prompts, max_new_tokens, sampling, eos_set(eos_token_id), stop, on_tokens,
                             generator, drafter.hidden_layers, self.sync,
                             static_nodes=drafter.max_nodes if self.static else None, forward=self.forward, cache=cache,
-                            fused=self.step is not None, chain=self.chain, fused_sampled=self.fused_sampled)
+                            fused=self.step is not None, chain=self.chain)
         t0 = time.perf_counter()
         prompt, root = verifier.prefill()
         drafter.begin(prompt, sampling, drafter_gen)

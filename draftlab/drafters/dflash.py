@@ -422,7 +422,7 @@ class DFlashDrafter(Drafter):
         first for the prompt and the run (self.slots), then doubled (in 256-slot steps) when full, their committed
         entries copied."""
         if self.kv is None or self.n + T > self.valid.shape[1]:
-            from ..decode.cache import static_slots
+            from ..decode.cache import static_buffer, static_slots
 
             cap = max(2 * (0 if self.kv is None else self.valid.shape[1]), static_slots(max(self.n + T, self.slots)))
             grown = []
@@ -431,11 +431,11 @@ class DFlashDrafter(Drafter):
                 vb = torch.zeros_like(kb)
                 if self.kv is not None:
                     kb[:, :, : self.n], vb[:, :, : self.n] = self.kv[i][0][:, :, : self.n], self.kv[i][1][:, :, : self.n]
-                grown.append((kb, vb))
+                grown.append((static_buffer(kb), static_buffer(vb)))  # written in place by the compiled commit
             valid = ok.new_zeros(ok.shape[0], cap)
             if self.kv is not None:
                 valid[:, : self.n] = self.valid[:, : self.n]
-            self.kv, self.valid = grown, valid
+            self.kv, self.valid = grown, static_buffer(valid)
 
     # --- the interface ----------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:

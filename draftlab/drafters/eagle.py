@@ -362,7 +362,7 @@ class Eagle3Drafter(Drafter):
         """Room in the cache for T more entries shaped like k, v [B, kv_heads, *, d] and ok [B, *]: first for the
         prompt and the run (self.slots), then doubled (in 256-slot steps) when full, their committed entries copied."""
         if self.k is None or self.n + T > self.k.shape[2]:
-            from ..decode.cache import static_slots
+            from ..decode.cache import static_buffer, static_slots
 
             cap = max(2 * (0 if self.k is None else self.k.shape[2]), static_slots(max(self.n + T, self.slots)))
 
@@ -370,12 +370,12 @@ class Eagle3Drafter(Drafter):
                 buf = new.new_zeros(new.shape[0], new.shape[1], cap, new.shape[3])
                 if old is not None:
                     buf[:, :, : self.n] = old[:, :, : self.n]
-                return buf
+                return static_buffer(buf)  # written in place by the compiled commit (under CUDA graphs too)
             self.k, self.v = grown(self.k, k), grown(self.v, v)
             valid = ok.new_zeros(ok.shape[0], cap)
             if self.valid is not None:
                 valid[:, : self.n] = self.valid[:, : self.n]
-            self.valid = valid
+            self.valid = static_buffer(valid)
 
     def _entries(self, feats: torch.Tensor, next_tokens: torch.Tensor, ok: torch.Tensor, full: bool = False):
         """One layer pass for committed entries (features feats [B, T, n, H], the token after each [B, T], valid
