@@ -399,7 +399,8 @@ def gpu_compiled(p, d, title: str) -> None:
             share += f" ({d['step_weight_gb'] / sum(ph.values()) / d['copy_bandwidth_tbps']:.0%}*)"
         warm = f"{r['warmup_s']:.1f}" + (f" ({r['compile_s']:.1f})" if r.get("compile_s") else "")
         diff = "none" if r["first_difference"] is None else r["first_difference"]
-        p(f"| {m} | {r['tokens_per_s']:.1f} | {r['vs_fastest_plain']:.2f}x | {r.get('accept_length', 1.0):.2f} | "
+        vs = f"{r['vs_fastest_plain']:.2f}x" if "vs_fastest_plain" in r else "- (none in this run)"
+        p(f"| {m} | {r['tokens_per_s']:.1f} | {vs} | {r.get('accept_length', 1.0):.2f} | "
           f"{ms} | {share} | {warm} | {diff} |")
     if any("bandwidth_share" in r for r in d["methods"].values()):
         recorded = any("bandwidth_share_decode" in r for r in d["methods"].values())
@@ -866,6 +867,12 @@ TABLES = {
         p, d, "Compiled decoding on a GPU: the fused step, fused projections, the chained step and sampling")),
     "gpu_compiled_fuseproj_2": ("gpu_compiled_fuseproj_2", lambda p, d: gpu_compiled(
         p, d, "Compiled decoding on a GPU: the fused step and fused projections, the session's second call")),
+    "gpu_compiled_law_eagle3": ("gpu_compiled_law_eagle3", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: after the law test, EAGLE-3's split and chained steps")),
+    "gpu_compiled_oracle_hf": ("gpu_compiled_oracle_hf", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: the oracle's fused step and HF's static compile")),
+    "gpu_compiled_drafter_graphs": ("gpu_compiled_drafter_graphs", lambda p, d: gpu_compiled(
+        p, d, "Compiled decoding on a GPU: EAGLE-3's drafting call under CUDA graphs")),
     "gpu_compiled_cdt": ("gpu_compiled_cdt", lambda p, d: gpu_compiled(
         p, d, "Compiled plain decoding on a GPU with inductor's coordinate-descent tuning")),
     "train_ensemble": ("train_ensemble", train_ensemble),
