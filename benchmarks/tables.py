@@ -1011,6 +1011,12 @@ TABLES = {
     "refactor_check_gqa_packed_2threads": ("refactor_check_gqa_packed_2threads", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
         "refactor_check_gqa_packed_2threads")),
+    **same_name(compiled, "compiled_targets_epyc_ssm12_1thread", "compiled_targets_epyc_ssm12_2threads",
+                "compiled_targets_epyc_ssm12_2threads_c"),
+    "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
+                                               refactor_check_compiled_exports(
+        "Drafters' compiled steps under CUDA graphs on a GPU: the CPU path against the commit before, two threads "
+        "(AMD EPYC)", "refactor_check_drafter_graphs_2threads")),
     "ensemble_cost_packed": ("ensemble_cost_packed", lambda p, d: ensemble_cost(
         p, d, "The cost schedule against its members after the packed grouped-query attention (AMD EPYC)",
         "ensemble_cost_packed")),
