@@ -1012,7 +1012,8 @@ TABLES = {
         "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
         "refactor_check_gqa_packed_2threads")),
     **same_name(compiled, "compiled_targets_epyc_ssm12_1thread", "compiled_targets_epyc_ssm12_2threads",
-                "compiled_targets_epyc_ssm12_2threads_c"),
+                "compiled_targets_epyc_ssm12_2threads_c", "compiled_targets_epyc_hydra12_1thread",
+                "compiled_targets_epyc_hydra12_2threads"),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
                                                refactor_check_compiled_exports(
         "Drafters' compiled steps under CUDA graphs on a GPU: the CPU path against the commit before, two threads "
