@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 20's GPU check in one call of about 9 minutes (docs/benchmarks.md, "Compiled decoding on a GPU"): the sampling
-# law through the compiled path (tests/test_gpu_law.py, at most LAW_LIMIT seconds, default 200), then compiled
-# plain decoding against HF's, the oracle drafter, the fused, chained and sampled steps, whether each keeps its CUDA
-# graph, and a profile of the verify forward (EXTRA="--fuse-projections" adds fused projections, measured twice).
+# law through the compiled path (tests/test_gpu_law.py, at most LAW_LIMIT seconds, default 200), then the methods
+# ONLY names, in that order (default: what the next run has to settle first: the chained step of EAGLE-3, the SSM
+# and Medusa against their split steps now that drafters' own compiled steps run under CUDA graphs, whether each
+# keeps its CUDA graphs, then the oracle and HF's static compile), and a profile of the verify forward.
 # Run from the repository root on a machine with a CUDA GPU:
 #
 #     OUT=results_dir bash benchmarks/gpu_check.sh                 # writes $OUT/gpu_compiled.json and its log
@@ -27,10 +28,14 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout "${LAW_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_law.py > "$OUT/gpu_law.log" 2>&1
 echo "tests/test_gpu_law.py exit status $? (124: stopped at LAW_LIMIT)"
 tail -n 3 "$OUT/gpu_law.log" | cut -c1-300
-# shellcheck disable=SC2086  # EXTRA is a list of options
+ONLY=${ONLY:-"hf_generate plain_compiled plain_compiled_fused eagle3_compiled_fused_chained ssm_compiled_fused_split
+  ssm_compiled_fused_chained medusa_compiled_fused_split medusa_compiled_fused_chained eagle3_compiled_fused_split
+  oracle_default-4h-25_compiled_fused hf_static_compiled plain_compiled_fused_sampled"}
+# shellcheck disable=SC2086  # EXTRA and ONLY are lists
 timeout "${LIMIT:-350}" python3 benchmarks/gpu_compiled.py --no-eager --fused-step --chained \
-  --sampled --reps 2 --profile --deadline "${DEADLINE:-220}" --out "$OUT" ${EXTRA:-} > "$OUT/gpu_compiled.log" 2>&1
+  --sampled --reps 2 --profile --deadline "${DEADLINE:-220}" --out "$OUT" --only $ONLY ${EXTRA:-} \
+  > "$OUT/gpu_compiled.log" 2>&1
 status=$?
 echo "gpu_compiled.py exit status $status (124: stopped at LIMIT; the rounds saved so far are in the results)"
-grep -E "warm-up|failed|Error|verify alone|^(plain|oracle|medusa|eagle3|hf)_|agree" "$OUT/gpu_compiled.log" | cut -c1-300
+grep -E "warm-up|failed|Error|skipping cudagraphs|verify alone|^(plain|oracle|medusa|eagle3|ssm|hf)_|agree" "$OUT/gpu_compiled.log" | cut -c1-300
 exit $status

@@ -17,7 +17,9 @@ Methods, each warmed up once (the warm-up compiles; its time is reported), then 
   on the fused step, their fill in a call of its own or inside the verify call (the chained step, docs/decoding.md):
   the cost of a step each way (random heads accept next to nothing, so this is per-step cost, not speedup); and
   eagle3_compiled_fused_split / _chained, a random-weight EAGLE-3 drafter (its default tree) the same two ways,
-  whose chained commit writes into its own buffers inside the call;
+  whose chained commit writes into its own buffers inside the call; and ssm_compiled_fused_split / _chained, a
+  random-weight SSM of llama-68m's shape (2 layers x 768) drafting a 4-token chain, whose chained call keeps the
+  accepted path in its own KV cache;
 - with --sampled, plain_compiled[_fused]_sampled (and with --chained medusa_compiled_fused_{split,chained}_sampled):
   speculative sampling at temperature 0.8 with the on-device rule (docs/decoding.md), its acceptance in its own
   compiled graph or inside the fused verify call; each run draws from one seed. Their outputs part where the two
@@ -81,6 +83,7 @@ from common import ROOT, SHAPE_7B, Oracle, random_llama, sync, timed
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             vocab_size=512, max_position_embeddings=2048)
+SSM_68M = {"num_layers": 2, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072, "init": "random"}
 NOMINAL_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "A100-SXM4-80GB": 2.04}  # spec sheets
 
 
@@ -202,9 +205,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
     ap.add_argument("--fused-step", action="store_true", help="also plain and the oracle with the verify step fused "
                     "(forward, acceptance and keep in one call: one CUDA graph; a GPU's default for greedy steps)")
-    ap.add_argument("--chained", action="store_true", help="also random-weight Medusa heads (4, the default tree) on "
-                    "the fused step with their fill in its call (the chained step) and in a call of its own: the cost "
-                    "per step of each (random heads accept next to nothing)")
+    ap.add_argument("--chained", action="store_true", help="also random-weight Medusa heads (4, the default tree), an "
+                    "EAGLE-3 drafter and a llama-68m-shaped SSM on the fused step with their drafting in its call (the "
+                    "chained step) and in a call of their own: the cost per step of each (random weights accept next "
+                    "to nothing)")
     ap.add_argument("--sampled", action="store_true", help="also sampled decoding (temperature 0.8) with the "
                     "acceptance rule in its own graph and in the fused verify call (with --chained, the Medusa heads "
                     "too)")
@@ -217,7 +221,8 @@ def main() -> None:
                     "copy of the base whose q/k/v and gate/up projections are fused (decode.fuse); every other "
                     "method's are not")
     ap.add_argument("--only", nargs="+", metavar="METHOD", help="run these methods alone, in this order (names as in "
-                    "the results; the options above still add them): a short call that settles chosen questions")
+                    "the results; the options above still add them, and a name they do not add is reported as not "
+                    "run): a short call that settles chosen questions")
     ap.add_argument("--profile", action="store_true", help="also the matrix products alone and the verify forward's "
                     "kernels by kind")
     a = ap.parse_args()
@@ -309,6 +314,13 @@ def main() -> None:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
                 base, make_drafter(eagle), compile=True, fused=True, chained=chained))
+        # an SSM of llama-68m's shape (2 layers x 768) drafting a 4-token chain: its chained call keeps the accepted
+        # path in its own KV cache and drafts the next chain inside the verify call
+        ssm = build_draft({"type": "ssm", "ssm": SSM_68M if not a.tiny else {"num_layers": 1, "init": "random"}},
+                          base).to(dev, base.dtype).eval()
+        for label, chained in (("split", False), ("chained", True)):
+            methods[f"ssm_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                base, make_drafter(ssm, Tree.chain(4)), compile=True, fused=True, chained=chained))
     steps = (("", False), ("_fused", True)) if a.fused_step else (("", False),)
     if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
@@ -347,11 +359,12 @@ def main() -> None:
         methods["hf_static_compiled"] = (lambda: (hf(cache_implementation="static", compile_config=cc)(), None, 0.0),
                                          None)
 
-    if a.only:
-        unknown = [m for m in a.only if m not in methods]
-        if unknown:
-            ap.error(f"--only: unknown methods {unknown} (with these options: {list(methods)})")
-        methods = {m: methods[m] for m in a.only}
+    if a.only:  # a name these options did not add (--no-hf-compile, a typo) is reported and left out
+        for m in a.only:
+            if m not in methods:
+                res["errors"][m] = f"not run: --only names it, but these options do not add it (they add {list(methods)})"
+                print(res["errors"][m], flush=True)
+        methods = {m: methods[m] for m in a.only if m in methods}
 
     def timed_run(fn, *args):
         sync()

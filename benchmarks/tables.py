@@ -412,7 +412,7 @@ def gpu_compiled(p, d, title: str) -> None:
             f"`{k}={v}`" for k, v in d["inductor_options"].items()))
     if d.get("note"):
         p(f"\n{d['note']}")
-    failed = {m: e for m, e in d.get("errors", {}).items() if not e.startswith("skipped")}
+    failed = {m: e for m, e in d.get("errors", {}).items() if not e.startswith(("skipped", "not run"))}
     if failed:
         p("\nFailed in the run (left out of the rounds):\n")
         for m, e in failed.items():
@@ -431,6 +431,9 @@ def gpu_compiled(p, d, title: str) -> None:
     skipped = [m for m, e in d.get("errors", {}).items() if e.startswith("skipped")]
     if skipped:
         p(f"\nNot run (past the run's --deadline): {', '.join(skipped)}")
+    absent = [m for m, e in d.get("errors", {}).items() if e.startswith("not run")]
+    if absent:
+        p(f"\nNamed by --only but not added by the run's options: {', '.join(absent)}")
     if d.get("verify_alone"):
         p("\n| compiled verify forward | tree size | alone ms | in the loop ms | in the loop / alone |\n"
           "|---|---|---|---|---|")

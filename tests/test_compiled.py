@@ -821,3 +821,29 @@ def test_compiled_decoding_fuses_the_base_and_drafter_projections_and_gives_the_
         assert got == eager, (kind, fuse)
         assert fused(b) == (4 if fuse else 0)
         assert sum(fused(m) for m in modules_of(d)) >= (2 if fuse else 0)
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_its_drafters_chained_on_a_tiny_base(tmp_path):
+    """benchmarks/gpu_compiled.py, which a lent GPU runs against a deadline, runs here on a tiny float32 base (--tiny):
+    its chained methods chain the steps after their first proposals, every method gives HF's greedy tokens, and a
+    method that --only names but the options do not add is reported as not run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "benchmarks/gpu_compiled.py", "--tiny", "--no-eager", "--fused-step", "--chained",
+                    "--no-hf-compile", "--reps", "1", "--name", "smoke", "--out", str(tmp_path), "--only",
+                    "plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_chained",
+                    "hf_static_compiled"], cwd=root, check=True, capture_output=True, timeout=900,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    d = json.loads((tmp_path / "smoke.json").read_text())
+    assert list(d["methods"]) == ["plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_chained"]
+    for name, r in d["methods"].items():
+        assert r["identical_to_hf"], name
+        if "chained" in name:
+            assert r["steps"] - 2 <= r["chained_steps"] <= r["steps"], name
+    assert d["errors"]["hf_static_compiled"].startswith("not run")
