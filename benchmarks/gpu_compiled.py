@@ -362,7 +362,7 @@ def main() -> None:
     if a.only:  # a name these options did not add (--no-hf-compile, a typo) is reported and left out
         for m in a.only:
             if m not in methods:
-                res["errors"][m] = f"not run: --only names it, but these options do not add it (they add {list(methods)})"
+                res["errors"][m] = f"not run: --only names it, these options do not add it (they add {list(methods)})"
                 print(res["errors"][m], flush=True)
         methods = {m: methods[m] for m in a.only if m in methods}
 

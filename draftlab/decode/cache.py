@@ -420,7 +420,8 @@ class StaticSlotCache:
             layer.max_cache_len = size
         self.cache.max_cache_len = size
         self._state = None
-        self.slots = static_buffer(torch.cat([self.slots, self.slots.new_zeros(self.slots.shape[0], size - self.max_len)], 1))
+        grown = self.slots.new_zeros(self.slots.shape[0], size - self.max_len)
+        self.slots = static_buffer(torch.cat([self.slots, grown], 1))
         self.max_len = size
 
     def _defragment(self) -> None:

@@ -31,8 +31,8 @@ graphed call (of any function) writes over: torch raises "accessing tensor outpu
 overwritten by a subsequent run" where one is read later, e.g. when a step's bonus token is the next step's input.
 A call whose outputs must outlive the next call (`keep_outputs`: the fused and chained verify steps, whose outputs
 are the next step's inputs; a verify forward, whose states a drafter's graphed step reads on the split path; a
-drafter's step, whose outputs it reads in the next step) returns clones of them. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1 emulates that lifetime on any device: each graphed call
-first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so that a
+drafter's step, whose outputs it reads in the next step) returns clones of them. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1
+emulates that lifetime on any device: each graphed call first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so that a
 read of an overwritten output raises or changes the tokens on a CPU too (a read whose wrong value changes nothing,
 such as positions on a small test base, goes unseen there; a GPU raises on every such read).
 """

@@ -80,7 +80,7 @@ class Verifier:
         """static_nodes: verify on the static-shape path (StaticSlotCache), every tree padded to this many nodes
         (the drafter's max_nodes); forward: what runs those verify forwards (a decode.compiled.Compiled, or the base);
         cache: the static cache of a finished earlier run, reused when it fits (decode.cache.static_slot_cache);
-        fused: whether a compiled static path verifies in one call (fused_step; None: the device's default); chain:
+        fused: whether a compiled static path verifies in one call (fused_step; None: fused_default); chain:
         the compiled verify_keep_and_draft (chained_step) the fused path runs instead when verify is given a drafter
         that chains."""
         if min(len(p) for p in prompts) == 0:
@@ -389,9 +389,9 @@ def fused_default() -> bool:
 
 def fused_step(backend: str | None, device: str, on: bool | None = None):
     """The compiled verify_and_keep for a compiled verify forward's backend (None: not compiled, no fused step), if
-    `on` (None: fused_default). Under CUDA graphs it returns clones of
-    its outputs (keep_outputs): the next step reads them after the next replay. Its signature holds the base and
-    the cache, so guards are evaluated once per signature (decode.compiled)."""
+    `on` (None: fused_default). Under CUDA graphs it returns clones of its outputs (keep_outputs): the next step
+    reads them after the next replay. Its signature holds the base and the cache, so guards are evaluated once per
+    signature (decode.compiled)."""
     if on is None:
         on = fused_default()
     if backend is None or not on:
@@ -425,8 +425,8 @@ class SpeculativeDecoder:
         DRAFTLAB_COMPILE_BACKEND names), a string names another torch.compile backend. static: the static
         shapes without compiling (default: as compile). The eager path (both False) is the reference; all give
         the same tokens. fused: whether the compiled path verifies, decides and keeps in one call (fused_step;
-        default: fused_default, on unless DRAFTLAB_FUSED_STEP=0). chained: whether that call also runs the drafter's commit and next
-        proposal, for drafters that can (chained_step; default: the device's). fuse: whether the compiled path
+        default: fused_default, on unless DRAFTLAB_FUSED_STEP=0). chained: whether that call also runs the
+        drafter's commit and next proposal, for drafters that can (chained_step; default: the device's). fuse: whether the compiled path
         computes the base's and the drafter's q/k/v and gate/up projections as one product each (decode.fuse, which
         changes the modules' class in place; default: the device's, decode.fuse.fuse_by_default; never under tensor
         parallelism)."""
