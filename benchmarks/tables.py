@@ -830,6 +830,11 @@ def refactor_check_session_cpu(p, d) -> None:
                    f"prompts x {d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
 
 
+def titled(render, titles: dict) -> dict:
+    """TABLES entries whose docs section and results file share a name, each drawn by render(p, d, its title)."""
+    return {n: (n, lambda p, d, t=t: render(p, d, t)) for n, t in titles.items()}
+
+
 def same_name(render, *names: str) -> dict:
     """TABLES entries whose docs section and results file share a name, all drawn by `render`."""
     return {n: (n, render) for n in names}
@@ -861,23 +866,20 @@ TABLES = {
         "dflash_anchors", "eagle3_trees"),
     "refactor_check_session_cpu": ("refactor_check_session_cpu", refactor_check_session_cpu),
     "gpu_train_block": ("gpu_train_block", lambda p, d: gpu_train(p, d, "EAGLE-3 and DFlash training steps on a GPU")),
-    "gpu_compiled": ("gpu_compiled", lambda p, d: gpu_compiled(p, d, "Compiled decoding on a GPU")),
-    "gpu_compiled_before": ("gpu_compiled_before", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU, before plain steps skipped their KV keep, with the eager methods")),
-    "gpu_compiled_fused": ("gpu_compiled_fused", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: the fused, chained and sampled steps' first run, with a profile")),
-    "gpu_compiled_fuseproj": ("gpu_compiled_fuseproj", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: the fused step, fused projections, the chained step and sampling")),
-    "gpu_compiled_fuseproj_2": ("gpu_compiled_fuseproj_2", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: the fused step and fused projections, the session's second call")),
-    "gpu_compiled_law_eagle3": ("gpu_compiled_law_eagle3", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: after the law test, EAGLE-3's split and chained steps")),
-    "gpu_compiled_oracle_hf": ("gpu_compiled_oracle_hf", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: the oracle's fused step and HF's static compile")),
-    "gpu_compiled_drafter_graphs": ("gpu_compiled_drafter_graphs", lambda p, d: gpu_compiled(
-        p, d, "Compiled decoding on a GPU: EAGLE-3's drafting call under CUDA graphs")),
-    "gpu_compiled_cdt": ("gpu_compiled_cdt", lambda p, d: gpu_compiled(
-        p, d, "Compiled plain decoding on a GPU with inductor's coordinate-descent tuning")),
+    **titled(gpu_compiled, {
+        "gpu_compiled": "Compiled decoding on a GPU",
+        "gpu_compiled_before": "Compiled decoding on a GPU, before plain steps skipped their KV keep, with the eager "
+                               "methods",
+        "gpu_compiled_fused": "Compiled decoding on a GPU: the fused, chained and sampled steps' first run, with a "
+                              "profile",
+        "gpu_compiled_fuseproj": "Compiled decoding on a GPU: the fused step, fused projections, the chained step "
+                                 "and sampling",
+        "gpu_compiled_fuseproj_2": "Compiled decoding on a GPU: the fused step and fused projections, the session's "
+                                   "second call",
+        "gpu_compiled_law_eagle3": "Compiled decoding on a GPU: after the law test, EAGLE-3's split and chained steps",
+        "gpu_compiled_oracle_hf": "Compiled decoding on a GPU: the oracle's fused step and HF's static compile",
+        "gpu_compiled_drafter_graphs": "Compiled decoding on a GPU: EAGLE-3's drafting call under CUDA graphs",
+        "gpu_compiled_cdt": "Compiled plain decoding on a GPU with inductor's coordinate-descent tuning"}),
     "train_ensemble": ("train_ensemble", train_ensemble),
     "ensemble": ("ensemble", ensemble),
     "eagle": ("eagle", eagle),
