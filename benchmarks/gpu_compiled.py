@@ -52,7 +52,8 @@ bytes of weights one decoding step reads (every parameter but the input embeddin
 plain decoding's share of the bandwidth bound; per method, the graphs compiled in its warm-up that inductor runs
 without CUDA graphs (cudagraph_skips, e.g. for inputs written in place that are not marked static); and the compiled
 verify forward timed alone (the same static cache, shapes and compiled graph, outside the loop) against its time per
-step inside the loop.
+step inside the loop; and the drafting call of EAGLE-3's and Medusa's split steps timed alone (`draft_alone`, its
+kernels in the profile) against their draft phase in the loop.
 
 Random weights make near-ties everywhere, and a compiled forward or one over N tree tokens rounds differently from
 HF's one-token eager step in bf16, so outputs are compared with HF's (identical / first difference) but not
@@ -153,6 +154,20 @@ def verify_call(dec, tree, n0: int, dev: str):
         back()
     return size, verify, back
 
+
+def draft_call(dec, dev: str):
+    """(tree size, draft, None): the drafter's own call of decoder `dec` as its split loop runs it between two
+    verifications, its proposal below a root, on the state its last run left (for the drafters whose proposal then
+    changes nothing: EAGLE-3's next commit is empty, Medusa's heads read the last state)."""
+    root = torch.tensor([5], device=dev)
+
+    @torch.no_grad()
+    def draft():
+        dec.drafter.propose(root)
+    return dec.drafter.max_nodes, draft, None
+
+
+DRAFT_ALONE = ("eagle3_compiled_fused_split", "medusa_compiled_fused_split")  # (draft_call's drafters)
 
 KINDS = (("matmul", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
          ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("triton", ("triton",)),
@@ -480,6 +495,18 @@ def main() -> None:
             res["errors"][f"verify_alone_{name}"] = f"{type(e).__name__}: {e}"[:500]
             print(traceback.format_exc(), flush=True)
     res["verify_alone"] = alone
+    # The drafting call alone (the split methods whose proposal leaves the drafter's state as it was), against the
+    # draft phase in the loop; its kernels are profiled with the verify forwards'.
+    res["draft_alone"] = {}
+    for name in (n for n in DRAFT_ALONE if n in live):
+        try:
+            size, draft, _ = verifies[f"{name} (drafting call)"] = draft_call(methods[name][1], dev)
+            ms, inside = timed(draft, reps=20, warmup=3), res["methods"][name]["phases_ms_per_step"]["draft"]
+            res["draft_alone"][name] = {"tree_size": size, "alone_ms": round(ms, 3), "in_loop_ms": inside}
+            print("draft alone", name, res["draft_alone"][name], flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["errors"][f"draft_alone_{name}"] = f"{type(e).__name__}: {e}"[:500]
+            print(traceback.format_exc(), flush=True)
     if a.profile:
         try:
             res["profile"] = profile(base, verifies, dev)

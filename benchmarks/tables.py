@@ -439,6 +439,10 @@ def gpu_compiled(p, d, title: str) -> None:
           "|---|---|---|---|---|")
     for m, r in d.get("verify_alone", {}).items():
         p(f"| {m} | {r['tree_size']} | {r['alone_ms']:.2f} | {r['in_loop_ms']:.2f} | {r['in_loop_over_alone']:.3f} |")
+    if d.get("draft_alone"):
+        p("\n| drafting call | tree size | alone ms | draft phase in the loop, ms per step |\n|---|---|---|---|")
+    for m, r in d.get("draft_alone", {}).items():
+        p(f"| {m} | {r['tree_size']} | {r['alone_ms']:.2f} | {r['in_loop_ms']:.2f} |")
     prof = d.get("profile")
     if prof:
         p("\nThe matrix products alone (every linear layer of the base, lm_head included, through cuBLAS in one CUDA "
@@ -447,7 +451,9 @@ def gpu_compiled(p, d, title: str) -> None:
         forwards = {m: r for m, r in prof.items() if m != "matmul_floor"}
         kinds = sorted({k for r in forwards.values() for k in r["by_kind_ms"]},
                        key=lambda k: -max(r["by_kind_ms"].get(k, 0) for r in forwards.values()))
-        p("\nKernels of one compiled verify forward under the profiler (CUDA graph replays; ms per forward):\n")
+        what = " (or drafting call)" if any(m.endswith("(drafting call)") for m in forwards) else ""
+        p(f"\nKernels of one compiled verify forward{what} under the profiler (CUDA graph replays; ms per "
+          f"{'call' if what else 'forward'}):\n")
         p(f"| forward | tree size | kernels | kernel ms | {' | '.join(kinds)} |\n|---|---|---|---|"
           + "---|" * len(kinds))
         for m, r in forwards.items():

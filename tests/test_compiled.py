@@ -826,8 +826,9 @@ def test_compiled_decoding_fuses_the_base_and_drafter_projections_and_gives_the_
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_its_drafters_chained_on_a_tiny_base(tmp_path):
     """benchmarks/gpu_compiled.py, which a lent GPU runs against a deadline, runs here on a tiny float32 base (--tiny):
-    its chained methods chain the steps after their first proposals, every method gives HF's greedy tokens, and a
-    method that --only names but the options do not add is reported as not run."""
+    its chained methods chain the steps after their first proposals, every method gives HF's greedy tokens, a split
+    drafter's own call is timed alone, and a method that --only names but the options do not add is reported as not
+    run."""
     import json
     import os
     import subprocess
@@ -837,11 +838,14 @@ def test_the_gpu_benchmark_runs_its_drafters_chained_on_a_tiny_base(tmp_path):
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "benchmarks/gpu_compiled.py", "--tiny", "--no-eager", "--fused-step", "--chained",
                     "--no-hf-compile", "--reps", "1", "--name", "smoke", "--out", str(tmp_path), "--only",
-                    "plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_chained",
-                    "hf_static_compiled"], cwd=root, check=True, capture_output=True, timeout=900,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    "plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_split",
+                    "medusa_compiled_fused_chained", "hf_static_compiled"], cwd=root, check=True, capture_output=True,
+                   timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     d = json.loads((tmp_path / "smoke.json").read_text())
-    assert list(d["methods"]) == ["plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_chained"]
+    assert list(d["methods"]) == ["plain_compiled_fused", "ssm_compiled_fused_chained", "medusa_compiled_fused_split",
+                                  "medusa_compiled_fused_chained"]
+    assert list(d["draft_alone"]) == ["medusa_compiled_fused_split"] and d["draft_alone"][
+        "medusa_compiled_fused_split"]["alone_ms"] > 0  # the split drafting call timed alone
     for name, r in d["methods"].items():
         assert r["identical_to_hf"], name
         if "chained" in name:
