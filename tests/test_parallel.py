@@ -123,6 +123,22 @@ def test_layerwise_device_map_decodes_the_same_tokens(exports):
         assert got == ref[f"{exp}|greedy"]["tokens"]
 
 
+def test_a_tp_process_destroys_its_group_before_the_interpreter_ends():
+    """init_tp's process group is destroyed at exit (tensor_parallel.release), before the interpreter's teardown: a
+    gloo group left to it aborted a rank of the TP CLI ("terminate called without an active exception", SIGABRT) in
+    a CI run. A handler registered before init_tp runs after release (atexit runs them last in, first out) and sees
+    no group; the process exits 0."""
+    code = ("import atexit, torch.distributed as dist\n"
+            "atexit.register(lambda: print('group after exit handlers:', dist.is_initialized(), flush=True))\n"
+            "from draftlab.decode.tensor_parallel import init_tp\n"
+            "init_tp(); print('group:', dist.is_initialized(), flush=True)\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29581", "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == "group: True group after exit handlers: False".split()
+
+
 def test_launch_mistakes_are_named(monkeypatch):
     from draftlab.decode.tensor_parallel import check_launch
 

@@ -17,6 +17,7 @@ the GPUs work one after another.
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -108,7 +109,19 @@ def init_tp() -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(release)
     return device
+
+
+def release() -> None:
+    """Destroy this process's group, if it is still there (run at exit by init_tp's group). A gloo group left to the
+    interpreter's teardown can abort the process ("terminate called without an active exception", SIGABRT: its
+    worker threads outlive the interpreter), and an NCCL one warns. No barrier: a rank that exits on an error must
+    not wait for the others."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def load_tp_base(name_or_path: str, dtype: str, revision: str | None = None, trust_remote_code: bool = False):
