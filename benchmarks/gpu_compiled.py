@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip draftlab's eager methods (a shorter run)")
     ap.add_argument("--tiny", action="store_true", help="a tiny float32 base on this machine's device (smoke test)")
     ap.add_argument("--fused-step", action="store_true", help="also plain and the oracle with the verify step fused "
-                    "(forward, acceptance and keep in one call: one CUDA graph; a GPU's default for greedy steps)")
+                    "(forward, acceptance and keep in one call: one CUDA graph; every device's default)")
     ap.add_argument("--chained", action="store_true", help="also random-weight Medusa heads (4, the default tree), an "
                     "EAGLE-3 drafter and a llama-68m-shaped SSM on the fused step with their drafting in its call (the "
                     "chained step) and in a call of their own: the cost per step of each (random weights accept next "
@@ -320,22 +320,18 @@ def main() -> None:
         from draftlab.drafters import build_draft, make_drafter
 
         torch.manual_seed(0)
-        heads = build_draft({"type": "medusa", "num_heads": 4, "num_layers": 1}, base).to(dev, base.dtype).eval()
-        for label, chained in (("split", False), ("chained", True)):
-            methods[f"medusa_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained))
-        # EAGLE-3 commits into buffers of its own inside the chained call (in-place writes under CUDA graphs)
-        eagle = build_draft({"type": "eagle3", "eagle": {}}, base).to(dev, base.dtype).eval()
-        for label, chained in (("split", False), ("chained", True)):
-            methods[f"eagle3_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(eagle), compile=True, fused=True, chained=chained))
-        # an SSM of llama-68m's shape (2 layers x 768) drafting a 4-token chain: its chained call keeps the accepted
-        # path in its own KV cache and drafts the next chain inside the verify call
-        ssm = build_draft({"type": "ssm", "ssm": SSM_68M if not a.tiny else {"num_layers": 1, "init": "random"}},
-                          base).to(dev, base.dtype).eval()
-        for label, chained in (("split", False), ("chained", True)):
-            methods[f"ssm_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(ssm, Tree.chain(4)), compile=True, fused=True, chained=chained))
+        # (name, draft head config, tree): EAGLE-3 commits into buffers of its own inside the chained call (in-place
+        # writes under CUDA graphs); the SSM, of llama-68m's shape (2 layers x 768), keeps the accepted path in its
+        # own KV cache and drafts the next chain inside the verify call
+        drafters = (("medusa", {"type": "medusa", "num_heads": 4, "num_layers": 1}, default_tree(4, 24)),
+                    ("eagle3", {"type": "eagle3", "eagle": {}}, None),
+                    ("ssm", {"type": "ssm", "ssm": {"num_layers": 1, "init": "random"} if a.tiny else SSM_68M},
+                     Tree.chain(4)))
+        modules = {kind: build_draft(head, base).to(dev, base.dtype).eval() for kind, head, _ in drafters}
+        for kind, _, tree in drafters:
+            for label, chained in (("split", False), ("chained", True)):
+                methods[f"{kind}_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
+                    base, make_drafter(modules[kind], tree), compile=True, fused=True, chained=chained))
     steps = (("", False), ("_fused", True)) if a.fused_step else (("", False),)
     if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
@@ -365,7 +361,7 @@ def main() -> None:
     if a.sampled and a.chained:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(heads, default_tree(4, 24)), compile=True, fused=True, chained=chained), sampling=s)
+                base, make_drafter(modules["medusa"], default_tree(4, 24)), compile=True, fused=True, chained=chained), sampling=s)
     if not a.no_hf_compile:
         from transformers import CompileConfig
 

@@ -1022,7 +1022,7 @@ TABLES = {
     "refactor_check_gqa_packed_2threads": ("refactor_check_gqa_packed_2threads", refactor_check_compiled_exports(
         "A group's query heads packed as one head's rows in CPU attention, two threads (AMD EPYC)",
         "refactor_check_gqa_packed_2threads")),
-    **same_name(compiled, "compiled_targets_epyc_ssm12_1thread", "compiled_targets_epyc_ssm12_2threads",
+    **same_name(compiled, "compiled_ssm12_epyc_1thread", "compiled_targets_epyc_ssm12_1thread", "compiled_targets_epyc_ssm12_2threads",
                 "compiled_targets_epyc_ssm12_2threads_c", "compiled_targets_epyc_hydra12_1thread",
                 "compiled_targets_epyc_hydra12_2threads"),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",

@@ -32,8 +32,8 @@ overwritten by a subsequent run" where one is read later, e.g. when a step's bon
 A call whose outputs must outlive the next call (`keep_outputs`: the fused and chained verify steps, whose outputs
 are the next step's inputs; a verify forward, whose states a drafter's graphed step reads on the split path; a
 drafter's step, whose outputs it reads in the next step) returns clones of them. DRAFTLAB_EMULATE_GRAPH_OUTPUTS=1
-emulates that lifetime on any device: each graphed call first overwrites the outputs of the graphed call before it (NaN, a negative index, flipped booleans), so that a
-read of an overwritten output raises or changes the tokens on a CPU too (a read whose wrong value changes nothing,
+emulates that lifetime on any device: each graphed call first overwrites the outputs of the graphed call before it
+(NaN, a negative index, flipped booleans), so that a read of an overwritten output raises or changes the tokens on a CPU too (a read whose wrong value changes nothing,
 such as positions on a small test base, goes unseen there; a GPU raises on every such read).
 """
 
@@ -56,6 +56,7 @@ from .switches import env_flag
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_NO_TENSORS = frozenset(_PLAIN) | {dict}  # attribute types _held passes over (it does not walk dicts)
 
 
 class Fixed(tuple):
@@ -121,9 +122,6 @@ def _held(obj):
             if v:
                 out.append((k, tuple([_signature(t) for t in v])))
     return (id(obj), tuple(out))
-
-
-_NO_TENSORS = frozenset({bool, int, float, str, type(None), dict, torch.device, torch.dtype})  # (_held)
 
 
 try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU
