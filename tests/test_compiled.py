@@ -742,6 +742,39 @@ def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_grap
     assert len(found) == 5 and found[-1] is None
 
 
+def test_a_tensor_given_twice_and_two_tensors_are_different_signatures():
+    """Dynamo compiles a tensor given twice as one input of its graph (and guards on `a is b`). A signature that only
+    held shapes ran that graph, once its guards were skipped, for two different tensors of the same shapes: their
+    results came out as if the first had been given twice. Which tensors are one and the same is part of the
+    signature (decode.compiled._aliases), on both backends and with direct calls or the hook."""
+    import draftlab.decode.compiled as compiled
+
+    def f(a, b, i):
+        return a * 10 + b.scatter(0, i, a[:1])
+
+    x, y, i = torch.arange(4.0), torch.arange(4.0) + 100, torch.zeros(1, dtype=torch.long)
+    for backend in ("eager", "inductor"):
+        fn = compiled.Compiled(f, backend)
+        for a, b in ((x, x), (x, x), (x, y), (x, y), (y, y), (x, x)):
+            assert torch.equal(fn(a, b, i), f(a, b, i)), backend
+    assert compiled._aliases([1, 2, 3]) == () and compiled._aliases([5, 6, 5, 6, 5]) == ((2, 0), (3, 1), (4, 0))
+
+
+@pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("dflash", "ssm")])
+def test_one_drafter_serves_a_chained_and_an_unchained_decoder(kind):
+    """A drafter's compiled step sees other tensors one and the same from call to call: EAGLE-3's first proposal after
+    a prompt gives one zero tensor as the bonus and the last node, a later step the root as the bonus. After a chained
+    decoder's runs (where that first call's signature was seen), an unchained decoder on the same drafter object ran
+    the first call's graph for its later steps and failed (an index out of bounds); both give the eager tokens."""
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
+    d = drafter(kind, base)
+    ref = SpeculativeDecoder(base, drafter(kind, base)).generate(prompts, max_new_tokens=21).tokens
+    for chained in (None, False, None, False):
+        got = SpeculativeDecoder(base, d, compile="eager", chained=chained).generate(prompts, max_new_tokens=21)
+        assert got.tokens == ref, (kind, chained)
+
+
 @pytest.mark.parametrize("kind", ["ssm", "eagle3"])
 def test_direct_calls_give_the_hooked_calls_tokens(kind, monkeypatch):
     """Decoding runs its compiled steps without dynamo's hook once their signatures are seen, and gives the tokens

@@ -9,9 +9,9 @@ eager, saying why in one line (stderr); the tokens are the same either way.
 Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
 Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a
 whole forward of the 260K-parameter test base. Once a call's signature (the shapes, strides, dtypes and devices of
-every tensor it is given, the values of its other arguments, the KV cache's length, the shapes of the tensors the
-function's object holds, grad mode) has run once with its guards, later calls of that signature skip guard
-evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
+every tensor it is given, which of them are one and the same tensor, the values of its other arguments, the KV
+cache's length, the shapes of the tensors the function's object holds, grad mode) has run once with its guards,
+later calls of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
 dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
 graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
 full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
@@ -65,15 +65,18 @@ class Fixed(tuple):
     cache's device_state is one, for as long as its buffers stay the same tensors; an SSM's tree paths are one."""
 
 
-def _signature(x, depth: int = 0):
+def _signature(x, depth: int = 0, ids: list | None = None):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
     (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; an object
     whose class sets `signature_holds` (a drafter) by identity and the shapes of the tensors it holds (_held); other
     objects (a KV cache, a module) by type and identity, a KV cache with its length and attention window
-    (StaticSlotCache grows its buffers in place and attends over a window of them)."""
+    (StaticSlotCache grows its buffers in place and attends over a window of them). ids: a list that gets the id of
+    every tensor walked, in order (see _aliases)."""
     # Every call of a compiled function computes this (tens of tensors for a verify step): plain attribute reads,
     # list comprehensions rather than generators (a third faster on a CPU).
     if isinstance(x, torch.Tensor):
+        if ids is not None:
+            ids.append(id(x))
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     if isinstance(x, _PLAIN):
         return x
@@ -81,13 +84,17 @@ def _signature(x, depth: int = 0):
         return (type(x).__name__, id(x))
     if isinstance(x, (list, tuple)):
         if type(x) is Fixed:  # computed once (its class docstring)
-            sig = x.__dict__.get("signature")
-            if sig is None:
-                sig = x.__dict__["signature"] = tuple([_signature(v, depth + 1) for v in x])
-            return sig
-        return tuple([_signature(v, depth + 1) for v in x])
+            kept = x.__dict__
+            if "signature" not in kept:
+                inner: list = []
+                kept["signature"] = tuple([_signature(v, depth + 1, inner) for v in x])
+                kept["ids"] = inner
+            if ids is not None:
+                ids += kept["ids"]
+            return kept["signature"]
+        return tuple([_signature(v, depth + 1, ids) for v in x])
     if isinstance(x, dict):
-        return tuple([(k, _signature(v, depth + 1)) for k, v in x.items()])
+        return tuple([(k, _signature(v, depth + 1, ids)) for k, v in x.items()])
     if isinstance(x, torch.nn.Module):
         return (type(x).__name__, id(x), x.training)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
@@ -95,19 +102,19 @@ def _signature(x, depth: int = 0):
         if kept is not None and "_signature" in kept:
             return kept["_signature"]
         values = [getattr(x, f.name) for f in dataclasses.fields(x)]
-        sig = (type(x).__name__, *(_signature(v, depth + 1) for v in values))
+        sig = (type(x).__name__, *(_signature(v, depth + 1, ids) for v in values))
         if kept is not None and type(x).__dataclass_params__.frozen and all(isinstance(v, _PLAIN) for v in values):
             kept["_signature"] = sig  # frozen, of plain values: kept on it (fields, eq and hash ignore it)
         return sig
     if getattr(x, "signature_holds", False):  # a drafter given to a compiled call: its buffers' shapes too (_held)
-        return (type(x).__name__, _held(x))
+        return (type(x).__name__, _held(x, ids))
     return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
 
 
-def _held(obj):
+def _held(obj, ids: list | None = None):
     """The shapes of the tensors an object holds (directly, or in a list / tuple: a drafter's KV buffers), which
     its compiled methods read; its Python numbers are left out: a graph that read one would recompile on every
-    change, which tests rule out (see tests/test_compiled.py)."""
+    change, which tests rule out (see tests/test_compiled.py). ids: as _signature's."""
     # Every call of a chained step computes this (a drafter holds a few dozen attributes): the types that hold no
     # tensors are passed over first, and a list without tensors adds no entry.
     out = []
@@ -115,13 +122,28 @@ def _held(obj):
         if type(v) in _NO_TENSORS:
             continue
         if isinstance(v, torch.Tensor):
-            out.append((k, _signature(v)))
+            out.append((k, _signature(v, 0, ids)))
         elif isinstance(v, (list, tuple)):
             v = [t for t in v if isinstance(t, torch.Tensor)] or [t for p in v if isinstance(p, (list, tuple))
                                                                    for t in p if isinstance(t, torch.Tensor)]
             if v:
-                out.append((k, tuple([_signature(t) for t in v])))
+                out.append((k, tuple([_signature(t, 0, ids) for t in v])))
     return (id(obj), tuple(out))
+
+
+def _aliases(ids: list) -> tuple:
+    """Which of a call's tensors (their ids in the order the signature walked them) are one and the same tensor:
+    (i, j) for each tensor i that is tensor j < i. Dynamo compiles a tensor given twice as one input of its graph and
+    guards on it (`a is b`); a signature without it would run that graph for two different tensors of the same
+    shapes once guards are skipped. () where every tensor is a different one (nearly every call)."""
+    if len(set(ids)) == len(ids):
+        return ()
+    first, out = {}, []
+    for i, t in enumerate(ids):
+        j = first.setdefault(t, i)
+        if j != i:
+            out.append((i, j))
+    return tuple(out)
 
 
 try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU
@@ -347,8 +369,9 @@ class Compiled:
         self.calls += 1
         key = None
         if self.skip_guards and guards_skipped():
-            key = (_signature(args), _signature(kwargs), torch.is_grad_enabled(),
-                   None if self.owner is None else _held(self.owner))
+            ids: list = []  # every tensor the signature walks, for _aliases
+            key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), torch.is_grad_enabled(),
+                   None if self.owner is None else _held(self.owner, ids), _aliases(ids))
             if key in self.skip:
                 if self.direct is not None and direct_calls():
                     run = self.direct.get(key)
