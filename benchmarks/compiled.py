@@ -34,15 +34,20 @@ def parse_export(spec: str, tree: str | None) -> tuple[str | None, str, str | No
     return label or None, path, own or tree
 
 
-def load_exports(exports: list[str], tree: str | None = None) -> tuple:
+def load_exports(exports: list[str], tree: str | None = None, options: dict | None = None) -> tuple:
     """The drafters of exports of one base (each LABEL=DIR@TREE, parse_export; tree: the default TREE) on one base
     object, so every method runs the same weights: (tokenizer, first export's meta, base, rows), a row per export
-    (kind: its label, else its head type; dir; tree; drafter; meta)."""
+    (kind: its label, else its head type; dir; tree; drafter; meta). DIR `lookup` (or `lookup:N`) is prompt lookup
+    on the first export's base (not first itself); options: drafter options per label (ensembles' schedules)."""
     from draftlab.serve.generate import load_decoder
 
     rows, base, first = [], None, None
     for label, path, own in (parse_export(e, tree) for e in exports):
-        d, tok, m = load_decoder(path, tree=own)
+        lookup = path.split(":")[0] == "lookup"
+        if lookup and first is None:
+            raise ValueError("prompt lookup (lookup) decodes the first export's base: name another export first")
+        d, tok, m = load_decoder(path, tree=own, **({"base": first[1]["base"]["name_or_path"]} if lookup else {}),
+                                 **(options or {}).get(label, {}))
         if base is None:
             base, first = d.base, (tok, m)
         else:

@@ -836,6 +836,28 @@ def refactor_check_session_cpu(p, d) -> None:
                    f"prompts x {d['max_new_tokens']} tokens; {where(d)}", per_phase=True)
 
 
+def outside_verify(p, d, title: str = "Time per step outside the verification, per drafter kind") -> None:
+    """benchmarks/outside_verify.py: each method's step against the verification at its tree width, same loop."""
+    exports = ", ".join(f"{k}: `{v}`" for k, v in d["exports"].items())
+    opts = "; ".join(f"{k}: " + ", ".join(f"{n}={v}" for n, v in o.items()) for k, o in d["ensemble_options"].items())
+    same = all(r["identical_to_plain"] for r in d["methods"].values())
+    heading(p, title, f"`benchmarks/outside_verify.py`; {exports}" + (f" (options {opts})" if opts else "")
+            + f"; base `{d['base']}`; {d['prompts']} prompts x {d['max_new_tokens']} tokens, greedy, batch 1, "
+            f"compiled, each drafter as draftlab decodes by default and unchained (its drafting in calls of its "
+            f"own), interleaved; outputs {'identical to' if same else 'NOT all identical to'} plain decoding both "
+            f"ways; {where(d)}")
+    p(f"| method | tree size | accept length | tokens/s (unchained) | step ms | verification ms (unchained) | outside "
+      f"it, ms | outside / verification (target <= {d['target']:.0%}) | unchained ms/step draft / verify / accept / "
+      f"commit |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for k, r in d["methods"].items():
+        apart = " / ".join(f"{v:.2f}" for v in r["unchained_phases_ms"].values())
+        p(f"| {k} | {r['tree_size']} | {r['accept_length']:.2f} | {r['tokens_per_s']:.0f} "
+          f"({r['unchained_tokens_per_s']:.0f}) | {r['step_ms']:.3f} | {r['verify_ms']:.3f} | {r['outside_ms']:.3f} | "
+          f"{r['outside_share']:.0%}{'' if r['same_steps'] else ' (steps differ)'} | {apart} |")
+    timed_compiles(p, d)
+
+
 def titled(render, titles: dict) -> dict:
     """TABLES entries whose docs section and results file share a name, each drawn by render(p, d, its title)."""
     return {n: (n, lambda p, d, t=t: render(p, d, t)) for n, t in titles.items()}
@@ -1025,6 +1047,11 @@ TABLES = {
     **same_name(compiled, "compiled_ssm12_epyc_1thread", "compiled_targets_epyc_ssm12_1thread", "compiled_targets_epyc_ssm12_2threads",
                 "compiled_targets_epyc_ssm12_2threads_c", "compiled_targets_epyc_hydra12_1thread",
                 "compiled_targets_epyc_hydra12_2threads"),
+    "refactor_check_signature_aliases": ("refactor_check_signature_aliases", refactor_check_compiled_exports(
+        "Which tensors are one and the same in a compiled call's signature, against the commit before, one thread "
+        "(AMD EPYC)", "refactor_check_signature_aliases")),
+    "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
+        p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
                                                refactor_check_compiled_exports(
         "Drafters' compiled steps under CUDA graphs on a GPU: the CPU path against the commit before, two threads "
