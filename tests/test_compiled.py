@@ -760,6 +760,19 @@ def test_a_tensor_given_twice_and_two_tensors_are_different_signatures():
     assert compiled._aliases([1, 2, 3]) == () and compiled._aliases([5, 6, 5, 6, 5]) == ((2, 0), (3, 1), (4, 0))
 
 
+def test_a_call_inside_autocast_is_another_signature():
+    """The global state (grad mode, autocast, what dynamo's global state guard compares) is part of a signature: a
+    graph compiled outside autocast ran inside it, in float32, once its guards were skipped."""
+    from draftlab.decode.compiled import Compiled
+
+    fn = Compiled(lambda a, b: a @ b, "eager")
+    x = torch.randn(4, 4)
+    for on in (False, False, True, True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            assert fn(x, x).dtype == (x @ x).dtype == (torch.bfloat16 if on else torch.float32)
+    assert len(fn.states) == 2
+
+
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("dflash", "ssm")])
 def test_one_drafter_serves_a_chained_and_an_unchained_decoder(kind):
     """A drafter's compiled step sees other tensors one and the same from call to call: EAGLE-3's first proposal after

@@ -10,7 +10,8 @@ Guards. Before every call of a compiled function, dynamo evaluates its guards: a
 Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a
 whole forward of the 260K-parameter test base. Once a call's signature (the shapes, strides, dtypes and devices of
 every tensor it is given, which of them are one and the same tensor, the values of its other arguments, the KV
-cache's length, the shapes of the tensors the function's object holds, grad mode) has run once with its guards,
+cache's length, the shapes of the tensors the function's object holds, the global state: grad mode, autocast and
+the rest of what dynamo's global state guard compares) has run once with its guards,
 later calls of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
 dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
 graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
@@ -338,10 +339,21 @@ class Compiled:
         self.calls = 0  # calls that went through the compiled function
         self.skip: set = set()  # signatures whose guarded first call is done: later calls skip guard evaluation
         self.guarded: set = set()  # signatures that keep their guards (see __call__)
+        self.states: list = []  # the global states its calls have met (_global_state)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
         # signature -> the variant its guarded call ran (_last_variant), then its code called without dynamo's hook
         # (None: with it; see _variant_code). None where calls keep the hook: a GPU, a module.
         self.direct: dict | None = {} if device == "cpu" and not isinstance(fn, torch.nn.Module) else None
+
+    def _global_state(self) -> int:
+        """Which of the global states this function's calls have met is the current one: grad mode, autocast (per
+        device, with its dtype), deterministic algorithms and the rest of what dynamo's global state guard compares,
+        by that guard itself (0.1 us a check). A graph compiled outside autocast would otherwise run inside it."""
+        for i, state in enumerate(self.states):
+            if state.check():
+                return i
+        self.states.append(torch._C._dynamo.guards.GlobalStateGuard())
+        return len(self.states) - 1
 
     def __call__(self, *args, **kwargs):
         was, fuse.ACTIVE[0] = fuse.ACTIVE[0], True  # fused projections run fused inside compiled calls (decode.fuse)
@@ -370,7 +382,7 @@ class Compiled:
         key = None
         if self.skip_guards and guards_skipped():
             ids: list = []  # every tensor the signature walks, for _aliases
-            key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), torch.is_grad_enabled(),
+            key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), self._global_state(),
                    None if self.owner is None else _held(self.owner, ids), _aliases(ids))
             if key in self.skip:
                 if self.direct is not None and direct_calls():
