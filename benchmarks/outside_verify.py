@@ -27,6 +27,7 @@ the host copy of the step's tokens and emitting them.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -92,8 +93,6 @@ def main() -> None:
                                  "prompts": len(prompts), "max_new_tokens": N, "target": TARGET,
                                  "torch_threads": torch.get_num_threads(), "methods": out})
     print()
-    import json
-
     render(print, json.loads(data.read_text()))
 
 
