@@ -705,7 +705,7 @@ def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_grap
     """A seen signature's call runs its compiled variant's code without dynamo's frame hook (decode.compiled): the
     variant is the one dynamo ran for it (two variants of one function, told apart by a plain argument; two backends
     compiling one function, each its own variant), its outputs and in-place writes are the hooked call's, and a
-    variant with a graph break keeps the hook."""
+    function with a graph break keeps the hook and its guards on every call."""
     import draftlab.decode.compiled as compiled
 
     found = []
@@ -739,7 +739,7 @@ def test_direct_calls_run_the_variant_dynamo_picks_and_keep_the_hook_past_a_grap
 
     fn = compiled.Compiled(broken, "eager")
     assert [fn(x).tolist() for _ in range(3)] == [(x * 2 + 1).tolist()] * 3
-    assert len(found) == 5 and found[-1] is None
+    assert len(found) == 4 and fn.breaks and not fn.skip  # guarded calls, under the hook
 
 
 def test_a_tensor_given_twice_and_two_tensors_are_different_signatures():
@@ -771,6 +771,48 @@ def test_a_call_inside_autocast_is_another_signature():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
             assert fn(x, x).dtype == (x @ x).dtype == (torch.bfloat16 if on else torch.float32)
     assert len(fn.states) == 2
+
+
+def test_signatures_tell_apart_what_dynamos_guards_do():
+    """Other things a graph can depend on that a signature of shapes alone missed, each run first one way (so its
+    signature is seen), then the other: a float or a bool argument equal to an int (1 == 1.0 == True); a module that
+    a freed one's address went to (a new object, by a token that is never reused, not by id); a function with a
+    graph break, whose code past it may hang on a tensor's value (.item()): its calls keep their guards."""
+    import gc
+
+    import draftlab.decode.compiled as compiled
+
+    def scaled(x, t):
+        return x * t
+
+    fn, x = compiled.Compiled(scaled, "eager"), torch.arange(4)
+    for t in (1, 1, 1.0, 1.0, True, True, 1):
+        assert fn(x, t).dtype == scaled(x, t).dtype, t
+
+    def call(m, x):
+        return m(x)
+
+    fn, x = compiled.Compiled(call, "eager"), torch.randn(6)
+    m = torch.nn.LeakyReLU(0.1)
+    fn(m, x), fn(m, x)
+    old, token = id(m), compiled._token(m)
+    del m
+    gc.collect()
+    for _ in range(2000):  # a new module at the freed one's address (CPython reuses it soon)
+        m = torch.nn.LeakyReLU(0.5)
+        if id(m) == old:
+            break
+    assert compiled._token(m) != token
+    assert torch.equal(fn(m, x), call(m, x))
+
+    def cut(x, i):
+        k = int(i.item())  # a graph break; the rest is compiled for this k
+        return x[:k].sum() + k
+
+    fn, x = compiled.Compiled(cut, "eager"), torch.arange(8.0)
+    for v in (2, 2, 2, 5, 3):
+        assert torch.equal(fn(x, torch.tensor(v)), cut(x, torch.tensor(v))), v
+    assert fn.breaks and not fn.skip
 
 
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("dflash", "ssm")])

@@ -9,13 +9,16 @@ eager, saying why in one line (stderr); the tokens are the same either way.
 Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
 Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a
 whole forward of the 260K-parameter test base. Once a call's signature (the shapes, strides, dtypes and devices of
-every tensor it is given, which of them are one and the same tensor, the values of its other arguments, the KV
-cache's length, the shapes of the tensors the function's object holds, the global state: grad mode, autocast and
-the rest of what dynamo's global state guard compares) has run once with its guards,
-later calls of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`):
-dynamo then only runs the guards that tell its compiled variants apart. That is sound when everything a compiled
-graph depends on is in the signature, which is what the signature is built to hold; DRAFTLAB_COMPILE_GUARDS=1 keeps
-full guard evaluation on every call (the reference, for debugging), and tests check both give the eager tokens.
+every tensor it is given, which of them are one and the same tensor, the values and types of its other arguments,
+the objects it is given (a model, a KV cache with its length, a drafter with the shapes of the tensors it holds) by a
+token no later object gets, the global state: grad mode, autocast and the rest of what dynamo's global state guard
+compares) has run once with its guards, later calls of that signature skip guard evaluation
+(`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): dynamo then only runs the guards that tell its compiled
+variants apart. That is sound when everything a compiled graph depends on is in the signature, which is what the
+signature is built to hold. It is not for code past a graph break, which dynamo may have compiled for a tensor's
+value (`.item()`): a function whose compiling met a graph break keeps its guards on every call, and says so once on
+stderr. DRAFTLAB_COMPILE_GUARDS=1 keeps full guard evaluation on every call (the reference, for debugging), and
+tests check both give the eager tokens.
 
 Direct calls (a CPU). Even with guards skipped, each call goes through dynamo's frame hook: it looks the code
 object's compiled variants up by the guards that tell them apart, sets the stance twice and enters and leaves the
@@ -24,8 +27,8 @@ a signature's guarded first call draftlab notes the variant dynamo ran (the fron
 dynamo puts the variant a call runs, chosen by every guard, the backend's among them); on its second call it checks
 that variant's guards on the arguments, once, and from then on calls the variant's code (dynamo's transformed
 bytecode: the compiled graph's call and everything dynamo replays around it) as a plain function, without the hook.
-A variant with a graph break (its code calls a resume function, which needs the hook to run compiled) keeps the
-hook. Not on a GPU (not measured there); DRAFTLAB_COMPILE_DIRECT=0 keeps the hook everywhere.
+A function with a graph break keeps the hook and its guards (above). Not on a GPU (not measured there);
+DRAFTLAB_COMPILE_DIRECT=0 keeps the hook everywhere.
 
 Outputs under CUDA graphs. A graphed call's outputs live in the CUDA graphs' shared memory pool, which the next
 graphed call (of any function) writes over: torch raises "accessing tensor output of CUDAGraphs that has been
@@ -43,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -79,16 +83,16 @@ def _signature(x, depth: int = 0, ids: list | None = None):
         if ids is not None:
             ids.append(id(x))
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-    if isinstance(x, _PLAIN):
-        return x
+    if isinstance(x, _PLAIN):  # a float or a bool with its type: 1 == 1.0 == True, which dynamo tells apart
+        return x if type(x) is not float and type(x) is not bool else (type(x), x)
     if depth > 2:
         return (type(x).__name__, id(x))
     if isinstance(x, (list, tuple)):
-        if type(x) is Fixed:  # computed once (its class docstring)
+        if type(x) is Fixed:  # computed once (its class docstring), from depth 0 wherever it is met
             kept = x.__dict__
             if "signature" not in kept:
                 inner: list = []
-                kept["signature"] = tuple([_signature(v, depth + 1, inner) for v in x])
+                kept["signature"] = tuple([_signature(v, 0, inner) for v in x])
                 kept["ids"] = inner
             if ids is not None:
                 ids += kept["ids"]
@@ -97,7 +101,7 @@ def _signature(x, depth: int = 0, ids: list | None = None):
     if isinstance(x, dict):
         return tuple([(k, _signature(v, depth + 1, ids)) for k, v in x.items()])
     if isinstance(x, torch.nn.Module):
-        return (type(x).__name__, id(x), x.training)
+        return (type(x).__name__, _token(x), x.training)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
         kept = getattr(x, "__dict__", None)
         if kept is not None and "_signature" in kept:
@@ -109,7 +113,28 @@ def _signature(x, depth: int = 0, ids: list | None = None):
         return sig
     if getattr(x, "signature_holds", False):  # a drafter given to a compiled call: its buffers' shapes too (_held)
         return (type(x).__name__, _held(x, ids))
-    return (type(x).__name__, id(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
+    return (type(x).__name__, _token(x), getattr(x, "max_cache_len", None), getattr(x, "window", None))
+
+
+_TOKENS: dict = {}  # id -> (a weak reference to the object, its token): see _token
+_NEXT_TOKEN = itertools.count(1)
+
+
+def _token(x) -> int:
+    """A number for object x that no other object of this process gets, unlike id(x), which a new object can take once
+    x is freed (a new model or KV cache at a freed one's address would otherwise match the freed one's signatures and
+    run its graphs). id(x) for an object that cannot be weakly referenced."""
+    seen = _TOKENS.get(id(x))
+    if seen is not None and seen[0]() is x:
+        return seen[1]
+    try:
+        key = id(x)
+        ref = weakref.ref(x, lambda _, key=key: _TOKENS.pop(key, None))
+    except TypeError:
+        return id(x)
+    token = next(_NEXT_TOKEN)
+    _TOKENS[key] = (ref, token)
+    return token
 
 
 def _held(obj, ids: list | None = None):
@@ -129,7 +154,7 @@ def _held(obj, ids: list | None = None):
                                                                    for t in p if isinstance(t, torch.Tensor)]
             if v:
                 out.append((k, tuple([_signature(t, 0, ids) for t in v])))
-    return (id(obj), tuple(out))
+    return (_token(obj), tuple(out))
 
 
 def _aliases(ids: list) -> tuple:
@@ -283,6 +308,16 @@ def _last_variant(fn):
     return (entries[0].code, entries[0].guard_manager) if entries else None
 
 
+def _graph_breaks() -> int:
+    """Graph breaks dynamo met so far in this process (while compiling)."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _resumes(variant) -> bool:
+    """Whether a compiled variant (_last_variant) has a graph break: its code calls a resume function."""
+    return variant is not None and any(n.startswith("__resume_at") for n in variant[0].co_names)
+
+
 def _variant_code(fn, variant, args: tuple, kwargs: dict):
     """The code of `variant` (_last_variant) as a callable taking fn's arguments, to call without dynamo's hook; None
     when its guards do not all pass on these arguments (the guarded call ran eagerly, past dynamo's recompile limit)
@@ -297,7 +332,7 @@ def _variant_code(fn, variant, args: tuple, kwargs: dict):
     bound.apply_defaults()
     if not guards.check(dict(bound.arguments)):  # the frame's locals on entry, which the guards read
         return None
-    if code.co_freevars != func.__code__.co_freevars or any(n.startswith("__resume_at") for n in code.co_names):
+    if code.co_freevars != func.__code__.co_freevars or _resumes(variant):
         return None  # (a graph break: the rest runs under the hook)
     run = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     run.__kwdefaults__ = func.__kwdefaults__
@@ -340,6 +375,7 @@ class Compiled:
         self.skip: set = set()  # signatures whose guarded first call is done: later calls skip guard evaluation
         self.guarded: set = set()  # signatures that keep their guards (see __call__)
         self.states: list = []  # the global states its calls have met (_global_state)
+        self.breaks = False  # whether compiling it met a graph break (then every call keeps its guards)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
         # signature -> the variant its guarded call ran (_last_variant), then its code called without dynamo's hook
         # (None: with it; see _variant_code). None where calls keep the hook: a GPU, a module.
@@ -402,7 +438,7 @@ class Compiled:
                     self.guarded.add(key)
                 finally:
                     _set_stance(prior)
-        graphs, t0 = compiled_graphs(), time.perf_counter()
+        graphs, breaks, t0 = compiled_graphs(), _graph_breaks(), time.perf_counter()
         for retry in (False, True):
             try:
                 out = self.fn(*args, **kwargs)
@@ -420,12 +456,22 @@ class Compiled:
                 self.failed = f"{type(e).__name__}: {' '.join(lines[:2])}"
                 print(f"draftlab: {name} does not compile ({self.failed}); decoding eagerly", file=sys.stderr)
                 return self.model(*args, **kwargs)
-        if key is not None and key not in self.guarded:
-            self.skip.add(key)
-            if self.direct is not None and direct_calls():
-                self.direct[key] = _last_variant(self.model)  # the variant this guarded call ran
         if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
+            if not self.breaks and _graph_breaks() != breaks:
+                self.breaks = True
+                name = getattr(self.model, "__qualname__", type(self.model).__name__)
+                reason = list(torch._dynamo.utils.counters["graph_break"])[-1:]
+                print(f"draftlab: {name} has a graph break ({' '.join(str(r) for r in reason)[:160]}); its compiled "
+                      "calls keep dynamo's guards on every call (slower, not wrong)", file=sys.stderr)
+        if key is not None and key not in self.guarded:
+            variant = _last_variant(self.model)  # the variant this guarded call ran
+            if self.breaks or _resumes(variant):  # code past a graph break can hang on values no signature holds
+                self.guarded.add(key)  # (a tensor's .item(), say): its guards stay
+            else:
+                self.skip.add(key)
+                if self.direct is not None and direct_calls():
+                    self.direct[key] = variant
         return out
 
 
