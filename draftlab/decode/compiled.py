@@ -158,18 +158,12 @@ def _held(obj, ids: list | None = None):
 
 
 def _aliases(ids: list) -> tuple:
-    """Which of a call's tensors (their ids in the order the signature walked them) are one and the same tensor:
-    (i, j) for each tensor i that is tensor j < i. Dynamo compiles a tensor given twice as one input of its graph and
+    """Which of a call's tensors (their ids in the order the signature walked them) are one and the same tensor: for
+    each, the position of its first occurrence. Dynamo compiles a tensor given twice as one input of its graph and
     guards on it (`a is b`); a signature without it would run that graph for two different tensors of the same
-    shapes once guards are skipped. () where every tensor is a different one (nearly every call)."""
-    if len(set(ids)) == len(ids):
-        return ()
-    first, out = {}, []
-    for i, t in enumerate(ids):
-        j = first.setdefault(t, i)
-        if j != i:
-            out.append((i, j))
-    return tuple(out)
+    shapes once guards are skipped. () where every tensor is a different one."""
+    first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # (the earliest position wins)
+    return () if len(first) == len(ids) else tuple(map(first.__getitem__, ids))
 
 
 try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU
