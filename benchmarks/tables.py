@@ -1050,6 +1050,9 @@ TABLES = {
     "refactor_check_signature_aliases": ("refactor_check_signature_aliases", refactor_check_compiled_exports(
         "Which tensors are one and the same in a compiled call's signature, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_signature_aliases")),
+    "refactor_check_signature_review": ("refactor_check_signature_review", refactor_check_compiled_exports(
+        "Compiled calls' signatures after the review against dynamo's guards, against the session's first commit, one "
+        "thread (AMD EPYC)", "refactor_check_signature_review")),
     "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
         p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
