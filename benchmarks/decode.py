@@ -91,6 +91,8 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
             r["accept_length"] = round(s["committed"] / s["steps"], 3)  # as Result.accept_length
             r["ms_per_step"] = {k: round(1000 * v / s["steps"], 3) for k, v in s["split"].items()
                                 if k != "prefill"}
+            # the whole run but its prefill, per step (the phases less what lies between them)
+            r["loop_ms_per_step"] = round(1000 * (s["time_s"] - s["split"].get("prefill", 0.0)) / s["steps"], 3)
         out[m] = r
     return out
 

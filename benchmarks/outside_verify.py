@@ -19,7 +19,8 @@ interleaved after a warm-up (decode.compare). Each drafter runs two ways on one 
 Greedy, both ways verify the same trees at the same widths and positions step for step, so the unchained way's verify
 phase per step is the verification as plain decoding pays it, at this drafter's tree width: the base's forward with
 the acceptance rule and the keep (a few kernels of microseconds) in one call. Per method: step ms (the default way's
-draft, verify, accept and commit phases per step, summed: the loop without the prefill), the verification's ms,
+whole run less its prefill, per step: its phases and what lies between them, e.g. padding a proposal to the tree's
+width), the verification's ms,
 outside = step - verification, and outside / verification. Plain decoding (no drafter) is the floor: its outside is
 the host copy of the step's tokens and emitting them.
 """
@@ -77,7 +78,7 @@ def main() -> None:
     out = {}
     for label in ["plain", *exports]:
         own, apart = results[label], results.get(f"{label}_unchained", results[label])
-        step = sum(own["ms_per_step"].values())
+        step = own["loop_ms_per_step"]
         verify = apart["ms_per_step"]["verify"]
         out[label] = {"tree_size": sizes[label], "accept_length": own["accept_length"],
                       "tokens_per_s": own["tokens_per_s"], "unchained_tokens_per_s": apart["tokens_per_s"],

@@ -777,7 +777,8 @@ def test_signatures_tell_apart_what_dynamos_guards_do():
     """Other things a graph can depend on that a signature of shapes alone missed, each run first one way (so its
     signature is seen), then the other: a float or a bool argument equal to an int (1 == 1.0 == True); a module that
     a freed one's address went to (a new object, by a token that is never reused, not by id); a function with a
-    graph break, whose code past it may hang on a tensor's value (.item()): its calls keep their guards."""
+    graph break, whose code past it may hang on a tensor's value (.item()), also where the break is in a loop and
+    dynamo skips the whole frame: its calls keep their guards."""
     import gc
 
     import draftlab.decode.compiled as compiled
@@ -809,10 +810,18 @@ def test_signatures_tell_apart_what_dynamos_guards_do():
         k = int(i.item())  # a graph break; the rest is compiled for this k
         return x[:k].sum() + k
 
-    fn, x = compiled.Compiled(cut, "eager"), torch.arange(8.0)
-    for v in (2, 2, 2, 5, 3):
-        assert torch.equal(fn(x, torch.tensor(v)), cut(x, torch.tensor(v))), v
-    assert fn.breaks and not fn.skip
+    def looped(x, ks):  # a graph break in a loop: dynamo skips the frame and compiles what it calls, apart
+        total = x.sum()
+        for i in range(ks.shape[0]):
+            total = total + cut(x, ks[i])
+        return total
+
+    for f in (cut, looped):
+        fn, x = compiled.Compiled(f, "eager"), torch.arange(8.0)
+        for v in (2, 2, 2, 5, 3):
+            assert torch.equal(fn(x, torch.tensor([v, v]) if f is looped else torch.tensor(v)),
+                               f(x, torch.tensor([v, v]) if f is looped else torch.tensor(v))), (f.__name__, v)
+        assert fn.breaks and not fn.skip
 
 
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("dflash", "ssm")])

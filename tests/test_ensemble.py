@@ -562,6 +562,18 @@ def test_lookup_drafter_prompt_and_datastore():
     assert d.propose(torch.tensor([3])).tokens[0].tolist() == [3, 4, 5, 6]
 
 
+def test_options_given_at_decoding_add_to_the_exports_own():
+    """--ensemble-option (drafter options) overrides the export's decode options one by one; it replaced the export's
+    whole `options` before, dropping the ones it did not name."""
+    from draftlab.drafters import EnsembleDraft, LookupDraft, make_drafter
+
+    module = EnsembleDraft([LookupDraft(), LookupDraft()], ["a", "b"], {"options": {"min_share": "0.3",
+                                                                                     "probe_every": "4"}})
+    d = make_drafter(module, None, options={"policy": "cost", "probe_every": "32"})
+    assert (d.scheduler.min_share, d.scheduler.policy, d.scheduler.probe_every) == (0.3, "cost", 32)
+    assert make_drafter(module).scheduler.probe_every == 4
+
+
 def test_ensemble_options_reach_the_scheduler_vote_and_adaptive_length():
     from draftlab.drafters.ensemble import ensemble_parts
 

@@ -83,20 +83,20 @@ def _signature(x, depth: int = 0, ids: list | None = None):
         if ids is not None:
             ids.append(id(x))
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-    if isinstance(x, _PLAIN):  # a float or a bool with its type: 1 == 1.0 == True, which dynamo tells apart
-        return x if type(x) is not float and type(x) is not bool else (type(x), x)
+    if isinstance(x, _PLAIN):  # with its type, but for an int or a str: 1 == 1.0 == True, which dynamo tells apart
+        return x if type(x) is int or type(x) is str else (type(x), x)
+    if type(x) is Fixed:  # computed once (its class docstring), from depth 0 wherever it is met
+        kept = x.__dict__
+        if "signature" not in kept:
+            inner: list = []
+            kept["signature"] = tuple([_signature(v, 0, inner) for v in x])
+            kept["ids"] = inner
+        if ids is not None:
+            ids += kept["ids"]
+        return kept["signature"]
     if depth > 2:
-        return (type(x).__name__, id(x))
+        return (type(x).__name__, _token(x))
     if isinstance(x, (list, tuple)):
-        if type(x) is Fixed:  # computed once (its class docstring), from depth 0 wherever it is met
-            kept = x.__dict__
-            if "signature" not in kept:
-                inner: list = []
-                kept["signature"] = tuple([_signature(v, 0, inner) for v in x])
-                kept["ids"] = inner
-            if ids is not None:
-                ids += kept["ids"]
-            return kept["signature"]
         return tuple([_signature(v, depth + 1, ids) for v in x])
     if isinstance(x, dict):
         return tuple([(k, _signature(v, depth + 1, ids)) for k, v in x.items()])
@@ -302,9 +302,17 @@ def _last_variant(fn):
     return (entries[0].code, entries[0].guard_manager) if entries else None
 
 
-def _graph_breaks() -> int:
-    """Graph breaks dynamo met so far in this process (while compiling)."""
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+def _graph_breaks() -> dict:
+    """The graph breaks dynamo met so far in this process while compiling, by reason: those it compiled around, and
+    those that made it skip a frame (a break inside a loop), which it counts apart."""
+    counters = torch._dynamo.utils.counters
+    return {**{("graph_break", k): v for k, v in counters["graph_break"].items()},
+            **{("unimplemented", k): v for k, v in counters["unimplemented"].items()}}
+
+
+def _function(fn) -> bool:
+    """Whether fn is a Python function or a bound method of one (not a module or another callable)."""
+    return isinstance(getattr(fn, "__func__", fn), types.FunctionType)
 
 
 def _resumes(variant) -> bool:
@@ -314,8 +322,8 @@ def _resumes(variant) -> bool:
 
 def _variant_code(fn, variant, args: tuple, kwargs: dict):
     """The code of `variant` (_last_variant) as a callable taking fn's arguments, to call without dynamo's hook; None
-    when its guards do not all pass on these arguments (the guarded call ran eagerly, past dynamo's recompile limit)
-    or it has a graph break."""
+    when its guards do not all pass on these arguments (the guarded call ran eagerly, past dynamo's recompile limit).
+    (A variant with a graph break never comes here: its function keeps its guards.)"""
     func, owner = getattr(fn, "__func__", fn), getattr(fn, "__self__", None)
     code, guards = variant
     try:
@@ -326,8 +334,8 @@ def _variant_code(fn, variant, args: tuple, kwargs: dict):
     bound.apply_defaults()
     if not guards.check(dict(bound.arguments)):  # the frame's locals on entry, which the guards read
         return None
-    if code.co_freevars != func.__code__.co_freevars or _resumes(variant):
-        return None  # (a graph break: the rest runs under the hook)
+    if code.co_freevars != func.__code__.co_freevars:
+        return None
     run = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     run.__kwdefaults__ = func.__kwdefaults__
     return run if owner is None else functools.partial(run, owner)
@@ -410,7 +418,7 @@ class Compiled:
             return self.model(*args, **kwargs)
         self.calls += 1
         key = None
-        if self.skip_guards and guards_skipped():
+        if self.skip_guards and not self.breaks and guards_skipped():
             ids: list = []  # every tensor the signature walks, for _aliases
             key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), self._global_state(),
                    None if self.owner is None else _held(self.owner, ids), _aliases(ids))
@@ -432,7 +440,8 @@ class Compiled:
                     self.guarded.add(key)
                 finally:
                     _set_stance(prior)
-        graphs, breaks, t0 = compiled_graphs(), _graph_breaks(), time.perf_counter()
+        graphs, t0 = compiled_graphs(), time.perf_counter()
+        breaks = None if self.breaks else _graph_breaks()
         for retry in (False, True):
             try:
                 out = self.fn(*args, **kwargs)
@@ -452,16 +461,17 @@ class Compiled:
                 return self.model(*args, **kwargs)
         if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
-            if not self.breaks and _graph_breaks() != breaks:
-                self.breaks = True
-                name = getattr(self.model, "__qualname__", type(self.model).__name__)
-                reason = list(torch._dynamo.utils.counters["graph_break"])[-1:]
-                print(f"draftlab: {name} has a graph break ({' '.join(str(r) for r in reason)[:160]}); its compiled "
-                      "calls keep dynamo's guards on every call (slower, not wrong)", file=sys.stderr)
+        now = None if breaks is None else _graph_breaks()
+        if now != breaks:
+            self.breaks = True  # no signature from now on (see the module's overview)
+            name = getattr(self.model, "__qualname__", type(self.model).__name__)
+            why = "; ".join(str(k[1]) for k in now if now[k] != breaks.get(k))[:200]
+            print(f"draftlab: {name} has a graph break ({why}); its compiled calls keep dynamo's guards on every call "
+                  "(slower, not wrong)", file=sys.stderr)
         if key is not None and key not in self.guarded:
             variant = _last_variant(self.model)  # the variant this guarded call ran
-            if self.breaks or _resumes(variant):  # code past a graph break can hang on values no signature holds
-                self.guarded.add(key)  # (a tensor's .item(), say): its guards stay
+            if self.breaks or _resumes(variant) or (variant is None and _function(self.model)):
+                self.guarded.add(key)  # code past a graph break can hang on values no signature holds (.item())
             else:
                 self.skip.add(key)
                 if self.direct is not None and direct_calls():

@@ -369,6 +369,7 @@ def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
     from .ensemble import EnsembleDrafter, ensemble_parts
 
     d = {**module.decode, **{k: v for k, v in decode.items() if v is not None}}
+    d["options"] = {**(module.decode.get("options") or {}), **(decode.get("options") or {})}  # the export's, overridden
     drafters = [kind_of(m.kind).drafter(m, tree if tree is not None and m.kind == "ssm" else
                                         kind_of(m.kind).default_tree(m)) for m in module.members]
     scheduler, vote, adaptive = ensemble_parts(d.get("options") or {}, length=d.get("length", 4))
