@@ -72,11 +72,11 @@ class Fixed(tuple):
 
 def _signature(x, depth: int = 0, ids: list | None = None):
     """What a compiled graph of fixed shapes depends on in x, hashable: tensors by shape, strides, dtype and device
-    (their values are the graph's inputs); plain values and dataclasses by value; containers item by item; an object
-    whose class sets `signature_holds` (a drafter) by identity and the shapes of the tensors it holds (_held); other
-    objects (a KV cache, a module) by type and identity, a KV cache with its length and attention window
-    (StaticSlotCache grows its buffers in place and attends over a window of them). ids: a list that gets the id of
-    every tensor walked, in order (see _aliases)."""
+    (their values are the graph's inputs); plain values (with their type, but ints and strs) and dataclasses by value;
+    containers item by item; an object whose class sets `signature_holds` (a drafter) by its token (_token) and the
+    shapes of the tensors it holds (_held); other objects (a KV cache, a module) by type and token, a KV cache with
+    its length and attention window (StaticSlotCache grows its buffers in place and attends over a window of them).
+    ids: a list that gets the id of every tensor walked, in order (see _aliases)."""
     # Every call of a compiled function computes this (tens of tensors for a verify step): plain attribute reads,
     # list comprehensions rather than generators (a third faster on a CPU).
     if isinstance(x, torch.Tensor):
