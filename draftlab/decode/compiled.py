@@ -162,8 +162,10 @@ def _aliases(ids: list) -> tuple:
     each, the position of its first occurrence. Dynamo compiles a tensor given twice as one input of its graph and
     guards on it (`a is b`); a signature without it would run that graph for two different tensors of the same
     shapes once guards are skipped. () where every tensor is a different one."""
+    if len(set(ids)) == len(ids):  # (nearly every call: a third of the time of the mapping below)
+        return ()
     first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # (the earliest position wins)
-    return () if len(first) == len(ids) else tuple(map(first.__getitem__, ids))
+    return tuple(map(first.__getitem__, ids))
 
 
 try:  # the stance's own setter: torch.compiler.set_stance's context manager costs ~20-40 us a call on a CPU

@@ -157,9 +157,12 @@ class Verifier:
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
-            inputs = (self.base, target.open(tokens, hidden=bool(self.layers)), target.window, target.spans,
-                      target.dtype, self.layers, tokens, view.parents, view.depth, view.valid, view.ancestors, live,
-                      target.next_pos, sampling, target.device_state(), target.slots)
+            opened = target.open(tokens, hidden=bool(self.layers))
+            del opened["input_ids"]  # verify_and_keep gives the forward `tokens`: passed once, the call's signature
+            # has no alias to find (decode.compiled._aliases)
+            inputs = (self.base, opened, target.window, target.spans, target.dtype, self.layers, tokens, view.parents,
+                      view.depth, view.valid, view.ancestors, live, target.next_pos, sampling, target.device_state(),
+                      target.slots)
             if chain is not None:  # and the drafter's commit and next proposal: the verify time holds them too
                 states, decided, drafted = self.chain(*inputs, chainer, chain, drawn=drawn)
                 res.chained_steps += 1
@@ -338,14 +341,15 @@ def decide_and_keep(tokens, logits, parents, depth, valid, ancestors, live, next
 def verify_and_keep(model, inputs: dict, window: int, spans: tuple | None, dtype: torch.dtype, layers: tuple, tokens,
                     parents, depth, valid, ancestors, live, next_pos, sampling: Sampling, state, slots, drawn=None):
     """A whole verification on the static path as one function of fixed shapes, which the compiled path runs as one
-    graph (on a GPU one CUDA graph): the base's forward over the tree (inputs: StaticSlotCache.open; its mask over
-    the attention window, within the base's sliding windows or chunks (spans: cache.layer_spans), and its positions
-    built here, from the cache's valid slots and write pointer), then decide_and_keep. Returns the base's states at
-    every tree node for `layers` (a tuple), and decide_and_keep's values."""
+    graph (on a GPU one CUDA graph): the base's forward over the tree's tokens (inputs: StaticSlotCache.open's, less
+    the input ids; its mask over the attention window, within the base's sliding windows or chunks (spans:
+    cache.layer_spans), and its positions built here, from the cache's valid slots and write pointer), then
+    decide_and_keep. Returns the base's states at every tree node for `layers` (a tuple), and decide_and_keep's
+    values."""
     written = state[1][0]  # the first layer's write pointer: the committed slots, before the forward moves it
     pos = next_pos[:, None] + depth
-    out = model(**inputs, attention_mask=reserved_mask(ancestors, slots, written, window, dtype, pos, spans),
-                position_ids=pos)
+    out = model(**inputs, input_ids=tokens, position_ids=pos,
+                attention_mask=reserved_mask(ancestors, slots, written, window, dtype, pos, spans))
     return tuple(out.hidden_states[l] for l in layers), decide_and_keep(
         tokens, out.logits, parents, depth, valid, ancestors, live, next_pos, sampling, state, slots, drawn)
 
