@@ -327,11 +327,11 @@ def main() -> None:
                     ("eagle3", {"type": "eagle3", "eagle": {}}, None),
                     ("ssm", {"type": "ssm", "ssm": {"num_layers": 1, "init": "random"} if a.tiny else SSM_68M},
                      Tree.chain(4)))
-        modules = {kind: build_draft(head, base).to(dev, base.dtype).eval() for kind, head, _ in drafters}
-        for kind, _, tree in drafters:
+        modules = {kind: (build_draft(head, base).to(dev, base.dtype).eval(), tree) for kind, head, tree in drafters}
+        for kind, (module, tree) in modules.items():
             for label, chained in (("split", False), ("chained", True)):
                 methods[f"{kind}_compiled_fused_{label}"] = decoder_method(SpeculativeDecoder(
-                    base, make_drafter(modules[kind], tree), compile=True, fused=True, chained=chained))
+                    base, make_drafter(module, tree), compile=True, fused=True, chained=chained))
     steps = (("", False), ("_fused", True)) if a.fused_step else (("", False),)
     if a.fuse_projections:  # on a copy: the oracle holds its base, and fusing is a property of the model object
         fused_base = copy.deepcopy(base)
@@ -361,7 +361,7 @@ def main() -> None:
     if a.sampled and a.chained:
         for label, chained in (("split", False), ("chained", True)):
             methods[f"medusa_compiled_fused_{label}_sampled"] = decoder_method(SpeculativeDecoder(
-                base, make_drafter(modules["medusa"], default_tree(4, 24)), compile=True, fused=True, chained=chained), sampling=s)
+                base, make_drafter(*modules["medusa"]), compile=True, fused=True, chained=chained), sampling=s)
     if not a.no_hf_compile:
         from transformers import CompileConfig
 

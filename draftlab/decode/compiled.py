@@ -443,7 +443,8 @@ class Compiled:
                 finally:
                     _set_stance(prior)
         graphs, t0 = compiled_graphs(), time.perf_counter()
-        breaks = None if self.breaks else _graph_breaks()
+        record = key is not None and key not in self.guarded  # a signature's first call: recorded below
+        breaks = _graph_breaks() if record else None
         for retry in (False, True):
             try:
                 out = self.fn(*args, **kwargs)
@@ -470,7 +471,7 @@ class Compiled:
             why = "; ".join(str(k[1]) for k in now if now[k] != breaks.get(k))[:200]
             print(f"draftlab: {name} has a graph break ({why}); its compiled calls keep dynamo's guards on every call "
                   "(slower, not wrong)", file=sys.stderr)
-        if key is not None and key not in self.guarded:
+        if record:
             variant = _last_variant(self.model)  # the variant this guarded call ran
             if self.breaks or _resumes(variant) or (variant is None and _function(self.model)):
                 self.guarded.add(key)  # code past a graph break can hang on values no signature holds (.item())
