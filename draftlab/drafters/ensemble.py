@@ -27,13 +27,14 @@ from itertools import chain
 import torch
 
 from ..decode.cache import prefill_width
-from ..decode.compiled import compiled_graphs
+from ..decode.compiled import compiled_function, compiled_graphs
 from ..decode.search import held_along
 from ..decode.tree import Tree
 from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
-from .retrieval import padded_proposal
 from .ssm import GroupError, SSMDrafter, group_key, grouped_lm
+from .retrieval import padded_proposal
+from .tree_merge import merge_layout, merge_row, merge_trees, vote_chains, vote_row
 
 
 SCHEDULE_POLICIES = ("gain", "cost")
@@ -437,6 +438,31 @@ def _held(paths: list[list[int]], live: list[bool]) -> float:
     return sum(held) / len(held)
 
 
+def _own_path(owners: list[list[int]], m: int, path: list[int]) -> list[int]:
+    """Member m's node indices along an accepted path of the merged tree (owners: a row's [node][member] indices, -1
+    where the node is not the member's), as far as its own tree holds it (root first)."""
+    own = [0]
+    for n in path[1:]:
+        i = owners[n][m]
+        if i < 0:
+            break
+        own.append(i)
+    return own
+
+
+def _host(x) -> list:
+    """A tensor's values as lists (one copy to the host); a list as it is."""
+    return x.tolist() if isinstance(x, torch.Tensor) else x
+
+
+def _depth_bound(member: Drafter) -> int:
+    """A bound on the depth of a member's trees: its static tree's, a lookup's continuation length, else its nodes."""
+    tree = getattr(member, "tree", None)
+    if isinstance(tree, Tree):
+        return tree.depth
+    return getattr(member, "num_tokens", member.max_nodes - 1)
+
+
 @dataclass
 class MemberGroup:
     """Ensemble members (indices) drafting as one grouped model, and this step's proposal of the whole group."""
@@ -701,24 +727,75 @@ class EnsembleDrafter(Drafter):
             self._text_rows()
         self.props = [m.propose(root) if on and i not in self.grouped else None
                       for i, (m, on) in enumerate(zip(self.members, self.on))]
-        # The members' trees on the host, one copy per tensor (the merge below is host bookkeeping).
-        self.host = [None if p is None else (p.view.parents.tolist(), p.view.valid.tolist(), p.tokens.tolist())
-                     for p in self.props]
         for g in self.groups:
             self._propose_group(g, root)
         t1 = time.perf_counter()
-        rows = [self._merge_row(b, r) if self.mode == "merge" else self._vote_row(b, r)
-                for b, r in enumerate(root.tolist())]
-        self.owners = [r["owners"] for r in rows]
-        self.winners = [r.get("winner") for r in rows]
-        prop = padded_proposal([(r["tokens"], r["parents"]) for r in rows], root.device)
-        sampled = [p for p in self.props if p is not None and p.q is not None]
-        # Only lossless sampling reads q. Typical acceptance shares equal tokens between members (one node, several
-        # owners, so no single q), and its rule needs none.
-        if self.mode == "merge" and sampled and self._lossless_sampling:
-            prop.q, prop.q_index = self._q_table(rows, prop.tokens.shape[1], root.device)
+        prop = self._merged(root)
         self.time_s["members"] += t1 - t0
         self.time_s["ensemble"] += time.perf_counter() - t1
+        return prop
+
+    def _merged(self, root: torch.Tensor) -> Proposal:
+        """The members' trees as one proposal: on the static path by tree_merge's tensor forms (over rows and nodes,
+        in one call, compiled with the decode path's compiling), on the eager path by its host reference, row by row.
+        self.owners [B][node][member]: each member's node index at each node (-1: none), a tensor on the static path;
+        vote mode: self.winner, each row's winner (-1: none), self.drafted, the nodes drafted per row."""
+        ks = tuple(m for m, p in enumerate(self.props) if p is not None)
+        props, n, dev = [self.props[m] for m in ks], len(self.members), root.device
+        weights = self.vote.weights if self.mode == "vote" else \
+            self.scheduler.gains if self.scheduler is not None else [1.0] * n
+        # Only lossless sampling reads q. Typical acceptance shares equal tokens between members (one node, several
+        # owners, so no single q), and its rule needs none.
+        share = not self._lossless_sampling
+        sampled = self.mode == "merge" and not share and any(p.q is not None for p in props)
+        offsets = [0]
+        for p in props:
+            offsets.append(offsets[-1] + (p.q.shape[1] if sampled and p.q is not None else 0))
+        q_index = [p.q_index if p.q is not None else None for p in props] if sampled else None
+        path = self.decode_path or {}
+        if not path.get("static"):
+            prop = self._merged_on_host(root, ks, props, weights, share, q_index, tuple(offsets[:-1]))
+        else:
+            backend, w = path.get("compile"), torch.tensor(weights, dtype=torch.float64, device=dev)
+            tokens, valid = [p.tokens for p in props], [p.view.valid for p in props]
+            if self.mode == "vote":
+                fn = compiled_function(vote_chains, backend, dev.type) if backend else vote_chains
+                tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w, True)
+                self.drafted, q = ok[:, 1:].sum(1), None
+            else:
+                fn = compiled_function(merge_trees, backend, dev.type) if backend else merge_trees
+                tok, par, ok, depth, anc, self.owners, q = fn(
+                    tokens, [p.view.parents for p in props], valid, [p.view.depth for p in props],
+                    merge_layout(tuple(t.shape[1] - 1 for t in tokens), ks, n, dev), n, w, self.node_budget, share,
+                    max(_depth_bound(self.members[m]) for m in ks), q_index, tuple(offsets[:-1]), True)
+            prop = Proposal(tok, TreeView(par, depth, ok, anc), q_index=q)
+        if sampled:
+            prop.q = torch.cat([p.q for p in props if p.q is not None], dim=1)
+        return prop
+
+    def _merged_on_host(self, root: torch.Tensor, ks: tuple, props: list, weights: list, share: bool,
+                        q_index: list | None, offsets: tuple) -> Proposal:
+        """The eager path's merge or vote: tree_merge's reference rules, row by row on the host."""
+        n, B = len(self.members), root.shape[0]
+        host = [(p.tokens.tolist(), p.view.parents.tolist(), p.view.valid.tolist()) for p in props]
+        qi = None if q_index is None else [None if x is None else x.tolist() for x in q_index]
+        rows = []
+        for b, r in enumerate(root.tolist()):
+            trees = [(t[b], par[b], ok[b]) for t, par, ok in host]
+            if self.mode == "vote":
+                chain, owners, winner = vote_row([[x for x, v in zip(t[1:], ok[1:]) if v] for t, _, ok in trees], ks,
+                                                 n, weights)
+                rows.append(([r] + chain, list(range(-1, len(chain))), owners, None, winner))
+            else:
+                rows.append((*merge_row(trees, ks, n, weights, self.node_budget, share,
+                                        None if qi is None else [None if x is None else x[b] for x in qi], offsets),
+                             -1))
+        prop = padded_proposal([(t, p) for t, p, *_ in rows], root.device)
+        W = prop.tokens.shape[1]
+        self.owners = [o + [[-1] * n] * (W - len(o)) for _, _, o, _, _ in rows]
+        self.winner, self.drafted = [r[4] for r in rows], [len(r[0]) - 1 for r in rows]
+        if q_index is not None:
+            prop.q_index = torch.tensor([q + [-1] * (W - len(q)) for _, _, _, q, _ in rows], device=root.device)
         return prop
 
     def _advance(self) -> None:
@@ -768,95 +845,16 @@ class EnsembleDrafter(Drafter):
         B = root.shape[0]
         g.prop = p = g.drafter.propose(root.repeat(len(g.members)))
         view = TreeView.of_static(g.drafter.buf, B)
-        parents, valid, tokens = view.parents.tolist(), view.valid.tolist(), p.tokens.tolist()
         for j, m in enumerate(g.members):
             if self.on[m]:
                 rows = slice(j * B, (j + 1) * B)
                 self.props[m] = Proposal(p.tokens[rows], view, None if p.q is None else p.q[rows],
                                          None if p.q_index is None else p.q_index[rows])
-                self.host[m] = (parents, valid, tokens[rows])
 
     @property
     def _lossless_sampling(self) -> bool:
         """Lossless speculative sampling (it needs each node's q, so sampled siblings are never shared)."""
         return self.sampling.temperature > 0 and not self.sampling.typical
-
-    def _member_nodes(self, m: int, b: int) -> list[tuple[int, int, int]]:
-        """(node, parent, token) of member m's valid nodes in row b, in node order (root excluded)."""
-        par, ok, tok = (x[b] for x in self.host[m])
-        return [(i, par[i], tok[i]) for i in range(1, len(par)) if ok[i]]
-
-    def _merge_row(self, b: int, root: int) -> dict:
-        tokens, parents, owners, depth = [root], [-1], [{m: 0 for m, on in enumerate(self.on) if on}], [0]
-        share = self.mode == "merge" and not self._lossless_sampling
-        child: dict = {}
-        for m, p in enumerate(self.props):
-            if p is None:
-                continue
-            local = {0: 0}
-            for i, par, t in self._member_nodes(m, b):
-                mp = local[par]
-                key = (mp, t)
-                if share and key in child:
-                    node = child[key]
-                else:
-                    node = len(tokens)
-                    tokens.append(t), parents.append(mp), owners.append({}), depth.append(depth[mp] + 1)
-                    child.setdefault(key, node)
-                owners[node][m] = i
-                local[i] = node
-        if len(tokens) - 1 > self.node_budget:
-            weight = self.scheduler.gains if self.scheduler is not None else [1.0] * len(self.members)
-            score = [sum(weight[m] for m in o) for o in owners]
-            # A node's owners are a subset of its parent's, so its score is no higher; ties keep the shallower node:
-            # the kept set is prefix-closed.
-            kept = sorted(range(1, len(tokens)), key=lambda n: (-score[n], depth[n], n))[: self.node_budget]
-            order = [0] + sorted(kept)
-            new = {n: j for j, n in enumerate(order)}
-            tokens = [tokens[n] for n in order]
-            parents = [-1] + [new[parents[n]] for n in order[1:]]
-            owners = [owners[n] for n in order]
-        return {"tokens": tokens, "parents": parents, "owners": owners}
-
-    def _vote_row(self, b: int, root: int) -> dict:
-        weights = self.vote.weights
-        chains = {m: [t for _, _, t in self._member_nodes(m, b)] for m, p in enumerate(self.props) if p is not None}
-        tokens, parents, owners = [root], [-1], [{m: 0 for m in chains}]
-        alive = dict(chains)
-        depth = 0
-        while True:
-            votes: dict[int, float] = {}
-            for m, c in alive.items():
-                if depth < len(c):
-                    votes[c[depth]] = votes.get(c[depth], 0.0) + weights[m]
-            if not votes:
-                break
-            pick = max(votes, key=lambda t: (votes[t], -min(m for m, c in alive.items()
-                                                             if depth < len(c) and c[depth] == t)))
-            alive = {m: c for m, c in alive.items() if depth < len(c) and c[depth] == pick}
-            tokens.append(pick), parents.append(len(tokens) - 2), owners.append({m: depth + 1 for m in alive})
-            depth += 1
-        # The chosen sequence is the chain of every member still alive (it ends where their chains end); one of
-        # them wins the vote.
-        winner = self.vote.winner(list(owners[-1])) if len(tokens) > 1 else None
-        return {"tokens": tokens, "parents": parents, "owners": owners, "winner": winner}
-
-    def _q_table(self, rows: list[dict], N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Members' q rows side by side [B, sum Q_m, V]; a merged node points at its (single) owner's row."""
-        offsets, tables, off = {}, [], 0
-        for m, p in enumerate(self.props):
-            if p is not None and p.q is not None:
-                offsets[m] = off
-                tables.append(p.q)
-                off += p.q.shape[1]
-        q_index = torch.full((len(rows), N), -1, dtype=torch.long)
-        member_qi = {m: self.props[m].q_index.tolist() for m in offsets}
-        for b, r in enumerate(rows):
-            for n, own in enumerate(r["owners"][1:], start=1):
-                (m, i), = own.items()  # sampled drafts are never shared between members
-                if m in offsets:
-                    q_index[b, n] = offsets[m] + member_qi[m][b][i]
-        return torch.cat(tables, dim=1), q_index.to(device)
 
     # --- following the text -------------------------------------------------------------------------------
     def commit(self, step: StepResult) -> None:
@@ -867,11 +865,12 @@ class EnsembleDrafter(Drafter):
         inside = 0.0
         gains: list[float | None] = [None] * len(self.members)
         committed, live = step.path_tokens(), step.live_rows()
+        owners = _host(self.owners)  # [B][node][member]: one copy, read along the accepted paths
         own = {}  # member -> its own nodes along each row's accepted path
         for m, p in enumerate(self.props):
             if p is None:
                 continue
-            own[m] = paths = [self._own_path(m, b, path) for b, path in enumerate(step.paths)]
+            own[m] = paths = [_own_path(owners[b], m, path) for b, path in enumerate(step.paths)]
             gains[m] = _held(paths, live)
         for m, member in enumerate(self.members):
             if m in self.grouped:
@@ -945,14 +944,10 @@ class EnsembleDrafter(Drafter):
         fed, self.text_s = self.text_s, 0.0
         return None if last is None or compiled else now - last - fed, fed
 
-    def _own_path(self, m: int, b: int, path: list[int]) -> list[int]:
-        """Member m's node indices along row b's accepted path, as far as its own tree holds it (root first)."""
-        own = [0]
-        for n in path[1:]:
-            if m not in self.owners[b][n]:
-                break
-            own.append(self.owners[b][n][m])
-        return own
+    @property
+    def winners(self) -> list[int | None]:
+        """Vote mode: the member whose chain each row's proposal is (None where nothing was drafted)."""
+        return [None if m < 0 else m for m in _host(self.winner)]
 
     @staticmethod
     def _member_step(step: StepResult, tokens: torch.Tensor, paths: list[list[int]], committed: list[list[int]]):
@@ -966,11 +961,12 @@ class EnsembleDrafter(Drafter):
         if not rows:
             return
         won: dict[int, tuple[int, int]] = {}
+        drafted, winners = _host(self.drafted), _host(self.winner)
         for b in rows:
-            drafted, m = len(self.owners[b]) - 1, self.winners[b]
-            if drafted and m is not None:
+            m = winners[b]
+            if drafted[b] and m >= 0:
                 a, d = won.get(m, (0, 0))
-                won[m] = (a + len(step.paths[b]) - 1, d + drafted)
+                won[m] = (a + len(step.paths[b]) - 1, d + drafted[b])
         self.vote.update(won)
         if self.adaptive is not None:
             committed = sum(len(step.paths[b]) for b in rows) / len(rows)  # the verified length: accepted + bonus

@@ -1,0 +1,100 @@
+"""The ensemble's tensor merge and vote (drafters/tree_merge.py, the static path's) against their host references
+(the eager path's: SpecInfer's trie merge with a node budget; Minions' weighted vote), on random trees with shared
+prefixes, padded nodes, repeated sibling tokens, uneven weights and several rows; eager and compiled."""
+
+import random
+
+import pytest
+import torch
+
+from draftlab.decode.tree import TreeView
+from draftlab.drafters.tree_merge import merge_layout, merge_row, merge_trees, vote_chains, vote_row
+
+
+def random_tree(rng, n, vocab):
+    """A random tree of n nodes in topological order (tokens from a small vocab, so prefixes repeat), some nodes
+    padded (a padded node's subtree padded too)."""
+    parents, tokens, valid = [-1], [rng.randrange(vocab)], [True]
+    for i in range(1, n):
+        p = rng.randrange(i)
+        parents.append(p), tokens.append(rng.randrange(vocab)), valid.append(valid[p] and rng.random() > 0.15)
+    return tokens, [p if ok else -1 for p, ok in zip(parents, valid)], valid
+
+
+def as_tensors(rows_trees):
+    """Per member, rows of (tokens, parents, valid) -> tensors [B, N] and their view's depth."""
+    tok = torch.tensor([t for t, _, _ in rows_trees])
+    par = torch.tensor([p for _, p, _ in rows_trees])
+    ok = torch.tensor([v for _, _, v in rows_trees])
+    view = TreeView.of_parents(par, ok)
+    return tok, view.parents, ok, view.depth
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("share", [True, False])
+def test_the_tensor_merge_is_the_trie_merge(share, compiled):
+    fn = torch.compile(merge_trees, backend="eager") if compiled else merge_trees
+    rng = random.Random(int(share))
+    for trial in range(12):
+        B, M = rng.randint(1, 3), 4
+        members = tuple(sorted(rng.sample(range(M), rng.randint(1, 3))))
+        sizes = [rng.randint(2, 7) for _ in members]
+        weights = [rng.choice([1.0, 0.5, 2.0, 0.25]) for _ in range(M)]
+        budget = rng.choice([2, 4, 8, 64])
+        rows = [[random_tree(rng, n, 3) for _ in range(B)] for n in sizes]  # rows[k][b]
+        for b in range(B):  # one root per row
+            for k in range(len(members)):
+                rows[k][b][0][0] = rows[0][b][0][0]
+        ts = [as_tensors(r) for r in rows]
+        q_index = [torch.arange(n)[None].expand(B, n) - 1 for n in sizes] if not share else None
+        offsets = tuple(sum(sizes[:k]) * 10 for k in range(len(sizes))) if not share else None
+        tok, par, ok, depth, anc, own, q = fn(
+            [t[0] for t in ts], [t[1] for t in ts], [t[2] for t in ts], [t[3] for t in ts],
+            merge_layout(tuple(n - 1 for n in sizes), members, M, "cpu"), M,
+            torch.tensor(weights, dtype=torch.float64), budget, share, max(sizes) - 1, q_index, offsets, True)
+        view = TreeView.of_parents(par, ok)  # (checks the order: a parent before its child)
+        assert torch.equal(depth, view.depth) and torch.equal(anc, view.ancestors)
+        assert tok.shape[1] == 1 + min(budget, sum(n - 1 for n in sizes))
+        for b in range(B):
+            want_tok, want_par, want_own, want_q = merge_row(
+                [r[b] for r in rows], members, M, weights, budget, share,
+                None if share else [x[b].tolist() for x in q_index], offsets)
+            cols = [c for c, v in enumerate(ok[b].tolist()) if v]  # the nodes (padding between them where shared)
+            new = {c: j for j, c in enumerate(cols)}
+            assert tok[b, cols].tolist() == want_tok, (trial, b)
+            assert [new.get(p, -1) for p in par[b, cols].tolist()] == want_par, (trial, b)
+            if len(cols) < tok.shape[1] and sum(sizes) - len(sizes) > budget:  # cut to the budget: packed
+                assert cols == list(range(len(cols)))
+            assert own[b, cols].tolist() == want_own, (trial, b)
+            if not share:  # each node's q row is its one owner's, after that member's table's offset
+                assert q[b, cols].tolist() == want_q
+                assert want_q[1:] == [offsets[members.index(m)] + o[m] - 1
+                                      for o in want_own[1:] for m in range(M) if o[m] >= 0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_tensor_vote_is_the_weighted_vote(compiled):
+    fn = torch.compile(vote_chains, backend="eager") if compiled else vote_chains
+    rng = random.Random(3)
+    for trial in range(20):
+        B, M = rng.randint(1, 3), 4
+        members = tuple(sorted(rng.sample(range(M), rng.randint(1, 4))))
+        weights = [rng.choice([1.0, 0.5, 1.5, 2.0]) for _ in range(M)]
+        L = rng.randint(1, 4)
+        tokens, valid, chains = [], [], {m: [] for m in members}
+        for m in members:
+            t = [[0] + [rng.randrange(2) for _ in range(L)] for _ in range(B)]
+            n = [rng.randint(0, L) for _ in range(B)]  # a chain of n tokens, the rest padded
+            v = [[True] + [i < n[b] for i in range(L)] for b in range(B)]
+            tokens.append(torch.tensor(t)), valid.append(torch.tensor(v))
+            chains[m] = [t[b][1:1 + n[b]] for b in range(B)]
+        tok, par, ok, depth, anc, own, winner = fn(tokens, valid, members, M,
+                                                   torch.tensor(weights, dtype=torch.float64), True)
+        view = TreeView.of_parents(par, ok)
+        assert torch.equal(depth, view.depth) and torch.equal(anc, view.ancestors)
+        for b in range(B):
+            want, want_own, want_winner = vote_row([chains[m][b] for m in members], members, M, weights)
+            n = int(ok[b].sum())
+            assert tok[b, 1:n].tolist() == want and par[b, :n].tolist() == list(range(-1, n - 1)), (trial, b)
+            assert own[b, :n].tolist() == want_own
+            assert int(winner[b]) == want_winner, (trial, b)
