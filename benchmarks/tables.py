@@ -1053,6 +1053,12 @@ TABLES = {
     "refactor_check_signature_review": ("refactor_check_signature_review", refactor_check_compiled_exports(
         "Compiled calls' signatures after the review against dynamo's guards, against the session's first commit, one "
         "thread (AMD EPYC)", "refactor_check_signature_review")),
+    "refactor_check_tree_merge": ("refactor_check_tree_merge", refactor_check_compiled_exports(
+        "The ensemble's merge as one call of tensor operations, against the commit before, one thread (AMD EPYC)",
+        "refactor_check_tree_merge")),
+    "refactor_check_tree_merge_eager": ("refactor_check_tree_merge_eager", refactor_check_compiled_exports(
+        "The ensemble's eager path after the change (its host merge), against the commit before, one thread (AMD EPYC)",
+        "refactor_check_tree_merge_eager")),
     "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
         p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
