@@ -137,6 +137,25 @@ def test_ensemble_sampling_keeps_the_base_distribution(mode):
     assert df >= 5 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)
 
 
+def test_the_static_merge_sees_one_shape_per_run(monkeypatch):
+    """On the static path each member's tree reaches the merge at its member's max_nodes: a lookup member's width
+    varies step by step (its matches), and a merge compiled for every width would compile in the middle of decoding."""
+    from draftlab.drafters import ensemble as ens
+
+    shapes, merge = set(), ens.merge_trees
+
+    def spy(tokens, *args):
+        shapes.add(tuple(t.shape for t in tokens))
+        return merge(tokens, *args)
+    monkeypatch.setattr(ens, "merge_trees", spy)
+    base = tiny_llama(seed=0)
+    drafter = EnsembleDrafter([SSMDrafter(tiny_llama(seed=5), Tree.expansion([2, 1])), LookupDrafter(num_tokens=3)])
+    prompts = [[1, 5, 7, 9, 1, 5, 7], [3, 4, 3, 4, 3]]
+    res = SpeculativeDecoder(base, drafter, static=True).generate(prompts, max_new_tokens=24)
+    assert res.tokens == [plain_greedy(base, p, 24) for p in prompts]
+    assert res.steps > 4 and shapes == {(torch.Size([2, 5]), torch.Size([2, 1 + 3 * 4]))}
+
+
 def test_typical_acceptance_with_members_drafting_the_same_token():
     """Typical mode shares equal tokens between members' sampled trees (one node, several owners); its rule uses
     no q, so no q table is built (building one assumed a single owner per node and crashed)."""

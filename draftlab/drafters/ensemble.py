@@ -450,6 +450,18 @@ def _own_path(owners: list[list[int]], m: int, path: list[int]) -> list[int]:
     return own
 
 
+def _padded(prop: Proposal, n: int) -> Proposal:
+    """A member's proposal with n nodes per row, for the merge: padded nodes (token 0, parent -1, not valid) after its
+    own; its tokens, parents, valid, depth and q_index only (what the merge reads)."""
+    B, N = prop.tokens.shape
+    if N == n:
+        return prop
+    pad = lambda t, value: torch.cat([t, t.new_full((B, n - N), value)], 1)
+    v = prop.view
+    return Proposal(pad(prop.tokens, 0), TreeView(pad(v.parents, -1), pad(v.depth, 0), pad(v.valid, False), None),
+                    prop.q, None if prop.q_index is None else pad(prop.q_index, -1))
+
+
 def _host(x) -> list:
     """A tensor's values as lists (one copy to the host); a list as it is."""
     return x.tolist() if isinstance(x, torch.Tensor) else x
@@ -751,9 +763,12 @@ class EnsembleDrafter(Drafter):
         offsets = [0]
         for p in props:
             offsets.append(offsets[-1] + (p.q.shape[1] if sampled and p.q is not None else 0))
-        q_index = [p.q_index if p.q is not None else None for p in props] if sampled else None
         path = self.decode_path or {}
-        if not path.get("static"):
+        static = bool(path.get("static"))
+        if static:  # every tree at its member's max_nodes (a lookup's width varies step by step): one shape, one graph
+            props = [_padded(p, self.members[m].max_nodes) for p, m in zip(props, ks)]
+        q_index = [p.q_index if p.q is not None else None for p in props] if sampled else None
+        if not static:
             prop = self._merged_on_host(root, ks, props, weights, share, q_index, tuple(offsets[:-1]))
         else:
             backend, w = path.get("compile"), torch.tensor(weights, dtype=torch.float64, device=dev)
