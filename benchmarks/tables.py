@@ -1056,6 +1056,9 @@ TABLES = {
     "refactor_check_tree_merge": ("refactor_check_tree_merge", refactor_check_compiled_exports(
         "The ensemble's merge as one call of tensor operations, against the commit before, one thread (AMD EPYC)",
         "refactor_check_tree_merge")),
+    "refactor_check_tree_merge_2": ("refactor_check_tree_merge_2", refactor_check_compiled_exports(
+        "The ensemble's merge as one call of tensor operations, a second run (members padded to their width), one "
+        "thread (AMD EPYC)", "refactor_check_tree_merge_2")),
     "refactor_check_tree_merge_eager": ("refactor_check_tree_merge_eager", refactor_check_compiled_exports(
         "The ensemble's eager path after the change (its host merge), against the commit before, one thread (AMD EPYC)",
         "refactor_check_tree_merge_eager")),
