@@ -33,3 +33,25 @@ def test_sampled_steps_keep_the_law_on_the_gpu(fused):
     x = pad_samples(res.tokens)
     assert_deep_accepts(res, log)
     assert_fits(law_checks(x, *(conditional_laws(m, prompts(n), x, S_SSM) for m in (base, lm))))
+
+
+@pytest.mark.parametrize("mode", ["merge", "vote"])
+def test_the_ensembles_merge_on_the_gpu_gives_the_eager_tokens(mode):
+    """The ensemble's merge and vote as compiled tensor calls on the GPU (weights in and owners out without a stream
+    sync, read after the step's host copy): greedy tokens and steps as the eager path's host rules give them."""
+    from conftest import tiny_llama
+    from draftlab.decode.tree import Tree
+    from draftlab.drafters.ensemble import EnsembleDrafter
+    from draftlab.drafters.retrieval import LookupDrafter
+
+    def drafter():
+        trees = [Tree.chain(3), Tree.chain(3)] if mode == "vote" else [Tree.expansion([2, 1]), Tree.chain(3)]
+        members = [SSMDrafter(tiny_llama(seed=s).to(DEVICE), t) for s, t in zip((0, 7), trees)]
+        return EnsembleDrafter(members + [LookupDrafter(num_tokens=3)], mode=mode, node_budget=6, length=3)
+    base = tiny_llama(seed=0).to(DEVICE)
+    prompts = [[1, 5, 7, 9, 1, 5, 7], [3, 4, 3, 4, 3], [2, 9]]
+    eager = SpeculativeDecoder(base, drafter()).generate(prompts, max_new_tokens=20)
+    dec = SpeculativeDecoder(base, drafter(), compile=True)
+    got = dec.generate(prompts, max_new_tokens=20)
+    assert dec.compile_failed is None
+    assert got.tokens == eager.tokens and got.steps == eager.steps and eager.accept_length > 1.2

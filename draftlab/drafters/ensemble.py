@@ -750,8 +750,8 @@ class EnsembleDrafter(Drafter):
     def _merged(self, root: torch.Tensor) -> Proposal:
         """The members' trees as one proposal: on the static path by tree_merge's tensor forms (over rows and nodes,
         in one call, compiled with the decode path's compiling), on the eager path by its host reference, row by row.
-        self.owners [B][node][member]: each member's node index at each node (-1: none), a tensor on the static path;
-        vote mode: self.winner, each row's winner (-1: none), self.drafted, the nodes drafted per row."""
+        self.owners [B][node][member]: each member's node index at each node (-1: none; on the static path a tensor on
+        the host); vote mode: self.winner, each row's winner (-1: none), self.drafted, the nodes drafted per row."""
         ks = tuple(m for m, p in enumerate(self.props) if p is not None)
         props, n, dev = [self.props[m] for m in ks], len(self.members), root.device
         weights = self.vote.weights if self.mode == "vote" else \
@@ -771,18 +771,22 @@ class EnsembleDrafter(Drafter):
         if not static:
             prop = self._merged_on_host(root, ks, props, weights, share, q_index, tuple(offsets[:-1]))
         else:
-            backend, w = path.get("compile"), torch.tensor(weights, dtype=torch.float64, device=dev)
+            # (Host to device without a stream sync; the results back the same way, read at the commit, after the
+            # step's one host copy has synchronised: no sync inside the step on a GPU.)
+            backend, w = path.get("compile"), torch.tensor(weights, dtype=torch.float64).to(dev, non_blocking=True)
             tokens, valid = [p.tokens for p in props], [p.view.valid for p in props]
             if self.mode == "vote":
                 fn = compiled_function(vote_chains, backend, dev.type) if backend else vote_chains
                 tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w, True)
-                self.drafted, q = ok[:, 1:].sum(1), None
+                self.drafted, q = ok[:, 1:].sum(1).to("cpu", non_blocking=True), None
+                self.winner = self.winner.to("cpu", non_blocking=True)
             else:
                 fn = compiled_function(merge_trees, backend, dev.type) if backend else merge_trees
                 tok, par, ok, depth, anc, self.owners, q = fn(
                     tokens, [p.view.parents for p in props], valid, [p.view.depth for p in props],
                     merge_layout(tuple(t.shape[1] - 1 for t in tokens), ks, n, dev), n, w, self.node_budget, share,
                     max(_depth_bound(self.members[m]) for m in ks), q_index, tuple(offsets[:-1]), True)
+            self.owners = self.owners.to("cpu", non_blocking=True)
             prop = Proposal(tok, TreeView(par, depth, ok, anc), q_index=q)
         if sampled:
             prop.q = torch.cat([p.q for p in props if p.q is not None], dim=1)
