@@ -14,6 +14,7 @@ from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import Tree
 from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler, VoteWeights
 from draftlab.drafters.retrieval import Datastore, LookupDrafter
+from draftlab.drafters.tree_merge import vote_row
 from draftlab.drafters.ssm import SSMDrafter
 
 
@@ -192,10 +193,9 @@ def test_vote_weights_reward_and_punish():
     assert v.weights == pytest.approx(before)
     v.update({0: (1, 8), 2: (8, 8)})  # the batch's ratio, not a running mean: member 0 is punished now
     assert v.weights[0] / v.weights[2] == pytest.approx(before[0] / before[2] * 0.5 / 2.0)
-    assert v.winner([0, 2]) == 2 and v.winner([0, 1]) == 0  # of members with equal chains, the heaviest
-    fresh = VoteWeights()
-    fresh.reset(3)
-    assert fresh.winner([2, 1]) == 1  # at equal weights, the first
+    winner = lambda members, weights: vote_row([[7, 3]] * len(members), members, 3, weights)[2]
+    assert winner((0, 2), v.weights) == 2 and winner((0, 1), v.weights) == 0  # (equal chains) the heaviest
+    assert winner((1, 2), [1.0] * 3) == 1  # at equal weights, the first
 
 
 def _vote_ensemble(lms, length=3, **kw):

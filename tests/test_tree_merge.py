@@ -51,7 +51,7 @@ def test_the_tensor_merge_is_the_trie_merge(share, compiled):
         tok, par, ok, depth, anc, own, q = fn(
             [t[0] for t in ts], [t[1] for t in ts], [t[2] for t in ts], [t[3] for t in ts],
             merge_layout(tuple(n - 1 for n in sizes), members, M, "cpu"), M,
-            torch.tensor(weights, dtype=torch.float64), budget, share, max(sizes) - 1, q_index, offsets, True)
+            torch.tensor(weights, dtype=torch.float64), budget, share, max(sizes) - 1, q_index, offsets)
         view = TreeView.of_parents(par, ok)  # (checks the order: a parent before its child)
         assert torch.equal(depth, view.depth) and torch.equal(anc, view.ancestors)
         assert tok.shape[1] == 1 + min(budget, sum(n - 1 for n in sizes))
@@ -89,7 +89,7 @@ def test_the_tensor_vote_is_the_weighted_vote(compiled):
             tokens.append(torch.tensor(t)), valid.append(torch.tensor(v))
             chains[m] = [t[b][1:1 + n[b]] for b in range(B)]
         tok, par, ok, depth, anc, own, winner = fn(tokens, valid, members, M,
-                                                   torch.tensor(weights, dtype=torch.float64), True)
+                                                   torch.tensor(weights, dtype=torch.float64))
         view = TreeView.of_parents(par, ok)
         assert torch.equal(depth, view.depth) and torch.equal(anc, view.ancestors)
         for b in range(B):

@@ -304,10 +304,6 @@ class VoteWeights:
         if len(self.weights) != n:
             self.weights, self.updates = [1.0] * n, 0
 
-    def winner(self, members: list[int]) -> int:
-        """The one winner among members whose chains are all the chosen sequence: the heaviest, then the first."""
-        return max(members, key=lambda m: (self.weights[m], -m))
-
     def update(self, won: dict[int, tuple[int, int]]) -> None:
         """One verified batch: won[m] = (accepted, drafted) tokens summed over the rows member m won."""
         self.updates += 1
@@ -777,7 +773,7 @@ class EnsembleDrafter(Drafter):
             tokens, valid = [p.tokens for p in props], [p.view.valid for p in props]
             if self.mode == "vote":
                 fn = compiled_function(vote_chains, backend, dev.type) if backend else vote_chains
-                tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w, True)
+                tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w)
                 self.drafted, q = ok[:, 1:].sum(1).to("cpu", non_blocking=True), None
                 self.winner = self.winner.to("cpu", non_blocking=True)
             else:
@@ -785,7 +781,7 @@ class EnsembleDrafter(Drafter):
                 tok, par, ok, depth, anc, self.owners, q = fn(
                     tokens, [p.view.parents for p in props], valid, [p.view.depth for p in props],
                     merge_layout(tuple(t.shape[1] - 1 for t in tokens), ks, n, dev), n, w, self.node_budget, share,
-                    max(_depth_bound(self.members[m]) for m in ks), q_index, tuple(offsets[:-1]), True)
+                    max(_depth_bound(self.members[m]) for m in ks), q_index, tuple(offsets[:-1]))
             self.owners = self.owners.to("cpu", non_blocking=True)
             prop = Proposal(tok, TreeView(par, depth, ok, anc), q_index=q)
         if sampled:

@@ -25,9 +25,9 @@ _LAYOUTS: dict = {}
 
 def merge_layout(sizes: tuple, members: tuple, n_members: int, device) -> tuple:
     """The constants of merge_trees' layout (the root, then each member's nodes 1..) for trees of sizes[k] + 1 nodes
-    drafted by members[k], made once per shape: each column's member (-1: the root), its node index in that member's
-    tree, what turns a member's parent index p > 0 into its column (p + shift), and the root's owners (0 for every
-    member drafting, else -1) [n_members]."""
+    drafted by members[k], made once per shape: each column's member (the root's: 0, its owners set apart), its node
+    index in that member's tree, what turns a member's parent index p > 0 into its column (p + shift), and the root's
+    owners (0 for every member drafting, else -1) [n_members]."""
     key = (sizes, members, n_members, str(device))
     if key not in _LAYOUTS:
         starts = [1 + sum(sizes[:k]) for k in range(len(sizes))]
@@ -39,26 +39,24 @@ def merge_layout(sizes: tuple, members: tuple, n_members: int, device) -> tuple:
     return _LAYOUTS[key]
 
 
-def _tree(parents: torch.Tensor, valid: torch.Tensor, rounds: int, view: bool) -> tuple:
-    """A tree's parents, valid and, when view, its depth and ancestors (TreeView.of_parents), else None for those."""
-    if not view:
-        return parents, valid, None, None
+def _tree(parents: torch.Tensor, valid: torch.Tensor, rounds: int) -> tuple:
+    """A tree's parents, valid, depth and ancestors (TreeView.of_parents; rounds: a bound on its depth)."""
     v = TreeView.of_parents(parents, valid, check=False, max_depth=max(rounds, 1))
     return v.parents, v.valid, v.depth, v.ancestors
 
 
 def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: tuple, n_members: int,
                 weights: torch.Tensor, budget: int, share: bool, rounds: int, q_index: list | None = None,
-                q_offsets: tuple | None = None, view: bool = False):
-    """Members' trees (per member: tokens, parents, valid, depth [B, N_m], node 0 the root; layout: merge_layout's
-    for their sizes and members) -> the merged tree: tokens, parents, valid [B, W], W = 1 + min(budget, sum(N_m -
-    1)) (where every node fits the budget, each node stays in its column and a column shared away is padding; else
-    the kept nodes are packed in column order); its depth and ancestors when `view` (TreeView's, in the same call),
-    else None; own [B, W, n_members] (member m's node index at each merged node, -1: none); and, when q_index is given
-    (per tree, its nodes' rows in its q table, or None for a tree of deterministic nodes), q_index [B, W] into the
-    tables side by side (q_offsets[k]: where tree k's table starts), else None. weights [n_members]: a member's
-    weight in a node's score. share: equal prefixes are one node (not under lossless sampling, where a node keeps its
-    drafter's q). rounds: a bound on the trees' depth (a round settles the nodes of one more depth)."""
+                q_offsets: tuple | None = None):
+    """Members' trees (per member: tokens, parents, valid, depth [B, N_m], node 0 the root; layout: merge_layout's for
+    their sizes and members) -> the merged tree: tokens, parents, valid [B, W], W = 1 + min(budget, sum(N_m - 1)) (where
+    every node fits the budget, each node stays in its column and a column shared away is padding; else the kept nodes
+    are packed in column order); its depth and ancestors (TreeView's, in the same call); own [B, W, n_members] (member
+    m's node index at each merged node, -1: none); and, when q_index is given (per tree, its nodes' rows in its q table,
+    or None for a tree of deterministic nodes), q_index [B, W] into the tables side by side (q_offsets[k]: where tree
+    k's table starts), else None. weights [n_members]: a member's weight in a node's score. share: equal prefixes are
+    one node (not under lossless sampling, where a node keeps its drafter's q). rounds: a bound on the trees' depth (a
+    round settles the nodes of one more depth)."""
     B, dev = tokens[0].shape[0], tokens[0].device
     N = 1 + sum(t.shape[1] - 1 for t in tokens)
     owner, index, shift, root_own = layout
@@ -102,7 +100,7 @@ def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: t
         out_par = par.new_full((B, W + 1), -1).scatter(1, dest, packed_parent)[:, :W]
         out_ok = ok.new_zeros(B, W + 1).scatter(1, dest, kept)[:, :W]
         out_own = own.new_full((B, W + 1, M), -1).scatter(1, dest[:, :, None].expand(B, N, M), own)[:, :W]
-    tree = _tree(out_par, out_ok, rounds, view)
+    tree = _tree(out_par, out_ok, rounds)
     if q_index is None:
         return out_tok, *tree, out_own, None
     q = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev)]
@@ -113,10 +111,9 @@ def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: t
     return out_tok, *tree, out_own, out_q
 
 
-def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weights: torch.Tensor,
-                view: bool = False):
+def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weights: torch.Tensor):
     """Members' chains (tokens, valid [B, N_m]; a chain is its valid nodes in node order) -> the chosen chain:
-    tokens, parents, valid [B, L + 1] (L: the longest chain); its depth and ancestors when `view`, else None; own
+    tokens, parents, valid [B, L + 1] (L: the longest chain); its depth and ancestors; own
     [B, L + 1, n_members] (a member whose chain is the chosen one up to a node owns it at index depth); the winner
     per row [B] (of the members alive at the chain's end, the heaviest, then the first; -1 where nothing was
     drafted). weights [n_members]: the members' votes."""
@@ -159,7 +156,7 @@ def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weigh
     own = torch.full((B, L + 1, n_members), -1, dtype=torch.long, device=dev)
     own[:, :, list(members)] = own_k
     parents = torch.where(out_ok, depth - 1, -1)
-    return out_tok, *_tree(parents, out_ok, L, view), own, winner
+    return out_tok, *_tree(parents, out_ok, L), own, winner
 
 
 # --- the reference: one row on the host (the eager path's; tests hold the tensor forms to it) -------------------
