@@ -233,9 +233,11 @@ def ensemble_run(n: int, k: int, seed: int = 0, mode: str = "merge", grouped: bo
     return x, res, log, base, p, qa, qb
 
 
-def test_ensemble_merge_sampling_keeps_the_law_over_several_steps():
-    """Siblings drawn by different members keep their own q; a lookup member adds deterministic siblings."""
-    x, res, log, base, p, qa, qb = ensemble_run(600, 8)
+@pytest.mark.parametrize("static", [False, True], ids=["host-merge", "tensor-merge"])
+def test_ensemble_merge_sampling_keeps_the_law_over_several_steps(static):
+    """Siblings drawn by different members keep their own q; a lookup member adds deterministic siblings. Eager, the
+    host's merge (tree_merge.merge_row); on the static path, its tensor form (merge_trees: q rows by offset)."""
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, static=static)
     assert_deep_accepts(res, log)
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     assert_rejects(law_statistic(x, qb))
@@ -285,9 +287,11 @@ def test_grouped_ensemble_with_swapped_q_rows_breaks_the_law(monkeypatch):
     assert not all(c.ok for c in law_checks(x, p, (qa + qb) / 2).values())
 
 
-def test_ensemble_vote_sampling_keeps_the_law_over_several_steps():
-    """Minions' vote: one chain chosen by the members' weighted vote, verified as deterministic drafts."""
-    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode="vote")
+@pytest.mark.parametrize("static", [False, True], ids=["host-vote", "tensor-vote"])
+def test_ensemble_vote_sampling_keeps_the_law_over_several_steps(static):
+    """Minions' vote: one chain chosen by the members' weighted vote, verified as deterministic drafts (eager: the
+    host's vote_row; static: vote_chains)."""
+    x, res, log, base, p, qa, qb = ensemble_run(600, 8, mode="vote", static=static)
     assert_deep_accepts(res, log, 1.1, 0.01)  # deterministic drafts are accepted with probability p(x) only
     assert_fits(law_checks(x, p, (qa + qb) / 2))
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(0.7, top_p=0.95))))
