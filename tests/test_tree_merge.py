@@ -1,6 +1,7 @@
 """The ensemble's tensor merge and vote (drafters/tree_merge.py, the static path's) against their host references
 (the eager path's: SpecInfer's trie merge with a node budget; Minions' weighted vote), on random trees with shared
-prefixes, padded nodes, repeated sibling tokens, uneven weights and several rows; eager and compiled."""
+prefixes, padded nodes, repeated sibling tokens, uneven weights and several rows; run eagerly and traced by dynamo
+(backend eager: a shape per trial; the benchmarks and tests/test_gpu_law.py run them through inductor)."""
 
 import random
 
