@@ -919,6 +919,9 @@ TABLES = {
     "drafter_steps": ("drafter_steps", drafter_steps),
     "step_bounds": ("step_bounds", step_bounds),
     "ensemble_cost": ("ensemble_cost", ensemble_cost),
+    "ensemble_cost_epyc_1thread": ("ensemble_cost_epyc_1thread", lambda p, d: ensemble_cost(
+        p, d, "The cost schedule against its members after the tensor merge, one thread (AMD EPYC)",
+        "ensemble_cost_epyc_1thread")),
     "ensemble_cost_small": ("ensemble_cost_small", lambda p, d: ensemble_cost(
         p, d, "The cost schedule beside its two best members alone, four decoders in the process", "ensemble_cost_small")),
     "ensemble_cost_no_probes": ("ensemble_cost_no_probes", lambda p, d: ensemble_cost(
