@@ -28,6 +28,7 @@ import torch
 
 from ..decode.cache import prefill_width
 from ..decode.compiled import compiled_function, compiled_graphs
+from ..decode.decoder import pad_proposal
 from ..decode.search import held_along
 from ..decode.tree import Tree
 from ..decode.tree import TreeView
@@ -446,18 +447,6 @@ def _own_path(owners: list[list[int]], m: int, path: list[int]) -> list[int]:
     return own
 
 
-def _padded(prop: Proposal, n: int) -> Proposal:
-    """A member's proposal with n nodes per row, for the merge: padded nodes (token 0, parent -1, not valid) after its
-    own; its tokens, parents, valid, depth and q_index only (what the merge reads)."""
-    B, N = prop.tokens.shape
-    if N == n:
-        return prop
-    pad = lambda t, value: torch.cat([t, t.new_full((B, n - N), value)], 1)
-    v = prop.view
-    return Proposal(pad(prop.tokens, 0), TreeView(pad(v.parents, -1), pad(v.depth, 0), pad(v.valid, False), None),
-                    prop.q, None if prop.q_index is None else pad(prop.q_index, -1))
-
-
 def _host(x) -> list:
     """A tensor's values as lists (one copy to the host); a list as it is."""
     return x.tolist() if isinstance(x, torch.Tensor) else x
@@ -762,7 +751,7 @@ class EnsembleDrafter(Drafter):
         path = self.decode_path or {}
         static = bool(path.get("static"))
         if static:  # every tree at its member's max_nodes (a lookup's width varies step by step): one shape, one graph
-            props = [_padded(p, self.members[m].max_nodes) for p, m in zip(props, ks)]
+            props = [pad_proposal(p, self.members[m].max_nodes) for p, m in zip(props, ks)]
         q_index = [p.q_index if p.q is not None else None for p in props] if sampled else None
         if not static:
             prop = self._merged_on_host(root, ks, props, weights, share, q_index, tuple(offsets[:-1]))
@@ -798,9 +787,9 @@ class EnsembleDrafter(Drafter):
         for b, r in enumerate(root.tolist()):
             trees = [(t[b], par[b], ok[b]) for t, par, ok in host]
             if self.mode == "vote":
-                chain, owners, winner = vote_row([[x for x, v in zip(t[1:], ok[1:]) if v] for t, _, ok in trees], ks,
-                                                 n, weights)
-                rows.append(([r] + chain, list(range(-1, len(chain))), owners, None, winner))
+                picked, owners, winner = vote_row([[x for x, v in zip(t[1:], ok[1:]) if v] for t, _, ok in trees],
+                                                  ks, n, weights)
+                rows.append(([r] + picked, list(range(-1, len(picked))), owners, None, winner))
             else:
                 rows.append((*merge_row(trees, ks, n, weights, self.node_budget, share,
                                         None if qi is None else [None if x is None else x[b] for x in qi], offsets),
