@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftlab.decode.tree import TreeView
-from draftlab.drafters.tree_merge import merge_layout, merge_row, merge_trees, vote_chains, vote_row
+from draftlab.drafters.tree_merge import member_index, merge_layout, merge_row, merge_trees, vote_chains, vote_row
 
 
 def random_tree(rng, n, vocab):
@@ -77,7 +77,10 @@ def test_the_tensor_merge_is_the_trie_merge(share, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_the_tensor_vote_is_the_weighted_vote(compiled):
+@pytest.mark.parametrize("given_index", [False, True])
+def test_the_tensor_vote_is_the_weighted_vote(compiled, given_index):
+    """The vote over random chains is vote_row's, with the members' index made by the call or given (member_index,
+    the ensemble's: one tensor per members and device)."""
     fn = torch.compile(vote_chains, backend="eager") if compiled else vote_chains
     rng = random.Random(3)
     for trial in range(20):
@@ -92,8 +95,9 @@ def test_the_tensor_vote_is_the_weighted_vote(compiled):
             v = [[True] + [i < n[b] for i in range(L)] for b in range(B)]
             tokens.append(torch.tensor(t)), valid.append(torch.tensor(v))
             chains[m] = [t[b][1:1 + n[b]] for b in range(B)]
+        index = member_index(members, "cpu") if given_index else None
         tok, par, ok, depth, anc, own, winner = fn(tokens, valid, members, M,
-                                                   torch.tensor(weights, dtype=torch.float64))
+                                                   torch.tensor(weights, dtype=torch.float64), index)
         view = TreeView.of_parents(par, ok)
         assert torch.equal(depth, view.depth) and torch.equal(anc, view.ancestors)
         for b in range(B):

@@ -35,7 +35,7 @@ from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, StepResult
 from .ssm import GroupError, SSMDrafter, group_key, grouped_lm
 from .retrieval import padded_proposal
-from .tree_merge import merge_layout, merge_row, merge_trees, vote_chains, vote_row
+from .tree_merge import member_index, merge_layout, merge_row, merge_trees, vote_chains, vote_row
 
 
 SCHEDULE_POLICIES = ("gain", "cost")
@@ -762,7 +762,8 @@ class EnsembleDrafter(Drafter):
             tokens, valid = [p.tokens for p in props], [p.view.valid for p in props]
             if self.mode == "vote":
                 fn = compiled_function(vote_chains, backend, dev.type) if backend else vote_chains
-                tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w)
+                tok, par, ok, depth, anc, self.owners, self.winner = fn(tokens, valid, ks, n, w,
+                                                                        member_index(ks, dev))
                 self.drafted, q = ok[:, 1:].sum(1).to("cpu", non_blocking=True), None
                 self.winner = self.winner.to("cpu", non_blocking=True)
             else:

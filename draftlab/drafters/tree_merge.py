@@ -39,6 +39,15 @@ def merge_layout(sizes: tuple, members: tuple, n_members: int, device) -> tuple:
     return _LAYOUTS[key]
 
 
+def member_index(members: tuple, device) -> torch.Tensor:
+    """members as an index tensor on device, made once per members and device (vote_chains' `index`): a call then
+    copies nothing to the device."""
+    key = ("index", members, str(device))
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = torch.tensor(members, device=device)
+    return _LAYOUTS[key]
+
+
 def _tree(parents: torch.Tensor, valid: torch.Tensor, rounds: int) -> tuple:
     """A tree's parents, valid, depth and ancestors (TreeView.of_parents; rounds: a bound on its depth)."""
     v = TreeView.of_parents(parents, valid, check=False, max_depth=max(rounds, 1))
@@ -111,13 +120,16 @@ def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: t
     return out_tok, *tree, out_own, out_q
 
 
-def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weights: torch.Tensor):
+def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weights: torch.Tensor,
+                index: torch.Tensor | None = None):
     """Members' chains (tokens, valid [B, N_m]; a chain is its valid nodes in node order) -> the chosen chain:
     tokens, parents, valid [B, L + 1] (L: the longest chain); its depth and ancestors; own
     [B, L + 1, n_members] (a member whose chain is the chosen one up to a node owns it at index depth); the winner
     per row [B] (of the members alive at the chain's end, the heaviest, then the first; -1 where nothing was
-    drafted). weights [n_members]: the members' votes."""
+    drafted). weights [n_members]: the members' votes. index: members as a tensor on the device (member_index's: a call
+    then copies nothing to the device; made here when not given)."""
     B, dev, K = tokens[0].shape[0], tokens[0].device, len(tokens)
+    index = torch.tensor(members, device=dev) if index is None else index
     L = max(t.shape[1] - 1 for t in tokens)
 
     def packed(x, ok, fill):  # valid nodes first, in node order; [B, L]
@@ -127,7 +139,7 @@ def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weigh
         return torch.nn.functional.pad(x, (0, L - x.shape[1]), value=fill)
     c = torch.stack([packed(t, v, 0) for t, v in zip(tokens, valid)], 1)  # [B, K, L]
     cv = torch.stack([packed(v, v, False) for v in valid], 1)
-    w = weights[list(members)]  # [K]
+    w = weights[index]  # [K]
     kidx = torch.arange(K, device=dev)
     alive = torch.ones(B, K, dtype=torch.bool, device=dev)
     going = torch.ones(B, dtype=torch.bool, device=dev)
@@ -149,12 +161,11 @@ def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weigh
     last = torch.stack(owned, 1).gather(1, drafted[:, None, None].expand(B, 1, K))[:, 0]  # alive at the chain's end
     heavy = torch.where(last, w, -torch.inf)
     winner = torch.where(heavy == heavy.amax(1, keepdim=True), kidx, K).amin(1)
-    members_t = torch.tensor(members, device=dev)
-    winner = torch.where(drafted > 0, members_t[winner.clamp(max=K - 1)], -1)
+    winner = torch.where(drafted > 0, index[winner.clamp(max=K - 1)], -1)
     depth = torch.arange(L + 1, device=dev)
     own_k = torch.where(torch.stack(owned, 1), depth[None, :, None], -1)  # [B, L + 1, K]
     own = torch.full((B, L + 1, n_members), -1, dtype=torch.long, device=dev)
-    own[:, :, list(members)] = own_k
+    own[:, :, index] = own_k
     parents = torch.where(out_ok, depth - 1, -1)
     return out_tok, *_tree(parents, out_ok, L), own, winner
 
