@@ -36,10 +36,11 @@ def draftlab_method(decoder, eos: int, n: int, sampling=None, seed: int = 0):
 
 
 def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_generate",
-            references: dict | None = None) -> dict:
+            references: dict | None = None, per_prompt: bool = False) -> dict:
     """Run every method on every prompt (interleaved, after a warm-up); figures per method. Speedup and identity
     are against `reference`, or for the methods named in `references` against the method given there (a method
-    that decodes another base, e.g. Medusa-2's adapted one; references must come first in `methods`)."""
+    that decodes another base, e.g. Medusa-2's adapted one; references must come first in `methods`). per_prompt:
+    also each method's verification steps per prompt (steps_per_prompt, in prompt order)."""
     references = references or {}
     # The warm-up decodes every prompt in full: a compiled method's shapes (its static cache's size bucket, a drafter
     # cache's growth) follow the prompt's length and the number of steps the run takes, and a shape first met inside
@@ -55,8 +56,8 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
     for fn in methods.values():
         for ids in prompts:
             fn(ids)
-    stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "committed": 0, "split": {}, "identical": 0, "compiled": 0}
-             for m in methods}
+    stats = {m: {"tokens": 0, "time_s": 0.0, "steps": 0, "committed": 0, "split": {}, "identical": 0, "compiled": 0,
+                 "per_prompt": []} for m in methods}
     for ids in prompts:
         got = {}
         for m, fn in methods.items():
@@ -71,6 +72,7 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
             toks = out if isinstance(out, list) else out.tokens[0]
             if not isinstance(out, list):
                 s["steps"] += out.steps  # verification forwards (the prefill is not one)
+                s["per_prompt"].append(out.steps)
                 s["committed"] += sum(out.committed)  # tokens those forwards committed, bonus included
                 for k, v in out.time_s.items():
                     s["split"][k] = s["split"].get(k, 0.0) + v
@@ -93,6 +95,8 @@ def compare(methods: dict, prompts: list[list[int]], reference: str = "hf_genera
                                 if k != "prefill"}
             # the whole run but its prefill, per step (the phases less what lies between them)
             r["loop_ms_per_step"] = round(1000 * (s["time_s"] - s["split"].get("prefill", 0.0)) / s["steps"], 3)
+            if per_prompt:
+                r["steps_per_prompt"] = s["per_prompt"]
         out[m] = r
     return out
 

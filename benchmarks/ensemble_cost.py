@@ -9,6 +9,11 @@ schedules learn there too: their state carries over from run to run, as in a ser
 - the same ensemble with `policy=cost` (drafting with the k members of highest gain, k chosen by measured tokens per
   second; one member drafting alone is verified alone and chains).
 
+Then, after the timed comparison: the steps each prompt would take decoded by the member that took the fewest on it
+(chosen in hindsight: the ceiling of choosing one member per prompt), and one more pass of each member and of the
+cost schedule over the prompts with every step timed by its kind (a prompt's first step, members drafting, chained
+or not): where the cost schedule's time goes against its members'.
+
     python benchmarks/ensemble_cost.py [--prompts 20] [--name ensemble_cost] [--only METHOD ...] [--option NAME=VALUE]
         [--alt-option NAME=VALUE]
 
@@ -64,9 +69,9 @@ def main() -> None:
         drafters["ensemble_cost_alt"] = ensemble.drafter(module, None, options={"policy": "cost", **alt})
     if a.only:
         drafters = {k: d for k, d in drafters.items() if k in ("plain", "ensemble_cost_alt") or k in a.only}
-    warmup_s, methods = {}, {}
+    warmup_s, methods, decoders = {}, {}, {}
     for name, drafter in drafters.items():
-        dec = SpeculativeDecoder(base, drafter, compile=True)
+        dec = decoders[name] = SpeculativeDecoder(base, drafter, compile=True)
 
         def run(ids, dec=dec, name=name):
             t0 = time.perf_counter()
@@ -74,21 +79,83 @@ def main() -> None:
             warmup_s.setdefault(name, round(time.perf_counter() - t0, 2))  # the first call: compiling
             return out
         methods[name] = run
-    results = compare(methods, prompts, reference="plain")
+    results = compare(methods, prompts, reference="plain", per_prompt=True)
     members = [k for k in results if k.startswith("member")]
     best = max(members, key=lambda k: results[k]["tokens_per_s"])
+    # The ceiling of choosing one member per prompt: each prompt decoded by the member that took the fewest steps on
+    # it, chosen in hindsight (and for free).
+    hindsight = sum(min(results[k]["steps_per_prompt"][i] for k in members) for i in range(len(prompts)))
     for k, r in results.items():
         r["tree_size"] = drafters[k].max_nodes if k != "plain" else 1
         r["warmup_s"] = warmup_s[k]
         r["vs_best_member"] = round(r["tokens_per_s"] / results[best]["tokens_per_s"], 3)
+    # Where the cost schedule's time goes against its members': one more pass each, every step timed by its kind.
+    by_kind = {k: step_kinds(decoders[k], prompts, N, eos) for k in members + ["ensemble_cost"] if k in decoders}
     schedules = {k: summary(drafters[k]) for k in ("ensemble_cost", "ensemble_cost_alt") if k in drafters}
     data = write_result(a.name, {"export": str(a.export).split("benchmarks/")[-1], "prompts": len(prompts),
                                  "max_new_tokens": N, "only": a.only, "options": options,
-                                 **({"alt_options": alt} if alt else {}), "best_member": best, "methods": results,
+                                 **({"alt_options": alt} if alt else {}), "best_member": best,
+                                 "best_member_per_prompt": {"steps": hindsight,
+                                                            "best_member_steps": results[best]["steps"]},
+                                 "methods": results, "steps_by_kind": by_kind,
                                  "cost_schedule": schedules["ensemble_cost"],
                                  **({"cost_schedule_alt": schedules["ensemble_cost_alt"]} if alt else {})})
     print()
     render(print, json.loads(data.read_text()))
+
+
+def step_kinds(dec, prompts: list, n: int, eos: int) -> dict:
+    """One pass of dec over the prompts with each decoding step timed (from the end of one step's commit to the end of
+    the next) and labelled by its kind: a prompt's first step (its time holds the first proposal; the ensemble's
+    member also begins there, with its prefill), then for an ensemble the members that drafted, chained or not (one
+    call verified and drafted the next step), for a lone drafter whether it chained; and the rest of each call (the
+    prefill with the drafter's begin, the last step). -> {kind: {steps, ms}} (the rest: steps counts the calls)."""
+    from draftlab.drafters.ensemble import EnsembleDrafter
+
+    drafter, rows, last = dec.drafter, [], [None, None]  # last: the previous step's end, a prompt's first step next
+
+    def mark(chained: bool) -> None:
+        now = time.perf_counter()
+        if last[1]:
+            kind = "a prompt's first step"
+        elif isinstance(drafter, EnsembleDrafter):
+            k = sum(drafter.on)
+            kind = f"{k} member{'s' if k > 1 else ''} drafting" + (", chained" if chained else "")
+        else:
+            kind = "chained" if chained else "not chained"
+        rows.append((kind, now - last[0]))
+        last[:] = [now, False]
+
+    def begin(*args, _begin=drafter.begin):
+        _begin(*args)
+        last[:] = [time.perf_counter(), True]
+
+    def commit(step, _commit=drafter.commit):
+        out = _commit(step)
+        mark(False)
+        return out
+
+    def chained(step, _chained=drafter.chained):
+        out = _chained(step)
+        mark(True)
+        return out
+
+    drafter.begin, drafter.commit, drafter.chained = begin, commit, chained  # this pass only
+    try:
+        for ids in prompts:
+            t0, steps = time.perf_counter(), len(rows)
+            dec.generate([ids], n, eos_token_id=eos)
+            rows.append(("the rest of each call (prefill and begin, the last step)",
+                         time.perf_counter() - t0 - sum(dt for _, dt in rows[steps:])))
+    finally:
+        del drafter.begin, drafter.commit, drafter.chained
+    out: dict = {}
+    for kind, dt in rows:
+        r = out.setdefault(kind, {"steps": 0, "ms": 0.0})
+        r["steps"] += 1
+        r["ms"] += 1e3 * dt
+    return {k: {"steps": r["steps"], "ms": round(r["ms"], 2)}
+            for k, r in sorted(out.items(), key=lambda kv: -kv[1]["ms"])}
 
 
 def summary(drafter) -> dict:

@@ -753,6 +753,19 @@ def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its 
         p(f"\n{who} over the run ({s['steps']} steps, warm-up included): members drafting per step "
           f"{{{drafting}}}; steady-state step ms by members drafting {{{times}}}; final choice {s['final_choice']} "
           f"member(s), ranked {', '.join(s['ranking'])}.")
+    if "best_member_per_prompt" in d:
+        h = d["best_member_per_prompt"]
+        p(f"\nEach prompt decoded by the member that took the fewest steps on it, chosen in hindsight: {h['steps']} "
+          f"steps against {h['best_member_steps']} for {d['best_member']} on every prompt "
+          f"({1 - h['steps'] / h['best_member_steps']:.1%} fewer), the most a choice of one member per prompt could save.")
+    if d.get("steps_by_kind"):
+        p("\nOne more pass over the prompts each, every step timed by its kind (from the end of one step's commit to the "
+          "end of the next; a prompt's last step is not counted):\n")
+        p("| method | kind of step | steps | ms in all | ms per step |")
+        p("|---|---|---|---|---|")
+        for m, kinds in d["steps_by_kind"].items():
+            for kind, r in kinds.items():
+                p(f"| {m} | {kind} | {r['steps']} | {r['ms']:.1f} | {r['ms'] / r['steps']:.3f} |")
 
 
 def drafter_steps(p, d) -> None:
