@@ -106,3 +106,67 @@ def test_the_tensor_vote_is_the_weighted_vote(compiled, given_index):
             assert tok[b, 1:n].tolist() == want and par[b, :n].tolist() == list(range(-1, n - 1)), (trial, b)
             assert own[b, :n].tolist() == want_own
             assert int(winner[b]) == want_winner, (trial, b)
+
+
+def merged_paths(parents):
+    """Every root-to-node path of a tree (parents, -1 at the root and at padding), node indices root first."""
+    paths = {0: [0]}
+    for n, p in enumerate(parents):
+        if n and p >= 0:
+            paths[n] = paths[p] + [n]
+    return list(paths.values())
+
+
+def test_a_members_own_path_is_a_path_of_its_own_tree():
+    """Where a member's tree repeats a token under one parent, the merge shares the two nodes, and the ensemble's
+    commit must still follow a path of the member's own tree: along every path of the merged tree, each member's own
+    path (_own_path) is a chain of its tree's parent links with the path's tokens, as deep as the member holds it.
+    Following the owners along the path instead fails on the smallest case (one member, tokens 9 5 5 7, node 3 a
+    child of node 1: the path to 7 would be 0 2 3)."""
+    from draftlab.drafters.ensemble import _own_path
+
+    tok, par, ok = [9, 5, 5, 7], [-1, 0, 0, 1], [True] * 4
+    m_tok, m_par, m_own, _ = merge_row([(tok, par, ok)], (0,), 1, [1.0], 8, True)
+    assert m_tok == [9, 5, 7] and _own_path(m_own, par, 0, [0, 1, 2]) == [0, 1, 3]
+    rng = random.Random(11)
+    for trial in range(200):
+        M = rng.randint(1, 3)
+        members = tuple(range(M))
+        trees = [random_tree(rng, rng.randint(2, 8), 2) for _ in members]  # 2 tokens: siblings repeat often
+        for t in trees:
+            t[0][0] = trees[0][0][0]
+        budget = rng.choice([3, 64])
+        weights = [rng.choice([1.0, 0.5, 2.0]) for _ in members]
+        ts = [as_tensors([t]) for t in trees]
+        out = merge_trees([t[0] for t in ts], [t[1] for t in ts], [t[2] for t in ts], [t[3] for t in ts],
+                          merge_layout(tuple(len(t[0]) - 1 for t in trees), members, M, "cpu"), M,
+                          torch.tensor(weights, dtype=torch.float64), budget, True, 8)
+        layouts = [merge_row(trees, members, M, weights, budget, True)[:3],  # the host reference's tree
+                   (out[0][0].tolist(), out[1][0].tolist(), out[5][0].tolist())]  # the tensor form's (padding
+        for m_tok, m_par, m_own in layouts:  # between the nodes)
+            for path in merged_paths(m_par):
+                for m, (t_tok, t_par, _) in enumerate(trees):
+                    own = _own_path(m_own, t_par, m, path)
+                    held = next((d for d, n in enumerate(path) if m_own[n][m] < 0), len(path))
+                    assert len(own) == held and own[0] == 0, (trial, path, m)
+                    assert all(t_par[own[d]] == own[d - 1] for d in range(1, len(own))), (trial, path, m, own)
+                    assert [t_tok[i] for i in own] == [m_tok[n] for n in path[:held]]
+
+
+def test_near_ties_break_alike_on_the_host_and_in_tensors():
+    """Five members whose weights sum to a near-tie: the tensor forms sum in member order, as the host references do
+    (a reduction, in another order, broke the tie the other way)."""
+    weights = [0.1, 0.1, 1.1, 0.3, 0.6]  # member 2 alone against members 0, 1, 3 and 4
+    chains = [[2], [2], [1], [2], [2]]
+    w = torch.tensor(weights, dtype=torch.float64)
+    members = tuple(range(5))
+    tokens = [torch.tensor([[9] + c]) for c in chains]
+    valid = [torch.ones(1, 2, dtype=torch.bool) for _ in chains]
+    tok, *_, winner = vote_chains(tokens, valid, members, 5, w)
+    want, _, want_winner = vote_row(chains, members, 5, weights)
+    assert tok[0, 1:].tolist() == want and int(winner[0]) == want_winner
+    trees = [([9] + c, [-1, 0], [True, True]) for c in chains]
+    want_tok = merge_row(trees, members, 5, weights, 1, True)[0]
+    out = merge_trees(tokens, [torch.tensor([[-1, 0]])] * 5, valid, [torch.tensor([[0, 1]])] * 5,
+                      merge_layout((1,) * 5, members, 5, "cpu"), 5, w, 1, True, 1)
+    assert out[0][0].tolist() == want_tok

@@ -435,16 +435,22 @@ def _held(paths: list[list[int]], live: list[bool]) -> float:
     return sum(held) / len(held)
 
 
-def _own_path(owners: list[list[int]], m: int, path: list[int]) -> list[int]:
-    """Member m's node indices along an accepted path of the merged tree (owners: a row's [node][member] indices, -1
-    where the node is not the member's), as far as its own tree holds it (root first)."""
-    own = [0]
-    for n in path[1:]:
-        i = owners[n][m]
-        if i < 0:
+def _own_path(owners: list[list[int]], parents: list[int], m: int, path: list[int]) -> list[int]:
+    """Member m's node indices along an accepted path of the merged tree, as far as its own tree holds it (root first;
+    owners: a row's [node][member] indices, -1 where the node is not the member's; parents: the member's tree's parents
+    in that row): the member's own path to the deepest node of `path` it holds, up its own parents. Not owners along
+    the path: where the member's tree repeats a token under one parent, the merge shares the two nodes (owned as the
+    later one), and the earlier one's children hang under the shared node too."""
+    i = 0
+    for n in path[1:]:  # the nodes a member holds on a path are a prefix of it (a node's parent is the member's too)
+        if owners[n][m] < 0:
             break
+        i = owners[n][m]
+    own = [i]
+    while i > 0:
+        i = parents[i]
         own.append(i)
-    return own
+    return own[::-1]
 
 
 def _host(x) -> list:
@@ -736,7 +742,8 @@ class EnsembleDrafter(Drafter):
         """The members' trees as one proposal: on the static path by tree_merge's tensor forms (over rows and nodes,
         in one call, compiled with the decode path's compiling), on the eager path by its host reference, row by row.
         self.owners [B][node][member]: each member's node index at each node (-1: none; on the static path a tensor on
-        the host); vote mode: self.winner, each row's winner (-1: none), self.drafted, the nodes drafted per row."""
+        the host); self.parents: per member drafting, its tree's parents [B][node] (which the commit walks up,
+        _own_path); vote mode: self.winner, each row's winner (-1: none), self.drafted, the nodes drafted per row."""
         ks = tuple(m for m, p in enumerate(self.props) if p is not None)
         props, n, dev = [self.props[m] for m in ks], len(self.members), root.device
         weights = self.vote.weights if self.mode == "vote" else \
@@ -773,6 +780,7 @@ class EnsembleDrafter(Drafter):
                     merge_layout(tuple(t.shape[1] - 1 for t in tokens), ks, n, dev), n, w, self.node_budget, share,
                     max(_depth_bound(self.members[m]) for m in ks), q_index, tuple(offsets[:-1]))
             self.owners = self.owners.to("cpu", non_blocking=True)
+            self.parents = {m: p.view.parents.to("cpu", non_blocking=True) for m, p in zip(ks, props)}
             prop = Proposal(tok, TreeView(par, depth, ok, anc), q_index=q)
         if sampled:
             prop.q = torch.cat([p.q for p in props if p.q is not None], dim=1)
@@ -798,6 +806,7 @@ class EnsembleDrafter(Drafter):
         prop = padded_proposal([(t, p) for t, p, *_ in rows], root.device)
         W = prop.tokens.shape[1]
         self.owners = [o + [[-1] * n] * (W - len(o)) for _, _, o, _, _ in rows]
+        self.parents = {m: par for m, (_, par, _) in zip(ks, host)}
         self.winner, self.drafted = [r[4] for r in rows], [len(r[0]) - 1 for r in rows]
         if q_index is not None:
             prop.q_index = torch.tensor([q + [-1] * (W - len(q)) for _, _, _, q, _ in rows], device=root.device)
@@ -875,7 +884,8 @@ class EnsembleDrafter(Drafter):
         for m, p in enumerate(self.props):
             if p is None:
                 continue
-            own[m] = paths = [_own_path(owners[b], m, path) for b, path in enumerate(step.paths)]
+            parents = _host(self.parents[m])  # [B][node]: the member's own tree
+            own[m] = paths = [_own_path(owners[b], parents[b], m, path) for b, path in enumerate(step.paths)]
             gains[m] = _held(paths, live)
         for m, member in enumerate(self.members):
             if m in self.grouped:

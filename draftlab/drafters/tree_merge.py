@@ -9,8 +9,10 @@ than its parent, so the kept set is prefix-closed).
 vote_chains (Minions' vote): the members' chains; at each depth the token whose members still alive weigh the most
 (ties: the one whose first member comes first), the members that drafted another token dropped.
 
-Both return, per merged node, each member's own node index (-1: not a node of that member's tree), which the
-ensemble's commit follows along the accepted path.
+Both return, per merged node, each member's own node index (-1: not a node of that member's tree): the ensemble's
+commit takes the deepest node of the accepted path a member holds and walks up that member's own tree from it.
+Scores and votes are summed over members one after the other, in member order, as the host references sum them, so
+the two break near-ties alike.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def member_index(members: tuple, device) -> torch.Tensor:
     return _LAYOUTS[key]
 
 
+def _in_order(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dimension one term after the other, in order (the host references' sums, bit for bit:
+    a reduction adds in another order, which can break a near-tie of scores the other way)."""
+    total = x[..., 0]
+    for k in range(1, x.shape[-1]):
+        total = total + x[..., k]
+    return total
+
+
 def _tree(parents: torch.Tensor, valid: torch.Tensor, rounds: int) -> tuple:
     """A tree's parents, valid, depth and ancestors (TreeView.of_parents; rounds: a bound on its depth)."""
     v = TreeView.of_parents(parents, valid, check=False, max_depth=max(rounds, 1))
@@ -83,7 +94,8 @@ def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: t
             first = torch.where(same, idx[None, :, None], N).amin(1)  # per column j: the first column i like it
             canon = torch.where(first < N, first, idx)
     head = ok & (canon == idx)  # the merged tree's nodes: a column that is the first of its kind
-    # Owners: member m's node index at each node (the last of its columns there, when its tree repeats a token).
+    # Owners: member m's node index at each node (the last of its columns there, when its tree repeats a token under
+    # one parent: its own path to a node is then its own tree's, up its parents, not own along the merged path).
     M = n_members
     slot = torch.where(ok, canon * M + owner, N * M)
     own = torch.full((B, N * M + 1), -1, dtype=torch.long, device=dev)
@@ -93,7 +105,7 @@ def merge_trees(tokens: list, parents: list, valid: list, depth: list, layout: t
     if N - 1 <= budget:  # (known from the shapes) every node is kept, in place: the columns shared away are padding
         out_tok, out_par, out_ok, out_own, dest, W = tok, torch.where(head, parent, -1), head, own, None, N
     else:  # the best `budget` nodes by (score desc, depth, column), packed in column order (parents first)
-        score = torch.where(own >= 0, weights, 0).sum(-1)  # the owners' summed weights, each owner once
+        score = _in_order(torch.where(own >= 0, weights, 0))  # the owners' summed weights, each owner once
         cand = head & (idx > 0)
         # A node's rank: the candidates ahead of it (every pair compared; no sort, which compiles to a call of its
         # own).
@@ -148,7 +160,7 @@ def vote_chains(tokens: list, valid: list, members: tuple, n_members: int, weigh
         has = alive & cv[:, :, d]
         t = c[:, :, d]
         same = t[:, :, None] == t[:, None, :]
-        votes = torch.where(same & has[:, None, :], w, 0).sum(-1)  # per member: the votes for its token
+        votes = _in_order(torch.where(same & has[:, None, :], w, 0))  # per member: the votes for its token
         votes = torch.where(has, votes, -torch.inf)
         top = votes.amax(1, keepdim=True)
         first = torch.where(votes == top, kidx, K).amin(1, keepdim=True).clamp(max=K - 1)
