@@ -114,15 +114,20 @@ def step_kinds(dec, prompts: list, n: int, eos: int) -> dict:
 
     drafter, rows, last = dec.drafter, [], [None, None]  # last: the previous step's end, a prompt's first step next
 
-    def mark(chained: bool) -> None:
-        now = time.perf_counter()
+    def kind_now() -> str | None:  # the step's members, read before its commit (a chained one plans the next step)
         if last[1]:
-            kind = "a prompt's first step"
-        elif isinstance(drafter, EnsembleDrafter):
+            return "a prompt's first step"
+        if isinstance(drafter, EnsembleDrafter):
             k = sum(drafter.on)
-            kind = f"{k} member{'s' if k > 1 else ''} drafting" + (", chained" if chained else "")
-        else:
+            return f"{k} member{'s' if k > 1 else ''} drafting"
+        return None
+
+    def mark(kind: str | None, chained: bool) -> None:
+        now = time.perf_counter()
+        if kind is None:
             kind = "chained" if chained else "not chained"
+        elif chained and not last[1]:
+            kind += ", chained"
         rows.append((kind, now - last[0]))
         last[:] = [now, False]
 
@@ -131,13 +136,15 @@ def step_kinds(dec, prompts: list, n: int, eos: int) -> dict:
         last[:] = [time.perf_counter(), True]
 
     def commit(step, _commit=drafter.commit):
+        kind = kind_now()
         out = _commit(step)
-        mark(False)
+        mark(kind, False)
         return out
 
     def chained(step, _chained=drafter.chained):
+        kind = kind_now()
         out = _chained(step)
-        mark(True)
+        mark(kind, True)
         return out
 
     drafter.begin, drafter.commit, drafter.chained = begin, commit, chained  # this pass only

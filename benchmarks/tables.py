@@ -760,7 +760,7 @@ def ensemble_cost(p, d, title: str = "The ensemble's cost schedule: against its 
           f"({1 - h['steps'] / h['best_member_steps']:.1%} fewer), the most a choice of one member per prompt could save.")
     if d.get("steps_by_kind"):
         p("\nOne more pass over the prompts each, every step timed by its kind (from the end of one step's commit to the "
-          "end of the next; a prompt's last step is not counted):\n")
+          "end of the next; a prompt's last step falls in the rest of its call):\n")
         p("| method | kind of step | steps | ms in all | ms per step |")
         p("|---|---|---|---|---|")
         for m, kinds in d["steps_by_kind"].items():
