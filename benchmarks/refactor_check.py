@@ -12,6 +12,7 @@ object, prompts and tree, in one process, prompt by prompt, interleaved (plus pl
         # an ensemble's schedule options (both sides)
     python benchmarks/refactor_check.py --commit C --temperature 0.8 --export ...  # sampled decoding (the two sides
         # draw differently where their samplers differ: compare time per step and accept length, not tokens)
+    python benchmarks/refactor_check.py --commit C --temperature 0.8 --typical --export ...  # typical acceptance
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="compare the static-shape compiled path (torch.compile), with plain decoding on it too")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled decoding at this temperature")
+    ap.add_argument("--typical", action="store_true", help="with --temperature: typical acceptance (Medusa's)")
     ap.add_argument("--ensemble-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an ensemble option for both sides' decoders (the exports must be ensembles)")
     a = ap.parse_args()
@@ -114,7 +116,9 @@ def main() -> None:
 
         from draftlab.decode.acceptance import Sampling
 
-        sampled = {"before": SamplingBefore(temperature=a.temperature), "after": Sampling(temperature=a.temperature)}
+        typical = {"typical": True} if a.typical else {}
+        sampled = {"before": SamplingBefore(temperature=a.temperature, **typical),
+                   "after": Sampling(temperature=a.temperature, **typical)}
     for kind, (before, after) in pairs.items():
         methods[f"{kind}_before"] = draftlab_method(before, eos, N, sampled.get("before"))
         methods[f"{kind}_after"] = draftlab_method(after, eos, N, sampled.get("after"))
@@ -125,6 +129,7 @@ def main() -> None:
     same = {k: results[f"{k}_after"]["accept_length"] == results[f"{k}_before"]["accept_length"] for k in pairs}
     print(f"tokens/s after / before: {ratio}; accept length unchanged: {same}")
     write_result(a.name, {"before": a.commit, "compiled": a.compile, "temperature": a.temperature,
+                          **({"typical": True} if a.typical else {}),
                           **({"ensemble_options": options["options"]} if options else {}),
                           "exports": {k: str(v).replace(str(ROOT) + "/", "") for k, v in exports.items()},
                           "prompts": len(prompts), "max_new_tokens": N, "methods": results, "after_over_before": ratio,

@@ -830,10 +830,12 @@ def refactor_check_compiled_exports(title: str, name: str):
         exports = " ".join(f"--export {k}={paths[k]}" for k in kinds) + "".join(  # in the command's order
             f" --ensemble-option {k}={v}" for k, v in (d.get("ensemble_options") or {}).items())
         compiled, T = d.get("compiled", True), d.get("temperature", 0)
-        opts = ("--compile " if compiled else "") + (f"--temperature {T} " if T else "")
+        typical = d.get("typical", False)
+        opts = ("--compile " if compiled else "") + (f"--temperature {T} " if T else "") + \
+            ("--typical " if typical else "")
         path = "the static-shape compiled path (inductor)" if compiled else "the eager path"
-        sampled = (f"; sampled at temperature {T}: the two sides draw differently, so compare accept lengths within "
-                   "noise and time per step, not tokens" if T else "")
+        sampled = (f"; sampled at temperature {T}{' with typical acceptance' if typical else ''}: the two sides draw "
+                   "differently, so compare accept lengths within noise and time per step, not tokens" if T else "")
         refactor_check(p, d, title, f"`benchmarks/refactor_check.py {opts}--commit {d['before']} --prompts "
                        f"{d['prompts']} --name {name} {exports}`; before = {d['before']}, both on {path}, same "
                        f"exports, base object and prompts, interleaved; {d['prompts']} prompts x "
@@ -1078,6 +1080,12 @@ TABLES = {
     "refactor_check_tree_merge_eager": ("refactor_check_tree_merge_eager", refactor_check_compiled_exports(
         "The ensemble's eager path after the change (its host merge), against the commit before, one thread (AMD EPYC)",
         "refactor_check_tree_merge_eager")),
+    "refactor_check_own_path": ("refactor_check_own_path", refactor_check_compiled_exports(
+        "Members following their own trees' paths, merge scores summed in member order: against the commit before, "
+        "one thread (AMD EPYC)", "refactor_check_own_path")),
+    "refactor_check_own_path_typical": ("refactor_check_own_path_typical", refactor_check_compiled_exports(
+        "The same under typical acceptance, members on an uneven tree whose siblings can repeat a token, one thread "
+        "(AMD EPYC)", "refactor_check_own_path_typical")),
     "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
         p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
