@@ -411,6 +411,24 @@ def test_later_runs_reuse_the_static_caches_and_give_the_eager_tokens(kind):
     assert dec._cache is not first and dec._cache.batch == 2
 
 
+def test_a_base_converted_to_another_dtype_between_runs_gets_a_cache_and_graphs_of_that_dtype():
+    """`base.to(dtype)` converts the model in place, the same object: the decoder's next run must not reuse the static
+    cache of the old dtype (its writes failed: index_copy_ between float64 and float32), nor run graphs compiled for
+    the old weights (the signature holds the weights' dtype, decode.compiled._module_state)."""
+    from draftlab.decode.decoder import NoDraft
+
+    base = peaked()  # float64
+    dec = SpeculativeDecoder(base, NoDraft(), compile="eager")
+    prompts = [[1, 5, 7, 9, 5, 7]]
+    first = dec.generate(prompts, max_new_tokens=12).tokens
+    assert first == SpeculativeDecoder(base, NoDraft()).generate(prompts, max_new_tokens=12).tokens
+    old = dec._cache
+    base.to(torch.float32)
+    got = dec.generate(prompts, max_new_tokens=12).tokens
+    assert dec._cache is not old and dec._cache.dtype == torch.float32
+    assert got == SpeculativeDecoder(base, NoDraft()).generate(prompts, max_new_tokens=12).tokens
+
+
 def test_an_ssm_drafter_keeps_a_static_cache_on_the_compiled_path():
     base = peaked()
     d = drafter("ssm", base)
@@ -822,6 +840,99 @@ def test_signatures_tell_apart_what_dynamos_guards_do():
             assert torch.equal(fn(x, torch.tensor([v, v]) if f is looped else torch.tensor(v)),
                                f(x, torch.tensor([v, v]) if f is looped else torch.tensor(v))), (f.__name__, v)
         assert fn.breaks and not fn.skip
+
+
+def test_signatures_hold_a_modules_state_a_sequences_type_and_slices_by_value():
+    """More that a graph can depend on (found by review): a module switched to training or to another dtype after its
+    compiled forward ran (the compiled function itself, or given to one); a list where a tuple was (a graph can branch
+    on the type); a slice (by value: it cannot be weakly referenced, so no token keys it). Each run one way first (its
+    signature seen), then the other; before, every second way ran the first way's graph."""
+    import draftlab.decode.compiled as compiled
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(10, 4))
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, ids):
+            return self.drop(self.w[ids]) * 2
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        m = Net().eval()
+        fn = compiled.Compiled(m, "eager")
+        evaluated = [fn(ids) for _ in range(3)][-1]
+        m.train()
+        assert not torch.equal(fn(ids), evaluated)  # dropout: zeros and values scaled by 2 (never the eval output)
+        m.eval()
+        key = compiled._module_state(m)
+        m.double()
+        assert compiled._module_state(m) != key and fn(ids).dtype == torch.float64
+
+    def typed(x, seq):
+        return x * (2 if type(seq) is tuple else 3)
+
+    fn, x = compiled.Compiled(typed, "eager"), torch.arange(4.0)
+    for seq in ((1,), (1,), (1,), [1], [1]):
+        assert torch.equal(fn(x, seq), typed(x, seq)), seq
+
+    assert compiled._signature(slice(0, 2)) == compiled._signature(slice(0, 2)) != compiled._signature(slice(2, 4))
+
+
+def test_a_call_with_an_object_no_token_keys_keeps_its_guards():
+    """An object that cannot be weakly referenced (__slots__) has no token, only its id, which a new object can take
+    once it is freed: a call given one keeps dynamo's guards rather than trust a signature."""
+    import draftlab.decode.compiled as compiled
+
+    class Scale:
+        __slots__ = ("v",)
+
+        def __init__(self, v):
+            self.v = v
+
+    def scaled(x, s):
+        return x * s.v
+
+    fn, x = compiled.Compiled(scaled, "eager"), torch.ones(3)
+    for v in (2.0, 2.0, 3.0, 3.0):
+        assert torch.equal(fn(x, Scale(v)), x * v)
+    assert not fn.skip  # no signature was trusted
+
+
+def test_a_compile_failure_after_a_graph_break_raises_rather_than_run_a_part_twice():
+    """Where compiling fails past a graph break, the graph before it may have run (written a KV cache, say): running
+    the function again eagerly would repeat that part, so the call raises, saying to decode without compiling. A
+    failure with nothing run before it still falls back to eager, as before."""
+    import draftlab.decode.compiled as compiled
+
+    built = [0]
+
+    def flaky(gm, example_inputs):  # the second graph does not build
+        built[0] += 1
+        if built[0] == 2:
+            raise ValueError("does not build")
+        return gm.forward
+
+    def stepped(a):
+        a.add_(1)
+        torch._dynamo.graph_break()
+        return a * 10
+
+    a = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="Decode without compiling"):
+        compiled.Compiled(stepped, flaky)(a)
+    assert a.tolist() == [1.0, 1.0]  # the first part ran once, not again
+
+    def never(gm, example_inputs):
+        raise ValueError("does not build")
+
+    def plain(a):
+        return a * 10
+
+    fn = compiled.Compiled(plain, never)
+    assert fn(torch.ones(2)).tolist() == [10.0, 10.0] and fn.failed
 
 
 @pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("dflash", "ssm")])

@@ -292,11 +292,14 @@ def slot_cache(model, batch: int, length: int, path: dict | None, reuse=None):
 
 def static_slot_cache(model, batch: int, size: int, forward=None, reuse=None) -> "StaticSlotCache":
     """A StaticSlotCache of at least `size` slots: `reuse` (the caller's cache of its previous run) emptied, when it
-    is one for the same model, forward and batch size with as many slots or more; else a new one. Reusing keeps the
-    buffers (and their addresses: CUDA graphs are recorded against them, so a new cache per run would re-record
-    every graph, and past torch's limit of 128 re-records the graphs would no longer be used)."""
+    is one for the same model, forward and batch size with as many slots or more, made for the dtype and device the
+    model's weights have now (`.to()` converts a model in place); else a new one. Reusing keeps the buffers (and their
+    addresses: CUDA graphs are recorded against them, so a new cache per run would re-record every graph, and past
+    torch's limit of 128 re-records the graphs would no longer be used)."""
+    weights = next(model.parameters())
     if (isinstance(reuse, StaticSlotCache) and reuse.model is model and reuse.run is (forward or model)
-            and reuse.batch == batch and reuse.max_len >= size):
+            and reuse.batch == batch and reuse.max_len >= size
+            and (reuse.dtype, reuse.device) == (weights.dtype, weights.device)):
         reuse.reset()
         return reuse
     return StaticSlotCache(model, batch, size, forward)

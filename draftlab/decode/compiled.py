@@ -4,18 +4,24 @@
 shapes: inductor's C++ wrapper on a CPU (see cpp_wrapper), "reduce-overhead" (CUDA graphs) on a GPU for model
 forwards. The static KV cache (draftlab.decode.cache.StaticSlotCache) and trees padded to the drafter's node budget
 make every call of a run the same shapes, so each compiles once. A function that does not compile falls back to
-eager, saying why in one line (stderr); the tokens are the same either way.
+eager, saying why in one line (stderr); the tokens are the same either way. Where the failure comes past a graph
+break, the part before it may have run compiled (a KV cache written), and running the function again would repeat
+it: that call raises instead, saying to decode without compiling.
 
 Guards. Before every call of a compiled function, dynamo evaluates its guards: about a thousand checks for a Hugging
 Face model (every parameter, the cache object, config attributes), which on a CPU cost 0.2-0.35 ms, a fifth of a
 whole forward of the 260K-parameter test base. Once a call's signature (the shapes, strides, dtypes and devices of
 every tensor it is given, which of them are one and the same tensor, the values and types of its other arguments,
-the objects it is given (a model, a KV cache with its length, a drafter with the shapes of the tensors it holds) by a
-token no later object gets, the global state: grad mode, autocast and the rest of what dynamo's global state guard
-compares) has run once with its guards, later calls of that signature skip guard evaluation
-(`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): dynamo then only runs the guards that tell its compiled
-variants apart. That is sound when everything a compiled graph depends on is in the signature, which is what the
-signature is built to hold. It is not for code past a graph break, which dynamo may have compiled for a tensor's
+the objects it is given (a model, with its training flag and its weights' dtype and device; a KV cache with its
+length; a drafter with the shapes of the tensors it holds) by a token no later object gets, the global state: grad
+mode, autocast and the rest of what dynamo's global state guard compares) has run once with its guards, later calls
+of that signature skip guard evaluation (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`): dynamo then only
+runs the guards that tell its compiled variants apart. That is sound when everything a compiled graph depends on is
+in the signature, which is what the signature is built to hold for draftlab's calls. It does not watch what a graph
+reads besides its arguments' tensors: globals, closures, Python attributes of the objects it is given (a drafter's
+numbers, a submodule's training flag switched alone), a setting such as decode.gqa.ON changed after a first call. A
+call given an object no token can key (one that cannot be weakly referenced: a list deep in the arguments, an object
+with __slots__) keeps its guards. So does code past a graph break, which dynamo may have compiled for a tensor's
 value (`.item()`): a function whose compiling met a graph break keeps its guards on every call, and says so once on
 stderr. DRAFTLAB_COMPILE_GUARDS=1 keeps full guard evaluation on every call (the reference, for debugging), and
 tests check both give the eager tokens.
@@ -94,14 +100,17 @@ def _signature(x, depth: int = 0, ids: list | None = None):
         if ids is not None:
             ids += kept["ids"]
         return kept["signature"]
+    if type(x) is slice:  # by value (a slice cannot be weakly referenced, so _token could not key it)
+        return (slice, _signature(x.start), _signature(x.stop), _signature(x.step))
     if depth > 2:
         return (type(x).__name__, _token(x))
-    if isinstance(x, (list, tuple)):
-        return tuple([_signature(v, depth + 1, ids) for v in x])
+    if isinstance(x, (list, tuple)):  # (a list and a tuple apart: a graph can branch on the type)
+        items = tuple([_signature(v, depth + 1, ids) for v in x])
+        return items if type(x) is tuple else (type(x), items)
     if isinstance(x, dict):
         return tuple([(k, _signature(v, depth + 1, ids)) for k, v in x.items()])
     if isinstance(x, torch.nn.Module):
-        return (type(x).__name__, _token(x), x.training)
+        return (type(x).__name__, _token(x), *_module_state(x))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (decode.acceptance.Sampling): by value
         kept = getattr(x, "__dict__", None)
         if kept is not None and "_signature" in kept:
@@ -118,12 +127,15 @@ def _signature(x, depth: int = 0, ids: list | None = None):
 
 _TOKENS: dict = {}  # id -> (a weak reference to the object, its token): see _token
 _NEXT_TOKEN = itertools.count(1)
+# Set by _token when it met an object it cannot key (one that cannot be weakly referenced: a list or dict deep in the
+# arguments, an object with __slots__); the call that computed the signature then keeps its guards (Compiled._call).
+_UNKEYED = [False]
 
 
 def _token(x) -> int:
     """A number for object x that no other object of this process gets, unlike id(x), which a new object can take once
     x is freed (a new model or KV cache at a freed one's address would otherwise match the freed one's signatures and
-    run its graphs). id(x) for an object that cannot be weakly referenced."""
+    run its graphs). An object that cannot be weakly referenced has none: id(x) stands in, and _UNKEYED says so."""
     seen = _TOKENS.get(id(x))
     if seen is not None and seen[0]() is x:
         return seen[1]
@@ -131,10 +143,29 @@ def _token(x) -> int:
         key = id(x)
         ref = weakref.ref(x, lambda _, key=key: _TOKENS.pop(key, None))
     except TypeError:
+        _UNKEYED[0] = True
         return id(x)
     token = next(_NEXT_TOKEN)
     _TOKENS[key] = (ref, token)
     return token
+
+
+_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> a weak reference to its first parameter
+
+
+def _module_state(m: torch.nn.Module) -> tuple:
+    """What a module's compiled graphs depend on besides its tensors' values: its training flag and its weights' dtype
+    and device, read from its first parameter (`.to()`, `.half()`, `.train()` change the whole module in place, and a
+    graph compiled for float32 weights or eval mode must not run after). Submodules switched one by one and Python
+    attributes changed after a first call are not seen."""
+    ref = _PARAMS.get(m)
+    p = ref() if ref is not None else None
+    if p is None:
+        p = next(m.parameters(), None)
+        if p is None:
+            return (m.training,)
+        _PARAMS[m] = weakref.ref(p)
+    return (m.training, p.dtype, p.device)
 
 
 def _held(obj, ids: list | None = None):
@@ -381,6 +412,7 @@ class Compiled:
         self.states: list = []  # the global states its calls have met (_global_state)
         self.breaks = False  # whether compiling it met a graph break (then every call keeps its guards)
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: its tensors are part of the signature
+        self.module = fn if isinstance(fn, torch.nn.Module) else None  # a module compiled itself: its state too
         # signature -> the variant its guarded call ran (_last_variant), then its code called without dynamo's hook
         # (None: with it; see _variant_code). None where calls keep the hook: a GPU, a module.
         self.direct: dict | None = {} if device == "cpu" and not isinstance(fn, torch.nn.Module) else None
@@ -422,8 +454,12 @@ class Compiled:
         key = None
         if self.skip_guards and not self.breaks and guards_skipped():
             ids: list = []  # every tensor the signature walks, for _aliases
+            _UNKEYED[0] = False
             key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), self._global_state(),
-                   None if self.owner is None else _held(self.owner, ids), _aliases(ids))
+                   None if self.owner is None else _held(self.owner, ids), _aliases(ids),
+                   None if self.module is None else _module_state(self.module))
+            if _UNKEYED[0]:  # an object no signature can key: this call keeps its guards
+                key = None
             if key in self.skip:
                 if self.direct is not None and direct_calls():
                     run = self.direct.get(key)
@@ -452,8 +488,14 @@ class Compiled:
             except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed (not a runtime
                 # error of the model such as out-of-memory, which is raised): run eagerly, as the reference does,
                 # unless the cache held a broken build (remove_broken_builds), which is built again once
-                broken = [] if retry else remove_broken_builds(e)
                 name = getattr(self.model, "__qualname__", type(self.model).__name__)
+                if self.breaks or compiled_graphs() != graphs:  # a graph before the failure may have run its part
+                    raise RuntimeError(
+                        f"draftlab: {name} does not compile ({type(e).__name__}), and the part of it before a graph "
+                        "break may already have run compiled (writing to a KV cache, say): running it again eagerly "
+                        "or compiling it again would repeat that part. Decode without compiling (no --compile or "
+                        "--static; compile=False).") from e
+                broken = [] if retry else remove_broken_builds(e)
                 if broken:
                     print(f"draftlab: {name}: removed {len(broken)} unreadable file(s) from the compile cache, left by "
                           f"an interrupted build ({broken[0]}); compiling again", file=sys.stderr)

@@ -66,7 +66,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
 def install() -> bool:
     """Put grouped_sdpa in front of transformers' `sdpa` attention (once per process); whether it is there. Whether
-    it attends with the grouping is ON's (DRAFTLAB_CPU_GQA, read at import), which each call reads."""
+    it attends with the grouping is ON's (DRAFTLAB_CPU_GQA, read at import), which each call reads as it runs, or as
+    it is traced: a compiled call keeps the value its graph was compiled with (decode.compiled does not watch it)."""
     if _HF:
         return True
     try:
