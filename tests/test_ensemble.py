@@ -12,7 +12,7 @@ from test_ssm import small_lm
 from draftlab.decode.acceptance import Sampling
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import Tree
-from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler, VoteWeights
+from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler, VoteWeights, ensemble_parts
 from draftlab.drafters.retrieval import Datastore, LookupDrafter
 from draftlab.drafters.tree_merge import vote_row
 from draftlab.drafters.ssm import SSMDrafter
@@ -301,7 +301,7 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
     drafter = EnsembleDrafter(mem, scheduler=sched)
     assert not drafter.groups  # the cost policy drafts members one by one
     dec = SpeculativeDecoder(base, drafter, compile=compile)
-    widths = []
+    widths, steps = [], 0
     for B, eos in ((1, None), (3, None), (3, "mid")):
         prompts = [[rng.randrange(64) for _ in range(rng.randint(2, 9))] * 2 for _ in range(B)]
         want = [plain_greedy(base, p, 60) for p in prompts]
@@ -311,6 +311,10 @@ def test_the_cost_schedule_drafts_alone_and_stays_exact(compile, monkeypatch):
         res = dec.generate(prompts, max_new_tokens=60, eos_token_id=stop)
         assert res.tokens == want, (B, eos)
         widths += res.tree_sizes
+        steps += res.steps
+    # One entry per step that ran, and the plan for the step after the last: a run's first step drafts with what the
+    # last run planned for it (once dropped at every run's start: a lost probe, a step in the history that never ran)
+    assert len(sched.history) == steps + 1
     history = [sum(on) for on in sched.history]
     assert history.count(1) > 20 and all(on[0] for on in sched.history if sum(on) == 1)  # member 0 gains most
     assert 1 + 3 in widths  # member 0's chain alone (the static path pads merged trees to max_nodes, not these)
@@ -484,6 +488,25 @@ def test_the_cost_schedule_chooses_the_most_tokens_per_second():
     sched.reset(3)
     sched.k, sched.seconds = 1, [[], [1.0], [], [5.0]]
     assert sched._probe_cap(3) == 4
+    # ... from the first probe on (the interval started at probe_every, 16 steps apart where probe_max was 4)
+    sched = Scheduler(policy="cost", warmup=2, explore=2, probe_every=16, probe_max=4)
+    sched.reset(3)
+    for step in range(80):
+        on = sched.active()
+        seconds = {1: 1.0, 2: 1.5, 3: 2.0}[sum(on)]
+        sched.update([1.0 if o else None for o in on], [[3 if o else None for o in on]], seconds)
+    probes = [i for i, on in enumerate(sched.history) if all(on) and i >= 6]
+    assert max(b - a for a, b in zip(probes, probes[1:])) <= 4
+    # The feeding a probe's bound counts is the probes' own, not the warm-up's (which feeds nothing).
+    sched = Scheduler(policy="cost", warmup=3, explore=1, probe_every=2, probe_max=4)
+    sched.reset(2)
+    for step in range(30):
+        on = sched.active()
+        sched.update([1.0 if o else None for o in on], [[1 if o else None for o in on]], 1.0, 0.5 if all(on) else 0.0)
+    assert sched.fed and all(f == 0.5 for f in sched.fed)
+    for name in ("explore", "probe_every", "probe_max", "cost_window", "rank_window"):  # 0 would probe every step,
+        with pytest.raises(ValueError, match=name):  # or keep every record for good
+            ensemble_parts({"policy": "cost", name: "0"})
     with pytest.raises(ValueError, match="merge"):
         EnsembleDrafter([LookupDrafter(num_tokens=2)], mode="vote", scheduler=Scheduler(policy="cost"))
 

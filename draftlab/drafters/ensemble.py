@@ -130,6 +130,11 @@ class Scheduler:
         if self.rank_on not in ("text", "probes"):
             raise ValueError(f"ensemble option rank_on={self.rank_on!r}: use text (every member scored on the text "
                              "committed while it sat out, greedy) or probes (the rows where every member drafted)")
+        for name in ("probe_every", "probe_max", "explore", "cost_window", "rank_window"):
+            if getattr(self, name) < 1:  # (0 would probe every step, or keep every record for good)
+                raise ValueError(f"ensemble option {name}={getattr(self, name)}: must be at least 1")
+        if self.warmup < 0:
+            raise ValueError(f"ensemble option warmup={self.warmup}: must be 0 or more")
 
     def reset(self, n: int) -> None:
         if len(self.gains) != n:
@@ -137,7 +142,7 @@ class Scheduler:
             self.seconds = [[] for _ in range(n + 1)]
             self.lengths, self.order, self.k, self.probed_k, self.fed = [], [], 0, -1, []
             self.__dict__.pop("_memo", None)
-            self.interval, self.next_probe, self.next_choice, self.steady_until = self.probe_every, 0, 0, 0
+            self.interval, self.next_probe, self.next_choice, self.steady_until = self._first_interval, 0, 0, 0
 
     def active(self) -> list[bool]:
         if self.policy == "cost":
@@ -167,7 +172,8 @@ class Scheduler:
             if len(self.seconds[k]) < self.explore:
                 return k
         if self.steps >= self.next_probe:  # the interval doubles while the choice stands from probe to probe
-            self.interval = min(2 * self.interval, self._probe_cap(n)) if self.k == self.probed_k else self.probe_every
+            self.interval = (min(2 * self.interval, self._probe_cap(n)) if self.k == self.probed_k else
+                             self._first_interval)
             self.probed_k, self.next_probe = self.k, self.steps + self.interval
             return n
         if self.steps >= self.next_choice or not self.k:  # chosen again every DECIDE_EVERY steps
@@ -180,6 +186,11 @@ class Scheduler:
         self.steady_until = min(self.next_probe, self.next_choice)
         return self.k
 
+    @property
+    def _first_interval(self) -> int:
+        """The probe interval after a change of choice: probe_every, never past probe_max."""
+        return min(self.probe_every, self.probe_max)
+
     def _probe_cap(self, n: int) -> int:
         """The longest probe interval: probes then cost `probe_share` of the time (see the class docstring), at
         least `probe_every` and at most `probe_max` steps apart."""
@@ -187,7 +198,7 @@ class Scheduler:
         if not probe or not step or self.k == n:
             return self.probe_max
         extra = sum(probe) / len(probe) + (sum(self.fed) / len(self.fed) if self.fed else 0.0) - min(step)
-        return min(self.probe_max, max(self.probe_every, math.ceil(extra / (self.probe_share * min(step)))))
+        return min(self.probe_max, max(self._first_interval, math.ceil(extra / (self.probe_share * min(step)))))
 
     def ranking(self) -> list[int]:
         """The cost policy's members, best first: by the accepted tokens each one's tree held over the last
@@ -249,7 +260,8 @@ class Scheduler:
         if self.policy == "cost":
             if seconds is not None and k:
                 self._timed(k, seconds)
-                if k == len(gains):  # every member drafted (a probe, the warm-up): what it fed is its cost too
+                if k == len(gains) and self.steps > self.warmup:  # a probe (every member drafted past the
+                    # warm-up): what it fed is its cost too (the warm-up's steps feed nothing)
                     self.fed.append(fed)
                     del self.fed[: -3 * self.explore]
             if k >= 2 and rows:  # a lone member's rows come from the text, if at all (add_rows)
@@ -622,7 +634,10 @@ class EnsembleDrafter(Drafter):
         if self.scheduler is not None:
             self.scheduler.reset(n)
         self.vote.reset(n)
-        self.plan, self.solo, self.lap, self.text_s = None, None, None, 0.0
+        # (self.plan stays: the members the schedule chose, at the last run's last step, for the step after it, which
+        # is this run's first; dropped, a probe planned there would be lost and the schedule's history would hold a
+        # step that never ran)
+        self.solo, self.lap, self.text_s = None, None, 0.0
 
     def _ready(self, m: int, score: bool = False, narrow: bool = False) -> None:
         """Member m drafts this step: its begin if it has not begun in this run, then the text of the steps it sat out
