@@ -51,3 +51,58 @@ def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
         assert not _running(child)
     finally:
         parent.kill()
+
+
+STARTER = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, threading, time
+    from draftlab.parallel.workers import die_with_parent, start_workers
+
+    def child():
+        die_with_parent()
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        p = mp.get_context("spawn").Process(target=child, daemon=True)
+        t = threading.Thread(target=start_workers, args=([p],))  # started from a thread that then ends
+        t.start()
+        t.join()
+        time.sleep(2.0)  # the thread has ended; let the child set itself up
+        os.kill(p.pid, signal.SIGINT)  # a Ctrl-C reaches the worker too
+        time.sleep(1.0)
+        print(p.is_alive(), p.exitcode, flush=True)
+        p.kill()
+""")
+
+
+def test_a_worker_outlives_the_thread_that_started_it_and_leaves_interrupts_to_its_parent(tmp_path):
+    """Linux's parent-death signal follows the parent's thread that started a worker: start_workers starts workers
+    off the main thread from one that lasts as long as the process, so a worker started from a short-lived thread
+    (a server built in a helper thread) is not killed when that thread ends. A SIGINT (Ctrl-C at a terminal reaches
+    the whole process group) does not end a worker: its parent, which may catch the interrupt and go on, decides."""
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.split() == ["True", "None"], out.stdout + out.stderr
+
+
+def test_a_message_that_cannot_be_read_and_a_worker_never_started_are_reported_not_hung_on():
+    """A message that cannot be unpickled (a tensor shared by a worker that has died since: its resource sharer
+    refuses the connection) raises WorkerError rather than a bare OSError; stopping workers of which some never started
+    (a start that failed part-way) stops the others rather than fail on the first."""
+    import multiprocessing as mp
+
+    import pytest
+
+    from draftlab.parallel.workers import WorkerError, receive, stop_workers
+
+    q = mp.get_context("spawn").Queue()
+    q.put(b"x")
+
+    def refused(_):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with pytest.raises(WorkerError, match="could not be read"):
+        receive(q, [], 5.0, "test", loads=refused)
+    never = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    stop_workers([never], queues=(q,))  # no AssertionError ("can only join a started process")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing as mp
+import pickle
 import queue
 import time
 from typing import Callable
@@ -226,9 +227,10 @@ class DSI:
                                                           target_latency_s, self.sampling, compile, width),
                                   daemon=True, name=f"dsi-server-{i}")
                       for i, (q, dev) in enumerate(zip(self.tasks, devices))]
+        from .workers import start_workers
+
         try:
-            for p in self.procs:
-                p.start()
+            start_workers(self.procs)
             for _ in self.procs:  # every server has loaded the base
                 self._receive(self.timeout_s)
         except BaseException:
@@ -247,6 +249,8 @@ class DSI:
                 msg = self.results.get(timeout=wait_s) if wait_s > 0 else self.results.get_nowait()
             except queue.Empty:
                 return None
+            except (EOFError, OSError, pickle.UnpicklingError) as e:  # as receive: a message that cannot be read
+                raise WorkerError(f"DSI: a message from the servers could not be read ({type(e).__name__}: {e})")
             raise_if_error(msg, "DSI")
             return msg
         except WorkerError as e:
@@ -260,7 +264,7 @@ class DSI:
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)
-        stop_workers(self.procs)
+        stop_workers(self.procs, queues=tuple(self.tasks))
 
     def __enter__(self):
         return self

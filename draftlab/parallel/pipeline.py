@@ -217,8 +217,10 @@ class DraftPipeline:
         self.worker = ctx.Process(target=_drafter_worker, daemon=True, name="pipeline-drafter",
                                   args=(export, tree, drafter_options or {}, drafter_device or str(self.device),
                                         drafter_threads, self.inbox, self.pool, path))
-        self.worker.start()
+        from .workers import start_workers
+
         try:
+            start_workers([self.worker])
             (_, self.max_nodes), _ = self._receive()  # ("ready", max_nodes): the drafter is loaded
         except BaseException:
             self.close()
@@ -321,7 +323,7 @@ class DraftPipeline:
 
         if self.worker.is_alive():
             _send(self.inbox, ("stop",))
-        stop_workers([self.worker])
+        stop_workers([self.worker], queues=(self.inbox,))
 
     def __enter__(self):
         return self

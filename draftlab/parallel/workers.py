@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -17,10 +18,15 @@ class WorkerError(RuntimeError):
 
 
 def die_with_parent() -> None:
-    """Called first thing in a worker: end this process when the parent ends, however it ends (killed included).
+    """Called first thing in a worker: end this process when the parent ends, however it ends (killed included), and
+    leave interrupts to the parent.
 
     Linux's parent-death signal covers a parent killed with SIGKILL; a watcher thread on the parent's sentinel
-    covers other platforms (and a parent that exits while the signal is being set up)."""
+    covers other platforms (and a parent that exits while the signal is being set up). The signal is sent when the
+    parent's thread that started the worker ends: start workers with start_workers, which starts them from a thread
+    that lasts as long as the process. SIGINT is ignored here: a Ctrl-C at a terminal reaches every process of its
+    group, and the parent, which may catch it and go on, stops its workers itself (or they end with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
 
@@ -37,6 +43,39 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
+_LAUNCHER: list = []  # (the thread that starts workers off the main thread, its queue of jobs)
+
+
+def start_workers(procs: list) -> None:
+    """Start the worker processes: from the main thread as they are; from another thread, on one thread that lasts as
+    long as the process (Linux's parent-death signal, die_with_parent, follows the thread that started a worker, which
+    would end a worker with a short-lived thread that started it). An error starting one is raised here."""
+    if threading.current_thread() is threading.main_thread():
+        for p in procs:
+            p.start()
+        return
+    if not _LAUNCHER:
+        jobs: queue.Queue = queue.Queue()
+
+        def launch():
+            while True:
+                job, done = jobs.get()
+                try:
+                    job()
+                except BaseException as e:  # handed to the caller
+                    done.append(e)
+                done.append(None)
+        _LAUNCHER.append((threading.Thread(target=launch, daemon=True, name="draftlab-worker-launcher"), jobs))
+        _LAUNCHER[0][0].start()
+    for p in procs:
+        done: list = []
+        _LAUNCHER[0][1].put((p.start, done))
+        while not done:
+            time.sleep(0.01)
+        if done[0] is not None:
+            raise done[0]
+
+
 def error_message(who: str) -> tuple:
     """The message a worker sends when it fails: ("error", who, traceback)."""
     return ("error", who, traceback.format_exc())
@@ -51,6 +90,8 @@ def receive(q, procs: list, timeout_s: float | None, what: str, poll_s: float = 
         wait = poll_s if timeout_s is None else min(poll_s, max(0.0, timeout_s - (time.perf_counter() - t0)))
         try:
             msg = q.get(timeout=wait)
+            if loads is not None:
+                msg = loads(msg)
         except queue.Empty:
             dead = [p for p in procs if not p.is_alive()]
             if dead:
@@ -59,8 +100,11 @@ def receive(q, procs: list, timeout_s: float | None, what: str, poll_s: float = 
             if timeout_s is not None and time.perf_counter() - t0 >= timeout_s:
                 raise WorkerError(f"{what}: no word from the workers for {timeout_s:.0f} s") from None
             continue
-        if loads is not None:
-            msg = loads(msg)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:  # a message that cannot be read: unpickling a
+            # tensor shared by a worker that has died since (its resource sharer refuses), a truncated message
+            dead = [p.name for p in procs if not p.is_alive()]
+            raise WorkerError(f"{what}: a message from the workers could not be read ({type(e).__name__}: {e})"
+                              + (f"; worker {dead[0]} has died" if dead else "")) from e
         raise_if_error(msg, what)
         return msg
 
@@ -71,8 +115,12 @@ def raise_if_error(msg, what: str) -> None:
         raise WorkerError(f"{what}: worker {msg[1]} failed:\n{msg[2]}")
 
 
-def stop_workers(procs: list, timeout_s: float = 10.0) -> None:
-    """Wait up to timeout_s for the workers to exit (after they were asked to), then terminate, then kill."""
+def stop_workers(procs: list, timeout_s: float = 10.0, queues: tuple = ()) -> None:
+    """Wait up to timeout_s for the workers to exit (after they were asked to), then terminate, then kill; workers
+    never started (a start that failed part-way) are passed over. queues: the parent's queues to them, which are
+    then closed without waiting for their feeder threads (a message to a worker that died could keep one writing,
+    and the interpreter's exit waiting on it, for good)."""
+    procs = [p for p in procs if p.pid is not None]
     deadline = time.perf_counter() + timeout_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.perf_counter()))
@@ -83,3 +131,6 @@ def stop_workers(procs: list, timeout_s: float = 10.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=2)
+    for q in queues:
+        q.cancel_join_thread()
+        q.close()
