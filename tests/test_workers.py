@@ -9,14 +9,17 @@ import time
 
 from conftest import REPO
 
-PARENT = textwrap.dedent("""
-    import multiprocessing as mp, sys, time
-    from draftlab.parallel.workers import die_with_parent
+CHILD = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, threading, time
+    from draftlab.parallel.workers import die_with_parent, start_workers
 
     def child():
         die_with_parent()
         time.sleep(300)
 
+""")  # a worker; the scripts below start it
+
+PARENT = CHILD + textwrap.dedent("""
     if __name__ == "__main__":
         p = mp.get_context("spawn").Process(target=child, daemon=True)
         p.start()
@@ -53,14 +56,7 @@ def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
         parent.kill()
 
 
-STARTER = textwrap.dedent("""
-    import multiprocessing as mp, os, signal, sys, threading, time
-    from draftlab.parallel.workers import die_with_parent, start_workers
-
-    def child():
-        die_with_parent()
-        time.sleep(300)
-
+STARTER = CHILD + textwrap.dedent("""
     if __name__ == "__main__":
         p = mp.get_context("spawn").Process(target=child, daemon=True)
         t = threading.Thread(target=start_workers, args=([p],))  # started from a thread that then ends
