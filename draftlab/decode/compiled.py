@@ -56,6 +56,7 @@ import itertools
 import os
 import re
 import sys
+import threading
 import time
 import types
 import weakref
@@ -127,15 +128,17 @@ def _signature(x, depth: int = 0, ids: list | None = None):
 
 _TOKENS: dict = {}  # id -> (a weak reference to the object, its token): see _token
 _NEXT_TOKEN = itertools.count(1)
-# Set by _token when it met an object it cannot key (one that cannot be weakly referenced: a list or dict deep in the
-# arguments, an object with __slots__); the call that computed the signature then keeps its guards (Compiled._call).
-_UNKEYED = [False]
+# `unkeyed`: set by _token when it met an object it cannot key (one that cannot be weakly referenced: a list or dict
+# deep in the arguments, an object with __slots__); the call that computed the signature then keeps its guards
+# (Compiled._call). Per thread: two threads' calls computing signatures at once do not clear each other's.
+_UNKEYED = threading.local()
 
 
 def _token(x) -> int:
     """A number for object x that no other object of this process gets, unlike id(x), which a new object can take once
     x is freed (a new model or KV cache at a freed one's address would otherwise match the freed one's signatures and
-    run its graphs). An object that cannot be weakly referenced has none: id(x) stands in, and _UNKEYED says so."""
+    run its graphs). An object that cannot be weakly referenced has none: id(x) stands in, and _UNKEYED says so (for
+    the thread computing a signature)."""
     seen = _TOKENS.get(id(x))
     if seen is not None and seen[0]() is x:
         return seen[1]
@@ -143,7 +146,7 @@ def _token(x) -> int:
         key = id(x)
         ref = weakref.ref(x, lambda _, key=key: _TOKENS.pop(key, None))
     except TypeError:
-        _UNKEYED[0] = True
+        _UNKEYED.unkeyed = True
         return id(x)
     token = next(_NEXT_TOKEN)
     _TOKENS[key] = (ref, token)
@@ -454,11 +457,11 @@ class Compiled:
         key = None
         if self.skip_guards and not self.breaks and guards_skipped():
             ids: list = []  # every tensor the signature walks, for _aliases
-            _UNKEYED[0] = False
+            _UNKEYED.unkeyed = False
             key = (_signature(args, 0, ids), _signature(kwargs, 0, ids), self._global_state(),
                    None if self.owner is None else _held(self.owner, ids), _aliases(ids),
                    None if self.module is None else _module_state(self.module))
-            if _UNKEYED[0]:  # an object no signature can key: this call keeps its guards
+            if _UNKEYED.unkeyed:  # an object no signature can key: this call keeps its guards
                 key = None
             if key in self.skip:
                 if self.direct is not None and direct_calls():
