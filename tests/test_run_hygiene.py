@@ -134,3 +134,53 @@ def test_half_written_checkpoints_are_never_loaded(tiny_base_dir, data_file, tmp
     (torn / "trainer_state.json").write_text('{"step": 9}')
     (out / "checkpoints" / "step_7").mkdir()
     assert latest_checkpoint(out) == good
+
+
+def test_a_rerun_after_a_kill_before_any_checkpoint_starts_its_records_again(tmp_path):
+    """No checkpoint yet: the run starts again from step 0, so the records the killed run logged (and a line it tore)
+    are dropped rather than logged twice (found by review: a start record, steps and an eval twice)."""
+    from types import SimpleNamespace
+
+    from draftlab.train.run_dir import resume_step
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "event": "start"}\n{"step": 1, "loss": 3.0}\n{"step": 2, "lo')
+    acc = SimpleNamespace(is_main_process=True, num_processes=1)
+    assert resume_step(acc, tmp_path, 10) == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path):
+    """The data each process sees, the steps per epoch and the schedule follow the number of processes: a checkpoint
+    saved by 1 process is not resumed by 2 (found by review: it went on, skipping data and changing the schedule)."""
+    from types import SimpleNamespace
+
+    from draftlab.train.run_dir import resume_step
+
+    ckpt = tmp_path / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "total_steps": 20, "processes": 1}))
+    acc = SimpleNamespace(is_main_process=True, num_processes=2, load_state=lambda d: None)
+    with pytest.raises(RuntimeError, match="1 processes"):
+        resume_step(acc, tmp_path, 10)
+    acc.num_processes = 1
+    assert resume_step(acc, tmp_path, 20) == 4
+
+
+def test_the_hidden_cache_is_keyed_by_every_token_the_layers_read_and_the_base(tmp_path):
+    """The cached states are another run's when a token in the middle of an example, the layers read, the base's
+    revision or its weight files differ (found by review: only the first and last 8 tokens and the base's name were
+    keyed, so --overwrite with other layers or edited data reused stale states)."""
+    from draftlab.train.hidden_cache import fingerprint
+
+    ex = [{"input_ids": list(range(40))}, {"input_ids": [5] * 30}]
+    edited = [{"input_ids": list(range(20)) + [99] + list(range(21, 40))}, ex[1]]
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"x" * 10)
+    fp = fingerprint(ex, str(base), torch.float32, (0, 0, 1))
+    assert fp == fingerprint(ex, str(base), torch.float32, (0, 0, 1))
+    assert fp != fingerprint(edited, str(base), torch.float32, (0, 0, 1))
+    assert fp != fingerprint(ex, str(base), torch.float32, (1, 1, 0))
+    assert fp != fingerprint(ex, str(base), torch.float32, (0, 0, 1), revision="v2")
+    (base / "model.safetensors").write_bytes(b"y" * 11)
+    assert fp != fingerprint(ex, str(base), torch.float32, (0, 0, 1))

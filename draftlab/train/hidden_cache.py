@@ -10,32 +10,47 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from pathlib import Path
 
 import torch
 
 
-def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype) -> str:
-    """Identifies the examples (token ids) and base the cached states belong to."""
-    h = hashlib.sha256(f"{base_name}|{dtype}|{len(examples)}".encode())
+def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype, layers: tuple = (),
+                revision: str | None = None) -> str:
+    """Identifies what the cached states are: every token id of every example, the base (its name or path, revision,
+    and for a local directory its weight files' sizes and modification times), the dtype and the layers read."""
+    h = hashlib.sha256(f"{base_name}|{revision}|{dtype}|{tuple(layers)}|{len(examples)}".encode())
+    for f in _weight_files(base_name):
+        st = f.stat()
+        h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
     for e in examples:
-        h.update(len(e["input_ids"]).to_bytes(4, "little"))
-        h.update(bytes(str(e["input_ids"][:8] + e["input_ids"][-8:]), "ascii"))
+        ids = e["input_ids"]
+        h.update(len(ids).to_bytes(4, "little"))
+        h.update(array("q", ids).tobytes())
     return h.hexdigest()[:16]
+
+
+def _weight_files(base_name: str) -> list[Path]:
+    """A local base directory's weight files (none for a hub id)."""
+    d = Path(base_name)
+    if not d.is_dir():
+        return []
+    return sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin", ".pt", ".pth") and f.is_file())
 
 
 class HiddenCache:
     """Base hidden states per training example, written on first use and read afterwards."""
 
     def __init__(self, directory: str | Path, examples: list[dict], hidden_size: int, dtype: torch.dtype,
-                 base_name: str, create: bool):
+                 base_name: str, create: bool, layers: tuple = (), revision: str | None = None):
         d = Path(directory)
         self.lengths = [len(e["input_ids"]) for e in examples]
         self.offsets = [0]
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
         self.hidden_size, self.dtype = hidden_size, dtype
-        fp = fingerprint(examples, base_name, dtype)
+        fp = fingerprint(examples, base_name, dtype, layers, revision)
         meta = {"fingerprint": fp, "examples": len(examples), "tokens": self.offsets[-1], "hidden_size": hidden_size,
                 "dtype": str(dtype)}
         if create:

@@ -221,7 +221,8 @@ def open_hidden_cache(run: Run) -> None:
     dtype = next(run.base.parameters()).dtype
     with run.accelerator.main_process_first():  # the main process creates or validates the files first
         run.cache = HiddenCache(cache_dir, run.train_ex, width, dtype, run.recipe.base.name_or_path,
-                                create=run.is_main)
+                                create=run.is_main, layers=tuple(getattr(run.draft, "base_layers", None) or ()),
+                                revision=run.recipe.base.revision)
 
 
 BEST_STATE = "custom_checkpoint_1.pkl"  # Accelerate's file for the second registered object (after the scheduler)

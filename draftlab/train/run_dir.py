@@ -80,7 +80,8 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, kee
     accelerator.wait_for_everyone()
     if is_main:
         # trainer_state.json is written last: a directory without it is never taken as a checkpoint.
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "total_steps": total_steps}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "total_steps": total_steps,
+                                                            "processes": accelerator.num_processes}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         done = sorted((p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp")),
@@ -91,12 +92,24 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, kee
 
 
 def resume_step(accelerator, out_dir: Path, total_steps: int) -> int:
-    """Load the newest complete checkpoint, if any, into the prepared objects; the step it was saved at (0 if none)."""
+    """Load the newest complete checkpoint, if any, into the prepared objects; the step it was saved at (0 if none:
+    the records a run killed before its first checkpoint logged are dropped, as it starts again). A checkpoint made
+    with another number of processes is refused: the data order, the steps per epoch and the schedule follow it."""
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
+        if accelerator.is_main_process:
+            forget_metrics_after(out_dir, -1)
         return 0
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    made = state.get("processes")  # (checkpoints before 2026-11-30 do not say)
+    if made is not None and made != accelerator.num_processes:
+        raise RuntimeError(f"{ckpt} was saved by a run of {made} processes, and this one has "
+                           f"{accelerator.num_processes}: each process's share of the data, the steps per epoch and "
+                           f"the learning-rate schedule follow the number of processes, so resuming would not "
+                           f"continue that run. Resume it with {made} processes, or start again in another "
+                           "output_dir (or with --overwrite).")
     accelerator.load_state(str(ckpt))
-    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    step = state["step"]
     if accelerator.is_main_process:
         print(f"resuming from {ckpt} (step {step} of {total_steps})")
         forget_metrics_after(out_dir, step)
