@@ -70,6 +70,13 @@ def test_endpoint_run_resumes_and_reports_errors(server, tmp_path):
     again = distill_data(None, str(src), str(out), max_new_tokens=4, endpoints=[url], retries=5)
     assert again["skipped_existing"] == 2 and again["written"] == 4
     assert [r["source_index"] for r in lines(out)] == list(range(6))
+    # A run killed mid-write leaves its last line torn: the next run drops it and writes that record again (it was
+    # refused as "not a record this command wrote", and resuming was impossible).
+    text = out.read_text().splitlines()
+    out.write_text("\n".join(text[:-1]) + "\n" + text[-1][: len(text[-1]) // 2])
+    torn = distill_data(None, str(src), str(out), max_new_tokens=4, endpoints=[url], retries=5)
+    assert torn["skipped_existing"] == 5 and torn["written"] == 1
+    assert [r["source_index"] for r in lines(out)] == list(range(6))
     with pytest.raises(DataError, match=r"HTTP 404: .*model 'nope' does not exist"):
         distill_data(None, str(src), str(tmp_path / "x.jsonl"), endpoints=[url], model="nope")
     dead = f"http://127.0.0.1:{free_port()}"

@@ -28,6 +28,7 @@ import torch
 
 from ..config import Recipe, build_recipe, dump_recipe
 from ..data import prompt_length  # noqa: F401 (also read from here)
+from .run_dir import resume_records
 
 
 def stage_recipe(recipe: Recipe, i: int) -> Recipe:
@@ -183,7 +184,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
         (out / "config.yaml").write_text(dump_recipe(recipe))
     state.wait_for_everyone()
     metrics = out / "metrics.jsonl"
-    recorded = {json.loads(l)["stage"] for l in metrics.read_text().splitlines() if l.strip()} if metrics.is_file() else set()
+    recorded = {r["stage"] for r in resume_records(metrics, fix=state.is_main_process) if "stage" in r}
     b = recipe.base
     base = tok = train_ex = eval_ex = None
     members, stages = [], []
@@ -235,7 +236,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                 total += len(ex["input_ids"])
             members.append(LookupDraft(datastore=store))
             names.append("lookup")
-        records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+        records = resume_records(metrics, fix=False)
         ensemble = EnsembleDraft(members, names, {"mode": e.mode, "node_budget": e.node_budget})
         summary["export"] = str(save_export(ensemble, base, out / "export", b.name_or_path, tokenizer=tok, extra={
             "training": {"stages": records, "recipe": recipe.model_dump(mode="json")}}))

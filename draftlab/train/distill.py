@@ -18,6 +18,7 @@ import torch
 
 from ..data import DataError, detect_format, prompt_turns, read_records, to_messages
 from ..progress import progress
+from .run_dir import resume_records
 
 
 def _base_args(base_or_recipe: str, dtype: str | None) -> tuple[str, str]:
@@ -201,14 +202,11 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
         raise DataError(f"{prompts_file}: no prompts found (expected ShareGPT, Alpaca or text records)")
     out = Path(out_file)
     done = set()
-    if out.is_file():
-        for n, line in enumerate(out.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    done.add(json.loads(line)["source_index"])
-                except (json.JSONDecodeError, KeyError):
-                    raise DataError(f"{out}:{n}: not a record this command wrote (no source_index); write to a new "
-                                    "--out file") from None
+    for n, record in enumerate(resume_records(out), 1):  # (a line a killed run tore is dropped first)
+        if not isinstance(record, dict) or "source_index" not in record:
+            raise DataError(f"{out}: record {n} is not one this command wrote (no source_index); write to a new "
+                            "--out file")
+        done.add(record["source_index"])
     todo = [(i, m) for i, m in todo if i not in done]
     torch.manual_seed(seed)
     if endpoints:

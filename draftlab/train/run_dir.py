@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,28 @@ def _logged_step(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except (json.JSONDecodeError, TypeError, ValueError):
         return 1 << 62  # a torn line from a killed process: dropped
+
+
+def resume_records(path: Path, fix: bool = True) -> list[dict]:
+    """The JSON records of a file written a line at a time (metrics, distilled data), for a run that resumes it: a
+    line a killed process tore (its last, unfinished write) is passed over and, with `fix` (the one process that
+    writes the file), dropped from it, so that the next record appended does not join it, and said on stderr."""
+    if not path.is_file():
+        return []
+    records, torn = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            torn += 1
+    if torn and fix:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, path)
+        print(f"draftlab: {path}: dropped {torn} unfinished line(s) a killed run left", file=sys.stderr)
+    return records
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
