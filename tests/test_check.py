@@ -365,3 +365,26 @@ def test_cli_exit_code_and_json(good_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL quantization: config.json has quantization_config (fp8)" in out
     assert "PASS aux-layer-ids" in out and "1 check(s) failed: quantization" in out
+
+
+def test_an_eagle31_draft_fails_the_vllm_check_vllm_reads_neither_switch(base_dir, tmp_path):
+    """vLLM's EAGLE-3 model reads neither `norm_output` nor `fc_norm` (found by review, against its llama_eagle3.py):
+    it would serve a norm_output draft as plain EAGLE-3 (other proposals from depth 2 on, no error) and fail to load
+    fc_norm weights. The check reads the export as vLLM does, so both fail its proposals there; before, it read the
+    switches as draftlab writes them and passed."""
+    from draftlab.base import load_base
+
+    base, tok = load_base(str(base_dir), "float32")
+    recipe = {"base": {"name_or_path": str(base_dir)}, "data": {"format": "sharegpt"}}
+    for switch in ("norm_output", "fc_norm"):
+        torch.manual_seed(0)
+        d = build_draft({"type": "eagle3", "eagle": {"draft_vocab_size": 40, switch: True}}, base).eval()
+        d.fit_vocab([{"input_ids": tok.encode(STORY_TEXT)}])
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        ex = save_export(d, base, tmp_path / switch, str(base_dir), extra={"training": {"recipe": recipe}})
+        c = by_name(check_export(ex, engine="vllm"))
+        assert c["proposals"]["ok"] is False, (switch, c["proposals"])
+        if switch == "fc_norm":
+            assert "fc_norm" in c["proposals"]["message"]

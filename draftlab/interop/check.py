@@ -421,7 +421,8 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
             continue
         try:
             if kind == "eagle3":
-                eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1])
+                eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1],
+                                   eagle31=engine != "vllm")
             elif kind == "dflash":
                 eng = EngineDFlash(tensors, cfg, base)
         except (ValueError, KeyError) as e:

@@ -45,8 +45,15 @@ class EngineEagle3:
     engine captures (each once, in layer order) through fc; x = [input_layernorm(embed) ; hidden_norm(g)], residual
     g; RoPE from the draft's own config; logits over the draft vocabulary, draft id i = target id i + d2t[i]."""
 
-    def __init__(self, tensors: dict, cfg: dict, base, captured: list[int]):
+    def __init__(self, tensors: dict, cfg: dict, base, captured: list[int], eagle31: bool = True):
+        """eagle31: the engine reads EAGLE-3.1's switches (`fc_norm`, `norm_output`); vLLM's llama_eagle3.py reads
+        neither (read at vLLM 00bd149): it runs the layer as EAGLE-3 whatever they say, and has no fc_norm weights."""
         self.t = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        if not eagle31:
+            if cfg.get("fc_norm"):
+                raise ValueError("fc_norm is set, and this engine's EAGLE-3 has no such weights: it would fail to load "
+                                 "fc_norm.{i}.weight (an EAGLE-3.1 switch it does not read)")
+            cfg = {k: v for k, v in cfg.items() if k != "norm_output"}  # not read: the layer runs as EAGLE-3's
         self.cfg, self.base, self.layers = cfg, base, sorted(set(captured))
         n_in = self.t["fc.weight"].shape[1] // cfg.get("target_hidden_size", cfg["hidden_size"])
         self.layers = [l for l in self.layers if 0 <= l < base.config.num_hidden_layers]  # captured before layer l
