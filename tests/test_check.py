@@ -243,6 +243,10 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path):
     c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))
     assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt 0" in c["proposals"]["message"]
     assert check_export(tmp_path / "m")["checks"][-1]["message"].endswith("SGLang serves no Medusa heads: not compared")
+    # FasterDecoding's layout is no engine layout check reads: a clear error, not a KeyError (found by review).
+    export_to(tmp_path / "m", "medusa", tmp_path / "fd")
+    with pytest.raises(ValueError, match="vllm-medusa"):
+        check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "fd"))
 
 
 @pytest.fixture(scope="module")

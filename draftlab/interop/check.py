@@ -457,6 +457,10 @@ def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, 
         return cfg, state, "the vllm-medusa layout `draftlab export --to vllm-medusa` writes (--served DIR: your files)"
     src = Path(served) if served else d
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    if kind == "medusa" and served and "hidden_size" not in cfg:
+        raise ValueError(f"--served {src}: its config.json has no hidden_size, so it is not the layout vLLM's Medusa "
+                         "model loads (FasterDecoding's `export --to medusa`, say, which no engine checked here "
+                         "reads); give the `export --to vllm-medusa` directory")
     st = src / "model.safetensors"
     return cfg, (read_safetensors(st) if st.is_file() and kind in ("eagle3", "dflash", "medusa") else {}), str(src)
 
