@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing as mp
-import pickle
-import queue
 import time
 from typing import Callable
 
@@ -240,19 +238,12 @@ class DSI:
     def _receive(self, timeout_s: float | None = None, block: bool = True, wait_s: float = 0.0):
         """The next server message (None when not blocking and none came within wait_s); a failed, dead or silent
         server closes the pool and raises DSIError."""
-        from .workers import WorkerError, raise_if_error, receive
+        from .workers import WorkerError, poll, receive
 
         try:
             if block:
                 return receive(self.results, self.procs, timeout_s, "DSI")
-            try:
-                msg = self.results.get(timeout=wait_s) if wait_s > 0 else self.results.get_nowait()
-            except queue.Empty:
-                return None
-            except (EOFError, OSError, pickle.UnpicklingError) as e:  # as receive: a message that cannot be read
-                raise WorkerError(f"DSI: a message from the servers could not be read ({type(e).__name__}: {e})")
-            raise_if_error(msg, "DSI")
-            return msg
+            return poll(self.results, self.procs, wait_s, "DSI")
         except WorkerError as e:
             self.close()
             raise DSIError(str(e)) from None

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 
 
 class WorkerError(RuntimeError):
@@ -43,7 +44,7 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
-_LAUNCHER: list = []  # (the thread that starts workers off the main thread, its queue of jobs)
+_LAUNCHER: list = []  # the queue of jobs of the thread that starts workers off the main thread
 
 
 def start_workers(procs: list) -> None:
@@ -59,21 +60,17 @@ def start_workers(procs: list) -> None:
 
         def launch():
             while True:
-                job, done = jobs.get()
+                start, done = jobs.get()
                 try:
-                    job()
+                    done.set_result(start())
                 except BaseException as e:  # handed to the caller
-                    done.append(e)
-                done.append(None)
-        _LAUNCHER.append((threading.Thread(target=launch, daemon=True, name="draftlab-worker-launcher"), jobs))
-        _LAUNCHER[0][0].start()
+                    done.set_exception(e)
+        threading.Thread(target=launch, daemon=True, name="draftlab-worker-launcher").start()
+        _LAUNCHER.append(jobs)
     for p in procs:
-        done: list = []
-        _LAUNCHER[0][1].put((p.start, done))
-        while not done:
-            time.sleep(0.01)
-        if done[0] is not None:
-            raise done[0]
+        done: Future = Future()
+        _LAUNCHER[0].put((p.start, done))
+        done.result()
 
 
 def error_message(who: str) -> tuple:
@@ -81,17 +78,39 @@ def error_message(who: str) -> tuple:
     return ("error", who, traceback.format_exc())
 
 
+def _get(q, wait_s: float, procs: list, what: str, loads=None):
+    """q's next message within wait_s seconds (none: only one already there), passed through loads; queue.Empty when
+    none came. A worker's error report, and a message that cannot be read, raise WorkerError."""
+    try:
+        msg = q.get(timeout=wait_s) if wait_s > 0 else q.get_nowait()
+        if loads is not None:
+            msg = loads(msg)
+    except (EOFError, OSError, pickle.UnpicklingError) as e:  # a message that cannot be read: unpickling a tensor
+        # shared by a worker that has died since (its resource sharer refuses), a truncated message
+        dead = [p.name for p in procs if not p.is_alive()]
+        raise WorkerError(f"{what}: a message from the workers could not be read ({type(e).__name__}: {e})"
+                          + (f"; worker {dead[0]} has died" if dead else "")) from e
+    raise_if_error(msg, what)
+    return msg
+
+
+def poll(q, procs: list, wait_s: float, what: str, loads=None):
+    """The next message within wait_s seconds, or None: as receive, for a caller that does not wait for one."""
+    try:
+        return _get(q, wait_s, procs, what, loads)
+    except queue.Empty:
+        return None
+
+
 def receive(q, procs: list, timeout_s: float | None, what: str, poll_s: float = 0.5, loads=None):
     """The next message from q (passed through loads, if given), checking every poll_s that the worker processes
-    are alive. A worker's ("error", who, traceback) message, a dead worker or no message within timeout_s raise
-    WorkerError."""
+    are alive. A worker's ("error", who, traceback) message, a message that cannot be read, a dead worker or no
+    message within timeout_s raise WorkerError."""
     t0 = time.perf_counter()
     while True:
         wait = poll_s if timeout_s is None else min(poll_s, max(0.0, timeout_s - (time.perf_counter() - t0)))
         try:
-            msg = q.get(timeout=wait)
-            if loads is not None:
-                msg = loads(msg)
+            return _get(q, wait, procs, what, loads)
         except queue.Empty:
             dead = [p for p in procs if not p.is_alive()]
             if dead:
@@ -99,14 +118,6 @@ def receive(q, procs: list, timeout_s: float | None, what: str, poll_s: float = 
                                   "report") from None
             if timeout_s is not None and time.perf_counter() - t0 >= timeout_s:
                 raise WorkerError(f"{what}: no word from the workers for {timeout_s:.0f} s") from None
-            continue
-        except (EOFError, OSError, pickle.UnpicklingError) as e:  # a message that cannot be read: unpickling a
-            # tensor shared by a worker that has died since (its resource sharer refuses), a truncated message
-            dead = [p.name for p in procs if not p.is_alive()]
-            raise WorkerError(f"{what}: a message from the workers could not be read ({type(e).__name__}: {e})"
-                              + (f"; worker {dead[0]} has died" if dead else "")) from e
-        raise_if_error(msg, what)
-        return msg
 
 
 def raise_if_error(msg, what: str) -> None:
