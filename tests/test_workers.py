@@ -102,3 +102,39 @@ def test_a_message_that_cannot_be_read_and_a_worker_never_started_are_reported_n
         receive(q, [], 5.0, "test", loads=refused)
     never = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
     stop_workers([never], queues=(q,))  # no AssertionError ("can only join a started process")
+
+
+TORN = textwrap.dedent("""
+    import multiprocessing as mp, time
+    from draftlab.parallel.workers import WorkerError, reading_end_only, receive, start_workers
+
+    def child(q):
+        q.put(b"x" * (1 << 20))  # more than the pipe holds: the write waits for a reader
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,), daemon=True)
+        start_workers([p])
+        reading_end_only(q)
+        assert q._reader.poll(60)  # the message has begun
+        time.sleep(0.5)
+        p.kill()  # in the middle of writing it
+        p.join()
+        try:
+            receive(q, [p], 30.0, "test")
+        except WorkerError as e:
+            print("WorkerError:", e, flush=True)
+""")
+
+
+def test_a_worker_killed_in_the_middle_of_a_large_message_is_reported_not_waited_for(tmp_path):
+    """A message larger than the pipe's buffer is written in pieces as the reader reads. A worker killed between
+    pieces left the reader waiting for the rest for good while the parent's own copy of the writing end kept the pipe
+    open; with that copy closed (reading_end_only, as DSI and the pipeline do) the read ends with WorkerError."""
+    script = tmp_path / "torn.py"
+    script.write_text(TORN)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "WorkerError: test: a message from the workers could not be read" in out.stdout, out.stdout + out.stderr

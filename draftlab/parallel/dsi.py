@@ -225,10 +225,11 @@ class DSI:
                                                           target_latency_s, self.sampling, compile, width),
                                   daemon=True, name=f"dsi-server-{i}")
                       for i, (q, dev) in enumerate(zip(self.tasks, devices))]
-        from .workers import start_workers
+        from .workers import reading_end_only, start_workers
 
         try:
             start_workers(self.procs)
+            reading_end_only(self.results)
             for _ in self.procs:  # every server has loaded the base
                 self._receive(self.timeout_s)
         except BaseException:

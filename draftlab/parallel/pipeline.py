@@ -217,10 +217,11 @@ class DraftPipeline:
         self.worker = ctx.Process(target=_drafter_worker, daemon=True, name="pipeline-drafter",
                                   args=(export, tree, drafter_options or {}, drafter_device or str(self.device),
                                         drafter_threads, self.inbox, self.pool, path))
-        from .workers import start_workers
+        from .workers import reading_end_only, start_workers
 
         try:
             start_workers([self.worker])
+            reading_end_only(self.pool)
             (_, self.max_nodes), _ = self._receive()  # ("ready", max_nodes): the drafter is loaded
         except BaseException:
             self.close()

@@ -73,6 +73,17 @@ def start_workers(procs: list) -> None:
         done.result()
 
 
+def reading_end_only(q) -> None:
+    """Close the parent's copy of the writing end of q, a queue that only workers write to, once they have started.
+    A read then sees the end of the pipe when the workers holding it have all ended, also in the middle of a message:
+    a worker killed while it writes a message larger than the pipe's buffer (64 KiB) would otherwise leave the reader
+    waiting for the rest of it for good, with the parent's own copy holding the pipe open (the queue's read has no
+    deadline once a message has begun)."""
+    writer = getattr(q, "_writer", None)  # multiprocessing.queues.Queue's end of the pipe for put
+    if writer is not None:
+        writer.close()
+
+
 def error_message(who: str) -> tuple:
     """The message a worker sends when it fails: ("error", who, traceback)."""
     return ("error", who, traceback.format_exc())
