@@ -186,3 +186,27 @@ def test_the_hidden_cache_is_keyed_by_every_token_the_layers_read_and_the_base(t
     assert fp == fingerprint(ex, str(base), torch.float32, (0, 0, 1))
     (base / "model.safetensors").write_bytes(b"y" * 10)  # other weights of the same size
     assert fp != fingerprint(ex, str(base), torch.float32, (0, 0, 1))
+
+
+def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_was_not_logged(tiny_base_dir,
+                                                                                              data_file, tmp_path):
+    """Running a finished run's command again leaves its export and records as they are (found by review: it
+    evaluated and exported again and logged a second end record); a run killed after its last checkpoint but before
+    its end record logs its end once."""
+    out = tmp_path / "run"
+    r = recipe(tiny_base_dir, data_file, out, max_steps=2)
+    first = train(r)
+    meta = (out / "export" / "draftlab.json").read_text()
+    records = (out / "metrics.jsonl").read_text()
+    again = train(r)
+    assert again["already_finished"] and again["export"] == first["export"]
+    assert again["eval"] == first["eval"] and again["export_step"] == first["export_step"] == 2
+    assert (out / "export" / "draftlab.json").read_text() == meta
+    assert (out / "metrics.jsonl").read_text() == records
+    lines = records.splitlines()
+    assert json.loads(lines[-1])["event"] == "end"
+    (out / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # killed before the end record
+    redone = train(r)
+    assert "already_finished" not in redone
+    ends = [l for l in (out / "metrics.jsonl").read_text().splitlines() if json.loads(l).get("event") == "end"]
+    assert len(ends) == 1

@@ -33,7 +33,7 @@ def cmd_train(a) -> int:
     summary = train(load_recipe(a.recipe, a.overrides), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
     if a.json:
         _print_json(summary)
-    elif summary.get("export"):
+    elif summary.get("export") and not summary.get("already_finished"):
         print(f"export written to {summary['export']}")
     return 0
 

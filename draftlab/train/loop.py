@@ -6,6 +6,7 @@ draft, build the optimizer, resume, run the steps (logging, evaluating, checkpoi
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -25,8 +26,8 @@ from .accept import AcceptEstimator, BestDraft, selection_value
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, outside_deepspeed,
                           single_process_group_env, whole_copy)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
-from .run_dir import (Metrics, RunDirError, latest_checkpoint, prepare_run_dir, resume_step, save_checkpoint,
-                      write_run_config)
+from .run_dir import (Metrics, RunDirError, latest_checkpoint, prepare_run_dir, resume_records, resume_step,
+                      save_checkpoint, write_run_config)
 
 
 @dataclass
@@ -95,6 +96,9 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     open_hidden_cache(run)
     open_accept_estimate(run)
     step = resume_step(run.accelerator, run.out_dir, run.total_steps)
+    done = finished_before(run, step)
+    if done is not None:  # the same command again after the run ended: nothing to redo
+        return done
     metrics = Metrics(recipe, run.out_dir, run.accelerator)
     if run.is_main and step == 0:
         s = run.stats
@@ -389,6 +393,30 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
         metrics.log({"step": step, "event": "end", **last_eval, "export_step": chosen["step"],
                      "export_value": chosen["value"]})
     return summary
+
+
+def finished_before(run: Run, step: int) -> dict | None:
+    """The summary of a run that had already finished at `step` (its export written at that step and, when it
+    evaluates, its end record logged), or None. A run killed between its last checkpoint and its end record redoes
+    its end; a longer schedule (train.max_steps, epochs) trains on."""
+    from ..interop.export import META
+
+    meta_file = run.out_dir / "export" / META
+    if step < run.total_steps or not meta_file.is_file():
+        return None
+    training = json.loads(meta_file.read_text()).get("training", {})
+    ends = [r for r in resume_records(run.out_dir / "metrics.jsonl", fix=False) if r.get("event") == "end"]
+    end = ends[-1] if ends and ends[-1].get("step") == step else None
+    if training.get("steps") != step or (run.eval_ex and end is None):
+        return None
+    if run.is_main:
+        print(f"{run.out_dir} finished at step {step}; its export is {meta_file.parent} (a larger train.max_steps or "
+              "epochs trains on; --overwrite trains again)")
+    last_eval = None if end is None else {k: v for k, v in end.items()
+                                          if k not in ("step", "event", "export_step", "export_value")}
+    return {"step": step, "total_steps": run.total_steps, "output_dir": str(run.out_dir), "finished": True,
+            "stopped": False, "already_finished": True, "export": str(meta_file.parent),
+            "eval": training.get("eval"), "last_eval": last_eval, "export_step": training.get("export", {}).get("step")}
 
 
 def export_choice(run: Run, step: int) -> dict:
