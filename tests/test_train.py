@@ -150,6 +150,34 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
         assert len(list(tmp_path.rglob("offline-run-*"))) == 1
 
 
+@pytest.mark.slow  # two two-process launches
+def test_two_nodes_keep_a_hidden_state_cache_each(tiny_base_dir, data_file, tmp_path):
+    """Across nodes every node's first process makes the cache its node reads (found by review: only global rank 0
+    made it, so a node-local cache_dir was missing on the other nodes, and on a shared file system the nodes would
+    share one memory map, which machines do not keep coherent). Two nodes are played by two processes whose host
+    names differ; the weights are those of the same run on one node."""
+    r = recipe(tiny_base_dir, data_file, tmp_path / "x", max_steps=None, epochs=2, eval_every_steps=1000,
+               save_every_steps=1000, cache_hidden=True)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os, socket\n"
+                                           "socket.gethostname = lambda: 'host' + os.environ.get('RANK', '0')\n")
+    runs = {}
+    for name, env in (("one", {}), ("two", {"PYTHONPATH": f"{site}{os.pathsep}{Path(__file__).parents[1]}"})):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(dump_recipe(build_recipe({**r.model_dump(mode="json"), "output_dir": str(tmp_path / name)})))
+        p = launch_train(cfg, processes=2, env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[name] = tmp_path / name
+    assert (runs["one"] / "hidden_cache" / "meta.json").is_file()
+    assert not (runs["two"] / "hidden_cache" / "meta.json").exists()
+    for node in ("node0", "node1"):
+        assert (runs["two"] / "hidden_cache" / node / "meta.json").is_file()
+    wa, wb = weights(runs["one"]), weights(runs["two"])
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash"])  # eagle3 / dflash cache their layers and the final state
 def test_hidden_state_cache_skips_the_base_in_later_epochs(tiny_base_dir, data_file, tmp_path, monkeypatch, kind):
     import draftlab.train.loop as train_mod

@@ -66,6 +66,19 @@ def any_rank(flag: bool, accelerator) -> bool:
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
+def node_of(accelerator) -> tuple[int, int, bool]:
+    """(this process's node, the number of nodes, whether it is its node's first process): nodes told apart by host
+    name and numbered in their order (one all-gather; none in a single process)."""
+    if accelerator.num_processes == 1:
+        return 0, 1, True
+    import socket
+
+    me = socket.gethostname()
+    hosts = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(hosts, me)
+    return sorted(set(hosts)).index(me), len(set(hosts)), hosts.index(me) == accelerator.process_index
+
+
 def single_process_group_env() -> None:
     """One process without a launcher: DeepSpeed still wants a process group (of one)."""
     if "RANK" in os.environ:

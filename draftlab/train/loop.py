@@ -23,7 +23,7 @@ from ..drafters import build_draft
 from ..interop.export import save_export
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
-from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, outside_deepspeed,
+from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, node_of, outside_deepspeed,
                           single_process_group_env, whole_copy)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
 from .run_dir import (Metrics, RunDirError, latest_checkpoint, prepare_run_dir, resume_records, resume_step,
@@ -220,13 +220,18 @@ def open_hidden_cache(run: Run) -> None:
         return
     from .hidden_cache import HiddenCache
 
-    width = run.base.config.hidden_size * (len(getattr(run.draft, "base_layers", None) or ()) + 1)
-    cache_dir = t.hidden_cache_dir or str(run.out_dir / "hidden_cache")
+    layers = tuple(getattr(run.draft, "base_layers", None) or ())
+    width = run.base.config.hidden_size * (len(layers) + 1)
+    cache_dir = Path(t.hidden_cache_dir or run.out_dir / "hidden_cache")
+    node, nodes, first = node_of(run.accelerator)
+    if nodes > 1:  # a cache per node: a node-local disk is not seen by the other nodes, and on a shared file system
+        cache_dir = cache_dir / f"node{node}"  # a memory map is not kept coherent across machines
     dtype = next(run.base.parameters()).dtype
-    with run.accelerator.main_process_first():  # the main process creates or validates the files first
-        run.cache = HiddenCache(cache_dir, run.train_ex, width, dtype, run.recipe.base.name_or_path,
-                                create=run.is_main, layers=tuple(getattr(run.draft, "base_layers", None) or ()),
-                                revision=run.recipe.base.revision)
+    for turn in (True, False):  # each node's first process creates or validates its files, then the others open them
+        if first == turn:
+            run.cache = HiddenCache(cache_dir, run.train_ex, width, dtype, run.recipe.base.name_or_path, create=first,
+                                    layers=layers, revision=run.recipe.base.revision)
+        run.accelerator.wait_for_everyone()
 
 
 BEST_STATE = "custom_checkpoint_1.pkl"  # Accelerate's file for the second registered object (after the scheduler)
