@@ -121,7 +121,6 @@ TORN = textwrap.dedent("""
         assert q._reader.poll(60)  # the message has begun
         time.sleep(0.5)
         p.kill()  # in the middle of writing it
-        p.join()
         try:
             receive(q, [p], 30.0, "test")
         except WorkerError as e:
@@ -132,9 +131,11 @@ TORN = textwrap.dedent("""
 def test_a_worker_killed_in_the_middle_of_a_large_message_is_reported_not_waited_for(tmp_path):
     """A message larger than the pipe's buffer is written in pieces as the reader reads. A worker killed between
     pieces left the reader waiting for the rest for good while the parent's own copy of the writing end kept the pipe
-    open; with that copy closed (reading_end_only, as DSI and the pipeline do) the read ends with WorkerError."""
+    open; with that copy closed (reading_end_only, as DSI and the pipeline do) the read ends with WorkerError, naming
+    the worker and its exit code."""
     script = tmp_path / "torn.py"
     script.write_text(TORN)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "WorkerError: test: a message from the workers could not be read" in out.stdout, out.stdout + out.stderr
+    assert "has died" in out.stdout and "(exit code -9)" in out.stdout, out.stdout  # who died, and how

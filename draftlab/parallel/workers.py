@@ -97,12 +97,23 @@ def _get(q, wait_s: float, procs: list, what: str, loads=None):
         if loads is not None:
             msg = loads(msg)
     except (EOFError, OSError, pickle.UnpicklingError) as e:  # a message that cannot be read: unpickling a tensor
-        # shared by a worker that has died since (its resource sharer refuses), a truncated message
-        dead = [p.name for p in procs if not p.is_alive()]
+        # shared by a worker that has died since (its resource sharer refuses), a truncated message, the pipe's end
+        dead = _dead(procs, wait_s=1.0)
         raise WorkerError(f"{what}: a message from the workers could not be read ({type(e).__name__}: {e})"
                           + (f"; worker {dead[0]} has died" if dead else "")) from e
     raise_if_error(msg, what)
     return msg
+
+
+def _dead(procs: list, wait_s: float = 0.0) -> list[str]:
+    """'name (exit code N)' of each worker that has ended, waiting up to wait_s for one to be seen ended (a dying
+    process closes its files before it can be reaped, so the end of its pipe can come first)."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
+        if dead or time.perf_counter() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def poll(q, procs: list, wait_s: float, what: str, loads=None):
@@ -123,10 +134,9 @@ def receive(q, procs: list, timeout_s: float | None, what: str, poll_s: float = 
         try:
             return _get(q, wait, procs, what, loads)
         except queue.Empty:
-            dead = [p for p in procs if not p.is_alive()]
+            dead = _dead(procs)
             if dead:
-                raise WorkerError(f"{what}: worker {dead[0].name} died (exit code {dead[0].exitcode}) without a "
-                                  "report") from None
+                raise WorkerError(f"{what}: worker {dead[0]} died without a report") from None
             if timeout_s is not None and time.perf_counter() - t0 >= timeout_s:
                 raise WorkerError(f"{what}: no word from the workers for {timeout_s:.0f} s") from None
 
