@@ -192,7 +192,7 @@ def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_wa
                                                                                               data_file, tmp_path):
     """Running a finished run's command again leaves its export and records as they are (found by review: it
     evaluated and exported again and logged a second end record); a run killed after its last checkpoint but before
-    its end record logs its end once."""
+    its end record logs its end once; a changed train.export makes the export again."""
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=2)
     first = train(r)
@@ -210,3 +210,6 @@ def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_wa
     assert "already_finished" not in redone
     ends = [l for l in (out / "metrics.jsonl").read_text().splitlines() if json.loads(l).get("event") == "end"]
     assert len(ends) == 1
+    other = train(recipe(tiny_base_dir, data_file, out, max_steps=2, export="last"))  # export: changed since
+    assert "already_finished" not in other
+    assert json.loads((out / "export" / "draftlab.json").read_text())["training"]["export"]["chosen"] == "last"

@@ -401,9 +401,9 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
 
 
 def finished_before(run: Run, step: int) -> dict | None:
-    """The summary of a run that had already finished at `step` (its export written at that step and, when it
-    evaluates, its end record logged), or None. A run killed between its last checkpoint and its end record redoes
-    its end; a longer schedule (train.max_steps, epochs) trains on."""
+    """The summary of a run that had already finished at `step` (its export written at that step, by the same
+    train.export choice, and, when it evaluates, its end record logged), or None. A run killed between its last
+    checkpoint and its end record redoes its end; a longer schedule (train.max_steps, epochs) trains on."""
     from ..interop.export import META
 
     meta_file = run.out_dir / "export" / META
@@ -412,8 +412,9 @@ def finished_before(run: Run, step: int) -> dict | None:
     training = json.loads(meta_file.read_text()).get("training", {})
     ends = [r for r in resume_records(run.out_dir / "metrics.jsonl", fix=False) if r.get("event") == "end"]
     end = ends[-1] if ends and ends[-1].get("step") == step else None
-    if training.get("steps") != step or (run.eval_ex and end is None):
-        return None
+    made_with = training.get("recipe", {}).get("train", {}).get("export")
+    if training.get("steps") != step or (run.eval_ex and end is None) or made_with != run.recipe.train.export:
+        return None  # (train.export changed since: the export is made again, as the recipe now asks)
     if run.is_main:
         print(f"{run.out_dir} finished at step {step}; its export is {meta_file.parent} (a larger train.max_steps or "
               "epochs trains on; --overwrite trains again)")
