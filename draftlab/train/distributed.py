@@ -68,15 +68,20 @@ def any_rank(flag: bool, accelerator) -> bool:
 
 def node_of(accelerator) -> tuple[int, int, bool]:
     """(this process's node, the number of nodes, whether it is its node's first process): nodes told apart by host
-    name and numbered in their order (one all-gather; none in a single process)."""
+    name and the kernel's boot id (containers given one host name on several machines stay apart), numbered in their
+    order (one all-gather; none in a single process)."""
     if accelerator.num_processes == 1:
         return 0, 1, True
     import socket
 
-    me = socket.gethostname()
-    hosts = [None] * accelerator.num_processes
-    torch.distributed.all_gather_object(hosts, me)
-    return sorted(set(hosts)).index(me), len(set(hosts)), hosts.index(me) == accelerator.process_index
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # (not Linux)
+        boot = ""
+    me = f"{socket.gethostname()}|{boot}"
+    nodes = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(nodes, me)
+    return sorted(set(nodes)).index(me), len(set(nodes)), nodes.index(me) == accelerator.process_index
 
 
 def single_process_group_env() -> None:
