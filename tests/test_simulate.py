@@ -166,14 +166,28 @@ def test_simulation_drafts_no_more_than_the_text_needs():
     assert simulate_si(12, 1.0, k, td, tt, random.Random(0)) == tt + 2 * (k * td + tt) + tt
 
 
-def test_inputs_from_a_generate_report():
+def test_inputs_from_a_generate_report(tiny_base_dir):
+    """The depth comes from the drafter's own description (a static tree's tree_depth; EAGLE-3's depth). Found by
+    review: only EAGLE-3's key was read, so a heads', SSM's or DFlash report was solved at depth 1."""
+    from draftlab.base import load_base
+    from draftlab.decode.tree import Tree
+    from draftlab.drafters import build_draft, make_drafter
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
     a, depth = 0.7, 4
     tau = (1 - a ** (depth + 1)) / (1 - a)
-    rep = {"steps": 100, "accept_length": tau, "time_split_s": {"draft": 0.8, "verify": 3.0, "accept": 0.1},
-           "drafter": {"kind": "ssm", "depth": depth}}
-    got = from_generate(rep)
-    assert got["acceptance"] == pytest.approx(a, abs=1e-3)
-    assert got["t_target"] == pytest.approx(0.03) and got["t_draft"] == pytest.approx(0.002)
+    for head in ({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, {"type": "eagle3"}):
+        draft = build_draft(head, base)
+        drafter = make_drafter(draft, Tree.chain(depth) if head["type"] == "ssm" else None)
+        if head["type"] == "eagle3":
+            drafter.depth = depth
+        rep = {"steps": 100, "accept_length": tau, "time_split_s": {"draft": 0.8, "verify": 3.0, "accept": 0.1},
+               "drafter": drafter.describe()}
+        got = from_generate(rep)
+        assert got["depth"] == depth and got["acceptance"] == pytest.approx(a, abs=1e-3)
+        assert got["t_target"] == pytest.approx(0.03) and got["t_draft"] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="names no tree depth"):
+        from_generate({**rep, "drafter": {"kind": "ensemble"}})
     # A report whose drafting ran inside its verification calls (the chained step) has no drafting time to read.
     with pytest.raises(ValueError, match="DRAFTLAB_CHAINED_STEP=0"):
         from_generate({**rep, "chained_steps": 40})

@@ -26,8 +26,8 @@ def add_search_args(p) -> None:
     p.add_argument("export")
     p.add_argument("--data", required=True, help="calibration text: .txt / JSON(L) of text, ShareGPT or Alpaca records")
     p.add_argument("--out", required=True, help="tree file to write (.json)")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree (non-root nodes) to consider")
-    p.add_argument("--batch-size", type=int, default=1, help="batch size the tree is tuned for")
+    p.add_argument("--max-nodes", type=positive_int, default=64, help="largest tree (non-root nodes) to consider")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="batch size the tree is tuned for")
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
                    help="a schedule instead of one tree: time trees, chains and plain decoding at each batch size and "
                         "write OUT (tree file with a `schedule`), OUT.vllm.json and OUT.sglang.txt "
@@ -41,8 +41,8 @@ def add_search_args(p) -> None:
                         "tokens/s of decoding the timing prompts in static batches (draftlab's own decoder, whose "
                         "rows end at different steps), among the top 3 by estimate and plain decoding; the vLLM and "
                         "SGLang files follow the estimate either way")
-    p.add_argument("--max-rank", type=int, default=10, help="candidates per depth considered (top-k)")
-    p.add_argument("--calibration-prompts", type=int, default=64)
+    p.add_argument("--max-rank", type=positive_int, default=10, help="candidates per depth considered (top-k)")
+    p.add_argument("--calibration-prompts", type=positive_int, default=64)
     p.add_argument("--timing-prompts", type=int, default=8)
     p.add_argument("--timing-rounds", type=positive_int, default=3,
                    help="times each tree is timed, interleaved with the others; its fastest round counts (a busy "
@@ -51,8 +51,10 @@ def add_search_args(p) -> None:
                    help="stop timing trees after this many minutes (compiles included) and choose among those "
                         "timed; the rest are listed as untimed (not with --batch-sizes)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--sizes", type=int, nargs="*", default=None, help="tree sizes to time (default 1, 2, 4, ...)")
-    p.add_argument("--max-depth", type=int, default=8, help="SSM exports: deepest tree / longest chain considered")
+    p.add_argument("--sizes", type=positive_int, nargs="*", default=None,
+                   help="tree sizes (non-root nodes) to time (default 1, 2, 4, ...)")
+    p.add_argument("--max-depth", type=positive_int, default=8,
+                   help="SSM exports: deepest tree / longest chain considered")
     p.add_argument("--plot", action="store_true", help="write OUT.sizes.png and OUT.tree.png")
     p.add_argument("--compile", action="store_true",
                    help="time the trees on the static-shape compiled path (generate --compile), so the tree fits "
@@ -102,12 +104,13 @@ def search_command(a) -> int:
     if a.json:
         print(json.dumps(rep))
         return 0
-    print("| tree | nodes | depth | expected accept | measured accept | tokens/s |\n|---|---|---|---|---|---|")
+    print("| tree | nodes (root included) | depth | expected accept | measured accept | tokens/s |\n"
+          "|---|---|---|---|---|---|")
     for r in rep["sizes"]:
         expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
         print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
               f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} |")
     path = "compiled" if rep["compiled"] else "eager"
-    print(f"\nchose {rep['tree_size']} nodes ({rep['tokens_per_s']:.1f} tokens/s at batch size {rep['batch_size']} on "
-          f"{rep['hardware']}, {path} decoding); wrote {rep['tree']}")
+    print(f"\nchose {rep['tree_size']} nodes, the root included ({rep['tokens_per_s']:.1f} tokens/s at batch size "
+          f"{rep['batch_size']} on {rep['hardware']}, {path} decoding); wrote {rep['tree']}")
     return 0

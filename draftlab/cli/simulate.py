@@ -15,7 +15,7 @@ def add_simulate_args(p) -> None:
     p.add_argument("--acceptance", type=float, default=None, help="probability a drafted token is accepted (i.i.d.)")
     p.add_argument("--from-report", default=None,
                    help="a `draftlab generate --json` output file: latencies and acceptance measured on your pair")
-    p.add_argument("--lookahead", type=int, default=None,
+    p.add_argument("--lookahead", type=positive_int, default=None,
                    help="DSI lookahead (default: chosen by --lookahead-rule)")
     p.add_argument("--lookahead-rule", choices=["expected", "no-wait"], default="expected",
                    help="how DSI's lookahead is chosen when not given (also for --heatmap): expected (default): the "

@@ -396,7 +396,12 @@ def from_generate(report: dict) -> dict:
                          "DRAFTLAB_CHAINED_STEP=0 (the same tokens, drafting in calls of its own)")
     steps = max(report["steps"], 1)
     split = report.get("time_split_s", {})
-    depth = max(int((report.get("drafter") or {}).get("depth", 1)), 1)
+    drafter = report.get("drafter") or {}
+    depth = drafter.get("tree_depth", drafter.get("depth"))  # (a static tree's depth; EAGLE-3's dynamic tree's)
+    if depth is None:
+        raise ValueError(f"the report's drafter ({drafter.get('kind', 'unknown')}) names no tree depth, which the "
+                         "acceptance rate is solved for; give --acceptance and the latencies instead")
+    depth = max(int(depth), 1)
     t_target = split.get("verify", 0.0) / steps
     t_draft = split.get("draft", 0.0) / steps / depth
     tau = report["accept_length"]  # E = (1 - a^(depth+1)) / (1 - a); solve for a by bisection

@@ -266,10 +266,10 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     At every batch size B the timing prompts are repeated cyclically to whole batches of B rows (at least as many
     rows as the largest batch size), so every timed batch is full and every batch size decodes about the same work."""
     from ..decode.decoder import NoDraft, SpeculativeDecoder
-    from ..decode.search import geometric_sizes, replay_accept_length
+    from ..decode.search import replay_accept_length
     from ..decode.tensor_parallel import is_main
     from ..drafters import make_drafter
-    from .tree_search import hardware, load_search, rank_statistics, time_trees
+    from .tree_search import candidate_trees, hardware, load_search, rank_statistics, time_trees
 
     batch_sizes = sorted(set(batch_sizes))
     if schedule_by not in SCHEDULE_BY:  # before loading anything
@@ -287,12 +287,7 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
     stats, per_text, trees = rank_statistics(ctx.base, draft, ctx.calib, max_new_tokens, ctx.eos, depth, max_rank,
                                              max_nodes)
-    sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
-    candidates, seen = [], set()
-    for tree in [trees[n - 1] for n in sizes] + [Tree.chain(d) for d in range(1, min(depth, 16) + 1)]:
-        if tree.paths not in seen:
-            seen.add(tree.paths)
-            candidates.append(tree)
+    candidates = candidate_trees(trees, sizes, range(1, min(depth, 16) + 1), max_nodes)
     timing = ctx.timing
     if not timing:
         raise ValueError("--batch-sizes needs timing prompts: the data has none beyond the calibration prompts "

@@ -186,6 +186,21 @@ def rank_statistics(base, draft, calib: list[list[int]], max_new_tokens: int, eo
     return stats, per_text, trees
 
 
+def candidate_trees(trees: list[Tree], sizes: list[int] | None, chains, max_nodes: int) -> list[Tree]:
+    """The trees to time: the grown trees of `sizes` (default 1, 2, 4, ...), then chains of the lengths `chains`
+    up to max_nodes non-root nodes, each distinct tree once (a chain the same as a grown tree keeps the grown
+    tree's name)."""
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        raise ValueError(f"--sizes {sizes}: tree sizes (non-root nodes) are at least 1")
+    sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
+    out, seen = [], set()
+    for tree in [trees[n - 1] for n in sizes] + [Tree.chain(d) for d in chains if d <= max_nodes]:
+        if tree.paths not in seen:
+            seen.add(tree.paths)
+            out.append(tree)
+    return out
+
+
 def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_size: int = 1, max_rank: int = 10,
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
@@ -214,29 +229,33 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
                               calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds,
                               budget_s=time_budget_s)
     stats, per_text, trees = rank_statistics(base, draft, calib, max_new_tokens, eos, depth, max_rank, max_nodes)
-    sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
-    candidates = [trees[n - 1] for n in sizes]
-    if draft.kind in ("ssm", "dflash"):  # a block drafter's chains: how many of its block positions to verify
-        candidates += [Tree.chain(d) for d in (2, 3, 4, 6, 8, 12, 15) if d <= depth]
+    # An SSM's or a block drafter's chains: how far it drafts, or how many of its block positions are verified.
+    chains = [d for d in (2, 3, 4, 6, 8, 12, 15) if d <= depth] if draft.kind in ("ssm", "dflash") else []
+    candidates = candidate_trees(trees, sizes, chains, max_nodes)
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
     timed, untimed = timed_trees(candidates, decoders, timing, batch_size, max_new_tokens, eos, timing_rounds,
                                  time_budget_s, lambda t: t.metadata.get("name", ""))
     for tree, m in timed:
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
+                     "eager_fallback": m["eager_fallback"],
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
                      "paths": [list(p) for p in tree.paths]})
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    rows = [{k: v for k, v in r.items() if k != "paths"} for r in rows]
+    rows = [{k: v for k, v in r.items() if k not in ("paths", "eager_fallback")} for r in rows]
+    grown = not best["name"].startswith("chain")
     chosen = Tree.from_paths(best["paths"], {
-        "name": Path(out).stem, "method": "greedy growth on empirical acceptance statistics (Hydra sec. 4)",
+        "name": Path(out).stem, "chosen": best["name"],
+        "method": "greedy growth on empirical acceptance statistics (Hydra sec. 4)" if grown else
+                  "a chain, timed beside the grown trees",
         "export": str(export), "calibration": {"data": str(data), "prompts": len(calib), "states": stats.n},
         "expected_accept_length": best["expected_accept_length"],
         "replayed_accept_length": best["replayed_accept_length"],
         "measured_accept_length": best["measured_accept_length"], "tokens_per_s": best["tokens_per_s"],
-        "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(), "compiled": compile,
+        "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(),
+        "compiled": bool(compile) and not best["eager_fallback"],  # (every tree fell back to eager: compared eagerly)
         "timing_rounds": timing_rounds, "time_budget_s": time_budget_s, "untimed": untimed,
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
