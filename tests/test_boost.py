@@ -168,3 +168,26 @@ def test_ensemble_recipe_errors(tiny_base_dir, data_file, tmp_path):
         ensemble_recipe(tiny_base_dir, data_file, tmp_path, architectures=[{}, {"num_layers": 0}])
     with pytest.raises(ConfigError, match="lists 4 members but ensemble.members is 3"):
         ensemble_recipe(tiny_base_dir, data_file, tmp_path, architectures=[{}] * 4)
+
+
+def test_every_stage_keeps_the_ensembles_held_out_split(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """A stage trains with a seed of its own (its weights and data order), but splits the data as its ensemble does:
+    the subset the last stages chose indexes that split's training examples, and the held-out examples the stages
+    are scored on are never trained on (found by review: stage i split with seed + i, so half the held-out examples
+    of 40 records were in a later member's training set, and the subset picked other examples)."""
+    import draftlab.train.loop as loop
+
+    splits = []
+
+    def recording(data_cfg, tok, seed=0):
+        train_ex, eval_ex, stats = real(data_cfg, tok, seed=seed)
+        splits.append((seed, [e["input_ids"] for e in eval_ex]))
+        return train_ex, eval_ex, stats
+    real = loop.load_examples
+    monkeypatch.setattr(loop, "load_examples", recording)
+    r = ensemble_recipe(tiny_base_dir, data_file, tmp_path / "e", members=2, architectures=[])
+    r = build_recipe({**r.model_dump(mode="json"), "train": {**r.train.model_dump(), "max_steps": 1,
+                                                             "eval_every_steps": 1}})
+    train(r)
+    assert len(splits) == 2 and {seed for seed, _ in splits} == {r.train.seed}
+    assert splits[0][1] == splits[1][1]

@@ -32,7 +32,8 @@ from .run_dir import resume_records
 
 
 def stage_recipe(recipe: Recipe, i: int) -> Recipe:
-    """Member i's recipe: head.ssm with its architecture override, its own run directory and seed, no ensemble."""
+    """Member i's recipe: head.ssm with its architecture override, its own run directory and seed (its weights' and
+    data order's; the train / held-out split stays the ensemble's, see train_ensemble), no ensemble."""
     e = recipe.ensemble
     raw = recipe.model_dump(mode="json")
     raw["head"]["ssm"] = {**raw["head"]["ssm"], **(e.architectures[i] if i < len(e.architectures) else {})}
@@ -207,7 +208,10 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                         os.replace(subset_file.with_suffix(".tmp"), subset_file)
                     state.wait_for_everyone()
                 subset = json.loads(subset_file.read_text())["kept"]
-            summary = train_draft(sr, overwrite=False, stop_after_steps=stop_after_steps, example_subset=subset)
+            # The ensemble's split (its seed), whatever the member's own seed: the subset indexes that split's
+            # training examples, and no member trains on the held-out examples the stages are scored on.
+            summary = train_draft(sr, overwrite=False, stop_after_steps=stop_after_steps, example_subset=subset,
+                                  split_seed=recipe.train.seed)
             if not summary["finished"]:
                 return {**summary, "stage": i + 1, "members": e.members, "output_dir": str(out)}
         member, _ = load_export(sdir / "export")

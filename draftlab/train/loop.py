@@ -84,14 +84,15 @@ class Run:
 
 
 def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None,
-                example_subset: list[int] | None = None) -> dict:
+                example_subset: list[int] | None = None, split_seed: int | None = None) -> dict:
     """Run (or resume) a recipe's draft training; a summary with the export path and the final eval figures.
 
     stop_after_steps ends this invocation early (after saving a checkpoint) to simulate preemption.
-    example_subset trains on those training examples only (a boost-tuning stage).
+    example_subset trains on those training examples only (a boost-tuning stage); split_seed: the seed of the
+    train / held-out split (default train.seed; a stage's is its ensemble's, which its subset indexes).
     """
     run, ds_plugin = start(recipe, overwrite)
-    load_models_and_data(run, ds_plugin, example_subset)
+    load_models_and_data(run, ds_plugin, example_subset, recipe.train.seed if split_seed is None else split_seed)
     build_optimizer(run)
     open_hidden_cache(run)
     open_accept_estimate(run)
@@ -147,7 +148,7 @@ def start(recipe: Recipe, overwrite: bool):
     return run, ds_plugin
 
 
-def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None) -> None:
+def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, split_seed: int) -> None:
     """The frozen base (FSDP-sharded or whole), the tokenised data, the draft module and its objective."""
     recipe, accelerator, b = run.recipe, run.accelerator, run.recipe.base
     if run.sharded:
@@ -159,7 +160,7 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None) 
             run.base, run.tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
                                           b.attn_implementation)
     with accelerator.main_process_first():
-        run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=recipe.train.seed)
+        run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed)
     if example_subset is not None:
         run.train_ex = [run.train_ex[i] for i in example_subset]
         s = run.stats
