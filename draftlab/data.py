@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,12 +163,15 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(render(messages[:i], True)) if i else 0
         end = len(render(messages[: i + 1], False))
         if not full.startswith(render(messages[: i + 1], False)):
             raise DataError("the tokenizer's chat template renders a conversation differently from its own "
                             "prefixes, so assistant spans cannot be located; set a prefix-stable chat_template")
-        spans.append((start, end))
+        # The answer starts after the generation prompt, or where the conversation leaves it: a template whose
+        # generation prompt holds more than a rendered turn does (DeepSeek-R1's "<think>\n") would otherwise
+        # leave the answer's first characters out of the loss.
+        start = len(os.path.commonprefix([render(messages[:i], True), full])) if i else 0
+        spans.append((min(max(start, len(render(messages[:i], False)) if i else 0), end), end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
     ids = enc["input_ids"]
     mask = [0] * len(ids)
@@ -175,7 +179,10 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     for t, (a, b) in enumerate(enc["offset_mapping"]):
         while k < len(spans) and a >= spans[k][1]:
             k += 1
-        if k < len(spans) and spans[k][0] <= a < spans[k][1] and b > a:
+        # A token inside an answer, or one that starts with the whitespace before it (a word's leading space merged
+        # into the answer's first token).
+        if k < len(spans) and b > a and (spans[k][0] <= a < spans[k][1] or
+                                         a < spans[k][0] < b and not full[a:spans[k][0]].strip()):
             mask[t] = 1
     return ids, mask
 
@@ -218,7 +225,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:
-                convs.append(to_messages(rec, fmt))
+                convs.append((to_messages(rec, fmt), (source, idx)))
         except DataError as e:
             if data_cfg.on_malformed == "skip":
                 stats.skip(str(e))
@@ -228,10 +235,19 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
     train_t, eval_t = _split(texts, data_cfg.eval_size, data_cfg.eval_pick, seed)
     train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed)
 
+    from jinja2 import TemplateError
+
     def encode(conversations, docs):
         out = [{"input_ids": i, "loss_mask": m} for i, m in pack_text(docs, tokenizer, data_cfg.max_len)] if docs else []
-        for msgs in conversations:
-            ids, mask = tokenize_chat(msgs, tokenizer, data_cfg.max_len)
+        for msgs, (source, idx) in conversations:
+            try:
+                ids, mask = tokenize_chat(msgs, tokenizer, data_cfg.max_len)
+            except (DataError, TemplateError) as e:  # e.g. roles that do not alternate, under a template that insists
+                if data_cfg.on_malformed == "skip":
+                    stats.skip(f"the chat template could not render it ({type(e).__name__})")
+                    continue
+                raise DataError(f"{source} record {idx}: the chat template: {e}. Fix the record, or set "
+                                "data.on_malformed=skip to drop such records and count them") from None
             if sum(mask) == 0:
                 stats.skip("no assistant tokens left after truncation to data.max_len")
                 continue

@@ -110,3 +110,42 @@ def test_collate_pads_right_and_masks_padding():
     assert b["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
     assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+R1_STYLE = ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
+            "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}Assistant: <think>\n{% endif %}")
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_the_whole_answer_carries_loss_when_the_generation_prompt_is_not_a_rendered_turns_start(tok):
+    """A generation prompt holding more than the rendered turn starts with (DeepSeek-R1's "<think>\\n"): the answer's
+    first characters carried no loss, silently (found by review). The answer now starts where the two renderings
+    part."""
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = R1_STYLE
+    msgs = [{"role": "user", "content": "what is a cat?"}, {"role": "assistant", "content": "It is an animal."}]
+    ids, mask = tokenize_chat(msgs, t, 512)
+    text = decoded_masked(t, ids, mask)
+    assert text.lstrip().startswith("It is an animal.") and "Assistant" not in text and "cat" not in text
+
+
+def test_a_record_the_chat_template_refuses_is_named_or_skipped(tmp_path, tok):
+    """A template that raises on some records (roles that do not alternate) named neither the file nor the record,
+    and stopped a load that asked to skip malformed records (found by review)."""
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = ALTERNATING
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello"}]}
+    bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "again"},
+                             {"from": "gpt", "value": "Hello"}]}
+    f = write_jsonl(tmp_path / "c.jsonl", [good, good, bad, good])
+    with pytest.raises(DataError, match=f"{f} record 2: the chat template"):
+        load_examples(DataSection(path=str(f), eval_size=0), t)
+    train, _, stats = load_examples(DataSection(path=str(f), eval_size=0, on_malformed="skip"), t)
+    assert len(train) == 3 and sum(stats.skipped.values()) == 1
