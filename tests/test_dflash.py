@@ -128,12 +128,19 @@ def test_block_logits_at_every_step_are_the_same_on_the_static_path(window_min, 
         seen[-1].append(out.clone())
         return out
     monkeypatch.setattr(DFlashDrafter, "_block", recording)
+    used = []
     for opts in ({}, {"static": True}):
         seen.append([])
-        SpeculativeDecoder(base, make_drafter(d, tree), **opts).generate(prompts, max_new_tokens=21)
+        dec = SpeculativeDecoder(base, make_drafter(d, tree), **opts)
+        dec.generate(prompts, max_new_tokens=21)
+        staged = opts and dec.drafter.staged is not None  # (a last commit, if any, is staged)
+        used.append(dec.drafter.n + (dec.drafter.staged_len if staged else 0))
     assert len(seen[0]) == len(seen[1]) > 5
     for a, b in zip(*seen):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # The static path's context cache holds each step's longest path, as the eager one does (found by review: it
+    # grew by the tree's width every step, holes kept, reallocated as it filled).
+    assert used[0] == used[1]
 
 
 @pytest.mark.parametrize("path,window_min", [({"static": True}, 256), ({"static": True}, 4),
@@ -166,9 +173,13 @@ def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_on
     for p, got in zip(prompts, eager.tokens):
         assert got == plain_greedy(base, p, 21)
     dec = SpeculativeDecoder(base, make_drafter(d, tree), **path)
+    ref_dec = SpeculativeDecoder(base, make_drafter(d, tree))
     for e, r in ((None, eager), (eos, ref)):
         got = dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
         assert got.tokens == r.tokens and got.steps == r.steps, (path, e)
+        ref_dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
+        staged = dec.drafter.staged_len if dec.drafter.staged is not None else 0
+        assert dec.drafter.n + staged == ref_dec.drafter.n  # the context cache holds what the eager one does
 
 
 def test_the_compiled_block_call_traces_as_one_graph():

@@ -504,7 +504,10 @@ class DFlashDrafter(Drafter):
         window = attention_window(self.n + W, self.valid.shape[1], self.valid.device.type)
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
         out, self.next_pos = fn(root, states, keep, positions, ok, n, window, greedy)
-        self.n += 0 if empty else W
+        # The step's longest path (its entries are the first of the W written; the holes past it are written over
+        # by the next commit), as the eager path and the base's cache keep: the cache grows with the text, not by
+        # the tree's width every step.
+        self.n += 0 if empty else self.staged_len
         return out
 
     def _commit_block(self, root, states, keep, positions, ok, n, window: int, greedy: bool = False):
@@ -536,13 +539,13 @@ class DFlashDrafter(Drafter):
 
     def chained(self, step: StepResult) -> Proposal:
         tokens, self.next_pos = step.drafted
-        self.n += self.tree.depth + 1
+        self.n += step.keep.shape[1]  # the step's longest path (see _static_block)
         return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
-            self.staged = step.fixed(self.tree.depth + 1, self.hidden_layers)
+            self.staged, self.staged_len = step.fixed(self.tree.depth + 1, self.hidden_layers), step.keep.shape[1]
             return
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H] at the kept nodes
         ok = step.keep_valid
