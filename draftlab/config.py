@@ -92,6 +92,9 @@ class DFlashSection(_Section):
     mask_token_id: int | None = Field(None, ge=0, description="the token id whose (base) embedding fills the block "
                                       "past its first position; unset: the base's pad / unk token, else the last id")
     num_anchors: int = Field(512, ge=1, description="training: blocks per sequence, at random anchor positions")
+    qk_norm: bool = Field(True, description="RMS norms on each head's queries and keys in the draft's attention, as "
+                          "Qwen3 layers and the engines' DFlash models (z-lab, SGLang, vLLM) always have; false only "
+                          "for drafts matching a base without them, which those engines do not serve as trained")
     loss_decay_gamma: float | None = Field(
         None, gt=0, description="training: block position k's loss is weighted exp(-(k - 1) / gamma); unset: the "
         "paper's 7 for blocks of 16, 5 for 10, 4 for 8 (other sizes interpolated)")

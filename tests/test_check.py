@@ -274,6 +274,19 @@ def test_a_correct_dflash_export_drafts_the_same_blocks_read_sglangs_way(dflash_
     assert by_name(check_export(dflash_dir, engine="vllm"))["proposals"]["ok"] is None
 
 
+def test_a_dflash_draft_without_qk_norms_is_not_served_as_trained(base_dir, tmp_path):
+    """The engines' DFlash layers always apply q/k norms (SGLang loads unit weights where the files have none), so a
+    draft made without them (head.dflash.qk_norm: false, as a Llama base's drafts were until 2026-11-30) fails the
+    check with the reason (found by review: the check applied the norms only where present, and passed)."""
+    from draftlab.base import load_base
+
+    base = load_base(str(base_dir), "float32")[0]
+    d = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 1, "qk_norm": False}}, base).eval()
+    out = save_export(d, base, tmp_path / "export", str(base_dir))
+    c = by_name(check_export(out, engine="sglang"))["proposals"]
+    assert c["ok"] is False and "no q/k norms" in c["message"] and "qk_norm: true" in c["message"]
+
+
 def test_dflash_target_layer_ids_as_hidden_states_indices(dflash_dir, tmp_path):
     """target_layer_ids written without the -1 (draftlab's own indexing): DFlash reads each layer one late."""
     def late(c):

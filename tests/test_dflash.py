@@ -266,6 +266,7 @@ def _engine_block_logits(t: dict, cfg: dict, feats, ctx_pos, block_ids, block_po
         v = torch.cat([ctx, y]) @ t[p + "self_attn.v_proj.weight"].t()
         k = k.view(-1, kvh, hd).transpose(0, 1)
         v = v.view(-1, kvh, hd).transpose(0, 1)
+        q, k = rms(q, t[p + "self_attn.q_norm.weight"]), rms(k, t[p + "self_attn.k_norm.weight"])  # per head
         k = rot(k, torch.cat([cc, cb]), torch.cat([sc, sb]))
         q = rot(q, cb, sb)
         k, v = k.repeat_interleave(nh // kvh, 0), v.repeat_interleave(nh // kvh, 0)
@@ -285,7 +286,8 @@ def test_export_is_the_dflash_checkpoint_layout(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     per_layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight"}
+                 "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight"}
     assert set(t) == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2)
                                                                              for n in per_layer}
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_hidden_layers"] == 2

@@ -104,7 +104,8 @@ def blocks_attention(q, k, v, ctx_k, ctx_v, ctx_allowed, A: int) -> torch.Tensor
 
 
 class DFlashLayer(nn.Module):
-    """One draft decoder layer (Llama / Qwen3 names; q_norm / k_norm when the base's layers have them)."""
+    """One draft decoder layer (Llama / Qwen3 names; q_norm / k_norm with qk_norm, head.dflash.qk_norm's default, as
+    the engines' DFlash layers always have)."""
 
     def __init__(self, H: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, qk_norm: bool):
         super().__init__()
@@ -200,19 +201,18 @@ class DFlashDraft(ReadsBase, nn.Module):
         """Shape of a DFlash drafter for this base, from the recipe's head.dflash section."""
         c, e = base.config, dict(head.get("dflash") or {})
         heads = c.num_attention_heads
-        n = e.get("num_layers", 1)
+        n = e.get("num_layers", 5)  # (the recipe schema's defaults, for a head given without it)
         layers = e.get("layers") or default_layers(c.num_hidden_layers, n)
         bs = e.get("block_size", 16)
         V = base.get_output_embeddings().weight.shape[0]
         mask = e.get("mask_token_id")
         if mask is None:
             mask = _default_mask_token(base, V)
-        layer0 = base.base_model.layers[0].self_attn
         return {"hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(c, "num_key_value_heads", heads) or heads,
                 "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
                 "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "vocab_size": V,
-                "qk_norm": hasattr(layer0, "q_norm"), "num_layers": n, "layers": list(layers), "block_size": bs,
+                "qk_norm": e.get("qk_norm", True), "num_layers": n, "layers": list(layers), "block_size": bs,
                 "mask_token_id": int(mask), "num_anchors": e.get("num_anchors", 512),
                 "loss_decay_gamma": e.get("loss_decay_gamma") or default_gamma(bs),
                 "rope_parameters": base_rope(base),

@@ -120,6 +120,10 @@ class EngineDFlash:
             raise ValueError(f"dflash_config.target_layer_ids {ids} leave the base's layers 0..{n - 1}: the engine "
                              "would fail to capture them")
         self.layers = [i + 1 for i in ids]  # the output of layer i is hidden_states[i + 1]
+        if any(f"layers.{i}.self_attn.q_norm.weight" not in self.t for i in range(cfg["num_hidden_layers"])):
+            raise ValueError("the draft's layers have no q/k norms, which the engines' DFlash layers always apply "
+                             "(SGLang loads unit weights in their place, so every block would be drafted otherwise "
+                             "than trained); train it with head.dflash.qk_norm: true, the default since 2026-11-30")
         if self.t["fc.weight"].shape[1] != len(ids) * H:
             raise ValueError(f"fc reads {self.t['fc.weight'].shape[1] // H} base layers and dflash_config."
                              f"target_layer_ids names {len(ids)}: the engine would fail to run the draft")
@@ -149,8 +153,7 @@ class EngineDFlash:
             q = split(y @ t[p + "self_attn.q_proj.weight"].t(), nh)
             k = split(both @ t[p + "self_attn.k_proj.weight"].t(), kvh)
             v = split(both @ t[p + "self_attn.v_proj.weight"].t(), kvh)
-            if p + "self_attn.q_norm.weight" in t:  # Qwen3 blocks
-                q, k = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps), _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
+            q, k = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps), _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
             q, k = rot(q, cos[c:], sin[c:]), rot(k, cos, sin)
             k, v = k.repeat_interleave(nh // kvh, 0), v.repeat_interleave(nh // kvh, 0)
             a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # no mask: context and block, both ways
