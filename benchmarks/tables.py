@@ -1089,6 +1089,9 @@ TABLES = {
     "refactor_check_signature_state": ("refactor_check_signature_state", refactor_check_compiled_exports(
         "Signatures holding a module's state, a sequence's type and slices by value, against the commit before, one "
         "thread (AMD EPYC)", "refactor_check_signature_state")),
+    "refactor_check_dflash_cache": ("refactor_check_dflash_cache", refactor_check_compiled_exports(
+        "DFlash's context cache advancing by each step's longest path, against the commit before, one thread "
+        "(AMD EPYC)", "refactor_check_dflash_cache")),
     "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
         p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
