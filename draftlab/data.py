@@ -108,8 +108,9 @@ def detect_format(record) -> str:
     return "unknown"
 
 
-def to_messages(record, fmt: str) -> list[dict]:
-    """One raw record -> [{'role', 'content'}]; raises DataError(reason) when malformed."""
+def to_messages(record, fmt: str, need_answer: bool = True) -> list[dict]:
+    """One raw record -> [{'role', 'content'}]; raises DataError(reason) when malformed, or (need_answer) when no
+    assistant turn has text (prompts alone serve as prompts: search-tree, distill-data)."""
     if not isinstance(record, dict):
         raise DataError(f"a record must be a JSON object, got {type(record).__name__}")
     if fmt == "sharegpt":
@@ -147,9 +148,12 @@ def to_messages(record, fmt: str) -> list[dict]:
         msgs += [{"role": "user", "content": prompt}, {"role": "assistant", "content": out}]
     else:
         raise DataError(f"format {fmt!r} has no messages")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-        raise DataError("no non-empty assistant turn")
+    if need_answer and not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        raise DataError(NO_ANSWER)
     return msgs
+
+
+NO_ANSWER = "no non-empty assistant turn"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +229,11 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:
-                convs.append((to_messages(rec, fmt), (source, idx)))
+                msgs = to_messages(rec, fmt, need_answer=False)
+                if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+                    stats.skip(NO_ANSWER)  # nothing to learn (an empty answer a base gave, say): counted, as a
+                    continue  # conversation truncated to no answer is
+                convs.append((msgs, (source, idx)))
         except DataError as e:
             if data_cfg.on_malformed == "skip":
                 stats.skip(str(e))
@@ -284,8 +292,8 @@ def heldout_prompts(data_cfg, n: int, seed: int = 0) -> list[list[dict] | str]:
 
 
 def prompt_turns(msgs: list[dict]) -> list[dict]:
-    """The messages before the first assistant turn: what a model is asked to answer."""
-    return msgs[:next(j for j, m in enumerate(msgs) if m["role"] == "assistant")]
+    """The messages before the first assistant turn (all of them without one): what a model is asked to answer."""
+    return msgs[:next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))]
 
 
 def collate(batch: list[dict], pad_id: int) -> dict:

@@ -149,3 +149,14 @@ def test_a_record_the_chat_template_refuses_is_named_or_skipped(tmp_path, tok):
         load_examples(DataSection(path=str(f), eval_size=0), t)
     train, _, stats = load_examples(DataSection(path=str(f), eval_size=0, on_malformed="skip"), t)
     assert len(train) == 3 and sum(stats.skipped.values()) == 1
+
+
+def test_a_conversation_with_an_empty_answer_is_counted_not_an_error(tmp_path, tok):
+    """An empty answer (a base that ended its turn at once, in self-distilled data) leaves nothing to learn: it is
+    skipped and counted like a conversation truncated to no answer, not taken as malformed (found by review: the
+    default on_malformed: error stopped training on it)."""
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello"}]}
+    empty = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]}
+    f = write_jsonl(tmp_path / "c.jsonl", [good, empty, good])
+    train, _, stats = load_examples(DataSection(path=str(f), eval_size=0), tok)
+    assert len(train) == 2 and stats.skipped == {"no non-empty assistant turn": 1}

@@ -86,3 +86,21 @@ def test_endpoint_run_resumes_and_reports_errors(server, tmp_path):
         distill_data(None, str(src), str(tmp_path / "x.jsonl"), endpoints=[dead], model="tiny", retries=1)
     with pytest.raises(DataError, match="--all-turns .* needs --mode chat"):
         distill_data(None, str(src), str(tmp_path / "x.jsonl"), endpoints=[url], mode="text", all_turns=True)
+
+
+def test_a_folder_of_prompts_alone_resumes_record_by_record(tiny_base_dir, tmp_path):
+    """Records numbered across a folder's files (found by review: each file's own numbering, so the second file's
+    records were taken as done on resume), and records that hold prompts alone, no answer (found by review: none
+    were read, "no prompts found")."""
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for name in ("a", "b"):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"conversations": [
+            {"from": "human", "value": f"Tell me about cat {name}{i}."}]}) + "\n" for i in range(3)))
+    out = tmp_path / "o.jsonl"
+    first = distill_data(str(tiny_base_dir), str(folder), str(out), max_new_tokens=4, batch_size=2, max_records=4)
+    again = distill_data(str(tiny_base_dir), str(folder), str(out), max_new_tokens=4, batch_size=2)
+    assert (first["written"], again["skipped_existing"], again["written"]) == (4, 4, 2)
+    recs = lines(out)
+    assert [r["source_index"] for r in recs] == list(range(6))
+    assert [r["conversations"][0]["value"] for r in recs] == [f"Tell me about cat {n}{i}." for n in "ab" for i in range(3)]

@@ -38,20 +38,23 @@ def text_prefix(text: str, chars: int) -> str:
 
 def prompts_of(path: str, max_records: int | None = None, mode: str = "chat", prompt_chars: int = 64,
                all_turns: bool = False) -> list[tuple[int, object]]:
-    """(record index, prompt) per usable record. chat: the messages up to the first assistant turn, or with
-    all_turns the whole conversation (its assistant turns are regenerated); text: the opening of the text (or of
-    the first user turn)."""
+    """(record index, prompt) per usable record, the index counted over every record read (a folder's files one
+    after the other). chat: the messages up to the first assistant turn (all of a record without one), or with
+    all_turns the whole conversation (its assistant turns are regenerated); text: the opening of the text, or the
+    last message before the first assistant turn, whole."""
     out = []
-    for _, i, rec in read_records(path, max_records=max_records):
+    # i: the record's place among all records read (a folder's files one after the other), which names it in the
+    # output (source_index) and on resume; a file's own numbering would repeat from file to file.
+    for i, (_, _, rec) in enumerate(read_records(path, max_records=max_records)):
         fmt = detect_format(rec)
         try:
             if mode == "text":
                 out.append((i, text_prefix(rec["text"], prompt_chars) if fmt == "text"
-                            else prompt_turns(to_messages(rec, fmt))[-1]["content"]))
+                            else prompt_turns(to_messages(rec, fmt, need_answer=False))[-1]["content"]))
             elif fmt == "text":
                 out.append((i, [{"role": "user", "content": rec["text"]}]))
             else:
-                msgs = to_messages(rec, fmt)
+                msgs = to_messages(rec, fmt, need_answer=False)
                 out.append((i, msgs if all_turns else prompt_turns(msgs)))
         except (DataError, KeyError, TypeError):
             continue
@@ -190,8 +193,8 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
     """Generate with the base (in this process, or through `endpoints`) and append records to out_file; records
     already there are skipped, so a killed run resumes.
 
-    mode chat: the base answers each record's first user turn (or, with all_turns, every user turn in order,
-    seeing its own earlier answers) through its chat template; ShareGPT conversations out. mode text (bases
+    mode chat: the base answers each record's messages before its first assistant turn (or, with all_turns,
+    every user turn in order, seeing its own earlier answers) through its chat template; ShareGPT conversations out. mode text (bases
     without a chat format): the base continues the first prompt_chars characters of each text; {"text"} out."""
     if mode not in ("chat", "text"):
         raise DataError(f"--mode {mode!r}: use chat or text")
