@@ -159,6 +159,20 @@ NO_ANSWER = "no non-empty assistant turn"
 # ---------------------------------------------------------------------------------------------
 # tokenising
 
+def _located(content: str, own: str, full: str, after: int) -> tuple[int, int]:
+    """The span of an answer that a template renders otherwise when it is the conversation's last (Qwen3 shows the
+    thinking of the last answer only): its text in the whole conversation, after the spans before it, with the
+    end-of-turn text that follows it in its own rendering (`own`)."""
+    at = full.find(content, after) if content else -1
+    if at < 0 or content not in own:
+        raise DataError("the tokenizer's chat template renders an answer differently when later turns follow it, "
+                        "and its text is not found in the whole conversation, so its span cannot be located; set a "
+                        "chat_template that renders earlier answers as written")
+    end = at + len(content)
+    tail = own[own.rindex(content) + len(content):]
+    return at, end + len(tail) if full.startswith(tail, end) else end
+
+
 def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
     """Token ids of the conversation via the chat template, and a 0/1 mask on assistant tokens."""
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -167,15 +181,15 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        end = len(render(messages[: i + 1], False))
-        if not full.startswith(render(messages[: i + 1], False)):
-            raise DataError("the tokenizer's chat template renders a conversation differently from its own "
-                            "prefixes, so assistant spans cannot be located; set a prefix-stable chat_template")
+        own = render(messages[: i + 1], False)
+        if not full.startswith(own):  # (the template renders this answer otherwise when it is the last one)
+            spans.append(_located(m["content"], own, full, spans[-1][1] if spans else 0))
+            continue
         # The answer starts after the generation prompt, or where the conversation leaves it: a template whose
         # generation prompt holds more than a rendered turn does (DeepSeek-R1's "<think>\n") would otherwise
         # leave the answer's first characters out of the loss.
         start = len(os.path.commonprefix([render(messages[:i], True), full])) if i else 0
-        spans.append((min(max(start, len(render(messages[:i], False)) if i else 0), end), end))
+        spans.append((min(max(start, len(render(messages[:i], False)) if i else 0), len(own)), len(own)))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
     ids = enc["input_ids"]
     mask = [0] * len(ids)

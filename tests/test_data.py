@@ -160,3 +160,26 @@ def test_a_conversation_with_an_empty_answer_is_counted_not_an_error(tmp_path, t
     f = write_jsonl(tmp_path / "c.jsonl", [good, empty, good])
     train, _, stats = load_examples(DataSection(path=str(f), eval_size=0), tok)
     assert len(train) == 2 and stats.skipped == {"no non-empty assistant turn": 1}
+
+
+LAST_THINKS = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+               "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+               "{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}Assistant:"
+               "{% if loop.index0 == ns.last %} <think> </think>{% endif %} {{ m['content'] }}{{ eos_token }}\n"
+               "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def test_every_answer_carries_loss_under_a_template_that_renders_the_last_answer_otherwise(tok):
+    """Qwen3's template shows a thinking block in the last answer only, so a conversation is not rendered as its
+    own prefixes are: such conversations were refused (found by review: multi-turn data of such a base could not be
+    trained). An earlier answer is now found in the whole conversation, its end of turn with it."""
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = LAST_THINKS
+    msgs = [{"role": "user", "content": "what is a cat?"}, {"role": "assistant", "content": "It is an animal."},
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = tokenize_chat(msgs, t, 512)
+    text = decoded_masked(t, ids, mask)
+    assert "It is an animal." in text and "Hello" in text and "cat" not in text and "User" not in text
+    assert sum(1 for i, m in zip(ids, mask) if m and i == t.eos_token_id) == 2  # each answer's end of turn too
