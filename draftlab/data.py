@@ -216,13 +216,22 @@ def pack_text(texts: list[str], tokenizer, max_len: int) -> list[tuple[list[int]
     return [(b, [1] * len(b)) for b in blocks if len(b) >= 2]
 
 
-def _split(items: list, eval_size: float, pick: str, seed: int) -> tuple[list, list]:
+def _split(items: list, eval_size: float, pick: str, seed: int, key=lambda x: x) -> tuple[list, list]:
+    """(train, held out): eval_size of the items (a fraction, or a count), a seeded random choice or the last ones;
+    the copies of one item (equal key) go to one side, so no held-out example is also trained on. Without copies,
+    the held-out items are the last n_eval of the seeded shuffle."""
     n_eval = int(round(eval_size * len(items))) if eval_size < 1 else int(eval_size)
     n_eval = min(n_eval, max(len(items) - 1, 0))
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(key(it), []).append(it)
+    order = list(groups.values())
     if pick == "random":
-        items = items[:]
-        random.Random(seed).shuffle(items)
-    return (items[: len(items) - n_eval], items[len(items) - n_eval:]) if n_eval else (items, [])
+        random.Random(seed).shuffle(order)
+    held: list = []
+    while order and len(held) < n_eval and len(held) + len(order[-1]) < len(items):
+        held[:0] = order.pop()
+    return [it for g in order for it in g], held
 
 
 def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataStats]:
@@ -255,7 +264,8 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
             raise DataError(f"{source} record {idx}: {e}. Fix the record, or set data.on_malformed=skip "
                             "to drop such records and count them") from None
     train_t, eval_t = _split(texts, data_cfg.eval_size, data_cfg.eval_pick, seed)
-    train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed)
+    train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed,
+                             key=lambda c: json.dumps(c[0], sort_keys=True))
 
     from jinja2 import TemplateError
 
@@ -283,26 +293,6 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
     stats.train_tokens = sum(len(e["input_ids"]) for e in train)
     stats.loss_tokens = sum(sum(e["loss_mask"]) for e in train)
     return train, held, stats
-
-
-def heldout_prompts(data_cfg, n: int, seed: int = 0) -> list[list[dict] | str]:
-    """Prompts from the held-out split: the conversation up to its first assistant turn, or a text prefix."""
-    rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records)
-    items = []
-    for _, _, rec in rows:
-        fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(rec)
-        try:
-            items.append(rec["text"] if fmt == "text" else to_messages(rec, fmt))
-        except (DataError, KeyError, TypeError):
-            continue
-    _, held = _split(items, data_cfg.eval_size, data_cfg.eval_pick, seed)
-    out = []
-    for it in held[:n]:
-        if isinstance(it, str):
-            out.append(it[: max(16, len(it) // 4)])
-        else:
-            out.append(prompt_turns(it))
-    return out
 
 
 def prompt_turns(msgs: list[dict]) -> list[dict]:

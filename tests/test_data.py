@@ -183,3 +183,23 @@ def test_every_answer_carries_loss_under_a_template_that_renders_the_last_answer
     text = decoded_masked(t, ids, mask)
     assert "It is an animal." in text and "Hello" in text and "cat" not in text and "User" not in text
     assert sum(1 for i, m in zip(ids, mask) if m and i == t.eos_token_id) == 2  # each answer's end of turn too
+
+
+def test_copies_of_a_record_stay_on_one_side_of_the_split(tmp_path, tok):
+    """Ten records four times each: no held-out example is also a training example (found by review: copies were
+    split like any records, so every held-out example was trained on and the held-out figures were inflated). Data
+    without copies splits as before (the last n of the seeded shuffle)."""
+    import random
+
+    from draftlab.data import _split
+
+    recs = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(10)] * 4
+    f = write_jsonl(tmp_path / "a.jsonl", recs)
+    train, held, _ = load_examples(DataSection(path=str(f), eval_size=0.25), tok, seed=1)
+    as_key = lambda e: tuple(e["input_ids"])
+    assert held and len(train) + len(held) == 40 and not set(map(as_key, train)) & set(map(as_key, held))
+    items = list(range(40))
+    shuffled = items[:]
+    random.Random(1).shuffle(shuffled)
+    assert _split(items, 0.25, "random", 1) == (shuffled[:30], shuffled[30:])
+    assert _split(items, 3, "tail", 1) == (items[:37], items[37:])
