@@ -263,14 +263,18 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
                 continue
             raise DataError(f"{source} record {idx}: {e}. Fix the record, or set data.on_malformed=skip "
                             "to drop such records and count them") from None
-    train_t, eval_t = _split(texts, data_cfg.eval_size, data_cfg.eval_pick, seed)
+    pack = lambda docs: pack_text(docs, tokenizer, data_cfg.max_len) if docs else []
+    if len(texts) == 1:  # one document (a .txt without separators): its last blocks are held out
+        train_t, eval_t = _split(pack(texts), data_cfg.eval_size, "tail", seed, key=id)
+    else:
+        train_t, eval_t = (pack(d) for d in _split(texts, data_cfg.eval_size, data_cfg.eval_pick, seed))
     train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed,
                              key=lambda c: json.dumps(c[0], sort_keys=True))
 
     from jinja2 import TemplateError
 
-    def encode(conversations, docs):
-        out = [{"input_ids": i, "loss_mask": m} for i, m in pack_text(docs, tokenizer, data_cfg.max_len)] if docs else []
+    def encode(conversations, blocks):
+        out = [{"input_ids": i, "loss_mask": m} for i, m in blocks]
         for msgs, (source, idx) in conversations:
             try:
                 ids, mask = tokenize_chat(msgs, tokenizer, data_cfg.max_len)

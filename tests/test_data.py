@@ -203,3 +203,18 @@ def test_copies_of_a_record_stay_on_one_side_of_the_split(tmp_path, tok):
     random.Random(1).shuffle(shuffled)
     assert _split(items, 0.25, "random", 1) == (shuffled[:30], shuffled[30:])
     assert _split(items, 3, "tail", 1) == (items[:37], items[37:])
+
+
+def test_one_document_holds_out_its_last_blocks(tmp_path, tok):
+    """A .txt without document separators is one document: the held-out split was empty, silently (found by review:
+    no held-out loss, no accept-length figure, the export falling back to the last step). Its last blocks are held
+    out now."""
+    from conftest import STORY_TEXT
+
+    f = tmp_path / "one.txt"
+    f.write_text(STORY_TEXT * 3)
+    train, held, stats = load_examples(DataSection(path=str(f), max_len=16, eval_size=0.2), tok)
+    assert held and stats.eval_examples == len(held) and len(train) > len(held)
+    every = train + held
+    assert [e["input_ids"] for e in every] == [e["input_ids"] for e in load_examples(
+        DataSection(path=str(f), max_len=16, eval_size=0), tok)[0]]  # the blocks in order, the last ones held out
