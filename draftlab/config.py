@@ -175,7 +175,8 @@ class DataSection(_Section):
     on_malformed: Literal["error", "skip"] = Field(
         "error", description="'skip' drops malformed records and counts them instead of stopping"
     )
-    num_proc: int = Field(1, ge=1, description="processes used to tokenize")
+    num_proc: int = Field(1, ge=1, description="processes that tokenize conversations (used from 2,000 "
+                          "conversations on; each process of a multi-process run starts its own)")
 
 
 class TrainSection(_Section):

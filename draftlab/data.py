@@ -205,6 +205,54 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     return ids, mask
 
 
+PARALLEL_MIN = 2000  # conversations below which num_proc is not worth starting processes for
+
+
+def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_proc: int = 1) -> list[tuple]:
+    """tokenize_chat of each conversation, in order: (ids, mask), or (error type, message) where the chat template
+    refused it. With num_proc > 1 and at least PARALLEL_MIN conversations, in that many worker processes (each
+    given the tokenizer once; they end with this process, and a failure in one is raised here with its traceback)."""
+    if num_proc <= 1 or len(conversations) < PARALLEL_MIN:
+        return _tokenize_chunk(conversations, tokenizer, max_len)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    n = -(-len(conversations) // (4 * num_proc))  # 4 chunks a process: an uneven chunk does not hold up the rest
+    chunks = [conversations[i:i + n] for i in range(0, len(conversations), n)]
+    try:
+        with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=_tokenizer_worker,
+                                 initargs=(tokenizer, max_len)) as pool:
+            return [r for part in pool.map(_tokenize_chunk, chunks) for r in part]
+    except BrokenProcessPool as e:
+        raise DataError(f"a tokenizing process (data.num_proc={num_proc}) died: {e}; lower data.num_proc if memory "
+                        "ran out") from None
+
+
+_WORKER: dict = {}  # in a tokenizing process: its tokenizer and max_len
+
+
+def _tokenizer_worker(tokenizer, max_len: int) -> None:
+    from .parallel.workers import die_with_parent
+
+    die_with_parent()
+    _WORKER.update(tokenizer=tokenizer, max_len=max_len)
+
+
+def _tokenize_chunk(conversations: list, tokenizer=None, max_len: int | None = None) -> list[tuple]:
+    from jinja2 import TemplateError
+
+    tokenizer = tokenizer if tokenizer is not None else _WORKER["tokenizer"]
+    max_len = max_len if max_len is not None else _WORKER["max_len"]
+    out = []
+    for msgs in conversations:
+        try:
+            out.append(tokenize_chat(msgs, tokenizer, max_len))
+        except (DataError, TemplateError) as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
 def pack_text(texts: list[str], tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
     """Documents -> BOS doc EOS stream -> blocks of max_len tokens, loss on every token."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -271,19 +319,16 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
     train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed,
                              key=lambda c: json.dumps(c[0], sort_keys=True))
 
-    from jinja2 import TemplateError
-
     def encode(conversations, blocks):
         out = [{"input_ids": i, "loss_mask": m} for i, m in blocks]
-        for msgs, (source, idx) in conversations:
-            try:
-                ids, mask = tokenize_chat(msgs, tokenizer, data_cfg.max_len)
-            except (DataError, TemplateError) as e:  # e.g. roles that do not alternate, under a template that insists
-                if data_cfg.on_malformed == "skip":
-                    stats.skip(f"the chat template could not render it ({type(e).__name__})")
+        done = tokenize_all([msgs for msgs, _ in conversations], tokenizer, data_cfg.max_len, data_cfg.num_proc)
+        for (ids, mask), (_, (source, idx)) in zip(done, conversations):
+            if isinstance(ids, str):  # the chat template refused it (e.g. roles that do not alternate, under a
+                if data_cfg.on_malformed == "skip":  # template that insists)
+                    stats.skip(f"the chat template could not render it ({ids})")
                     continue
-                raise DataError(f"{source} record {idx}: the chat template: {e}. Fix the record, or set "
-                                "data.on_malformed=skip to drop such records and count them") from None
+                raise DataError(f"{source} record {idx}: the chat template: {mask}. Fix the record, or set "
+                                "data.on_malformed=skip to drop such records and count them")
             if sum(mask) == 0:
                 stats.skip("no assistant tokens left after truncation to data.max_len")
                 continue

@@ -218,3 +218,26 @@ def test_one_document_holds_out_its_last_blocks(tmp_path, tok):
     every = train + held
     assert [e["input_ids"] for e in every] == [e["input_ids"] for e in load_examples(
         DataSection(path=str(f), max_len=16, eval_size=0), tok)[0]]  # the blocks in order, the last ones held out
+
+
+def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, monkeypatch):
+    """data.num_proc tokenizes the conversations in that many processes (found by review: it was read by nothing),
+    giving the same examples in the same order, and a record the chat template refuses is named or skipped as in
+    one process."""
+    import copy
+
+    import draftlab.data as data
+
+    monkeypatch.setattr(data, "PARALLEL_MIN", 1)
+    t = copy.copy(tok)
+    t.chat_template = ALTERNATING
+    recs = [{"conversations": [{"from": "human", "value": f"cat {i}?"}, {"from": "gpt", "value": f"It is {i}."}]}
+            for i in range(12)]
+    recs[5] = {"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "again"},
+                                 {"from": "gpt", "value": "Hello"}]}
+    f = write_jsonl(tmp_path / "c.jsonl", recs)
+    one = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip"), t)
+    two = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip", num_proc=2), t)
+    assert one[0] == two[0] and one[1] == two[1] and one[2].skipped == two[2].skipped and sum(two[2].skipped.values())
+    with pytest.raises(DataError, match=f"{f} record 5: the chat template"):
+        load_examples(DataSection(path=str(f), eval_size=0, num_proc=2), t)
