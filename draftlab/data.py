@@ -66,6 +66,10 @@ def _read_file(path: Path) -> list:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON at line {e.lineno} ({e.msg})") from None
     if isinstance(data, dict):
+        turns = data.get("conversations", data.get("messages"))
+        if isinstance(turns, list) and turns and all(isinstance(t, dict) and ("from" in t or "role" in t)
+                                                      for t in turns):
+            return [data]  # one conversation
         for key in ("data", "train", "conversations", "records"):
             if isinstance(data.get(key), list):
                 return data[key]

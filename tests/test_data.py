@@ -241,3 +241,12 @@ def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, mon
     assert one[0] == two[0] and one[1] == two[1] and one[2].skipped == two[2].skipped and sum(two[2].skipped.values())
     with pytest.raises(DataError, match=f"{f} record 5: the chat template"):
         load_examples(DataSection(path=str(f), eval_size=0, num_proc=2), t)
+
+
+def test_a_json_file_of_one_conversation_is_one_record(tmp_path, tok):
+    """{"conversations": [turns]} as a whole file is one conversation (found by review: its turns were read as
+    records, each refused)."""
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello"}]}))
+    train, _, _ = load_examples(DataSection(path=str(f), eval_size=0), tok)
+    assert len(train) == 1 and "Hello" in decoded_masked(tok, train[0]["input_ids"], train[0]["loss_mask"])

@@ -265,3 +265,12 @@ def test_objective_masks_positions_the_draft_vocabulary_cannot_say():
     expect = d.t2d[top[:, 1:15]].sum()  # step 0: slots 0..13 predict positions 2..15, teacher at 1..14
     assert int(res["count"][0]) == int(expect) < 2 * 14
     assert torch.isfinite(res["loss"])
+
+
+def test_the_draft_vocabulary_counts_the_supervised_tokens_only():
+    """A prompt repeated in every example (a system prompt) takes no place in the draft vocabulary: only tokens with
+    loss count, as SpecForge counts (found by review: every token counted)."""
+    d = eagle(tiny_llama(layers=3), vocab=2)
+    d.fit_vocab([{"input_ids": [5, 5, 5, 9, 7], "loss_mask": [0, 0, 0, 1, 1]},
+                 {"input_ids": [5, 5, 5, 9, 8], "loss_mask": [0, 0, 0, 1, 1]}])
+    assert sorted(d.draft_ids().tolist()) == [7, 9]

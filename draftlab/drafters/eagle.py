@@ -215,7 +215,8 @@ class Eagle3Draft(ReadsBase, nn.Module):
 
     @torch.no_grad()
     def fit_vocab(self, examples: list[dict]) -> None:
-        """Draft vocabulary: the draft_vocab_size most frequent tokens of the training examples (ties: lower id);
+        """Draft vocabulary: the draft_vocab_size most frequent tokens the training examples supervise (loss_mask;
+        a system prompt repeated in every conversation takes no place; as SpecForge counts), ties to the lower id;
         the full vocabulary when it is as large as the base's."""
         V, Vd = self.vocab_size, self.d2t.numel()
         if Vd == V:
@@ -223,7 +224,9 @@ class Eagle3Draft(ReadsBase, nn.Module):
         else:
             counts = torch.zeros(V, dtype=torch.long)
             for e in examples:
-                counts += torch.bincount(torch.tensor(e["input_ids"]), minlength=V)[:V]
+                ids = torch.tensor(e["input_ids"])
+                mask = torch.tensor(e["loss_mask"], dtype=torch.bool) if "loss_mask" in e else None
+                counts += torch.bincount(ids if mask is None else ids[mask], minlength=V)[:V]
             order = sorted(range(V), key=lambda i: (-int(counts[i]), i))[:Vd]
             ids = torch.tensor(sorted(order))
         self.d2t.copy_(ids - torch.arange(Vd))
