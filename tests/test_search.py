@@ -415,3 +415,22 @@ def test_search_tree_within_a_time_budget_chooses_among_the_trees_it_timed(tiny_
     meta = json.loads(out.read_text())["metadata"]
     assert meta["untimed"] == rep["untimed"] and meta["time_budget_s"] == 0
     assert main(args + ["--time-budget=-1"]) == 2 and "--time-budget" in capsys.readouterr().err
+
+
+def test_a_drafters_compiled_step_that_fell_back_to_eager_is_reported(tiny_base_dir):
+    """compile_failed covers the drafter's own compiled steps (an ensemble's members' too), so the search's choice
+    among compiled figures and the tree file's `compiled` see a drafter that runs eagerly (found by review: only the
+    base's calls were looked at)."""
+    from types import SimpleNamespace
+
+    from draftlab.base import load_base
+    from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.drafters import build_draft, make_drafter
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    drafter = make_drafter(build_draft({"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}, base),
+                           Tree.chain(2))
+    dec = SpeculativeDecoder(base, drafter)
+    assert dec.compile_failed is None
+    drafter._compiled = {("_draft", "inductor"): SimpleNamespace(failed="BackendCompilerFailed: x")}
+    assert dec.compile_failed == "BackendCompilerFailed: x"

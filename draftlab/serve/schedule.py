@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 from pathlib import Path
 
 from ..decode.tree import Tree
@@ -308,6 +309,11 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
         plain_step_s[B] = ms[0]["step_s"]
         step_s[B] = {n: m["step_s"] for n, m in zip(names, ms[1:])}
         measured[B] = {PLAIN: ms[0], **dict(zip(names, ms[1:]))}
+    eager = sorted({n for B in batch_sizes for n, m in measured[B].items() if m["eager_fallback"]})
+    if compile and eager:  # a compiled call fell back to eager decoding: those figures are not the compiled path's
+        print(f"search-tree: {len(eager)} of {len(names) + 1} candidates ran eagerly after a compile failure "
+              f"({', '.join(eager)}); the schedule compares them as timed and says compiled: false", file=sys.stderr)
+    compiled = bool(compile) and not eager
     timed_tps = {B: {n: m["tokens_per_s"] for n, m in measured[B].items()} for B in batch_sizes}
     schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s, by=schedule_by, tokens_per_s=timed_tps)
     for e in schedule["entries"]:  # what the decoder did in the timing runs, beside the estimate
@@ -327,10 +333,10 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
             "export": str(export), "calibration": {"data": str(data), "prompts": len(ctx.calib), "states": stats.n},
             "timing_prompts": len(timing), "timed_rows": {str(B): n for B, n in rows_timed.items()},
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
-            "hardware": hardware(), "compiled": compile, "timing_rounds": timing_rounds,
+            "hardware": hardware(), "compiled": compiled, "timing_rounds": timing_rounds,
             "date": datetime.date.today().isoformat(), "measured": table}
     files = write_schedule(out, schedule, meta, draft.kind, engine_model or str(export))
     return {"files": files, "schedule": schedule["entries"], "no_speculation_above": schedule["no_speculation_above"],
             "estimate_no_speculation_above": schedule["estimate_no_speculation_above"], "schedule_by": schedule_by,
             "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "measured": table,
-            "hardware": hardware(), "compiled": compile}
+            "hardware": hardware(), "compiled": compiled}
