@@ -1092,6 +1092,12 @@ TABLES = {
     "refactor_check_dflash_cache": ("refactor_check_dflash_cache", refactor_check_compiled_exports(
         "DFlash's context cache advancing by each step's longest path, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_dflash_cache")),
+    "refactor_check_session_1130e": ("refactor_check_session_1130e", refactor_check_compiled_exports(
+        "The afternoon's changes of 2026-11-30 against the commit before them, one thread (AMD EPYC)",
+        "refactor_check_session_1130e")),
+    "outside_verify_epyc_1thread_dflash_cache": ("outside_verify_epyc_1thread_dflash_cache",
+                                                 lambda p, d: outside_verify(
+        p, d, "Time per step outside the verification after DFlash's cache fix, one thread (AMD EPYC)")),
     "outside_verify_epyc_1thread": ("outside_verify_epyc_1thread", lambda p, d: outside_verify(
         p, d, "Time per step outside the verification, every drafter kind, one thread (AMD EPYC)")),
     "refactor_check_drafter_graphs_2threads": ("refactor_check_drafter_graphs_2threads",
