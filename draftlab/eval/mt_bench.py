@@ -32,7 +32,7 @@ from .slices import plot_slices, slice_report, slice_tables, turn_records
 
 NEAR_TIE_ULPS = 8  # see near_tie_tolerance
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
-            "typical_alpha", "max_new_tokens", "seed", "baseline")
+            "typical_alpha", "max_new_tokens", "seed", "baseline", "compiled", "dtype")
 
 
 class EvalError(ValueError):
@@ -79,6 +79,8 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
         if bad:
             raise EvalError(f"--category {', '.join(bad)}: not in {src} (categories: {', '.join(known)})")
         out = [q for q in out if q["category"] in categories]
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: at least 1 question")
     return out[:limit] if limit else out
 
 
@@ -195,6 +197,23 @@ def explain_difference(base, prompt: list[int], plain: list[int], other: list[in
                                                                         else None, theirs], "near_tie": tie}
 
 
+def turn_differences(base, d_turns: list[dict], b_turns: list[dict], where: list) -> list[dict]:
+    """Each turn where greedy speculative decoding's tokens part from plain decoding's (`where`: the first differing
+    position per turn, or None), explained by explain_difference; a turn after one that differed is marked
+    after_earlier_difference and not explained: each method's later turns follow its own earlier answers, so their
+    prompts differ too (and plain's logits say nothing of the other's tokens)."""
+    diffs = []
+    for t, (d, b, pos) in enumerate(zip(d_turns, b_turns, where)):
+        if pos is None:
+            continue
+        if diffs:
+            diffs.append({"turn": t + 1, "position": pos, "after_earlier_difference": True})
+        else:
+            diffs.append({"turn": t + 1, "position": pos,
+                          **explain_difference(base, b["prompt_ids"], b["tokens"], d["tokens"], pos)})
+    return diffs
+
+
 def running_totals(run: dict, turns: list[dict]) -> dict:
     """Add one answer's turns to the run's totals; returns the progress line's figures: tokens so far and the mean
     accept length so far (weighted by steps, as the summary's), not the last question's."""
@@ -300,10 +319,14 @@ def write_report(out: Path, s: dict) -> Path:
                       "forward; a near tie is one within rounding, which the order of additions decides):", ""]
             lines += [f"- question {d['question_id']} ({d['category']}), turn {d['turn']}: first differing token "
                       f"at position {d['position']}" + (f"; margin {d['margin']:.3g}, " + (
-                          "a near tie" if d["near_tie"] else "NOT a near tie: a bug") if "margin" in d else "")
+                          "a near tie" if d["near_tie"] else "NOT a near tie: a bug") if "margin" in d else
+                          "; it follows an earlier turn's difference (each method's turn follows its own answers)"
+                          if d.get("after_earlier_difference") else "")
                       for d in s["differences"]]
-        else:
+        elif s.get("baseline"):
             lines.append("Every answer is identical to plain decoding.")
+        else:
+            lines.append("No plain baseline ran (--no-baseline): losslessness was not checked.")
     if s.get("slices"):
         lines += ["", "## Slices", "", "Accept length = tokens committed / verification steps within the slice; "
                   "buckets are powers of two, and an output-position step counts where it starts."]
@@ -392,6 +415,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "top_p": top_p, "top_k": top_k, "typical": typical,
                 "typical_epsilon": sampling.posterior_threshold if typical else None,
                 "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy, "compiled": compile,
+                "dtype": dtype,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category"}
     outp = Path(out)
@@ -403,11 +427,12 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     # A question counts as done only when every method's answer is on disk.
     done = {qid for qid in d_ans if qid in b_ans or not baseline}
     for path, ans in ((d_path, d_ans), (b_path, b_ans)):
-        stale = [qid for qid in ans if qid not in done]
-        for qid in stale:
+        for qid in [qid for qid in ans if qid not in done]:
             del ans[qid]
-        if stale:
-            path.write_text("".join(json.dumps(r) + "\n" for r in ans.values()))
+        if path.is_file():  # only whole records of done questions (a torn last line too is dropped), at once
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in ans.values()), encoding="utf-8")
+            os.replace(tmp, path)
     done = agree(done)  # the ranks of a tensor-parallel run answer the same questions
     todo = [q for q in qs if q["question_id"] not in done]
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)
@@ -429,9 +454,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             if baseline and greedy:
                 # rank 0's positions: the explaining forward runs on every rank of a tensor-parallel base, or none
                 where = agree([_first_diff(d["tokens"], b["tokens"]) for d, b in zip(d_turns, b_turns)])
-                diffs = [{"turn": t + 1, "position": pos, **explain_difference(
-                    decoder.base, b["prompt_ids"], b["tokens"], d["tokens"], pos)}
-                    for t, (d, b, pos) in enumerate(zip(d_turns, b_turns, where)) if pos is not None]
+                diffs = turn_differences(decoder.base, d_turns, b_turns, where)
                 extra = {"identical": not diffs, "differences": diffs}
             d_rec = answer_record(q, model_id, d_turns, extra)
             if baseline:

@@ -137,7 +137,19 @@ def stop_fn(tok, stops: list[str]):
 
 
 def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos, seed: int = 0):
-    """Plain HF `generate` of the same base (one prompt at a time), the speedup baseline."""
+    """Plain HF `generate` of the same base (one prompt at a time), the speedup baseline: with the sampling draftlab
+    decodes with and nothing else (the base's generation_config.json, whose repetition penalty, n-gram ban or minimum
+    length transformers would apply, is set aside for the call)."""
+    from transformers import GenerationConfig
+
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        return _plain_generate(model, prompts, max_new_tokens, sampling, eos, seed)
+    finally:
+        model.generation_config = saved
+
+
+def _plain_generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos, seed: int):
     out, t = [], 0.0
     for p in prompts:
         ids = torch.tensor([p], device=next(model.parameters()).device)
