@@ -59,6 +59,21 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     return tok
 
 
+def logit_transforms(config, head=None) -> list[str]:
+    """What a base does to its logits after its lm_head's product (soft-capping, scaling; with its lm_head, a bias):
+    a teacher taken as softmax(h @ W) from its hidden states, as distillation computes it, is not its distribution."""
+    c, found = config, []
+    if getattr(c, "final_logit_softcapping", None):
+        found.append(f"final_logit_softcapping {c.final_logit_softcapping}")
+    for name in ("logit_scale", "logits_scaling"):
+        v = getattr(c, name, None)
+        if v is not None and v != 1:
+            found.append(f"{name} {v}")
+    if getattr(head, "bias", None) is not None:
+        found.append("an lm_head bias")
+    return found
+
+
 def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.device | None = None,
               revision: str | None = None, trust_remote_code: bool = False,
               attn_implementation: str | None = None, **placement):

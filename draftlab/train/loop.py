@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import load_base, set_seed
+from ..base import load_base, logit_transforms, set_seed
 from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
@@ -91,6 +91,17 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     example_subset trains on those training examples only (a boost-tuning stage); split_seed: the seed of the
     train / held-out split (default train.seed; a stage's is its ensemble's, which its subset indexes).
     """
+    if recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill):
+        from transformers import AutoConfig
+
+        b = recipe.base  # (before the run directory is made: a refused recipe leaves nothing behind)
+        try:
+            config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision,
+                                                trust_remote_code=b.trust_remote_code)
+        except (OSError, ValueError):  # not reachable now: loading the base says why, and checks then
+            config = None
+        if config is not None:
+            check_teacher(recipe, config)
     run, ds_plugin = start(recipe, overwrite)
     load_models_and_data(run, ds_plugin, example_subset, recipe.train.seed if split_seed is None else split_seed)
     build_optimizer(run)
@@ -111,6 +122,17 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     summary = finish(run, step, stopped, last_eval, metrics)
     metrics.close()
     return summary
+
+
+def check_teacher(recipe: Recipe, config, head=None) -> None:
+    """Distillation takes the base's distribution as softmax(h @ W) of its hidden states: refused for a base that
+    transforms its logits after that product (Gemma-2's soft-capping, Cohere's and Granite's scales, a bias)."""
+    transforms = logit_transforms(config, head)
+    if transforms and (recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
+        raise ValueError(f"base {recipe.base.name_or_path} transforms its logits after its lm_head "
+                         f"({', '.join(transforms)}): distillation takes the base's distribution as softmax(h @ W) of "
+                         "its hidden states, which is not this base's; set loss.distill_weight: 0 (and "
+                         "lora.self_distill: false)")
 
 
 def start(recipe: Recipe, overwrite: bool):
@@ -159,6 +181,7 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         with outside_deepspeed(ds_plugin):
             run.base, run.tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
                                           b.attn_implementation)
+    check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
     with accelerator.main_process_first():
         run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed)
     if example_subset is not None:
