@@ -212,11 +212,13 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
 PARALLEL_MIN = 2000  # conversations below which num_proc is not worth starting processes for
 
 
-def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_proc: int = 1) -> list[tuple]:
+def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_proc: int = 1,
+                 worker_init=None) -> list[tuple]:
     """tokenize_chat of each conversation, in order: (ids, mask), or (error type, message) where the chat template
-    refused it. With num_proc > 1 and at least PARALLEL_MIN conversations, in that many worker processes (each
-    given the tokenizer once; they end with this process, and a failure in one is raised here with its traceback)."""
-    if num_proc <= 1 or len(conversations) < PARALLEL_MIN:
+    refused it. With num_proc > 1, at least PARALLEL_MIN conversations and a worker_init (called first in each
+    worker: procs.die_with_parent, which the caller passes, so workers end with this process), in that many worker
+    processes, each given the tokenizer once; a failure in one is raised here with its traceback."""
+    if num_proc <= 1 or len(conversations) < PARALLEL_MIN or worker_init is None:
         return _tokenize_chunk(conversations, tokenizer, max_len)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -226,7 +228,7 @@ def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_p
     chunks = [conversations[i:i + n] for i in range(0, len(conversations), n)]
     try:
         with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=_tokenizer_worker,
-                                 initargs=(tokenizer, max_len)) as pool:
+                                 initargs=(worker_init, tokenizer, max_len)) as pool:
             return [r for part in pool.map(_tokenize_chunk, chunks) for r in part]
     except BrokenProcessPool as e:
         raise DataError(f"a tokenizing process (data.num_proc={num_proc}) died: {e}; lower data.num_proc if memory "
@@ -236,10 +238,8 @@ def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_p
 _WORKER: dict = {}  # in a tokenizing process: its tokenizer and max_len
 
 
-def _tokenizer_worker(tokenizer, max_len: int) -> None:
-    from .parallel.workers import die_with_parent
-
-    die_with_parent()
+def _tokenizer_worker(worker_init, tokenizer, max_len: int) -> None:
+    worker_init()
     _WORKER.update(tokenizer=tokenizer, max_len=max_len)
 
 
@@ -286,8 +286,9 @@ def _split(items: list, eval_size: float, pick: str, seed: int, key=lambda x: x)
     return [it for g in order for it in g], held
 
 
-def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataStats]:
-    """Records of the recipe's data section -> (train, eval) lists of {'input_ids', 'loss_mask'}."""
+def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple[list, list, DataStats]:
+    """Records of the recipe's data section -> (train, eval) lists of {'input_ids', 'loss_mask'}. worker_init: what
+    processes that tokenize (data.num_proc) call first (see tokenize_all)."""
     stats = DataStats()
     rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records)
     stats.records = len(rows)
@@ -323,9 +324,11 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
     train_c, eval_c = _split(convs, data_cfg.eval_size, data_cfg.eval_pick, seed,
                              key=lambda c: json.dumps(c[0], sort_keys=True))
 
-    def encode(conversations, blocks):
+    done = tokenize_all([msgs for msgs, _ in train_c + eval_c], tokenizer, data_cfg.max_len, data_cfg.num_proc,
+                        worker_init)  # (both splits in one go: one set of processes)
+
+    def encode(conversations, done, blocks):
         out = [{"input_ids": i, "loss_mask": m} for i, m in blocks]
-        done = tokenize_all([msgs for msgs, _ in conversations], tokenizer, data_cfg.max_len, data_cfg.num_proc)
         for (ids, mask), (_, (source, idx)) in zip(done, conversations):
             if isinstance(ids, str):  # the chat template refused it (e.g. roles that do not alternate, under a
                 if data_cfg.on_malformed == "skip":  # template that insists)
@@ -339,7 +342,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0) -> tuple[list, list, DataS
             out.append({"input_ids": ids, "loss_mask": mask})
         return out
 
-    train, held = encode(train_c, train_t), encode(eval_c, eval_t)
+    train, held = encode(train_c, done[:len(train_c)], train_t), encode(eval_c, done[len(train_c):], eval_t)
     if not train:
         raise DataError(f"data.path={data_cfg.path!r}: no usable training examples (skipped: {stats.skipped})")
     stats.train_examples, stats.eval_examples = len(train), len(held)

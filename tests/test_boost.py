@@ -179,8 +179,8 @@ def test_every_stage_keeps_the_ensembles_held_out_split(tiny_base_dir, data_file
 
     splits = []
 
-    def recording(data_cfg, tok, seed=0):
-        train_ex, eval_ex, stats = real(data_cfg, tok, seed=seed)
+    def recording(data_cfg, tok, seed=0, **kw):
+        train_ex, eval_ex, stats = real(data_cfg, tok, seed=seed, **kw)
         splits.append((seed, [e["input_ids"] for e in eval_ex]))
         return train_ex, eval_ex, stats
     real = loop.load_examples

@@ -227,6 +227,7 @@ def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, mon
     import copy
 
     import draftlab.data as data
+    from draftlab.procs import die_with_parent
 
     monkeypatch.setattr(data, "PARALLEL_MIN", 1)
     t = copy.copy(tok)
@@ -237,10 +238,20 @@ def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, mon
                                  {"from": "gpt", "value": "Hello"}]}
     f = write_jsonl(tmp_path / "c.jsonl", recs)
     one = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip"), t)
-    two = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip", num_proc=2), t)
+    calls = []
+    from concurrent import futures
+
+    class Counted(futures.ProcessPoolExecutor):
+        def __init__(self, *a, **k):
+            calls.append(a[0])
+            super().__init__(*a, **k)
+    monkeypatch.setattr(futures, "ProcessPoolExecutor", Counted)
+    two = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip", num_proc=2), t,
+                        worker_init=die_with_parent)
+    assert calls == [2]  # (the tokenizing ran in two processes)
     assert one[0] == two[0] and one[1] == two[1] and one[2].skipped == two[2].skipped and sum(two[2].skipped.values())
     with pytest.raises(DataError, match=f"{f} record 5: the chat template"):
-        load_examples(DataSection(path=str(f), eval_size=0, num_proc=2), t)
+        load_examples(DataSection(path=str(f), eval_size=0, num_proc=2), t, worker_init=die_with_parent)
 
 
 def test_a_json_file_of_one_conversation_is_one_record(tmp_path, tok):

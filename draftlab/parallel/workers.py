@@ -3,45 +3,18 @@ their traceback, and the parent checks they are alive while it waits for them.""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pickle
 import queue
-import signal
 import threading
 import time
 import traceback
 from concurrent.futures import Future
 
+from ..procs import die_with_parent  # noqa: F401 (the workers' first call; it lives where every stage reaches it)
+
 
 class WorkerError(RuntimeError):
     """A worker process failed (its traceback is in the message), died, or went silent."""
-
-
-def die_with_parent() -> None:
-    """Called first thing in a worker: end this process when the parent ends, however it ends (killed included), and
-    leave interrupts to the parent.
-
-    Linux's parent-death signal covers a parent killed with SIGKILL; a watcher thread on the parent's sentinel
-    covers other platforms (and a parent that exits while the signal is being set up). The signal is sent when the
-    parent's thread that started the worker ends: start workers with start_workers, which starts them from a thread
-    that lasts as long as the process. SIGINT is ignored here: a Ctrl-C at a terminal reaches every process of its
-    group, and the parent, which may catch it and go on, stops its workers itself (or they end with it)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch():
-        parent.join()
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 _LAUNCHER: list = []  # the queue of jobs of the thread that starts workers off the main thread

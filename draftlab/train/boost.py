@@ -167,12 +167,14 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
 
     from ..base import load_base
     from ..data import load_examples
+    from ..procs import die_with_parent
     from ..drafters import EnsembleDraft, LookupDraft
     from ..interop.export import load_export, save_export
     from .loop import train_draft
     from .run_dir import prepare_run_dir
 
     e, out = recipe.ensemble, Path(recipe.output_dir)
+    examples = lambda tok: load_examples(recipe.data, tok, seed=recipe.train.seed, worker_init=die_with_parent)
     state = PartialState(cpu=not torch.cuda.is_available() and recipe.distributed.strategy != "deepspeed")
     main = state.is_main_process
     if main:
@@ -200,7 +202,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                 if not subset_file.is_file():
                     if base is None:
                         base, tok = load_base(b.name_or_path, b.dtype, state.device)
-                        train_ex, eval_ex, _ = load_examples(recipe.data, tok, seed=recipe.train.seed)
+                        train_ex, eval_ex, _ = examples(tok)
                     subset = _next_examples(recipe, members, base, tok, train_ex, i, state, scored)
                     if main:
                         sdir.mkdir(parents=True, exist_ok=True)
@@ -219,7 +221,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
         if i + 1 not in recorded:
             if base is None:
                 base, tok = load_base(b.name_or_path, b.dtype, state.device)
-                train_ex, eval_ex, _ = load_examples(recipe.data, tok, seed=recipe.train.seed)
+                train_ex, eval_ex, _ = examples(tok)
             rec = _stage_record(recipe, members, base, tok, train_ex, eval_ex, i, subset_file, state, scored)
             if main:
                 with open(metrics, "a") as f:
@@ -229,7 +231,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     if main:
         if base is None:
             base, tok = load_base(b.name_or_path, b.dtype, state.device)
-            train_ex, _, _ = load_examples(recipe.data, tok, seed=recipe.train.seed)
+            train_ex, _, _ = examples(tok)
         names = [f"member{i + 1}" for i in range(e.members)]
         if e.lookup:
             store, total = [], 0

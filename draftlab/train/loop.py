@@ -21,6 +21,7 @@ from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
 from ..interop.export import save_export
+from ..procs import die_with_parent
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, node_of, outside_deepspeed,
@@ -183,7 +184,8 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
                                           b.attn_implementation)
     check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
     with accelerator.main_process_first():
-        run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed)
+        run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
+                                                             worker_init=die_with_parent)
     if example_subset is not None:
         run.train_ex = [run.train_ex[i] for i in example_subset]
         s = run.stats
