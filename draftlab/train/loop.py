@@ -92,17 +92,7 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     example_subset trains on those training examples only (a boost-tuning stage); split_seed: the seed of the
     train / held-out split (default train.seed; a stage's is its ensemble's, which its subset indexes).
     """
-    if recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill):
-        from transformers import AutoConfig
-
-        b = recipe.base  # (before the run directory is made: a refused recipe leaves nothing behind)
-        try:
-            config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision,
-                                                trust_remote_code=b.trust_remote_code)
-        except (OSError, ValueError):  # not reachable now: loading the base says why, and checks then
-            config = None
-        if config is not None:
-            check_teacher(recipe, config)
+    check_teacher(recipe)  # (before the run directory is made: a refused recipe leaves nothing behind)
     run, ds_plugin = start(recipe, overwrite)
     load_models_and_data(run, ds_plugin, example_subset, recipe.train.seed if split_seed is None else split_seed)
     build_optimizer(run)
@@ -125,11 +115,23 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     return summary
 
 
-def check_teacher(recipe: Recipe, config, head=None) -> None:
+def check_teacher(recipe: Recipe, config=None, head=None) -> None:
     """Distillation takes the base's distribution as softmax(h @ W) of its hidden states: refused for a base that
-    transforms its logits after that product (Gemma-2's soft-capping, Cohere's and Granite's scales, a bias)."""
+    transforms its logits after that product (Gemma-2's soft-capping, Cohere's and Granite's scales, a bias).
+    config: the base's (default: read from its files; one that cannot be read now is checked once loaded)."""
+    if not (recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
+        return
+    if config is None:
+        from transformers import AutoConfig
+
+        b = recipe.base
+        try:
+            config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision,
+                                                trust_remote_code=b.trust_remote_code)
+        except (OSError, ValueError):  # (loading the base says why)
+            return
     transforms = logit_transforms(config, head)
-    if transforms and (recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
+    if transforms:
         raise ValueError(f"base {recipe.base.name_or_path} transforms its logits after its lm_head "
                          f"({', '.join(transforms)}): distillation takes the base's distribution as softmax(h @ W) of "
                          "its hidden states, which is not this base's; set loss.distill_weight: 0 (and "
