@@ -153,7 +153,8 @@ class EngineDFlash:
             q = split(y @ t[p + "self_attn.q_proj.weight"].t(), nh)
             k = split(both @ t[p + "self_attn.k_proj.weight"].t(), kvh)
             v = split(both @ t[p + "self_attn.v_proj.weight"].t(), kvh)
-            q, k = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps), _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
+            q = _rms(q, t[p + "self_attn.q_norm.weight"], self.eps)  # per head, as the engines' layers always do
+            k = _rms(k, t[p + "self_attn.k_norm.weight"], self.eps)
             q, k = rot(q, cos[c:], sin[c:]), rot(k, cos, sin)
             k, v = k.repeat_interleave(nh // kvh, 0), v.repeat_interleave(nh // kvh, 0)
             a = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # no mask: context and block, both ways

@@ -194,8 +194,9 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
     already there are skipped, so a killed run resumes.
 
     mode chat: the base answers each record's messages before its first assistant turn (or, with all_turns,
-    every user turn in order, seeing its own earlier answers) through its chat template; ShareGPT conversations out. mode text (bases
-    without a chat format): the base continues the first prompt_chars characters of each text; {"text"} out."""
+    every user turn in order, seeing its own earlier answers) through its chat template; ShareGPT conversations
+    out. mode text (bases without a chat format): the base continues the first prompt_chars characters of each
+    text; {"text"} out."""
     if mode not in ("chat", "text"):
         raise DataError(f"--mode {mode!r}: use chat or text")
     if all_turns and mode != "chat":
