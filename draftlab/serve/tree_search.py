@@ -190,7 +190,7 @@ def candidate_trees(trees: list[Tree], sizes: list[int] | None, chains, max_node
     """The trees to time: the grown trees of `sizes` (default 1, 2, 4, ...), then chains of the lengths `chains`
     up to max_nodes non-root nodes, each distinct tree once (a chain the same as a grown tree keeps the grown
     tree's name)."""
-    if sizes is not None and (not sizes or min(sizes) < 1):
+    if sizes and min(sizes) < 1:
         raise ValueError(f"--sizes {sizes}: tree sizes (non-root nodes) are at least 1")
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
     out, seen = [], set()
