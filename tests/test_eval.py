@@ -306,6 +306,7 @@ def test_eval_cli_json(export, tmp_path, capsys):
                "--no-baseline", "--no-plots", "--json"])
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and (s["typical_epsilon"], s["typical_alpha"]) == (0.25, 0.5)
+    assert "typical acceptance (epsilon 0.25, alpha 0.5: not lossless)" in (tmp_path / "t" / "report.md").read_text()
     rc = main(["eval", "mt-bench", export, "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "n"),
                "--category", "coding", "--no-baseline", "--no-plots", "--json"])
     report = (tmp_path / "n" / "report.md").read_text()  # greedy without a baseline claims nothing it did not check

@@ -290,8 +290,12 @@ def write_report(out: Path, s: dict) -> Path:
         ["compiled plain tokens/s", "vs compiled plain"] if fast else []) + (["identical"] if s["greedy"] else [])
     lines = [f"# MT-Bench speed: {s['model_id']}", "",
              f"export `{s['export']}`, base `{s['base']}`, tree of {s['tree_size']} tokens, "
-             f"temperature {s['temperature']}, max {s['max_new_tokens']} new tokens, questions `{s['questions']}`, "
-             f"{s['hardware']}", "",
+             f"temperature {s['temperature']}" + (
+                 f", top-p {s['top_p']}" if s.get("top_p", 1.0) < 1 else "") + (
+                 f", top-k {s['top_k']}" if s.get("top_k") else "") + (
+                 f", typical acceptance (epsilon {s['typical_epsilon']}, alpha {s['typical_alpha']}: not lossless)"
+                 if s.get("typical") else "") + (", compiled" if s.get("compiled") else "") +
+             f", max {s['max_new_tokens']} new tokens, questions `{s['questions']}`, {s['hardware']}", "",
              "| category | answers | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
 
     def row(name, r):
