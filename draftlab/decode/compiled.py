@@ -604,6 +604,11 @@ def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = Fals
     return fns[key]
 
 
+def method_failure(obj) -> str | None:
+    """Why one of obj's compiled methods (compiled_method) runs eagerly, if one does."""
+    return next((c.failed for c in obj.__dict__.get("_compiled", {}).values() if c.failed), None)
+
+
 def compiled_method(obj, name: str, backend: str) -> Compiled:
     """The compiled form of obj's method `name` with `backend` (made once per object and backend): a drafter's step
     over its own buffers, whose shapes are part of each call's signature. Under CUDA graphs on a GPU (the buffers it

@@ -197,6 +197,13 @@ class Drafter(ABC):
         same time (the pipeline's groups): what it adapts across steps (an ensemble's vote weights, schedule and
         speculation length) becomes one state both update. Drafters that learn nothing online ignore it."""
 
+    def compile_failed(self) -> str | None:
+        """Why one of this drafter's compiled steps runs eagerly, if one does (a drafter made of others asks them
+        too)."""
+        from .compiled import method_failure
+
+        return method_failure(self)
+
     def describe(self) -> dict:
         """What a report says about this drafter (kind, tree size, ...)."""
         return {"kind": type(self).__name__, "max_nodes": self.max_nodes}

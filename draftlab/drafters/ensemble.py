@@ -590,6 +590,10 @@ class EnsembleDrafter(Drafter):
             return 1 + (self.adaptive.s_max if self.adaptive else self.length)
         return 1 + min(self.node_budget, sum(m.max_nodes - 1 for m in self.members))
 
+    def compile_failed(self) -> str | None:
+        parts = [*self.members, *(g.drafter for g in self.groups)]
+        return super().compile_failed() or next((f for f in (m.compile_failed() for m in parts) if f), None)
+
     def describe(self) -> dict:
         d = {"kind": "ensemble", "mode": self.mode, "members": [m.describe() for m in self.members],
              "max_nodes": self.max_nodes}
