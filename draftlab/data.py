@@ -37,6 +37,14 @@ class DataStats:
 # ---------------------------------------------------------------------------------------------
 # reading
 
+def rewrite_lines(path: Path, lines: list[str]) -> None:
+    """path's new contents, one line each, in place of the old at once (a kill meanwhile leaves the old): how a
+    resumed run drops the records it redoes, or a line a killed one tore, from a file it appends to."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in {".json", ".jsonl", ".txt"})
@@ -152,12 +160,16 @@ def to_messages(record, fmt: str, need_answer: bool = True) -> list[dict]:
         msgs += [{"role": "user", "content": prompt}, {"role": "assistant", "content": out}]
     else:
         raise DataError(f"format {fmt!r} has no messages")
-    if need_answer and not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+    if need_answer and not has_answer(msgs):
         raise DataError(NO_ANSWER)
     return msgs
 
 
 NO_ANSWER = "no non-empty assistant turn"
+
+
+def has_answer(msgs: list[dict]) -> bool:
+    return any(m["role"] == "assistant" and m["content"].strip() for m in msgs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +318,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:
                 msgs = to_messages(rec, fmt, need_answer=False)
-                if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+                if not has_answer(msgs):
                     stats.skip(NO_ANSWER)  # nothing to learn (an empty answer a base gave, say): counted, as a
                     continue  # conversation truncated to no answer is
                 convs.append((msgs, (source, idx)))

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from ..data import rewrite_lines
 from ..progress import progress as progress_bar
 
 from ..decode.acceptance import Sampling
@@ -433,10 +434,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     for path, ans in ((d_path, d_ans), (b_path, b_ans)):
         for qid in [qid for qid in ans if qid not in done]:
             del ans[qid]
-        if path.is_file():  # only whole records of done questions (a torn last line too is dropped), at once
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in ans.values()), encoding="utf-8")
-            os.replace(tmp, path)
+        if path.is_file():  # only whole records of done questions (a torn last line too is dropped)
+            rewrite_lines(path, [json.dumps(r) for r in ans.values()])
     done = agree(done)  # the ranks of a tensor-parallel run answer the same questions
     todo = [q for q in qs if q["question_id"] not in done]
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)

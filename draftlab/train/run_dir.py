@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from ..config import RESUMABLE_KEYS, Recipe, build_recipe, diff_recipes
+from ..data import rewrite_lines
 
 
 class RunDirError(ValueError):
@@ -40,16 +41,9 @@ def resume_records(path: Path, fix: bool = True) -> list[dict]:
         except json.JSONDecodeError:
             torn += 1
     if torn and fix:
-        _write_lines(path, [json.dumps(r) for r in records])
+        rewrite_lines(path, [json.dumps(r) for r in records])
         print(f"draftlab: {path}: dropped {torn} unfinished line(s) a killed run left", file=sys.stderr)
     return records
-
-
-def _write_lines(path: Path, lines: list[str]) -> None:
-    """path's new contents, one line each, in place of the old at once (a kill meanwhile leaves the old)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in lines))
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -91,7 +85,7 @@ def forget_metrics_after(out_dir: Path, step: int) -> None:
     """Records logged after the checkpoint a run resumes from (by a run killed later) are about to be redone."""
     mf = out_dir / "metrics.jsonl"
     if mf.is_file():
-        _write_lines(mf, [l for l in mf.read_text().splitlines() if l.strip() and _logged_step(l) <= step])
+        rewrite_lines(mf, [l for l in mf.read_text().splitlines() if l.strip() and _logged_step(l) <= step])
 
 
 def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, keep: int) -> None:
