@@ -59,6 +59,17 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     return tok
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The tokens a turn of the base ends on: the tokenizer's EOS and every `eos_token_id` of the base's
+    generation_config.json (a list on chat bases: Llama-3's <|eot_id|>, Gemma's <end_of_turn>, Qwen's <|im_end|>
+    beside the end of text), as Hugging Face's `generate` stops on them. In order, without repeats."""
+    found = [getattr(tokenizer, "eos_token_id", None)]
+    cfg = getattr(model, "generation_config", None)
+    more = getattr(cfg, "eos_token_id", None)
+    found += more if isinstance(more, (list, tuple)) else [more]
+    return list(dict.fromkeys(int(t) for t in found if t is not None))
+
+
 def logit_transforms(config, head=None) -> list[str]:
     """What a base does to its logits after its lm_head's product (soft-capping, scaling; with its lm_head, a bias):
     a teacher taken as softmax(h @ W) from its hidden states, as distillation computes it, is not its distribution."""

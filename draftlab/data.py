@@ -141,6 +141,8 @@ def to_messages(record, fmt: str, need_answer: bool = True) -> list[dict]:
             if mapped is None:
                 raise DataError(f"turn {j} has unknown role {role!r} (use human/gpt or user/assistant/system)")
             msgs.append({"role": mapped, "content": content})
+            if mapped == "assistant" and t.get("truncated") is True:  # cut by a length limit (distill-data)
+                msgs[-1]["truncated"] = True
         # Conversations that open with the assistant are trimmed to the first user turn (as FastChat does).
         first_user = next((j for j, m in enumerate(msgs) if m["role"] == "user"), None)
         if first_user is None:
@@ -175,10 +177,10 @@ def has_answer(msgs: list[dict]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # tokenising
 
-def _located(content: str, own: str, full: str, after: int) -> tuple[int, int]:
+def _located(content: str, own: str, full: str, after: int, truncated: bool = False) -> tuple[int, int]:
     """The span of an answer that a template renders otherwise when it is the conversation's last (Qwen3 shows the
     thinking of the last answer only): its text in the whole conversation, after the spans before it, with the
-    end-of-turn text that follows it in its own rendering (`own`)."""
+    end-of-turn text that follows it in its own rendering (`own`), unless the answer was truncated."""
     at = full.find(content, after) if content else -1
     if at < 0 or content not in own:
         raise DataError("the tokenizer's chat template renders an answer differently when later turns follow it, "
@@ -186,26 +188,40 @@ def _located(content: str, own: str, full: str, after: int) -> tuple[int, int]:
                         "chat_template that renders earlier answers as written")
     end = at + len(content)
     tail = own[own.rindex(content) + len(content):]
-    return at, end + len(tail) if full.startswith(tail, end) else end
+    return at, end + len(tail) if full.startswith(tail, end) and not truncated else end
+
+
+def _text_end(content: str, own: str) -> int:
+    """Where a truncated answer's text ends in its rendering `own` (before the end of turn the template adds)."""
+    key = content.strip()
+    at = own.rfind(key) if key else -1
+    if at < 0:
+        raise DataError("a truncated answer's text is not found in the chat template's rendering of it, so the end "
+                        "of turn the template adds cannot be left out of the loss")
+    return at + len(key)
 
 
 def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
-    """Token ids of the conversation via the chat template, and a 0/1 mask on assistant tokens."""
+    """Token ids of the conversation via the chat template, and a 0/1 mask on assistant tokens: each answer with its
+    end of turn, except an answer marked `truncated` (a length limit cut it, so its end of turn is the template's,
+    not the model's), which is masked up to its text's end."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    full = render(messages, False)
+    full = render(plain, False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        own = render(messages[: i + 1], False)
+        own, cut = render(plain[: i + 1], False), m.get("truncated", False)
         if not full.startswith(own):  # (the template renders this answer otherwise when it is the last one)
-            spans.append(_located(m["content"], own, full, spans[-1][1] if spans else 0))
+            spans.append(_located(m["content"], own, full, spans[-1][1] if spans else 0, cut))
             continue
         # The answer starts after the generation prompt, or where the conversation leaves it: a template whose
         # generation prompt holds more than a rendered turn does (DeepSeek-R1's "<think>\n") would otherwise
         # leave the answer's first characters out of the loss.
-        start = len(os.path.commonprefix([render(messages[:i], True), full])) if i else 0
-        spans.append((min(max(start, len(render(messages[:i], False)) if i else 0), len(own)), len(own)))
+        start = len(os.path.commonprefix([render(plain[:i], True), full])) if i else 0
+        end = _text_end(m["content"], own) if cut else len(own)
+        spans.append((min(max(start, len(render(plain[:i], False)) if i else 0), end), end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
     ids = enc["input_ids"]
     mask = [0] * len(ids)
@@ -269,13 +285,16 @@ def _tokenize_chunk(conversations: list, tokenizer=None, max_len: int | None = N
     return out
 
 
-def pack_text(texts: list[str], tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
-    """Documents -> BOS doc EOS stream -> blocks of max_len tokens, loss on every token."""
+def pack_text(texts: list[str | tuple[str, bool]], tokenizer, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Documents -> BOS doc EOS stream -> blocks of max_len tokens, loss on every token. A document given as (text,
+    True) was cut by a length limit (distill-data's `truncated`): no EOS follows it."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    docs = [t if isinstance(t, tuple) else (t, False) for t in texts]
     stream: list[int] = []
-    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
-        stream += bos + ids + eos
+    for ids, (_, cut) in zip(tokenizer([t for t, _ in docs], add_special_tokens=False, verbose=False)["input_ids"],
+                             docs):
+        stream += bos + ids + ([] if cut else eos)
     blocks = [stream[i:i + max_len] for i in range(0, len(stream), max_len)]
     return [(b, [1] * len(b)) for b in blocks if len(b) >= 2]
 
@@ -313,7 +332,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
             if fmt == "text":
                 if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                     raise DataError("text records need a string 'text' field")
-                texts.append(rec["text"])
+                texts.append((rec["text"], rec.get("truncated") is True))
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:

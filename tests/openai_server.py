@@ -12,20 +12,25 @@ import torch
 
 def serve(model_dir: str, fail_every: int = 0):
     """Start the server in a thread; returns (base URL, server, stats). Stop it with server.shutdown()."""
-    from draftlab.base import load_base
+    from draftlab.base import load_base, stop_token_ids
 
     model, tok = load_base(model_dir, "float32")
+    stops = stop_token_ids(model, tok)
     lock = threading.Lock()
     stats = {"requests": 0, "failed": 0}
 
     def generate(ids: list[int], body: dict) -> list[int]:
         x = torch.tensor([ids])
         sample = body.get("temperature", 1.0) > 0
-        kw = dict(do_sample=sample, max_new_tokens=body.get("max_tokens", 16), pad_token_id=tok.pad_token_id)
+        kw = dict(do_sample=sample, max_new_tokens=body.get("max_tokens", 16), pad_token_id=tok.pad_token_id,
+                  eos_token_id=stops)
         kw.update(dict(temperature=body["temperature"], top_p=body.get("top_p", 1.0)) if sample else
                   dict(temperature=None, top_p=None, top_k=None))
         with lock, torch.no_grad():
             return model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist()
+
+    def finish(gen: list[int]) -> str:  # as vLLM says it: a stop token came, or max_tokens ended the text
+        return "stop" if any(t in stops for t in gen) else "length"
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -59,14 +64,14 @@ def serve(model_dir: str, fail_every: int = 0):
                 gen = generate(tok(text, add_special_tokens=False).input_ids, body)
                 msg = {"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)}
                 return self.reply(200, {"object": "chat.completion", "choices": [
-                    {"index": 0, "message": msg, "finish_reason": "stop"}]})
+                    {"index": 0, "message": msg, "finish_reason": finish(gen)}]})
             if self.path == "/v1/completions":
                 ids = tok(body["prompt"]).input_ids
                 gen = generate(ids, body)
                 # Text of the continuation as it reads after the prompt (servers detokenize with the prompt).
                 full, head = tok.decode(ids + gen, skip_special_tokens=True), tok.decode(ids, skip_special_tokens=True)
                 return self.reply(200, {"object": "text_completion", "choices": [
-                    {"index": 0, "text": full[len(head):], "finish_reason": "stop"}]})
+                    {"index": 0, "text": full[len(head):], "finish_reason": finish(gen)}]})
             self.reply(404, {"error": {"message": f"no route {self.path}"}})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -109,9 +109,9 @@ def test_generation_scores_are_spec_infers_test_batched():
         examples.append({"input_ids": ids, "loss_mask": [0] * p + [1] * r})
     examples.append({"input_ids": torch.randint(3, 64, (20,), generator=g).tolist(), "loss_mask": [1] * 20})  # text
     assert [prompt_length(e) for e in examples] == [3, 8, 5, 1, 10]
-    twin_scores = generation_scores(base, [twin], examples, 0, None, match_tokens=6, batch_size=3)
+    twin_scores = generation_scores(base, [twin], examples, 0, [], match_tokens=6, batch_size=3)
     assert twin_scores == {i: 1.0 for i in range(5)}
-    got = generation_scores(base, [other], examples, 0, None, match_tokens=6, batch_size=3)
+    got = generation_scores(base, [other], examples, 0, [], match_tokens=6, batch_size=3)
     want, eos_case = {}, {}
     for i, e in enumerate(examples):
         p = prompt_length(e)
@@ -125,7 +125,7 @@ def test_generation_scores_are_spec_infers_test_batched():
     # covers the example.
     i = next(i for i, v in want.items() if 0 < v < 1)
     ref, same = eos_case[i]
-    assert generation_scores(base, [other], examples[i:i + 1], 0, ref[same - 1], match_tokens=6)[0] == 1.0
+    assert generation_scores(base, [other], examples[i:i + 1], 0, [ref[same - 1]], match_tokens=6)[0] == 1.0
 
 
 def test_a_stage_drops_the_covered_examples_and_says_which(tiny_base_dir, data_file, tmp_path):

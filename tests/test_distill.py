@@ -104,3 +104,93 @@ def test_a_folder_of_prompts_alone_resumes_record_by_record(tiny_base_dir, tmp_p
     recs = lines(out)
     assert [r["source_index"] for r in recs] == list(range(6))
     assert [r["conversations"][0]["value"] for r in recs] == [f"Tell me about cat {n}{i}." for n in "ab" for i in range(3)]
+
+
+def _with_stop_token(tiny_base_dir, tmp_path, prompt: str) -> tuple[str, int, int]:
+    """A copy of the tiny base whose generation_config.json adds, beside the tokenizer's EOS, a token its greedy
+    answer to `prompt` meets early (as Llama-3's <|eot_id|>, Gemma's <end_of_turn>); (its path, the token, the
+    answer's length with it)."""
+    import shutil
+
+    import torch
+
+    from draftlab.base import load_base
+
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    gen = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, temperature=None,
+                        top_p=None, top_k=None, eos_token_id=None, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    gen = gen.tolist()
+    k = next(k for k in range(2, len(gen)) if gen[k] not in gen[:k] and gen[k] != tok.eos_token_id)
+    d = tmp_path / "stop_base"
+    shutil.copytree(tiny_base_dir, d)
+    cfg = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": [tok.eos_token_id, gen[k]]}))
+    return str(d), gen[k], k + 1
+
+
+def test_answers_the_length_limit_cut_are_marked_and_teach_no_end_of_turn(tiny_base_dir, server, tmp_path):
+    """An answer cut at --max-new-tokens was stored as if the base had ended it, and training then supervised the
+    end of turn the chat template adds after it: the drafter learned to end answers where the base does not. Such
+    answers are now marked `truncated` (in-process: no stop token came; through a server: finish_reason "length")
+    and their end of turn is left out of the loss."""
+    from draftlab.base import load_tokenizer
+    from draftlab.data import to_messages, tokenize_chat
+
+    url, _ = server
+    src = chats(tmp_path / "p.jsonl", n=3)
+    local = distill_data(str(tiny_base_dir), str(src), str(tmp_path / "l.jsonl"), max_new_tokens=5, batch_size=3)
+    remote = distill_data(None, str(src), str(tmp_path / "r.jsonl"), max_new_tokens=5, endpoints=[url], retries=6)
+    recs = lines(tmp_path / "l.jsonl")
+    assert local["truncated"] == remote["truncated"] == 3 and recs == lines(tmp_path / "r.jsonl")
+    assert all(r["conversations"][-1]["truncated"] is True for r in recs)
+
+    tok = load_tokenizer(str(tiny_base_dir))
+    msgs = to_messages(recs[0], "sharegpt")
+    ids, mask = tokenize_chat(msgs, tok, 512)
+    whole_ids, whole_mask = tokenize_chat([{k: v for k, v in m.items() if k != "truncated"} for m in msgs], tok, 512)
+    assert ids == whole_ids and sum(mask) < sum(whole_mask)
+    last = lambda ids, mask: ids[max(i for i, m in enumerate(mask) if m)]
+    assert last(whole_ids, whole_mask) != last(ids, mask)
+    assert tok.eos_token_id in [t for t, m in zip(whole_ids, whole_mask) if m]
+    assert tok.eos_token_id not in [t for t, m in zip(ids, mask) if m]
+    # The answer's own tokens stay supervised: the mask is the whole one up to the end of turn.
+    assert sum(mask) >= 5 - 1 and all(a <= b for a, b in zip(mask, whole_mask))
+
+
+def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
+    from draftlab.base import load_tokenizer
+    from draftlab.data import pack_text
+
+    tok = load_tokenizer(str(tiny_base_dir))
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"text": "Once upon a time there was a cat who"}) + "\n")
+    s = distill_data(str(tiny_base_dir), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=4, mode="text")
+    rec = lines(tmp_path / "o.jsonl")[0]
+    assert s["truncated"] == 1 and rec["truncated"] is True
+    [(ids, _)] = pack_text([(rec["text"], True)], tok, 512)
+    [(whole, _)] = pack_text([rec["text"]], tok, 512)
+    assert whole == ids + [tok.eos_token_id]
+
+
+def test_the_base_s_generation_config_stop_tokens_end_answers(tiny_base_dir, tmp_path):
+    """generation_config.json's eos_token_id list (a chat base's end of turn) ends a turn, as HF generate and vLLM
+    stop there; the tokenizer's EOS alone ran answers on to the length limit and past the end of turn."""
+    from draftlab.base import load_base, stop_token_ids
+    from draftlab.serve.generate import run_generate
+
+    prompt = "Tell me about cat 0."
+    d, stop, n = _with_stop_token(tiny_base_dir, tmp_path, prompt)
+    base, tok = load_base(d, "float32")
+    assert stop_token_ids(base, tok) == [tok.eos_token_id, stop]
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"conversations": [{"from": "human", "value": prompt}]}) + "\n")
+    s = distill_data(d, str(src), str(tmp_path / "o.jsonl"), max_new_tokens=8)
+    rec = lines(tmp_path / "o.jsonl")[0]["conversations"][-1]
+    assert s["truncated"] == 0 and "truncated" not in rec
+    from draftlab.decode.decoder import NoDraft, SpeculativeDecoder
+
+    res = run_generate(SpeculativeDecoder(base, NoDraft(), check_base=False), tok, [prompt], max_new_tokens=8,
+                       compare=True, chat=True)
+    assert res["tokens"][0][-1] == stop and len(res["tokens"][0]) == n and res["identical_to_baseline"]

@@ -90,6 +90,10 @@ def cmd_distill(a) -> int:
         _print_json(summary)
     else:
         print(f"wrote {summary['written']} records to {summary['out']} ({summary['skipped_existing']} already there)")
+        if summary["truncated"]:
+            print(f"{summary['truncated']} answers reached --max-new-tokens={a.max_new_tokens} before the base ended "
+                  "them: marked \"truncated\", so training learns no end of turn there; raise --max-new-tokens to "
+                  "keep them whole")
     return 0
 
 

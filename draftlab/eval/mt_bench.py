@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from ..base import stop_token_ids
 from ..data import rewrite_lines
 from ..progress import progress as progress_bar
 
@@ -131,7 +132,7 @@ def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: i
     speed figures rather than inside them.
     plain_compiled: a decoder of the same base without a drafter on the compiled path (decode.decoder.NoDraft),
     which decodes each turn's prompt too, timed the same way: the fastest plain decoding, the second baseline."""
-    eos = tok.eos_token_id
+    eos = stop_token_ids(decoder.base, tok)
     dev = decoder.device
     conv = {"draftlab": [], "plain": []}
     turns = {"draftlab": [], "plain": []}

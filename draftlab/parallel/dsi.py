@@ -488,8 +488,8 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
             lookahead_rule: str = "expected", compile: bool | str = False) -> dict:
     """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
     base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies, and HF `generate` as the
-    reference for the tokens. prompts: texts, or token id lists. The text ends at the tokenizer's EOS (unless
-    eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the drafter's from
+    reference for the tokens. prompts: texts, or token id lists. The text ends at the base's stop tokens
+    (base.stop_token_ids; unless eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the drafter's from
     role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j, "verifier"). When no
     lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
     the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
@@ -503,7 +503,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
 
     import torch
 
-    from ..base import load_base
+    from ..base import load_base, stop_token_ids
     from ..decode.acceptance import Sampling, warp
     from ..decode.compiled import compile_backend
     from ..serve.generate import encode_prompt, plain_generate, stop_fn
@@ -533,7 +533,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
             q = warp(drafter.logits(toks)[0], sampling)
         return int(torch.multinomial(q, 1, generator=gen)), q
     ids = [list(p) if isinstance(p, (list, tuple)) else encode_prompt(tok, p, chat) for p in prompts]
-    eos_id = tok.eos_token_id if eos else None
+    eos_id = stop_token_ids(model, tok) if eos else None
     stop = stop_fn(tok, list(stops))
     # Forward times are measured only when the lookahead is to be derived from them (None: not measured).
     measure = lookahead is None

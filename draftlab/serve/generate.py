@@ -8,6 +8,7 @@ import torch
 
 from ..decode.acceptance import Sampling
 from ..decode.compiled import compile_cache_report
+from ..base import stop_token_ids
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..decode.tree import DynamicTree, Tree, TreeError
 
@@ -151,10 +152,11 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, samplin
 
 def _plain_generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos, seed: int):
     out, t = [], 0.0
+    stops = [eos] if isinstance(eos, int) else list(eos or [])
     for p in prompts:
         ids = torch.tensor([p], device=next(model.parameters()).device)
-        kw = dict(do_sample=sampling.temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                  pad_token_id=eos if eos is not None else 0)
+        kw = dict(do_sample=sampling.temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                  pad_token_id=stops[0] if stops else 0)
         if sampling.temperature > 0:
             kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
         else:
@@ -165,9 +167,7 @@ def _plain_generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0, len(p):].tolist()
         sync_device(ids.device)
         t += time.perf_counter() - t0
-        if eos is not None and eos in gen:
-            gen = gen[: gen.index(eos) + 1]
-        out.append(gen)
+        out.append(gen[:next((i + 1 for i, t in enumerate(gen) if t in stops), len(gen))])
     return out, t
 
 
@@ -175,7 +175,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
                  stops=(), seed=0, on_text=None) -> dict:
     """Decode prompts (batched) and report; with compare, also plain decoding of the same base."""
     ids = [encode_prompt(tok, p, chat) for p in prompts]
-    eos = tok.eos_token_id
+    eos = stop_token_ids(decoder.base, tok)
     gen = torch.Generator(device=decoder.device).manual_seed(seed)
     # Warm-up (allocator, kernels) outside the timed region; a compiled decoder compiles for these shapes here.
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from ..base import stop_token_ids
 from ..progress import progress
 
 from ..decode.compiled import timed_without_compiling
@@ -170,7 +171,7 @@ def load_search(export: str, data: str, calibration_prompts: int, timing_prompts
     if len(prompts) < 2:
         raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
     calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
-    return SearchInputs(base, draft, tok, RankSync() if tp else None, tok.eos_token_id, calib, timing)
+    return SearchInputs(base, draft, tok, RankSync() if tp else None, stop_token_ids(base, tok), calib, timing)
 
 
 def rank_statistics(base, draft, calib: list[list[int]], max_new_tokens: int, eos, depth: int, max_rank: int,

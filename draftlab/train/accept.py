@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..base import stop_token_ids
 from ..data import prompt_length
 from ..decode.search import replay_counts
 from ..decode.tree import Tree
@@ -74,8 +75,7 @@ class AcceptEstimator:
         self.adapted = recipe.lora is not None  # Medusa-2: the base changes with training
         self.prompts = accept_prompts(eval_ex, n)
         self.max_new_tokens = recipe.train.accept_max_new_tokens
-        eos = tok.eos_token_id
-        self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+        self.eos = set(stop_token_ids(base, tok))
         self.depth = rank_depth(draft)
         default = kind_of(draft.kind).default_tree(draft)
         self.tree = default if isinstance(default, Tree) else None  # None: dynamic, measured at every evaluation

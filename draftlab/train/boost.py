@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..base import stop_token_ids
 from ..config import Recipe, build_recipe, dump_recipe
 from ..data import prompt_length  # noqa: F401 (also read from here)
 from .run_dir import resume_records
@@ -93,7 +94,7 @@ def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generation_scores(base, members: list, examples: list[dict], pad_id: int | None, eos_id: int | None,
+def generation_scores(base, members: list, examples: list[dict], pad_id: int | None, eos_ids: list[int],
                       match_tokens: int = 32, batch_size: int = 8,
                       indices: list[int] | None = None) -> dict[int, float]:
     """Per example index: the longest share of the base's greedy output after the example's prompt part (its first
@@ -114,8 +115,8 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
             att[r, P - p:] = 1
         ref = _greedy(base, ids, att, n)  # [B, n]
         length = torch.tensor(want, device=dev)
-        if eos_id is not None:  # the base's output ends at its EOS (included)
-            at_eos = (ref == eos_id).int()
+        if eos_ids:  # the base's output ends at its EOS (included)
+            at_eos = torch.isin(ref, torch.tensor(eos_ids, device=dev)).int()
             ends = torch.where(at_eos.any(-1), at_eos.argmax(-1) + 1, torch.full_like(length, n))
             length = torch.minimum(length, ends)
         best = torch.zeros_like(length)
@@ -130,7 +131,7 @@ def example_scores(e, base, members: list, examples: list[dict], tok, batch_size
                    indices: list[int] | None = None) -> dict[int, float]:
     """The scores of ensemble.score (generation or coverage) for the examples at indices."""
     if e.score == "generation":
-        return generation_scores(base, members, examples, tok.pad_token_id, tok.eos_token_id, e.match_tokens,
+        return generation_scores(base, members, examples, tok.pad_token_id, stop_token_ids(base, tok), e.match_tokens,
                                  batch_size, indices)
     return coverage_scores(base, members, examples, tok.pad_token_id, batch_size, indices)
 
@@ -291,7 +292,7 @@ def _stage_record(recipe: Recipe, members: list, base, tok, train_ex, eval_ex, i
     subset = json.loads(subset_file.read_text()) if subset_file.is_file() else {}
     trained_on = subset.get("kept", list(range(len(train_ex))))
     prompts = [ex["input_ids"][: max(2, min(32, len(ex["input_ids"]) // 2))] for ex in eval_ex[: e.tau_prompts]]
-    tau = ensemble_tau(base, members, prompts, tok.eos_token_id, e.node_budget) if state.is_main_process else None
+    tau = ensemble_tau(base, members, prompts, stop_token_ids(base, tok), e.node_budget) if state.is_main_process else None
     return {"stage": i + 1, "event": "stage", "member": f"member{i + 1}", "trained_on_examples": len(trained_on),
             "dropped_examples": len(train_ex) - len(trained_on),
             "examples_file": str(subset_file) if subset_file.is_file() else None,

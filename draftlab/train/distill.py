@@ -2,7 +2,9 @@
 OpenAI-compatible servers (vLLM, SGLang, TGI); drafts then train on the base's own text.
 
 Output: one JSON record per line with `source_index` (the record of the prompts file it came from, which is how
-a killed run resumes): ShareGPT `conversations` (chat mode) or `text` (text mode), the same either way.
+a killed run resumes): ShareGPT `conversations` (chat mode) or `text` (text mode), the same either way. An answer
+(a turn) or text the length limit cut before the base ended it carries `"truncated": true`, so training does not
+learn an end of turn where the base had none (data.tokenize_chat, data.pack_text).
 """
 
 from __future__ import annotations
@@ -68,18 +70,21 @@ class LocalModel:
 
     def __init__(self, name: str, dtype: str, device: str | None, max_new_tokens: int, temperature: float,
                  top_p: float):
-        from ..base import load_base
+        from ..base import load_base, stop_token_ids
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_base(name, dtype, self.device)
         self.tok.padding_side = "left"
-        self.kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=self.tok.pad_token_id)
+        self.stops = stop_token_ids(self.model, self.tok)  # the tokenizer's EOS as well as generation_config's
+        self.kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=self.tok.pad_token_id,
+                       eos_token_id=self.stops or None)
         self.kw.update(dict(temperature=temperature, top_p=top_p) if temperature > 0 else
                        dict(temperature=None, top_p=None, top_k=None))
 
     @torch.no_grad()
-    def answer(self, prompts: list) -> list[str]:
-        """Chat prompts (message lists) -> answers; text prompts (strings) -> prompt + continuation."""
+    def answer(self, prompts: list) -> list[tuple[str, bool]]:
+        """Chat prompts (message lists) -> answers; text prompts (strings) -> prompt + continuation; each with
+        whether max_new_tokens cut it (no stop token came)."""
         chat = isinstance(prompts[0], list)
         if chat:
             texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
@@ -89,11 +94,12 @@ class LocalModel:
         gen = self.model.generate(**enc, **self.kw)[:, enc["input_ids"].shape[1]:]
         out = []
         for j, ids in enumerate(gen):
+            cut = not any(t in self.stops for t in ids.tolist())
             if chat:
-                out.append(self.tok.decode(ids, skip_special_tokens=True).strip())
+                out.append((self.tok.decode(ids, skip_special_tokens=True).strip(), cut))
             else:  # decoded with the prompt's ids, so word boundaries come out as the base made them
                 own = enc["input_ids"][j][enc["attention_mask"][j].bool()].tolist()
-                out.append(self.tok.decode(own + ids.tolist(), skip_special_tokens=True))
+                out.append((self.tok.decode(own + ids.tolist(), skip_special_tokens=True), cut))
         return out
 
 
@@ -143,15 +149,16 @@ class Endpoints:
         raise DataError(f"request failed after {self.retries + 1} tries ({last}). Records written so far stay in the "
                         "output file; run the same command again to resume")
 
-    def _one(self, job: tuple[int, object]) -> str:
+    def _one(self, job: tuple[int, object]) -> tuple[str, bool]:
+        """(answer, whether max_tokens cut it: the server's finish_reason "length")."""
         start, prompt = job
         if isinstance(prompt, list):
             r = self._post(start, "/chat/completions", {"model": self.model, "messages": prompt, **self.params})
-            return r["choices"][0]["message"]["content"].strip()
+            return r["choices"][0]["message"]["content"].strip(), r["choices"][0].get("finish_reason") == "length"
         r = self._post(start, "/completions", {"model": self.model, "prompt": prompt, **self.params})
-        return prompt + r["choices"][0]["text"]
+        return prompt + r["choices"][0]["text"], r["choices"][0].get("finish_reason") == "length"
 
-    def answer(self, prompts: list) -> list[str]:
+    def answer(self, prompts: list) -> list[tuple[str, bool]]:
         jobs = [(self.next + j, p) for j, p in enumerate(prompts)]
         self.next += len(prompts)
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -164,25 +171,35 @@ def _regenerate(source, items: list[tuple[int, object]], mode: str, all_turns: b
     """Records for a chunk of prompts: text continuations, first answers, or every assistant turn regenerated in
     order (each answer sees the base's own earlier answers), turn t of all conversations in one batch."""
     if mode == "text":
-        return [{"source_index": i, "text": t} for (i, _), t in zip(items, source.answer([p for _, p in items]))]
+        return [{"source_index": i, "text": t, **_cut(c)}
+                for (i, _), (t, c) in zip(items, source.answer([p for _, p in items]))]
     if not all_turns:
         answers = source.answer([p for _, p in items])
-        return [{"source_index": i, "conversations": _sharegpt(p + [{"role": "assistant", "content": a}])}
-                for (i, p), a in zip(items, answers)]
+        return [{"source_index": i, "conversations": _sharegpt(p + [{"role": "assistant", "content": a, **_cut(c)}])}
+                for (i, p), (a, c) in zip(items, answers)]
     convs = [[m for m in msgs if m["role"] == "system"] for _, msgs in items]
     users = [[m for m in msgs if m["role"] == "user"] for _, msgs in items]
     for t in range(max(len(u) for u in users)):
         active = [j for j, u in enumerate(users) if t < len(u)]
         for j in active:
             convs[j].append(users[j][t])
-        for j, a in zip(active, source.answer([convs[j] for j in active])):
-            convs[j].append({"role": "assistant", "content": a})
+        for j, (a, c) in zip(active, source.answer([_plain(convs[j]) for j in active])):
+            convs[j].append({"role": "assistant", "content": a, **_cut(c)})
     return [{"source_index": i, "conversations": _sharegpt(c)} for (i, _), c in zip(items, convs)]
 
 
+def _cut(truncated: bool) -> dict:
+    return {"truncated": True} if truncated else {}
+
+
+def _plain(msgs: list[dict]) -> list[dict]:
+    """Messages as a chat template or server takes them (role and content; no truncated marks)."""
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
 def _sharegpt(msgs: list[dict]) -> list[dict]:
-    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
-            for m in msgs]
+    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"],
+             **_cut(m.get("truncated", False))} for m in msgs]
 
 
 def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, max_new_tokens: int = 512,
@@ -221,7 +238,7 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
             raise DataError("give the base (a model path / hub id or a recipe) or --endpoint URL")
         name, dt = _base_args(base_or_recipe, dtype)
         source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p), batch_size
-    written = 0
+    written = truncated = 0
     with open(out, "a") as f, progress(total=len(todo) + len(done), initial=len(done), desc="distill",
                                        unit="prompt") as bar:
         for s in range(0, len(todo), chunk):
@@ -229,6 +246,8 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
             for rec in _regenerate(source, items, mode, all_turns):
                 f.write(json.dumps(rec) + "\n")
                 written += 1
+                truncated += sum(bool(t.get("truncated")) for t in rec.get("conversations", [rec]))
             f.flush()
             bar.update(len(items))
-    return {"out": str(out), "written": written, "skipped_existing": len(done), "base": name}
+    return {"out": str(out), "written": written, "skipped_existing": len(done), "base": name,
+            "truncated": truncated}
