@@ -24,6 +24,23 @@ SIMPLE_CHAT_TEMPLATE = (
 )
 
 
+# FastChat's vicuna_v1.1 conversation format (the system line, "USER: ... ASSISTANT: ...</s>"), which the Vicuna
+# v1.1-v1.5 bases were tuned on and which Medusa, Hydra and EAGLE trained and evaluated their Vicuna drafters with;
+# those bases ship no chat template. `base.chat_template: vicuna`.
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                 "helpful, detailed, and polite answers to the user's questions.")
+VICUNA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}" + VICUNA_SYSTEM + "{% endif %} "
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}USER: {{ m['content'] }} "
+    "{% elif m['role'] == 'assistant' %}ASSISTANT: {{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+CHAT_TEMPLATES = {"vicuna": VICUNA_CHAT_TEMPLATE, "simple": SIMPLE_CHAT_TEMPLATE}
+
+
 class BaseModelError(ValueError):
     """The base model or tokenizer cannot be loaded or used as asked."""
 
@@ -40,8 +57,24 @@ def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> Non
                              "llama2.c checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`")
 
 
-def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
-    """AutoTokenizer with a pad token and a chat template guaranteed."""
+def chat_template_text(value: str) -> str:
+    """base.chat_template's Jinja text: a built-in name (CHAT_TEMPLATES), a file holding the template, or the
+    template itself."""
+    if value in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[value]
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise BaseModelError(f"base.chat_template={value!r}: not a built-in template ({', '.join(CHAT_TEMPLATES)}), "
+                         "a file, or Jinja text")
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False,
+                   chat_template: str | None = None):
+    """AutoTokenizer with a pad token and a chat template guaranteed: `chat_template` (see chat_template_text) in
+    place of its own when given, else its own, else SIMPLE_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
     check_model_path(name_or_path)
@@ -54,7 +87,9 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
         ) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
-    if not getattr(tok, "chat_template", None):
+    if chat_template:
+        tok.chat_template = chat_template_text(chat_template)
+    elif not getattr(tok, "chat_template", None):
         tok.chat_template = SIMPLE_CHAT_TEMPLATE
     return tok
 
@@ -87,14 +122,16 @@ def logit_transforms(config, head=None) -> list[str]:
 
 def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.device | None = None,
               revision: str | None = None, trust_remote_code: bool = False,
-              attn_implementation: str | None = None, **placement):
-    """Frozen base causal LM in eval mode, and its tokenizer. placement: `distributed_config` (tensor parallel over a
+              attn_implementation: str | None = None, chat_template: str | None = None, **placement):
+    """Frozen base causal LM in eval mode, and its tokenizer (with `chat_template`: see load_tokenizer). placement: `distributed_config` (tensor parallel over a
     torchrun launch) or `device_map` (layer-wise placement), passed to from_pretrained; `device` is then unused."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise BaseModelError(f"base.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
     check_model_path(name_or_path)
+    if chat_template:  # (refused before the weights load)
+        chat_template_text(chat_template)
     kwargs = dict(dtype=DTYPES[dtype], revision=revision, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -110,7 +147,14 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
     model.requires_grad_(False).eval()
     if device is not None and not placement:
         model.to(device)
-    return model, load_tokenizer(name_or_path, revision, trust_remote_code)
+    return model, load_tokenizer(name_or_path, revision, trust_remote_code, chat_template)
+
+
+def load_recipe_base(b, device=None, **placement):
+    """load_base with every field of a recipe's base section `b` (name, dtype, revision, remote code, attention,
+    chat template)."""
+    return load_base(b.name_or_path, b.dtype, device, b.revision, b.trust_remote_code, b.attn_implementation,
+                     b.chat_template, **placement)
 
 
 def base_identity(model, name_or_path: str | None = None) -> dict:

@@ -36,6 +36,12 @@ class BaseSection(_Section):
     revision: str | None = None
     trust_remote_code: bool = False
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
+    chat_template: str | None = Field(
+        None, description="the chat template conversations are rendered with, in place of the tokenizer's: a "
+        "built-in name (vicuna: FastChat's vicuna_v1.1, for Vicuna bases, which ship none; simple: User:/Assistant:), "
+        "a .jinja file, or Jinja text; unset: the tokenizer's own (simple when it has none). The export keeps it "
+        "(chat_template.jinja), and draftlab serves with it",
+        examples=["vicuna", "templates/my_chat.jinja"])
 
 
 class SSMSection(_Section):

@@ -222,3 +222,48 @@ def test_distilling_from_a_base_that_transforms_its_logits_is_refused(tiny_base_
     with pytest.raises(ValueError, match="final_logit_softcapping 30.0.*loss.distill_weight: 0"):
         train(distill)
     assert not (tmp_path / "r").exists() and train(r)["finished"]  # (the refused recipe made no run directory)
+
+
+def test_a_recipe_s_chat_template_trains_exports_and_serves(tiny_base_dir, data_file, tmp_path):
+    """base.chat_template (Vicuna ships no template: it trained with draftlab's User:/Assistant: fallback, while
+    it is served in FastChat's format): training renders with it, the export keeps it, and draftlab serves with it;
+    `check` names the file an engine is to be given."""
+    from draftlab.base import VICUNA_CHAT_TEMPLATE, load_tokenizer
+    from draftlab.data import tokenize_chat
+    from draftlab.interop.check import check_export
+    from draftlab.serve.generate import load_decoder
+
+    r = recipe(tiny_base_dir, data_file, tmp_path / "r", max_steps=1)
+    vic = build_recipe({**r.model_dump(mode="json"), "base": {**r.base.model_dump(), "chat_template": "vicuna"},
+                        "data": {**r.data.model_dump(), "max_len": 256}})  # (the system line: ~150 byte tokens)
+    summary = train(vic)
+    export = Path(summary["export"])
+    assert (export / "chat_template.jinja").read_text() == VICUNA_CHAT_TEMPLATE
+    _, tok, _ = load_decoder(str(export), device="cpu")
+    assert tok.chat_template == VICUNA_CHAT_TEMPLATE
+    assert load_tokenizer(str(tiny_base_dir)).chat_template != VICUNA_CHAT_TEMPLATE  # (the base's own differs)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    ids, mask = tokenize_chat(msgs, tok, 512)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]).strip() == "Hello there" + tok.eos_token
+    assert "USER: Hi ASSISTANT:" in tok.decode(ids)
+    report = check_export(str(export), engine="vllm")
+    line = next(c for c in report["checks"] if c["name"] == "tokenizer")
+    assert line["ok"] is False and "chat_template.jinja" in line["message"]
+    with pytest.raises(ValueError, match="base.chat_template='vicunaa': not a built-in template"):
+        train(build_recipe({**vic.model_dump(mode="json"), "output_dir": str(tmp_path / "bad"),
+                            "base": {**vic.base.model_dump(), "chat_template": "vicunaa"}}))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_vicuna_template_renders_fastchat_s_format():
+    """FastChat's vicuna_v1.1: system, a space, "USER: q ASSISTANT: a</s>" per turn, "ASSISTANT:" to generate."""
+    from jinja2 import Template
+
+    from draftlab.base import VICUNA_CHAT_TEMPLATE, VICUNA_SYSTEM
+
+    render = lambda msgs, gen: Template(VICUNA_CHAT_TEMPLATE).render(
+        messages=msgs, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "More?"}]
+    assert render(msgs, True) == f"<s>{VICUNA_SYSTEM} USER: Hi ASSISTANT: Hello</s>USER: More? ASSISTANT:"
+    assert render([{"role": "system", "content": "Be brief."}] + msgs[:1], True) == "<s>Be brief. USER: Hi ASSISTANT:"

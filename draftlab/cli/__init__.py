@@ -85,7 +85,7 @@ def cmd_distill(a) -> int:
 
     summary = distill_data(a.base, a.prompts, a.out, a.max_new_tokens, a.temperature, a.top_p, a.batch_size,
                            a.max_records, a.dtype, a.device, a.seed, a.mode, a.prompt_chars, a.all_turns, a.endpoint,
-                           a.model, a.concurrency, a.retries, a.timeout)
+                           a.model, a.concurrency, a.retries, a.timeout, a.chat_template)
     if a.json:
         _print_json(summary)
     else:
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL of an OpenAI-compatible server (http://host:8000 or .../v1); repeat for several")
     s.add_argument("--model", default=None, help="model name the servers serve (default: the first of GET /v1/models)")
     s.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (--endpoint)")
+    s.add_argument("--chat-template", default=None,
+                   help="in-process: the template prompts are rendered with (vicuna, simple, a .jinja file or Jinja "
+                        "text; default: the recipe's base.chat_template, else the tokenizer's own)")
     s.add_argument("--retries", type=int, default=5, help="tries per request after the first, rotating endpoints")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     s.add_argument("--max-new-tokens", type=positive_int, default=512)

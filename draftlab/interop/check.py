@@ -29,7 +29,7 @@ import torch
 
 from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
 from .engine_read import EngineDFlash, EngineEagle3, vllm_medusa_logits
-from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint
+from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
 
 ENGINES = ("vllm", "sglang")
 NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -234,9 +234,11 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
             return Check("tokenizer", True, f"served tokenizer {served} matches the fingerprint draftlab.json took "
                                             "in training (vocabulary, special ids, chat template)")
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
+        kept = (f"; training rendered with the recipe's base.chat_template, kept in {export_dir / meta['chat_template']}"
+                " (vLLM, SGLang: --chat-template that file)" if meta.get("chat_template") else "")
         return Check("tokenizer", False, f"served tokenizer {served} differs from the one used in training in "
                      f"{', '.join(names.get(k, k) for k in diff)} (draftlab.json's tokenizer fingerprint); serve "
-                     "with the training tokenizer and template, or retrain")
+                     "with the training tokenizer and template, or retrain" + kept)
     if Path(trained).resolve() == Path(served).resolve() if Path(trained).exists() else trained == served:
         return Check("tokenizer", True, f"served tokenizer {served} is {where} used in training (this export "
                                         "records no tokenizer fingerprint: a template edited in place since is not seen)")
@@ -482,7 +484,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     base_name = base or meta["base"]["name_or_path"]
     base_cfg = AutoConfig.from_pretrained(base_name).to_dict()  # config.json only: no weights
     tok_src = tokenizer or base_name
-    tok = load_tokenizer(tok_src)
+    tok = load_tokenizer(tok_src) if tokenizer else use_chat_template(load_tokenizer(tok_src), d, meta)
     cfg, tensors, where = _served_files(d, meta, served)
     checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"]),
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),

@@ -21,6 +21,7 @@ from ..drafters.base import ExportError, read_safetensors  # noqa: F401 (part of
 FORMAT_VERSION = 1
 META = "draftlab.json"
 ADAPTER_DIR = "adapter"
+CHAT_TEMPLATE = "chat_template.jinja"  # the recipe's base.chat_template, when it set one
 
 
 def tokenizer_fingerprint(tok) -> dict:
@@ -39,10 +40,12 @@ def tokenizer_fingerprint(tok) -> dict:
 
 
 def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: list | None = None,
-                extra: dict | None = None, tokenizer=None, adapter=None) -> Path:
+                extra: dict | None = None, tokenizer=None, adapter=None, chat_template: str | None = None) -> Path:
     """Write the draft module's files and draftlab.json (last, atomically: its presence marks a complete export).
     adapter: a peft model whose adapter (Medusa-2's LoRA) goes to ADAPTER_DIR in peft's own format; the export then
-    decodes against the base with that adapter."""
+    decodes against the base with that adapter. chat_template: the template training rendered conversations with
+    where the recipe set one in place of the tokenizer's (CHAT_TEMPLATE; draftlab serves with it, an engine is
+    given it with --chat-template)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)
@@ -58,6 +61,9 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
             "default_tree": default_tree, "files": files, **(extra or {})}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer_fingerprint(tokenizer)
+    if chat_template is not None:
+        (out / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
+        meta["chat_template"] = CHAT_TEMPLATE
     if adapter is not None:
         shutil.rmtree(out / ADAPTER_DIR, ignore_errors=True)
         adapter.save_pretrained(out / ADAPTER_DIR)
@@ -65,6 +71,14 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
     (out / (META + ".tmp")).write_text(json.dumps(meta, indent=2))
     os.replace(out / (META + ".tmp"), out / META)
     return out
+
+
+def use_chat_template(tok, export_dir: str | Path, meta: dict):
+    """The tokenizer given the chat template training rendered with, where the export keeps one (save_export's
+    chat_template); returned for chaining."""
+    if meta.get("chat_template"):
+        tok.chat_template = (Path(export_dir) / meta["chat_template"]).read_text(encoding="utf-8")
+    return tok
 
 
 def read_meta(export_dir: str | Path) -> dict:

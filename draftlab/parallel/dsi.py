@@ -508,7 +508,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     from ..decode.compiled import compile_backend
     from ..serve.generate import encode_prompt, plain_generate, stop_fn
     from ..decode.streams import role_generator
-    from ..interop.export import load_export, read_meta
+    from ..interop.export import load_export, read_meta, use_chat_template
     from .simulate import dsi_lookahead
 
     sp = pool.sp if pool is not None else sp
@@ -518,6 +518,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
                          "heads, which need the base's hidden states and so cannot draft ahead of verification")
     name, dtype = base or meta["base"]["name_or_path"], dtype or meta["base"]["dtype"]
     model, tok = load_base(name, dtype, "cpu")
+    tok = use_chat_template(tok, export, meta)
     draft, _ = load_export(export, base=model)
     sampled = sampling is not None and sampling.temperature > 0
     if sampled and compare:

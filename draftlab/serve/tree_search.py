@@ -150,13 +150,14 @@ def load_search(export: str, data: str, calibration_prompts: int, timing_prompts
     """Load an export with its base and read the prompts: the first calibration_prompts calibrate, the next
     timing_prompts (or, with too few records, the first ones) are timed."""
     from ..data import detect_format, prompt_turns, read_records, to_messages
-    from ..interop.export import apply_adapter, load_export, read_meta
+    from ..interop.export import apply_adapter, load_export, read_meta, use_chat_template
     from .generate import decoder_device, encode_prompt, load_placed
     from ..decode.tensor_parallel import RankSync, check_launch
 
     check_launch(tp)
     meta = read_meta(export)
     base, tok = load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
+    tok = use_chat_template(tok, export, meta)
     base = apply_adapter(base, export, meta)
     device = decoder_device(base)
     draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)

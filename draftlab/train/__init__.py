@@ -20,6 +20,10 @@ def train(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None 
     """Run (or resume) the recipe; a summary with the export path and the final eval figures. A recipe with an
     `ensemble` section trains its members in stages (boost.py); any other trains one draft (loop.py).
     stop_after_steps ends this invocation early, after saving a checkpoint (a stand-in for preemption)."""
+    if recipe.base.chat_template:  # a template that cannot be read is refused before a run directory is made
+        from ..base import chat_template_text
+
+        chat_template_text(recipe.base.chat_template)
     if recipe.ensemble is not None:
         from .boost import train_ensemble
 

@@ -166,7 +166,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     """Train (or resume) every stage of an ensemble recipe, then write the ensemble export."""
     from accelerate import PartialState
 
-    from ..base import load_base
+    from ..base import load_recipe_base
     from ..data import load_examples
     from ..procs import die_with_parent
     from ..drafters import EnsembleDraft, LookupDraft
@@ -202,7 +202,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
             if e.boost and i > 0:
                 if not subset_file.is_file():
                     if base is None:
-                        base, tok = load_base(b.name_or_path, b.dtype, state.device)
+                        base, tok = load_recipe_base(b, state.device)
                         train_ex, eval_ex, _ = examples(tok)
                     subset = _next_examples(recipe, members, base, tok, train_ex, i, state, scored)
                     if main:
@@ -221,7 +221,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
         members.append(member)
         if i + 1 not in recorded:
             if base is None:
-                base, tok = load_base(b.name_or_path, b.dtype, state.device)
+                base, tok = load_recipe_base(b, state.device)
                 train_ex, eval_ex, _ = examples(tok)
             rec = _stage_record(recipe, members, base, tok, train_ex, eval_ex, i, subset_file, state, scored)
             if main:
@@ -231,7 +231,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
     summary = {"step": e.members, "total_steps": e.members, "finished": True, "stopped": False, "output_dir": str(out)}
     if main:
         if base is None:
-            base, tok = load_base(b.name_or_path, b.dtype, state.device)
+            base, tok = load_recipe_base(b, state.device)
             train_ex, _, _ = examples(tok)
         names = [f"member{i + 1}" for i in range(e.members)]
         if e.lookup:
@@ -246,7 +246,8 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
         records = resume_records(metrics, fix=False)
         ensemble = EnsembleDraft(members, names, {"mode": e.mode, "node_budget": e.node_budget})
         summary["export"] = str(save_export(ensemble, base, out / "export", b.name_or_path, tokenizer=tok, extra={
-            "training": {"stages": records, "recipe": recipe.model_dump(mode="json")}}))
+            "training": {"stages": records, "recipe": recipe.model_dump(mode="json")}},
+            chat_template=tok.chat_template if b.chat_template else None))
         summary["stages"] = records
     state.wait_for_everyone()
     return summary

@@ -23,13 +23,14 @@ from ..progress import progress
 from .run_dir import resume_records
 
 
-def _base_args(base_or_recipe: str, dtype: str | None) -> tuple[str, str]:
+def _base_args(base_or_recipe: str, dtype: str | None, chat_template: str | None) -> tuple[str, str, str | None]:
+    """(base, dtype, chat template): a recipe's base section, where those given are not."""
     if base_or_recipe.endswith((".yaml", ".yml")):
         from ..config import load_recipe
 
         r = load_recipe(base_or_recipe)
-        return r.base.name_or_path, dtype or r.base.dtype
-    return base_or_recipe, dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        return r.base.name_or_path, dtype or r.base.dtype, chat_template or r.base.chat_template
+    return base_or_recipe, dtype or ("bfloat16" if torch.cuda.is_available() else "float32"), chat_template
 
 
 def text_prefix(text: str, chars: int) -> str:
@@ -69,11 +70,11 @@ class LocalModel:
     """The base in this process, batched (greedy by default)."""
 
     def __init__(self, name: str, dtype: str, device: str | None, max_new_tokens: int, temperature: float,
-                 top_p: float):
+                 top_p: float, chat_template: str | None = None):
         from ..base import load_base, stop_token_ids
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.tok = load_base(name, dtype, self.device)
+        self.model, self.tok = load_base(name, dtype, self.device, chat_template=chat_template)
         self.tok.padding_side = "left"
         self.stops = stop_token_ids(self.model, self.tok)  # the tokenizer's EOS as well as generation_config's
         self.kw = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=self.tok.pad_token_id,
@@ -206,18 +207,23 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
                  temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, max_records: int | None = None,
                  dtype: str | None = None, device: str | None = None, seed: int = 0, mode: str = "chat",
                  prompt_chars: int = 64, all_turns: bool = False, endpoints: list[str] | None = None,
-                 model: str | None = None, concurrency: int = 8, retries: int = 5, timeout: float = 600.0) -> dict:
+                 model: str | None = None, concurrency: int = 8, retries: int = 5, timeout: float = 600.0,
+                 chat_template: str | None = None) -> dict:
     """Generate with the base (in this process, or through `endpoints`) and append records to out_file; records
     already there are skipped, so a killed run resumes.
 
     mode chat: the base answers each record's messages before its first assistant turn (or, with all_turns,
     every user turn in order, seeing its own earlier answers) through its chat template; ShareGPT conversations
     out. mode text (bases without a chat format): the base continues the first prompt_chars characters of each
-    text; {"text"} out."""
+    text; {"text"} out. chat_template: what the base renders prompts with in this process (base.chat_template's
+    values; default: a recipe's, else the tokenizer's own); servers render with their own."""
     if mode not in ("chat", "text"):
         raise DataError(f"--mode {mode!r}: use chat or text")
     if all_turns and mode != "chat":
         raise DataError("--all-turns regenerates the assistant turns of conversations; it needs --mode chat")
+    if endpoints and chat_template:
+        raise DataError("--chat-template renders prompts in this process; servers render with their own (vLLM, "
+                        "SGLang: start them with --chat-template)")
     todo = prompts_of(prompts_file, max_records, mode, prompt_chars, all_turns)
     if not todo:
         raise DataError(f"{prompts_file}: no prompts found (expected ShareGPT, Alpaca or text records)")
@@ -236,8 +242,8 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
     else:
         if not base_or_recipe:
             raise DataError("give the base (a model path / hub id or a recipe) or --endpoint URL")
-        name, dt = _base_args(base_or_recipe, dtype)
-        source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p), batch_size
+        name, dt, template = _base_args(base_or_recipe, dtype, chat_template)
+        source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p, template), batch_size
     written = truncated = 0
     with open(out, "a") as f, progress(total=len(todo) + len(done), initial=len(done), desc="distill",
                                        unit="prompt") as bar:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import load_base, logit_transforms, set_seed
+from ..base import load_recipe_base, logit_transforms, set_seed
 from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
@@ -182,8 +182,7 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         run.base, run.tok = load_sharded_base(b, accelerator, keep_last_layer=bool(recipe.head.prefix_attention))
     else:  # (fsdp in a single process has nothing to shard over)
         with outside_deepspeed(ds_plugin):
-            run.base, run.tok = load_base(b.name_or_path, b.dtype, accelerator.device, b.revision, b.trust_remote_code,
-                                          b.attn_implementation)
+            run.base, run.tok = load_recipe_base(b, accelerator.device)
     check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
     with accelerator.main_process_first():
         run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
@@ -418,7 +417,8 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
         export = save_export(objective.draft, run.base, run.out_dir / "export", recipe.base.name_or_path,
                              extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
                                                  "eval": exported_eval, "export": chosen}}, tokenizer=run.tok,
-                             adapter=run.base if recipe.lora is not None else None)
+                             adapter=run.base if recipe.lora is not None else None,
+                             chat_template=run.tok.chat_template if recipe.base.chat_template else None)
         summary["export"] = str(export)
     summary["eval"], summary["last_eval"] = exported_eval, last_eval
     summary["export_step"] = chosen["step"]

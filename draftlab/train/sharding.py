@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import DTYPES, BaseModelError, load_base, load_tokenizer
+from ..base import DTYPES, BaseModelError, load_recipe_base, load_tokenizer
 
 
 def load_sharded_base(b, accelerator, keep_last_layer: bool):
@@ -30,7 +30,7 @@ def load_sharded_base(b, accelerator, keep_last_layer: bool):
 
     full = None
     if accelerator.is_main_process:
-        full, _ = load_base(b.name_or_path, b.dtype, None, b.revision, b.trust_remote_code, b.attn_implementation)
+        full, _ = load_recipe_base(b)
     accelerator.wait_for_everyone()  # the others wait while rank 0 reads (and maybe downloads) the checkpoint
     config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision, trust_remote_code=b.trust_remote_code)
     extra = {"attn_implementation": b.attn_implementation} if b.attn_implementation else {}
@@ -60,4 +60,4 @@ def load_sharded_base(b, accelerator, keep_last_layer: bool):
                 buf.copy_(ref[name])
             dist.broadcast(buf, src=0)
     del full, ref
-    return model, load_tokenizer(b.name_or_path, b.revision, b.trust_remote_code)
+    return model, load_tokenizer(b.name_or_path, b.revision, b.trust_remote_code, b.chat_template)
