@@ -163,3 +163,17 @@ def test_cosine_schedule_floor():
     assert f(0) < f(9) < 1 and f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.665)
     assert f(110) == pytest.approx(0.33) and f(500) == pytest.approx(0.33)
     assert lr_lambda(10, 110)(110) == pytest.approx(0.0)
+
+
+def test_the_prefix_layer_attends_with_sdpa_under_a_flash_attention_base():
+    """A base loaded with attn_implementation flash_attention_2 (a training recipe's) gave the Hydra++ prefix layer,
+    a copy of its last layer, flash attention too: a float32 layer under an explicit 4D mask, which flash attention
+    takes neither of. The layer now attends with sdpa; the base keeps its own attention."""
+    base = tiny_llama(seed=3)
+    base.config._attn_implementation = "flash_attention_2"  # (as loaded for training; not run here)
+    d = build_draft({"type": "hydra", "num_heads": 2, "num_layers": 2, "prefix_attention": True}, base)
+    assert d.prefix_layer.self_attn.config._attn_implementation == "sdpa"
+    assert base.config._attn_implementation == "flash_attention_2"
+    h = torch.randn(2, 5, base.config.hidden_size)
+    out = d.context(h, torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]))
+    assert out.shape == h.shape and torch.isfinite(out).all()

@@ -180,9 +180,16 @@ class PrefixModel(nn.Module):
 def replica_of(layer, config):
     """A plain copy of one of the base's decoder layers with its own one-layer KV cache (layer_idx 0): built fresh
     from its class rather than deep-copied, so a tensor-parallel layer's DTensor shards (gathered whole here) and
-    a device map's hooks do not come along."""
+    a device map's hooks do not come along. Its attention is the base's where that takes a float mask (eager,
+    sdpa), else sdpa: the layer attends under an explicit 4D mask (a tree's in decoding) in float32, which flash
+    attention (a base loaded with attn_implementation flash_attention_2 for training) takes neither of."""
+    import copy
+
     from torch.distributed.tensor import DTensor
 
+    if getattr(config, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+        config = copy.copy(config)  # (the base's own layers keep theirs)
+        config._attn_implementation = "sdpa"
     try:
         fresh = type(layer)(config, 0)
     except TypeError as e:
