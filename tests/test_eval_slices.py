@@ -1,6 +1,7 @@
 """Per-slice reports (issue 24, part 2): slicing of eval records, slices in a real run, `eval compare A B`."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,28 @@ def test_compare_cli(tmp_path, capsys):
     assert main(["eval", "compare", a, str(tmp_path / "old")]) == 0
     out = capsys.readouterr().out
     assert "no per-slice section" in out and "### output position" not in out
+
+
+def test_compare_says_where_runs_were_measured_under_other_conditions(tmp_path, capsys):
+    """`eval compare` compared any two runs silently (found by review): another base, length limit, sampling or
+    machine made a "worse" slice of what was the conditions' doing. It says what differs; the export does not."""
+    from draftlab.cli import main
+    from draftlab.eval.compare import held_fixed
+    from draftlab.eval.mt_bench import load_summary
+
+    a, b = hand_made_pair(tmp_path)
+    common = {"base": "b0", "max_new_tokens": 256, "temperature": 0.0, "hardware": "H200", "export": "x"}
+    for d, extra in ((a, {}), (b, {"max_new_tokens": 1024, "hardware": "AMD EPYC CPU x2 threads", "export": "y"})):
+        f = Path(d) / "summary.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), **common, **extra}))
+    assert held_fixed([load_summary(a), load_summary(b)]) == ["max_new_tokens: 256 / 1024",
+                                                              "hardware: 'H200' / 'AMD EPYC CPU x2 threads'"]
+    assert held_fixed([load_summary(a), load_summary(a)]) == []
+    assert main(["eval", "compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("warning: these runs differ") and "- max_new_tokens: 256 / 1024" in out
+    assert main(["eval", "compare", a, b, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["not_comparable"]) == 2
 
 
 def test_run_writes_slices_that_add_up(export, tmp_path, capsys):  # noqa: F811

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..eval.compare import compare_slices, format_comparison
+from ..eval.compare import compare_slices, format_comparison, held_fixed
 from ..eval.mt_bench import EvalError, compare_runs, load_summary, run_mt_bench
 from ..shipped import mt_bench_questions
 from .args import add_compile_cache_arg, add_placement_args, add_typical_args, positive_int, sampling_from_args
@@ -66,6 +66,7 @@ def eval_command(a) -> int:
         if not 0 <= a.threshold < 1:
             raise EvalError(f"--threshold {a.threshold}: a relative drop, from 0 to below 1 (0.05 = 5%)")
         table, runs = compare_runs(a.runs)
+        differ = held_fixed(runs)
         cmp = None
         older = []
         if len(a.runs) == 2:
@@ -75,8 +76,11 @@ def eval_command(a) -> int:
         if a.json:
             obj = {"runs": [{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
                              "categories": r["categories"]} for r in runs]}
-            print(json.dumps({**obj, **(cmp or {})}))
+            print(json.dumps({**obj, "not_comparable": differ, **(cmp or {})}))
         else:
+            if differ:
+                print("warning: these runs differ in what a comparison holds fixed, so their figures were measured "
+                      "under different conditions:\n" + "".join(f"- {d}\n" for d in differ))
             print(table)
             if cmp:
                 print("\n" + format_comparison(cmp, *a.runs))

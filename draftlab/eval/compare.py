@@ -5,12 +5,31 @@ A slice got worse when B's accept length, or B's speedup, is lower than A's by m
 --no-baseline run, any figure of an output-position slice but accept length), are shown and never marked.
 Each row carries the slice's size in both runs (records, or verification steps for output position), so a
 drop in a slice of two records reads as what it is.
+
+Runs are compared for what a comparison holds fixed (`held_fixed`): the base, the questions and how many turns
+were answered, the sampling, the length limit, the dtype and the hardware. Where they differ the command says so
+above the tables (`not_comparable` with --json); the export, tree, compiling and baseline are what one compares.
 """
 
 from __future__ import annotations
 
+import json
+
 from .mt_bench import EvalError
 from .slices import SLICINGS, bucket_key
+
+
+HELD_FIXED = ("base", "questions", "max_new_tokens", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
+              "typical_alpha", "dtype", "hardware")
+
+
+def held_fixed(runs: list[dict]) -> list[str]:
+    """What differs between runs' summaries among the settings a fair comparison holds fixed (HELD_FIXED, and the
+    number of turns answered), one line each with every run's value in order; empty: comparable."""
+    values = {k: [r.get(k) for r in runs] for k in HELD_FIXED}
+    values["turns answered"] = [r["overall"].get("turns") for r in runs]
+    return [f"{k}: {' / '.join(repr(v) for v in vals)}" for k, vals in values.items()
+            if len({json.dumps(v, sort_keys=True) for v in vals}) > 1]
 
 
 def _change(a, b):
