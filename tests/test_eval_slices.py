@@ -90,6 +90,26 @@ def test_slices_of_hand_made_records_are_exact():
     assert sl["output_position"] == {} and sl["context_tokens"] == {}
 
 
+def test_compiled_runs_slice_the_speedup_over_compiled_plain_too():
+    """A --compile run's slices give the speedup over compiled plain decoding beside the one over HF's eager
+    generate (the per-category table did; the slices gave the eager one only)."""
+    from draftlab.eval.slices import slice_tables
+
+    qs, d, b = hand_made()
+    for qid, walls in ((1, [0.5, 0.25]), (2, [1.0])):
+        ch = d[qid]["choices"][0]
+        ch["compiled_plain_new_tokens"], ch["compiled_plain_wall_time"] = list(ch["new_tokens"]), walls
+    sl = slice_report(turn_records(qs, d, b))
+    # writing: 77 tokens in 2.0 s against the same 77 in 0.75 s compiled plain; math: 41 in 2.0 s against 1.0 s.
+    assert sl["category"]["writing"]["speedup_vs_compiled_plain"] == 0.375
+    assert sl["category"]["math"]["compiled_plain_tokens_per_s"] == 41.0
+    assert sl["turn"]["1"]["speedup_vs_compiled_plain"] == 0.5
+    assert sl["category"]["writing"]["speedup"] == 1.75  # (the eager baseline's, unchanged)
+    text = "\n".join(slice_tables(sl))
+    assert "| speedup | vs compiled plain |" in text and "| 0.38x |" in text
+    assert "vs compiled plain" not in "\n".join(slice_tables(slice_report(turn_records(*hand_made()))))
+
+
 def test_questions_keep_the_slice_field(tmp_path):
     from draftlab.eval.mt_bench import load_questions
 

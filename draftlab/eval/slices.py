@@ -21,7 +21,9 @@ those steps, bonus tokens included; the prefill's first token of each turn is no
 figure), `accept_length` = committed / steps (so the steps-weighted mean over a slicing's slices is the overall
 accept length); for the record slicings also `new_tokens`, `tokens_per_s`
 (new tokens / wall time, summed over the slice's records) and, where plain decoding was measured,
-`plain_tokens_per_s` and `speedup`. Output-position slices carry no tokens/s: steps are not timed one by one.
+`plain_tokens_per_s` and `speedup`, and in a --compile run `compiled_plain_tokens_per_s` and
+`speedup_vs_compiled_plain` (over the compiled plain decoding of the same turns). Output-position slices carry no
+tokens/s: steps are not timed one by one.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def turn_records(questions: list[dict], d_ans: dict, b_ans: dict, field: str = "
             if bch is not None:
                 r["plain_new_tokens"], r["plain_wall_time"] = bch["new_tokens"][t], bch["wall_time"][t]
                 r["plain_tokens_per_s"] = r["plain_new_tokens"] / r["plain_wall_time"] if r["plain_wall_time"] else 0.0
+            if "compiled_plain_wall_time" in ch:  # --compile: compiled plain decoding of the same turn
+                r["compiled_plain_new_tokens"] = ch["compiled_plain_new_tokens"][t]
+                r["compiled_plain_wall_time"] = ch["compiled_plain_wall_time"][t]
             recs.append(r)
     return recs
 
@@ -94,6 +99,10 @@ def _record_slice(recs: list[dict]) -> dict:
         pnew, pwall = sum(r["plain_new_tokens"] for r in recs), sum(r["plain_wall_time"] for r in recs)
         row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
+    if recs and all("compiled_plain_wall_time" in r for r in recs):
+        cnew, cwall = sum(r["compiled_plain_new_tokens"] for r in recs), sum(r["compiled_plain_wall_time"] for r in recs)
+        row["compiled_plain_tokens_per_s"] = round(cnew / cwall, 2) if cwall else 0.0
+        row["speedup_vs_compiled_plain"] = round(new * cwall / (wall * cnew), 4) if wall and cnew else 0.0
     return row
 
 
@@ -144,7 +153,9 @@ def slice_tables(sl: dict) -> list[str]:
             continue
         timed = name != "output_position"
         label = sl.get("category_field", "category") if name == "category" else name
-        head = [label.replace("_", " "), "records", "steps", "accept length"] + (["tokens/s", "plain tokens/s", "speedup"] if timed else [])
+        fast = timed and all("speedup_vs_compiled_plain" in r for r in rows.values())  # (--compile)
+        head = [label.replace("_", " "), "records", "steps", "accept length"] + (
+            ["tokens/s", "plain tokens/s", "speedup"] if timed else []) + (["vs compiled plain"] if fast else [])
         lines += ["", f"### by {label.replace('_', ' ')}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for k, r in rows.items():
             cells = [k, str(r["records"]), str(r["steps"]), f"{r['accept_length']:.2f}"]
@@ -152,6 +163,7 @@ def slice_tables(sl: dict) -> list[str]:
                 cells += [f"{r['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if "plain_tokens_per_s" in r else "-",
                           f"{r['speedup']:.2f}x" if "speedup" in r else "-"]
+            cells += [f"{r['speedup_vs_compiled_plain']:.2f}x"] if fast else []
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
