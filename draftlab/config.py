@@ -182,7 +182,10 @@ class DataSection(_Section):
         "error", description="'skip' drops malformed records and counts them instead of stopping"
     )
     num_proc: int = Field(1, ge=1, description="processes that tokenize conversations (used from 2,000 "
-                          "conversations on; each process of a multi-process run starts its own)")
+                          "conversations on; in a multi-process run, the main process's)")
+    cache: bool = Field(True, description="keep the tokenized examples in OUTPUT_DIR/tokenized: made once by the main "
+                        "process, read by the others and by every resume (keyed by the data files, the data "
+                        "section, the tokenizer and its template; made again when any changes)")
 
 
 class TrainSection(_Section):
@@ -374,8 +377,8 @@ def accept_settings(recipe: Recipe) -> tuple[int, int]:
 # Keys whose change does not make a different run: a resumed run may extend or re-log.
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
-                  "data.num_proc", "train.cache_hidden", "train.hidden_cache_dir", "ensemble.tau_prompts",
-                  "train.export"}
+                  "data.num_proc", "data.cache", "train.cache_hidden", "train.hidden_cache_dir",
+                  "ensemble.tau_prompts", "train.export"}
 
 
 def _model_of(annotation):

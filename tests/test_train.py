@@ -267,3 +267,44 @@ def test_the_vicuna_template_renders_fastchat_s_format():
             {"role": "user", "content": "More?"}]
     assert render(msgs, True) == f"<s>{VICUNA_SYSTEM} USER: Hi ASSISTANT: Hello</s>USER: More? ASSISTANT:"
     assert render([{"role": "system", "content": "Be brief."}] + msgs[:1], True) == "<s>Be brief. USER: Hi ASSISTANT:"
+
+
+def test_tokenized_examples_are_kept_for_resume_and_made_again_when_an_input_changes(tiny_base_dir, data_file,
+                                                                                    tmp_path, monkeypatch):
+    """Every process of a launch tokenized the whole data set, and so did every resume (minutes for 100k
+    conversations). The main process now writes the examples to OUTPUT_DIR/tokenized once; the others and every
+    resume read them, unless the data, the data section or the tokenizer changed."""
+    import shutil
+
+    import draftlab.train.examples_cache as ec
+    from draftlab.base import load_tokenizer
+    from draftlab.data import load_examples
+
+    data = tmp_path / "d.jsonl"
+    shutil.copy(data_file, data)
+    r = recipe(tiny_base_dir, data, tmp_path / "r")
+    assert not train(r, stop_after_steps=2)["finished"]
+    [f] = (tmp_path / "r" / "tokenized").glob("*.npz")
+    tok = load_tokenizer(str(tiny_base_dir))
+    assert ec.read_examples(f) == load_examples(r.data, tok, seed=r.train.seed)  # (examples and counts, exactly)
+    calls = []
+    monkeypatch.setattr(ec, "load_examples", lambda *a, **k: calls.append(1) or load_examples(*a, **k))
+    assert train(r)["finished"] and calls == []  # the resume read the file
+
+    class Alone:
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            pass
+
+    out = tmp_path / "r"
+    assert ec.cached_examples(r.data, tok, r.train.seed, out, Alone()) == ec.read_examples(f) and calls == []
+    data.write_text(data.read_text() + json.dumps({"conversations": [{"from": "human", "value": "One more?"},
+                                                                     {"from": "gpt", "value": "Yes."}]}) + "\n")
+    train_ex, _, _ = ec.cached_examples(r.data, tok, r.train.seed, out, Alone())
+    assert calls == [1] and len(train_ex) == 21 and [p.name for p in (out / "tokenized").glob("*.npz")] != [f.name]
+    tok.chat_template = tok.chat_template.replace("User: ", "Q: ")
+    ec.cached_examples(r.data, tok, r.train.seed, out, Alone())
+    assert calls == [1, 1] and len(list((out / "tokenized").glob("*.npz"))) == 1  # (the older key's file removed)
+    ec.cached_examples(r.data.model_copy(update={"max_len": 32}), tok, r.train.seed, out, Alone())
+    assert calls == [1, 1, 1]

@@ -24,6 +24,7 @@ from ..interop.export import save_export
 from ..procs import die_with_parent
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
+from .examples_cache import cached_examples
 from .distributed import (StopRequest, any_rank, deepspeed_plugin, local_fraction, node_of, outside_deepspeed,
                           single_process_group_env, whole_copy)
 from .objectives import DraftObjective, JointObjective, base_features, evaluate
@@ -184,9 +185,13 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         with outside_deepspeed(ds_plugin):
             run.base, run.tok = load_recipe_base(b, accelerator.device)
     check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
-    with accelerator.main_process_first():
-        run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
-                                                             worker_init=die_with_parent)
+    if recipe.data.cache:  # tokenized once, by the main process; the others and every resume read the file
+        run.train_ex, run.eval_ex, run.stats = cached_examples(recipe.data, run.tok, split_seed, run.out_dir,
+                                                               accelerator, worker_init=die_with_parent)
+    else:
+        with accelerator.main_process_first():
+            run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
+                                                                 worker_init=die_with_parent)
     if example_subset is not None:
         run.train_ex = [run.train_ex[i] for i in example_subset]
         s = run.stats
