@@ -123,8 +123,9 @@ def logit_transforms(config, head=None) -> list[str]:
 def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.device | None = None,
               revision: str | None = None, trust_remote_code: bool = False,
               attn_implementation: str | None = None, chat_template: str | None = None, **placement):
-    """Frozen base causal LM in eval mode, and its tokenizer (with `chat_template`: see load_tokenizer). placement: `distributed_config` (tensor parallel over a
-    torchrun launch) or `device_map` (layer-wise placement), passed to from_pretrained; `device` is then unused."""
+    """Frozen base causal LM in eval mode, and its tokenizer (with `chat_template`: see load_tokenizer).
+    placement: `distributed_config` (tensor parallel over a torchrun launch) or `device_map` (layer-wise placement),
+    passed to from_pretrained; `device` is then unused."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:

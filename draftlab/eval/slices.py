@@ -100,7 +100,8 @@ def _record_slice(recs: list[dict]) -> dict:
         row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
     if recs and all("compiled_plain_wall_time" in r for r in recs):
-        cnew, cwall = sum(r["compiled_plain_new_tokens"] for r in recs), sum(r["compiled_plain_wall_time"] for r in recs)
+        cnew = sum(r["compiled_plain_new_tokens"] for r in recs)
+        cwall = sum(r["compiled_plain_wall_time"] for r in recs)
         row["compiled_plain_tokens_per_s"] = round(cnew / cwall, 2) if cwall else 0.0
         row["speedup_vs_compiled_plain"] = round(new * cwall / (wall * cnew), 4) if wall and cnew else 0.0
     return row

@@ -234,8 +234,9 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
             return Check("tokenizer", True, f"served tokenizer {served} matches the fingerprint draftlab.json took "
                                             "in training (vocabulary, special ids, chat template)")
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
-        kept = (f"; training rendered with the recipe's base.chat_template, kept in {export_dir / meta['chat_template']}"
-                " (vLLM, SGLang: --chat-template that file)" if meta.get("chat_template") else "")
+        kept = ("; training rendered with the recipe's base.chat_template, kept in "
+                f"{export_dir / meta['chat_template']} (vLLM, SGLang: --chat-template that file)"
+                if meta.get("chat_template") else "")
         return Check("tokenizer", False, f"served tokenizer {served} differs from the one used in training in "
                      f"{', '.join(names.get(k, k) for k in diff)} (draftlab.json's tokenizer fingerprint); serve "
                      "with the training tokenizer and template, or retrain" + kept)

@@ -489,9 +489,9 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     """`draftlab dsi`: DSI with an SSM export as the drafter (its own KV cache) and `sp` target servers of its
     base, greedy or sampling; optionally (greedy) SI and non-SI with the same latencies, and HF `generate` as the
     reference for the tokens. prompts: texts, or token id lists. The text ends at the base's stop tokens
-    (base.stop_token_ids; unless eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the drafter's from
-    role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j, "verifier"). When no
-    lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
+    (base.stop_token_ids; unless eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the
+    drafter's from role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j,
+    "verifier"). When no lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
     the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
     servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens); otherwise ("no-wait", or no
     acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server

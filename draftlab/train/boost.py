@@ -293,7 +293,8 @@ def _stage_record(recipe: Recipe, members: list, base, tok, train_ex, eval_ex, i
     subset = json.loads(subset_file.read_text()) if subset_file.is_file() else {}
     trained_on = subset.get("kept", list(range(len(train_ex))))
     prompts = [ex["input_ids"][: max(2, min(32, len(ex["input_ids"]) // 2))] for ex in eval_ex[: e.tau_prompts]]
-    tau = ensemble_tau(base, members, prompts, stop_token_ids(base, tok), e.node_budget) if state.is_main_process else None
+    stops = stop_token_ids(base, tok)
+    tau = ensemble_tau(base, members, prompts, stops, e.node_budget) if state.is_main_process else None
     return {"stage": i + 1, "event": "stage", "member": f"member{i + 1}", "trained_on_examples": len(trained_on),
             "dropped_examples": len(train_ex) - len(trained_on),
             "examples_file": str(subset_file) if subset_file.is_file() else None,
