@@ -175,7 +175,7 @@ def test_every_stage_keeps_the_ensembles_held_out_split(tiny_base_dir, data_file
     the subset the last stages chose indexes that split's training examples, and the held-out examples the stages
     are scored on are never trained on (found by review: stage i split with seed + i, so half the held-out examples
     of 40 records were in a later member's training set, and the subset picked other examples)."""
-    import draftlab.train.loop as loop
+    import draftlab.train.examples_cache as loop  # (where training loads its examples)
 
     splits = []
 
