@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import launch_train
 from test_train import recipe, weights
@@ -117,3 +118,28 @@ def test_multi_process_deepspeed_on_cpu_is_refused(tiny_base_dir, data_file, tmp
     assert p.returncode != 0
     assert "launched 2 processes but Accelerate runs 1" in p.stderr and "use distributed.strategy: ddp" in p.stderr
     assert not (tmp_path / "ds" / "checkpoints").exists()
+
+
+@pytest.mark.slow  # two training runs, one launched with DeepSpeed (about 30 s on 2 cores); CI runs the slow tests
+def test_zero_with_gradient_accumulation_steps_once_per_step_as_ddp_does(tiny_base_dir, data_file, tmp_path):
+    """Under DeepSpeed every micro-batch was an accumulation boundary (Accelerate's sync flag stayed on), so the
+    engine stepped the optimizer on each: grad_accum_steps=2 made twice the optimizer steps, each on one
+    micro-batch, under a schedule stepped once per two (found by review). The weights now equal the same recipe's
+    run without DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    from draftlab.train import train
+
+    ddp = recipe(tiny_base_dir, data_file, tmp_path / "ddp", max_steps=2, grad_accum_steps=2, lr=1e-2)
+    train(ddp)
+    out = tmp_path / "ds"
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(build_recipe({**ddp.model_dump(mode="json"), "output_dir": str(out),
+                                             "distributed": {"strategy": "deepspeed", "zero_stage": 2}})))
+    p = launch_train(cfg, json_out=True)
+    if p.returncode != 0 and not (out / "metrics.jsonl").exists() and "draftlab train: error" not in p.stderr:
+        pytest.skip("DeepSpeed could not start on this CPU machine: " + p.stderr.strip().splitlines()[-1][:200])
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = weights(tmp_path / "ddp"), weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)

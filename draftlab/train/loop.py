@@ -298,6 +298,9 @@ def micro_step(run: Run, idx: list[int], sync: bool, step: int) -> tuple[dict, i
         if run.cache:
             run.cache.put(idx, hidden)
     ga = recipe.train.grad_accum_steps
+    # Whether this micro-batch ends an accumulation: DeepSpeed's engine steps its optimizer at every backward
+    # Accelerate calls a boundary (this flag), and Accelerate's optimizer steps only with it set.
+    accelerator.sync_gradients = sync
     with nullcontext() if sync else accelerator.no_sync(run.objective):
         with accelerator.autocast():
             out = run.objective(hidden, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
