@@ -94,3 +94,36 @@ def test_a_head_with_nothing_to_supervise_still_backpropagates():
     assert out["loss"].item() == 0.0
     out["loss"].backward()
     assert torch.count_nonzero(w.grad) == 0 and h.grad is not None
+
+
+def test_every_rank_runs_as_many_objective_forwards_in_evaluation():
+    """Under ZeRO-3 each forward of the draft objective gathers its partitioned parameters (a collective). With
+    held-out examples that do not split evenly, ranks that ran out skipped the objective (found by review: 100
+    examples on 8 ranks, batch 4, four ranks ran 4 forwards and four ran 3: the first evaluation hung). A rank that
+    ran out now joins with a stand-in example whose figures it drops."""
+    from types import SimpleNamespace
+
+    from draftlab.config import LossSection
+    from draftlab.train.objectives import DraftObjective, evaluate
+
+    base = tiny_llama(seed=4, dtype=torch.float32)
+    draft = build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base).float()
+    obj = DraftObjective(draft, LossSection())
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(3, 64, (6,), generator=g).tolist(), "loss_mask": [0, 0, 1, 1, 1, 1]}
+                for _ in range(13)]
+    calls = []
+    obj.register_forward_hook(lambda *a: calls.append(1))
+    w = base.get_output_embeddings().weight
+
+    def on_rank(rank, world):
+        acc = SimpleNamespace(process_index=rank, num_processes=world, device=torch.device("cpu"),
+                              autocast=lambda: torch.autocast("cpu", enabled=False), reduce=lambda t, reduction: t)
+        calls.clear()
+        rec = evaluate(obj, base, examples, 3, 0, acc, w, draft)
+        return len(calls), rec["eval_positions"]
+
+    runs = [on_rank(r, 4) for r in range(4)]  # 4, 3, 3, 3 examples: batches of 3 make 2, 1, 1, 1 of them
+    assert [n for n, _ in runs] == [2, 2, 2, 2]
+    alone = on_rank(0, 1)[1]  # the stand-ins' positions are not counted: the ranks' sums are one rank's figures
+    assert [sum(p[k] for _, p in runs) for k in range(2)] == alone

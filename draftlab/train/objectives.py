@@ -111,17 +111,19 @@ def evaluate(objective, base, examples, batch_size, pad_id, accelerator, base_we
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = examples[rank::world]
     sums = None
-    # Every rank takes as many base forwards as rank 0 (which has the most examples): with a sharded base
-    # each forward is a collective, and a rank that ran out joins it with a one-token stand-in.
+    # Every rank takes as many base and objective forwards as rank 0 (which has the most examples): with a sharded
+    # base each base forward is a collective, and under ZeRO-3 each objective forward gathers the draft's
+    # parameters, so a rank that ran out joins in with a stand-in example whose figures it drops.
     joint = isinstance(getattr(objective, "module", objective), JointObjective)  # it runs the (adapted) base itself
     for s in range(0, len(examples[0::world]), batch_size):
-        if s >= len(mine):
-            base_hidden(base, torch.ones(1, 1, dtype=torch.long, device=accelerator.device))
-            continue
-        b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size], pad_id).items()}
+        stand_in = s >= len(mine)
+        b = {k: v.to(accelerator.device) for k, v in collate(mine[s:s + batch_size] if not stand_in else
+                                                                 (mine or examples)[:1], pad_id).items()}
         h = None if joint else base_features(base, draft, b["input_ids"], b["attention_mask"])
         with accelerator.autocast():
             out = objective(h, b["input_ids"], b["loss_mask"], b["attention_mask"], base_weight)
+        if stand_in:
+            continue
         part = torch.stack([out["loss_sum"], out["count"], out["top1"], out["topk"], out["agree1"]])  # [5, K]
         sums = part if sums is None else sums + part
     objective.train()
