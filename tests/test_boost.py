@@ -191,3 +191,26 @@ def test_every_stage_keeps_the_ensembles_held_out_split(tiny_base_dir, data_file
     train(r)
     assert len(splits) == 2 and {seed for seed, _ in splits} == {r.train.seed}
     assert splits[0][1] == splits[1][1]
+
+
+def test_the_ensemble_s_stop_file_stops_the_stage_it_trains(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """slurm/train.sbatch asks for a stop by touching OUTPUT_DIR/STOP; a stage of an ensemble looked at its own
+    directory's only and trained on until the job was killed, losing what it did since its last checkpoint (found
+    by review). The stage now stops at the ensemble's file too, and the run then counts as not finished."""
+    import draftlab.train.loop as loop
+    from draftlab.train.run_dir import run_finished
+
+    out = tmp_path / "e"
+    (out).mkdir()
+    (out / "STOP").touch()  # left from an earlier invocation: not this one's request (removed at its start)
+
+    class AskedMidStage(loop.StopRequest):
+        def __init__(self, out_dir, accelerator, also=()):
+            super().__init__(out_dir, accelerator, also)
+            (out / "STOP").touch()  # the job's signal arrives while the stage trains
+
+    monkeypatch.setattr(loop, "StopRequest", AskedMidStage)
+    r = ensemble_recipe(tiny_base_dir, data_file, out, members=2, architectures=[])
+    summary = train(r)
+    assert not summary["finished"] and summary["stage"] == 1 and summary["step"] == 1
+    assert not run_finished(out)

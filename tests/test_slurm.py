@@ -153,3 +153,30 @@ def test_real_slurm_job_is_preempted_requeued_and_finishes(tiny_base_dir, data_f
         assert [e["processes"] for e in events if e.get("event") == "start"] == [2]
     finally:  # a failed check must not leave the job holding the cluster
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("newest,requeued", [(600, True), (500, False)])
+def test_a_stop_after_an_earlier_finish_requeues_unless_the_export_is_newest(tiny_base_dir, data_file, tmp_path,
+                                                                           newest, requeued):
+    """A run that finished at step 500 and trains on (train.max_steps raised) keeps its old export meanwhile: a
+    preemption then was taken for a finished run and the job was not requeued (found by review). The script asks
+    draftlab.train.run_dir whether a checkpoint is newer than the export."""
+    out = tmp_path / "run"
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(dump_recipe(recipe(tiny_base_dir, data_file, out)))
+    (out / "export").mkdir(parents=True)
+    (out / "export" / "draftlab.json").write_text(json.dumps({"training": {"steps": 500}}))
+    ck = f"{out}/checkpoints/step_{newest}"
+    body = (f'while [ ! -f {out}/STOP ]; do sleep 0.1; done; mkdir -p {ck}; echo {{}} > {ck}/trainer_state.json; '
+            f'echo saw-stop >> {tmp_path}/calls.log')
+    env = {**fake_tools(tmp_path, body), "SLURM_NNODES": "1"}
+    p = subprocess.Popen(["bash", str(SCRIPT), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=tmp_path)
+    t0 = time.time()
+    while not (tmp_path / "calls.log").exists() and p.poll() is None and time.time() - t0 < 60:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGUSR1)
+    log, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, log
+    assert ("scontrol requeue 4242" in (tmp_path / "calls.log").read_text()) == requeued, log
+    assert ("already finished" in log) != requeued

@@ -186,6 +186,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
             shutil.rmtree(out / "stages", ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_recipe(recipe))
+        (out / "STOP").unlink(missing_ok=True)  # (one left from an earlier invocation stopped that one)
     state.wait_for_everyone()
     metrics = out / "metrics.jsonl"
     recorded = {r["stage"] for r in resume_records(metrics, fix=state.is_main_process) if "stage" in r}
@@ -213,8 +214,9 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
                 subset = json.loads(subset_file.read_text())["kept"]
             # The ensemble's split (its seed), whatever the member's own seed: the subset indexes that split's
             # training examples, and no member trains on the held-out examples the stages are scored on.
+            # The ensemble's STOP file (what slurm/train.sbatch touches) stops the stage as its own does.
             summary = train_draft(sr, overwrite=False, stop_after_steps=stop_after_steps, example_subset=subset,
-                                  split_seed=recipe.train.seed)
+                                  split_seed=recipe.train.seed, stop_dirs=(out,))
             if not summary["finished"]:
                 return {**summary, "stage": i + 1, "members": e.members, "output_dir": str(out)}
         member, _ = load_export(sdir / "export")

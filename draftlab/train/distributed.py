@@ -24,11 +24,13 @@ class StopRequest:
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
-    def __init__(self, out_dir: Path, accelerator):
+    def __init__(self, out_dir: Path, accelerator, also: tuple[Path, ...] = ()):
+        """also: more directories whose STOP file stops the run (an ensemble's, for the stage it trains)."""
         import signal
         import threading
 
-        self.file, self.accelerator, self.flag, self.old = out_dir / "STOP", accelerator, False, {}
+        self.files = [Path(d) / "STOP" for d in (out_dir, *also)]
+        self.accelerator, self.flag, self.old = accelerator, False, {}
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name)
@@ -38,7 +40,7 @@ class StopRequest:
         self.flag = True
 
     def requested(self) -> bool:
-        return any_rank(self.flag or self.file.exists(), self.accelerator)
+        return any_rank(self.flag or any(f.exists() for f in self.files), self.accelerator)
 
     def close(self) -> None:
         import signal

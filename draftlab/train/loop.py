@@ -58,6 +58,7 @@ class Run:
     base_weight: object = None  # the same, when the loss distills from the teacher
     cache: object = None  # the hidden-state cache, or None
     accept: object = None  # the accept-length estimator (accept.AcceptEstimator)
+    stop_dirs: tuple = ()  # more directories whose STOP file stops the run (an ensemble's, for its stages)
     best: object = None  # the best draft so far by its estimate (accept.BestDraft), checkpointed
 
     @property
@@ -86,15 +87,18 @@ class Run:
 
 
 def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int | None = None,
-                example_subset: list[int] | None = None, split_seed: int | None = None) -> dict:
+                example_subset: list[int] | None = None, split_seed: int | None = None,
+                stop_dirs: tuple = ()) -> dict:
     """Run (or resume) a recipe's draft training; a summary with the export path and the final eval figures.
 
     stop_after_steps ends this invocation early (after saving a checkpoint) to simulate preemption.
     example_subset trains on those training examples only (a boost-tuning stage); split_seed: the seed of the
-    train / held-out split (default train.seed; a stage's is its ensemble's, which its subset indexes).
+    train / held-out split (default train.seed; a stage's is its ensemble's, which its subset indexes);
+    stop_dirs: more directories whose STOP file stops the run, as its own does (a stage: its ensemble's).
     """
     check_teacher(recipe)  # (before the run directory is made: a refused recipe leaves nothing behind)
     run, ds_plugin = start(recipe, overwrite)
+    run.stop_dirs = tuple(stop_dirs)
     load_models_and_data(run, ds_plugin, example_subset, recipe.train.seed if split_seed is None else split_seed)
     build_optimizer(run)
     open_hidden_cache(run)
@@ -330,7 +334,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
     window = Window()
     last_eval, stopped = None, False
     end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, step + stop_after_steps)
-    stopper = StopRequest(run.out_dir, accelerator)
+    stopper = StopRequest(run.out_dir, accelerator, run.stop_dirs)
     micro = step * ga
     order: dict[int, list] = {}  # this epoch's micro-batches
     while step < end_step:

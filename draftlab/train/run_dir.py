@@ -53,6 +53,19 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def run_finished(output_dir: Path) -> bool:
+    """Whether the run in output_dir has finished: its export is there and no checkpoint is newer than it (a run
+    that trained on past an earlier finish, a larger train.max_steps or epochs, and stopped, has not). An ensemble's
+    export is written after its last stage: there, the export alone. What slurm/train.sbatch asks before it
+    requeues a stopped job (`python -m draftlab.train.run_dir OUTPUT_DIR`: exit status 0 when finished)."""
+    meta = Path(output_dir) / "export" / "draftlab.json"
+    if not meta.is_file():
+        return False
+    steps = json.loads(meta.read_text()).get("training", {}).get("steps")
+    newest = latest_checkpoint(Path(output_dir))
+    return steps is None or newest is None or steps >= int(newest.name.split("_")[1])
+
+
 def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
     """Create output_dir, or check that the run there is this recipe's (resuming), or wipe it (overwrite)."""
     out = Path(recipe.output_dir)
@@ -171,3 +184,7 @@ class Metrics:
         self.accelerator.wait_for_everyone()
         if self.trackers:
             self.accelerator.end_training()
+
+
+if __name__ == "__main__":  # slurm/train.sbatch: has the run finished?
+    sys.exit(0 if run_finished(Path(sys.argv[1])) else 1)
