@@ -308,3 +308,29 @@ def test_tokenized_examples_are_kept_for_resume_and_made_again_when_an_input_cha
     assert calls == [1, 1] and len(list((out / "tokenized").glob("*.npz"))) == 1  # (the older key's file removed)
     ec.cached_examples(r.data.model_copy(update={"max_len": 32}), tok, r.train.seed, out, Alone())
     assert calls == [1, 1, 1]
+
+
+def test_the_logged_loss_and_top1_are_every_rank_s():
+    """The log record's loss and train_top1 were rank 0's alone (found by review: at 64 GPUs, a curve of 1/64 of
+    the data). They are now averaged (loss) and summed (top-1 counts) over the ranks."""
+    from types import SimpleNamespace
+
+    from draftlab.train.loop import Window
+
+    other = {"loss": torch.tensor([3.0], dtype=torch.float64), "top": torch.tensor([[1.0, 0.0], [4.0, 4.0]])}
+
+    def reduce(t, reduction):  # rank 1's figures beside this rank's
+        return (t + other["loss"]) / 2 if reduction == "mean" else t + other["top"]
+
+    acc = SimpleNamespace(device=torch.device("cpu"), num_processes=2, reduce=reduce)
+    w = Window()
+    w.add(1.0, 10)
+    w.add(2.0, 10)
+    w.n = 2
+    rec = w.record(4, 1.0, 1e-3, {"top1": torch.tensor([3.0, 1.0]), "count": torch.tensor([4.0, 4.0])}, None, acc)
+    assert rec["loss"] == 2.25 and rec["train_top1"] == [0.5, 0.125]  # (1.5 + 3) / 2; (3 + 1) / 8, (1 + 0) / 8
+    alone = Window()
+    alone.add(1.0, 10)
+    alone.n = 1
+    assert alone.record(1, 0.1, 1e-3, {"top1": torch.tensor([1.0]), "count": torch.tensor([2.0])}, None,
+                        SimpleNamespace(device=torch.device("cpu"), num_processes=1))["loss"] == 1.0

@@ -353,7 +353,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
         bar.update(1)
         if step % t.log_every_steps == 0 or step == end_step:
             rec = window.record(step, micro / run.micro_per_epoch, run.scheduler.get_last_lr()[0], out, grad_norm,
-                                accelerator.device)
+                                accelerator)
             metrics.log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             window = Window()
@@ -383,10 +383,18 @@ class Window:
         self.loss += loss
         self.tokens += tokens
 
-    def record(self, step: int, epoch: float, lr: float, out: dict, grad_norm, device) -> dict:
-        n = out["count"].clamp(min=1)
-        rec = {"step": step, "epoch": round(epoch, 3), "loss": self.loss / self.n, "lr": lr,
-               "tokens_per_s": self.tokens / (time.perf_counter() - self.t0), "train_top1": (out["top1"] / n).tolist()}
+    def record(self, step: int, epoch: float, lr: float, out: dict, grad_norm, accelerator) -> dict:
+        """The log record: the loss averaged over the window's steps and over the ranks (each rank's is the mean of
+        its micro-batches', as the gradient averages them), train_top1 over every rank's last micro-batch. Every
+        rank calls it at the same steps (one all-reduce)."""
+        device = accelerator.device
+        loss = torch.tensor([self.loss / self.n], dtype=torch.float64, device=device)
+        top = torch.stack([out["top1"], out["count"]]).float()
+        if accelerator.num_processes > 1:
+            loss, top = accelerator.reduce(loss, reduction="mean"), accelerator.reduce(top, reduction="sum")
+        rec = {"step": step, "epoch": round(epoch, 3), "loss": float(loss[0]), "lr": lr,
+               "tokens_per_s": self.tokens / (time.perf_counter() - self.t0),
+               "train_top1": (top[0] / top[1].clamp(min=1)).tolist()}
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         if "base_loss" in out:
