@@ -222,3 +222,38 @@ def test_trees_in_the_formats_medusa_and_eagle_write(tmp_path):
         Tree.parse("[(0,), (0 0)]")
     with pytest.raises(TreeError, match="no such tree file.*inline paths"):
         Tree.parse("nothere.json")
+
+
+def test_vllm_layout_is_read_as_vllm_reads_it(base, tiny_base_dir, tmp_path):
+    """vLLM's layout with one lm_head shared by every head (original_lm_head) lost every head but the first,
+    silently; block biases in a file whose config does not set medusa_fc_bias (vLLM builds no bias parameters and
+    passes over them) were imported, so the import drafted otherwise than vLLM serves (found by review)."""
+    from safetensors.torch import save_file
+
+    from draftlab.interop.engine_read import vllm_medusa_logits
+    from draftlab.interop.convert import vllm_medusa_state
+
+    heads = random_heads(base, K=3, L=1)
+    state, cfg = vllm_medusa_state(heads)
+    shared = {k: v for k, v in state.items() if not k.startswith("lm_heads.") or k == "lm_heads.0.weight"}
+    d = tmp_path / "shared"
+    d.mkdir()
+    save_file(shared, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({**cfg, "original_lm_head": False}))
+    with pytest.raises(ConvertError, match=r"heads \[1, 2\] have residual blocks but no lm_head"):
+        import_medusa(d, tmp_path / "x", base=str(tiny_base_dir))
+    (d / "config.json").write_text(json.dumps({**cfg, "original_lm_head": True}))
+    rep = import_medusa(d, tmp_path / "shared_import", base=str(tiny_base_dir))
+    got = load_export(tmp_path / "shared_import")[0]
+    assert rep["num_heads"] == 3
+    for h in range(3):
+        torch.testing.assert_close(got.lm_heads[h].weight, heads.lm_heads[0].weight)
+    # Biases without medusa_fc_bias: what vLLM serves has none, and so has the import.
+    d2 = tmp_path / "nobias"
+    d2.mkdir()
+    save_file(state, d2 / "model.safetensors")
+    served = {**cfg, "medusa_fc_bias": False}
+    (d2 / "config.json").write_text(json.dumps(served))
+    import_medusa(d2, tmp_path / "nobias_import", base=str(tiny_base_dir))
+    h = torch.randn(4, base.config.hidden_size)
+    torch.testing.assert_close(load_export(tmp_path / "nobias_import")[0].logits(h), vllm_medusa_logits(state, served, h))

@@ -45,6 +45,15 @@ def test_warm_up_then_joint_training_and_the_export(tiny_base_dir, data_file, tm
     ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
     saved = load_file(next(ckpt.glob("model*.safetensors")))
     assert any("lora_" in k for k in saved) and not any("embed_tokens" in k or "base_layer" in k for k in saved)
+    # An engine format carries the adapter, and its card says to serve the heads with the merged base (found by
+    # review: the heads alone, under a card that promised the original base's output).
+    from draftlab.interop.convert import export_to
+
+    rep = export_to(out / "export", "vllm-medusa", tmp_path / "vllm")
+    assert "adapter/adapter_model.safetensors" in rep["files"]
+    assert load_file(tmp_path / "vllm" / "adapter" / "adapter_model.safetensors").keys() == lora.keys()
+    card = (tmp_path / "vllm" / "README.md").read_text()
+    assert "Medusa-2" in card and "merge_and_unload" in card and "the adapted base's greedy output" in card
 
 
 def test_warm_up_leaves_the_adapter_untouched(tiny_base_dir, data_file, tmp_path):

@@ -82,9 +82,13 @@ def find_medusa_tensors(src: str | Path) -> tuple[dict, dict, Path | None]:
     return tensors, config, (folder if inside_model else None)
 
 
-def parse_medusa(tensors: dict, where: str) -> tuple[list[list[tuple]], list[torch.Tensor], str]:
+def parse_medusa(tensors: dict, where: str, config: dict | None = None) -> tuple[list[list[tuple]], list[torch.Tensor],
+                                                                               str]:
     """Per head, its blocks [(weight, bias or None)] and its lm_head weight, from FasterDecoding or vLLM names.
-    Heads are counted from the tensors (published configs can name fewer heads than the file holds)."""
+    Heads are counted from the tensors (published configs can name fewer heads than the file holds). vLLM's layout
+    is read as vLLM's loader reads it (`config`): with `original_lm_head` every head shares lm_heads.0, and block
+    biases count only with `medusa_fc_bias` (vLLM builds none otherwise and passes over the tensors)."""
+    config = config or {}
     blocks: dict = {}
     heads: dict = {}
     layout = None
@@ -115,6 +119,15 @@ def parse_medusa(tensors: dict, where: str) -> tuple[list[list[tuple]], list[tor
             raise ConvertError(f"{where}: head {h} has a Linear at index {L} but {len(blocks.get(h, {}))} residual "
                                f"blocks; its lm_head must come right after the blocks (key {h}.{L}.weight)")
         heads[h] = layers[L]
+    if layout == "vllm-medusa" and config.get("original_lm_head") and set(heads) == {0}:
+        heads = {h: heads[0] for h in sorted(set(blocks) | {0})}  # one lm_head, the base's, shared by every head
+    if missing := sorted(set(blocks) - set(heads)):
+        raise ConvertError(f"{where}: heads {missing} have residual blocks but no lm_head weight (vLLM's layout with "
+                           "one lm_head shared by every head says so with original_lm_head: true in config.json)")
+    if layout == "vllm-medusa" and not config.get("medusa_fc_bias"):
+        for layers in blocks.values():
+            for parts in layers.values():
+                parts.pop("bias", None)  # (as vLLM serves it: no bias parameters to load them into)
     K = len(heads)
     if K == 0:
         raise ConvertError(f"{where}: no Medusa lm_head weights found")
@@ -142,7 +155,7 @@ def import_medusa(src: str | Path, out: str | Path, base: str | None = None, dty
     from ..drafters.heads import MedusaHeads
 
     tensors, config, medusa2_base = find_medusa_tensors(src)
-    blocks, lm, layout = parse_medusa(tensors, str(src))
+    blocks, lm, layout = parse_medusa(tensors, str(src), config)
     base_name = base or (str(medusa2_base) if medusa2_base else config.get("base_model_name_or_path"))
     if not base_name:
         raise ConvertError(f"{src}: no --base given and the checkpoint names no base_model_name_or_path; pass "
@@ -225,7 +238,15 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
              f"{kind[0].upper() + kind[1:]} for speculative decoding of `{base['name_or_path']}` "
              f"({base['model_type']}, hidden size {base['hidden_size']}, vocabulary {base['vocab_size']}), written by "
              f"draftlab in the `{fmt}` layout. Greedy speculative decoding with it reproduces the base's own greedy "
-             "output; it changes speed, not text.", "", "## Training", ""]
+             "output; it changes speed, not text.", ""]
+    if meta.get("adapter"):  # Medusa-2: the heads read the hidden states of the base with its LoRA adapter
+        lines[-2] = lines[-2].replace("the base's own greedy output", "the adapted base's greedy output (below)")
+        lines += ["**Medusa-2: trained with a LoRA adapter on the base**, in `adapter/` (peft's format). The heads "
+                  "read the adapted base's hidden states: serve them with the adapter merged into the base (peft's "
+                  "`merge_and_unload`), and that merged model as the target. The outputs are then the adapted "
+                  "base's, not the original base's; with the original base as the target the heads draft from "
+                  "states they were not trained on.", ""]
+    lines += ["## Training", ""]
     recipe = tr.get("recipe") or {}
     if recipe:
         data = recipe.get("data", {})
@@ -295,5 +316,8 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
             files.append("medusa_lm_head.pt")
         (out / "config.json").write_text(json.dumps(config, indent=2))
         files.append("config.json")
+        if meta.get("adapter"):  # Medusa-2: the heads need their adapted base (the model card says how)
+            shutil.copytree(Path(export_dir) / meta["adapter"], out / "adapter", dirs_exist_ok=True)
+            files += [f"adapter/{f.name}" for f in (out / "adapter").iterdir()]
     (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
     return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}
