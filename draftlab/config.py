@@ -236,6 +236,9 @@ class DistributedSection(_Section):
         "none", description="DeepSpeed offload of optimizer state (and of parameters at stage 3) to CPU")
     zero_extra: dict = Field(default_factory=dict, description="more keys of DeepSpeed's zero_optimization section, "
                              "over draftlab's (e.g. reduce_bucket_size, stage3_param_persistence_threshold)")
+    timeout_minutes: int = Field(60, ge=1, description="how long a process waits in a collective before the run "
+                                 "fails (torch's default is 10 minutes for NCCL): the others wait while the main "
+                                 "process tokenizes the data, loads a sharded base's checkpoint or exports")
 
     @model_validator(mode="after")
     def _deepspeed_only(self):
@@ -378,7 +381,7 @@ def accept_settings(recipe: Recipe) -> tuple[int, int]:
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
                   "data.num_proc", "data.cache", "train.cache_hidden", "train.hidden_cache_dir",
-                  "ensemble.tau_prompts", "train.export"}
+                  "ensemble.tau_prompts", "train.export", "distributed.timeout_minutes"}
 
 
 def _model_of(annotation):

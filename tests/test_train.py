@@ -92,6 +92,22 @@ def test_run_dir_refuses_a_different_recipe(tiny_base_dir, data_file, tmp_path):
     assert train(recipe(tiny_base_dir, data_file, out, lr=0.5, max_steps=2), overwrite=True)["step"] == 2
 
 
+def test_only_the_first_process_wipes_an_overwritten_run(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """--overwrite wiped the run directory in every process, before the process group exists: a late process
+    could delete the config and metrics the first had written since (found by review). RANK 0 alone wipes."""
+    from draftlab.train.run_dir import prepare_run_dir
+
+    out = tmp_path / "run"
+    r = recipe(tiny_base_dir, data_file, out, max_steps=2)
+    train(r)
+    monkeypatch.setenv("RANK", "1")
+    prepare_run_dir(r, overwrite=True)
+    assert (out / "config.yaml").is_file() and (out / "checkpoints" / "step_2").is_dir()
+    monkeypatch.setenv("RANK", "0")
+    prepare_run_dir(r, overwrite=True)
+    assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()
+
+
 def test_export_round_trip_and_base_mismatch(tiny_base_dir, data_file, tmp_path):
     from draftlab.base import load_base
 
@@ -334,3 +350,27 @@ def test_the_logged_loss_and_top1_are_every_rank_s():
     alone.n = 1
     assert alone.record(1, 0.1, 1e-3, {"top1": torch.tensor([1.0]), "count": torch.tensor([2.0])}, None,
                         SimpleNamespace(device=torch.device("cpu"), num_processes=1))["loss"] == 1.0
+
+
+def test_collectives_wait_as_long_as_the_recipe_says(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """The other processes wait in a collective while the main one tokenizes, loads a sharded base or exports;
+    NCCL's default (10 minutes) failed such runs. distributed.timeout_minutes sets the process group's timeout."""
+    from datetime import timedelta
+
+    import accelerate
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def accelerator(**kw):
+        seen.update(kw)
+        raise Started
+
+    monkeypatch.setattr(accelerate, "Accelerator", accelerator)
+    r = recipe(tiny_base_dir, data_file, tmp_path / "r")
+    with pytest.raises(Started):
+        train(build_recipe({**r.model_dump(mode="json"), "distributed": {"timeout_minutes": 90}}))
+    [init] = [h for h in seen["kwargs_handlers"] if type(h).__name__ == "InitProcessGroupKwargs"]
+    assert init.timeout == timedelta(minutes=90)

@@ -145,8 +145,10 @@ def check_teacher(recipe: Recipe, config=None, head=None) -> None:
 
 def start(recipe: Recipe, overwrite: bool):
     """Check or prepare the run directory, start Accelerate (DDP, FSDP or DeepSpeed), write the resolved recipe."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     t = recipe.train
     out_dir = prepare_run_dir(recipe, overwrite)
@@ -159,7 +161,8 @@ def start(recipe: Recipe, overwrite: bool):
         cpu=not torch.cuda.is_available() and recipe.distributed.strategy != "deepspeed",
         mixed_precision=t.mixed_precision, log_with=recipe.log.trackers or None, project_dir=str(out_dir / "logs"),
         # Medusa-2's warm-up leaves the adapter without gradients for a while.
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=recipe.lora is not None)],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=recipe.lora is not None),
+                         InitProcessGroupKwargs(timeout=timedelta(minutes=recipe.distributed.timeout_minutes))],
         deepspeed_plugin=ds_plugin,
     )
     launched = int(os.environ.get("WORLD_SIZE", "1"))

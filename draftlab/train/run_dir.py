@@ -67,7 +67,9 @@ def run_finished(output_dir: Path) -> bool:
 
 
 def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
-    """Create output_dir, or check that the run there is this recipe's (resuming), or wipe it (overwrite)."""
+    """Create output_dir, or check that the run there is this recipe's (resuming), or wipe it (overwrite: the
+    launch's first process alone, RANK 0; every process calls this before the process group exists, and a late one
+    would delete what the first had written since)."""
     out = Path(recipe.output_dir)
     saved = out / "config.yaml"
     if saved.is_file() and not overwrite:
@@ -76,7 +78,7 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
         if diffs:
             raise RunDirError(f"{out} holds a run made with a different recipe ({'; '.join(diffs)}). Use another "
                               "output_dir, or pass --overwrite to discard that run.")
-    elif overwrite and out.exists():
+    elif overwrite and out.exists() and os.environ.get("RANK", "0") == "0":
         for sub in ("checkpoints", "export", "logs"):
             shutil.rmtree(out / sub, ignore_errors=True)
         for f in ("metrics.jsonl", "config.yaml"):
@@ -90,7 +92,9 @@ def write_run_config(out_dir: Path, recipe: Recipe) -> None:
     from ..config import dump_recipe
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(dump_recipe(recipe))
+    tmp = out_dir / "config.yaml.tmp"  # whole or not at all: the other processes read it to check a resume
+    tmp.write_text(dump_recipe(recipe))
+    os.replace(tmp, out_dir / "config.yaml")
     (out_dir / "STOP").unlink(missing_ok=True)
 
 
