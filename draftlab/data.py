@@ -180,13 +180,18 @@ def has_answer(msgs: list[dict]) -> bool:
 def _located(content: str, own: str, full: str, after: int, truncated: bool = False) -> tuple[int, int]:
     """The span of an answer that a template renders otherwise when it is the conversation's last (Qwen3 shows the
     thinking of the last answer only): its text in the whole conversation, after the spans before it, with the
-    end-of-turn text that follows it in its own rendering (`own`), unless the answer was truncated."""
-    at = full.find(content, after) if content else -1
+    end-of-turn text that follows it in its own rendering (`own`), unless the answer was truncated. An earlier
+    answer whose thinking the template drops (Qwen3, DeepSeek-R1: the text after its last `</think>`) is found by
+    the text it keeps, which is all the loss then covers: the thinking is in no context the model is served."""
+    shown = content
+    if full.find(content, after) < 0 and "</think>" in content:
+        shown = content.rsplit("</think>", 1)[1].strip()
+    at = full.find(shown, after) if shown else -1
     if at < 0 or content not in own:
         raise DataError("the tokenizer's chat template renders an answer differently when later turns follow it, "
                         "and its text is not found in the whole conversation, so its span cannot be located; set a "
                         "chat_template that renders earlier answers as written")
-    end = at + len(content)
+    end = at + len(shown)
     tail = own[own.rindex(content) + len(content):]
     return at, end + len(tail) if full.startswith(tail, end) and not truncated else end
 
