@@ -81,8 +81,9 @@ class EagleSection(_Section):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v):
-        if v is not None and (len(v) != 3 or min(v) < 0):
-            raise ValueError("head.eagle.layers: three base layer ids >= 0 (low, middle, high)")
+        if v is not None and (len(v) != 3 or min(v) < 0 or list(v) != sorted(set(v))):
+            raise ValueError("head.eagle.layers: three distinct base layer ids >= 0 in ascending order (low, middle, "
+                             "high): the engines capture each layer once, in that order")
         return v
 
 

@@ -51,6 +51,15 @@ def test_cross_field_rule_names_the_fix():
     assert "head.prefix_attention=true needs head.type=hydra" in str(e.value)
 
 
+@pytest.mark.parametrize("layers", ["[16, 2, 29]", "[2, 2, 2]"])
+def test_eagle_layers_out_of_order_or_repeated_are_refused_before_training(layers):
+    """The engines capture each base layer once, in ascending order; such ids were accepted, trained on, and only
+    `draftlab check` refused the export afterwards (found by review)."""
+    with pytest.raises(ConfigError, match="three distinct base layer ids >= 0 in ascending order"):
+        build_recipe(MIN, ["head.type=eagle3", f"head.eagle.layers={layers}"])
+    assert list(build_recipe(MIN, ["head.type=eagle3", "head.eagle.layers=[2, 16, 29]"]).head.eagle.layers) == [2, 16, 29]
+
+
 def test_yaml_syntax_error_names_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("base:\n  name_or_path: [x\n")

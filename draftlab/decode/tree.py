@@ -176,7 +176,9 @@ class Tree:
 class DynamicTree:
     """EAGLE-2's dynamic tree settings (the tree itself is rebuilt every step from the drafter's confidence):
     `depth` draft levels, the `top_k` best nodes of a level expanded into their `top_k` children, and the
-    `total_tokens` most probable nodes (root included) kept for verification. Defaults: EAGLE-3's code."""
+    `total_tokens` most probable nodes (root included) kept for verification. The EAGLE code's `depth` counts one
+    level fewer (its forwards after the first): its defaults (7, 10, 60) are depth 8 here; the default depth 7
+    is the default ttt_steps, the levels training unrolls (docs/drafters.md)."""
 
     depth: int = 7
     top_k: int = 10
