@@ -95,18 +95,24 @@ def read_records(path: str, split: str = "train", max_records: int | None = None
             if max_records and len(out) >= max_records:
                 break
     else:
-        if path.endswith((".json", ".jsonl", ".txt")) or path.startswith((".", "/")):
-            raise DataError(f"data.path={path!r}: no such file or folder")
-        try:
-            import datasets
-
-            ds = datasets.load_dataset(path, split=split)
-        except Exception as e:  # the hub client raises many types; all mean "cannot get it"
-            raise DataError(f"data.path={path!r}: not a local file and not loadable as a hub dataset "
-                            f"(split={split!r}): {e}") from None
+        ds = hub_dataset(path, split)
         n = len(ds) if max_records is None else min(len(ds), max_records)
         out = [(path, i, ds[i]) for i in range(n)]
     return out[:max_records] if max_records else out
+
+
+def hub_dataset(path: str, split: str):
+    """A data.path that is no local file or folder, as a hub dataset; a path that names a file (an extension, a
+    leading . or /) is refused at once, without asking the hub."""
+    if path.endswith((".json", ".jsonl", ".txt")) or path.startswith((".", "/")):
+        raise DataError(f"data.path={path!r}: no such file or folder (from {os.getcwd()})")
+    try:
+        import datasets
+
+        return datasets.load_dataset(path, split=split)
+    except Exception as e:  # the hub client raises many types; all mean "cannot get it"
+        raise DataError(f"data.path={path!r}: not a local file and not loadable as a hub dataset "
+                        f"(split={split!r}): {e}") from None
 
 
 def detect_format(record) -> str:

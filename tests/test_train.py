@@ -374,3 +374,20 @@ def test_collectives_wait_as_long_as_the_recipe_says(tiny_base_dir, data_file, t
         train(build_recipe({**r.model_dump(mode="json"), "distributed": {"timeout_minutes": 90}}))
     [init] = [h for h in seen["kwargs_handlers"] if type(h).__name__ == "InitProcessGroupKwargs"]
     assert init.timeout == timedelta(minutes=90)
+
+
+def test_a_missing_data_file_is_named_without_asking_the_hub(tiny_base_dir, tmp_path):
+    """A data.path like runs/x.jsonl that does not exist went to the hub (25 s of retries, then a traceback) when
+    the tokenized-examples cache keyed it (found by a new user's walkthrough): it is refused at once by name."""
+    from draftlab.data import DataError
+
+    r = recipe(tiny_base_dir, "runs/nowhere-self.jsonl", tmp_path / "r")
+    with pytest.raises(DataError, match=r"data.path='runs/nowhere-self.jsonl': no such file or folder"):
+        train(r)
+    # The run directory it left holds nothing trained: the fixed recipe starts there (it was refused as "a run made
+    # with a different recipe").
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Cat {i}?"},
+                                                          {"from": "gpt", "value": "A cat story."}]}) + "\n"
+                            for i in range(12)))
+    assert train(recipe(tiny_base_dir, data, tmp_path / "r", max_steps=1))["finished"]

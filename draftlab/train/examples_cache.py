@@ -33,9 +33,7 @@ def data_identity(path: str, split: str) -> list:
     p = Path(path)
     if p.exists():
         return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in data_mod._files(p)]
-    import datasets
-
-    ds = datasets.load_dataset(path, split=split)  # (from the local cache after the first time)
+    ds = data_mod.hub_dataset(path, split)  # (from the local cache after the first time)
     return [["hub", path, split, getattr(ds, "_fingerprint", None)]]
 
 

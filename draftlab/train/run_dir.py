@@ -72,7 +72,10 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
     would delete what the first had written since)."""
     out = Path(recipe.output_dir)
     saved = out / "config.yaml"
-    if saved.is_file() and not overwrite:
+    # A run that stopped before it trained anything (a wrong data.path, say) leaves its config.yaml and nothing to
+    # resume: the fixed recipe starts there rather than being refused as another run.
+    trained = latest_checkpoint(out) is not None or (out / "export").exists() or (out / "stages").exists()
+    if saved.is_file() and not overwrite and trained:
         previous = build_recipe(yaml.safe_load(saved.read_text()), source=str(saved))
         diffs = diff_recipes(previous, recipe, ignore=RESUMABLE_KEYS)
         if diffs:
