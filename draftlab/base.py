@@ -46,15 +46,20 @@ class BaseModelError(ValueError):
 
 
 def looks_like_path(name: str) -> bool:
-    """A local path rather than a hub id (`org/name`): starts with / . ~, or has more than one separator."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+    """A local path rather than a hub id (`org/name`): starts with / . ~, has more than one separator, or its first
+    part is a directory here (runs/my-base, with a runs/ folder)."""
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+            or "/" in name and Path(name.split("/")[0]).is_dir())
 
 
 def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> None:
-    """A name that can only be a local directory must exist (else hub clients report a malformed repo id)."""
+    """A name that can only be a local directory must exist (else hub clients report a malformed repo id, after
+    retrying for a minute)."""
     if looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
-        raise BaseModelError(f"{field}={name_or_path!r}: no such directory (a hub id looks like org/name). For a "
-                             "llama2.c checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`")
+        raise BaseModelError(f"{field}={name_or_path!r}: no such directory (from {os.getcwd()}; a hub id looks like "
+                             "org/name). An export names its base in its draftlab.json: give another with --base. For "
+                             "a llama2.c checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model "
+                             "--out DIR`")
 
 
 def chat_template_text(value: str) -> str:
@@ -159,10 +164,14 @@ def load_recipe_base(b, device=None, **placement):
 
 
 def base_identity(model, name_or_path: str | None = None) -> dict:
-    """What an export records about its base, to refuse a different one at load time."""
+    """What an export records about its base, to refuse a different one at load time. A local directory is
+    recorded whole (absolute), so the export finds its base from any working directory."""
     cfg = model.config
+    name = name_or_path or getattr(cfg, "_name_or_path", "")
+    if name and Path(name).expanduser().is_dir():
+        name = str(Path(name).expanduser().resolve())
     return {
-        "name_or_path": name_or_path or getattr(cfg, "_name_or_path", ""),
+        "name_or_path": name,
         "model_type": cfg.model_type,
         "hidden_size": int(cfg.hidden_size),
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),

@@ -257,3 +257,29 @@ def test_vllm_layout_is_read_as_vllm_reads_it(base, tiny_base_dir, tmp_path):
     import_medusa(d2, tmp_path / "nobias_import", base=str(tiny_base_dir))
     h = torch.randn(4, base.config.hidden_size)
     torch.testing.assert_close(load_export(tmp_path / "nobias_import")[0].logits(h), vllm_medusa_logits(state, served, h))
+
+
+def test_an_export_finds_its_base_from_any_working_directory(base, tiny_base_dir, tmp_path, monkeypatch):
+    """A base given as a relative path (runs/stories260k-base) was recorded as given, so the export could not be
+    decoded from another directory: a minute of hub retries, then an error about llama2.c (found by a new user's
+    walkthrough). A local base is recorded whole; a relative one that is missing is refused at once."""
+    import shutil
+
+    from draftlab.base import BaseModelError, load_base
+    from draftlab.serve.generate import load_decoder
+
+    (tmp_path / "runs").mkdir()
+    shutil.copytree(tiny_base_dir, tmp_path / "runs" / "base")
+    monkeypatch.chdir(tmp_path)
+    save_export(random_heads(base), base, "runs/exp", "runs/base")
+    monkeypatch.chdir(tmp_path / "runs")
+    assert read_meta_base(tmp_path / "runs" / "exp") == str(tmp_path / "runs" / "base")
+    decoder, _, _ = load_decoder(str(tmp_path / "runs" / "exp"), device="cpu")
+    assert decoder.generate([[1, 5, 7]], max_new_tokens=3).new_tokens == 3
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BaseModelError, match=r"'runs/elsewhere': no such directory .*give another with --base"):
+        load_base("runs/elsewhere", "float32")
+
+
+def read_meta_base(d):
+    return json.loads((d / "draftlab.json").read_text())["base"]["name_or_path"]
