@@ -70,7 +70,7 @@ def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "draft.safetensors: damaged or truncated" in err and "Export again" in err and "Traceback" not in err
     assert main(["generate", str(tmp_path / "e"), "--prompt", "x", "--base", str(tmp_path / "nope")]) == 2
-    assert "no such directory (a hub id looks like org/name)" in capsys.readouterr().err
+    assert "no such directory (from " in (err := capsys.readouterr().err) and "a hub id looks like org/name" in err
     with pytest.raises(SystemExit) as e:
         main(["generate", str(tmp_path / "e"), "--prompt", "x", "--max-new-tokens", "0"])
     assert e.value.code == 2 and "0 is not >= 1" in capsys.readouterr().err
