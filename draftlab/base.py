@@ -62,6 +62,27 @@ def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> Non
                              "--out DIR`")
 
 
+def check_device(device) -> None:
+    """A device this machine has (--device): named with the reason otherwise, rather than torch's assertion from
+    deep inside the first copy to it."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise BaseModelError(f"--device {device!r}: not a device name; use cpu, cuda, cuda:N or mps") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            built = "" if torch.backends.cuda.is_built() else ", a torch built without CUDA"
+            raise BaseModelError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}"
+                                 f"{built}); use --device cpu, or install a CUDA build of torch (README)")
+        if d.index is not None and d.index >= n:
+            raise BaseModelError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    elif d.type == "mps" and not torch.backends.mps.is_available():
+        raise BaseModelError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
 def chat_template_text(value: str) -> str:
     """base.chat_template's Jinja text: a built-in name (CHAT_TEMPLATES), a file holding the template, or the
     template itself."""
@@ -136,6 +157,7 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
     if dtype not in DTYPES:
         raise BaseModelError(f"base.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
     check_model_path(name_or_path)
+    check_device(device)
     if chat_template:  # (refused before the weights load)
         chat_template_text(chat_template)
     kwargs = dict(dtype=DTYPES[dtype], revision=revision, trust_remote_code=trust_remote_code)

@@ -74,3 +74,28 @@ def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", str(tmp_path / "e"), "--prompt", "x", "--max-new-tokens", "0"])
     assert e.value.code == 2 and "0 is not >= 1" in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_base_dir, tmp_path, capsys):
+    """--device cuda:3 on a machine without CUDA ended in torch's assertion, and --tree dynamic:... on a heads
+    export in an AttributeError (found by a new user's walkthrough): both are named with what to do instead."""
+    import torch
+
+    from draftlab.base import load_base
+    from draftlab.cli import main
+    from draftlab.drafters import build_draft, make_drafter
+    from draftlab.decode.tree import DynamicTree, TreeError
+    from draftlab.interop.export import save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
+                str(tiny_base_dir))
+    if not torch.cuda.is_available():
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--device", "cuda:3"]) == 2
+        assert "--device cuda:3: this machine has no CUDA device" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--device", "gpu"]) == 2
+    assert "--device 'gpu': not a device name; use cpu, cuda, cuda:N or mps" in capsys.readouterr().err
+    with pytest.raises(TreeError, match="dynamic trees are built by eagle3 drafters"):
+        make_drafter(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), DynamicTree(3, 8, 25))
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--tree", "dynamic:3,8,25"]) == 2
+    assert "dynamic trees are built by eagle3 drafters" in capsys.readouterr().err

@@ -400,8 +400,14 @@ def build_draft(head: dict, base):
 def make_drafter(module, tree: Tree | None = None, **options) -> Drafter:
     """The drafter that decodes with a draft module (its kind's default tree unless one is given); options go to
     kinds that take them (ensembles: mode, node_budget, length, adaptive, scheduler)."""
+    from ..decode.tree import DynamicTree, TreeError
+
     kind = kind_of(module.kind)
     tree = tree if tree is not None else kind.default_tree(module)
+    if isinstance(tree, DynamicTree) and module.kind != "eagle3":
+        raise TreeError(f"--tree {tree.spec()}: dynamic trees are built by eagle3 drafters from their own "
+                        f"confidence; a {module.kind} export drafts a static tree (default, chain, chain:N, a tree "
+                        "file or paths)")
     return kind.drafter(module, tree, **options) if options else kind.drafter(module, tree)
 
 
