@@ -55,11 +55,14 @@ def looks_like_path(name: str) -> bool:
 def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> None:
     """A name that can only be a local directory must exist (else hub clients report a malformed repo id, after
     retrying for a minute)."""
-    if looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
-        raise BaseModelError(f"{field}={name_or_path!r}: no such directory (from {os.getcwd()}; a hub id looks like "
-                             "org/name). An export names its base in its draftlab.json: give another with --base. For "
-                             "a llama2.c checkpoint run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model "
-                             "--out DIR`")
+    p = Path(name_or_path).expanduser()
+    if looks_like_path(name_or_path) and not p.is_dir():
+        what = ("a file: give the directory that holds the model's (or tokenizer's) files" if p.is_file() else
+                f"no such directory (from {os.getcwd()}; a hub id looks like org/name)")
+        hint = (" An export names its base in its draftlab.json: give another with --base. For a llama2.c checkpoint "
+                "run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`"
+                if field == "base.name_or_path" else "")
+        raise BaseModelError(f"{field}={name_or_path!r}: {what}.{hint}")
 
 
 def check_device(device) -> None:
@@ -98,17 +101,17 @@ def chat_template_text(value: str) -> str:
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False,
-                   chat_template: str | None = None):
+                   chat_template: str | None = None, field: str = "base.name_or_path"):
     """AutoTokenizer with a pad token and a chat template guaranteed: `chat_template` (see chat_template_text) in
     place of its own when given, else its own, else SIMPLE_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
-    check_model_path(name_or_path)
+    check_model_path(name_or_path, field)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise BaseModelError(
-            f"base.name_or_path={name_or_path!r}: no tokenizer found ({e}). Use a local directory "
+            f"{field}={name_or_path!r}: no tokenizer found ({e}). Use a local directory "
             "holding tokenizer files or a hub id reachable from this machine (set HF_HOME for a cache)."
         ) from None
     if tok.pad_token is None:

@@ -238,7 +238,7 @@ def test_a_template_edited_in_place_since_training_is_seen(base_dir, tmp_path):
     assert c["ok"] is False and "differs from the one used in training in chat_template" in c["message"]
 
 
-def test_medusa_in_vllm_layout(base_dir, tmp_path):
+def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     from test_interop import random_heads
 
     from draftlab.base import load_base
@@ -255,6 +255,11 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path):
     c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))
     assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt 0" in c["proposals"]["message"]
     assert check_export(tmp_path / "m")["checks"][-1]["message"].endswith("SGLang serves no Medusa heads: not compared")
+    # With SGLang alone nothing is compared, and the command does not say "all checks passed" (found by a new user).
+    from draftlab.cli import main
+
+    assert main(["check", str(tmp_path / "m"), "--engine", "sglang"]) == 0
+    assert "no check failed, but no proposals were compared" in capsys.readouterr().out
     # FasterDecoding's layout is no engine layout check reads: a clear error, not a KeyError (found by review).
     export_to(tmp_path / "m", "medusa", tmp_path / "fd")
     with pytest.raises(ValueError, match="vllm-medusa"):
@@ -417,3 +422,21 @@ def test_an_eagle31_draft_fails_the_vllm_check_vllm_reads_neither_switch(base_di
         assert c["proposals"]["ok"] is False, (switch, c["proposals"])
         if switch == "fc_norm":
             assert "fc_norm" in c["proposals"]["message"]
+
+
+def test_check_names_the_option_and_the_files_it_was_given(good_dir, tmp_path):
+    """--tokenizer pointing at a file was reported as base.name_or_path with llama2.c advice, and an engine's
+    directory given as the export got no hint (found by a new user's walkthrough)."""
+    from draftlab.base import BaseModelError
+    from draftlab.interop.export import ExportError
+
+    f = tmp_path / "tok" / "tokenizer.model"
+    f.parent.mkdir()
+    f.write_bytes(b"x")
+    with pytest.raises(BaseModelError, match=r"^--tokenizer='.*tokenizer.model': a file: give the directory"):
+        check_export(good_dir, tokenizer=str(f))
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"a model directory, as `draftlab export --to` writes; .* --served"):
+        check_export(served)

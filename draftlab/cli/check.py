@@ -42,5 +42,8 @@ def check_command(a) -> int:
         for c in rep["checks"]:
             print(f"{MARK[c['ok']]} {c['name']}: {c['message']}")
         bad = [c["name"] for c in rep["checks"] if c["ok"] is False]
-        print(f"{len(bad)} check(s) failed: {', '.join(bad)}" if bad else "all checks passed")
+        unchecked = next((c for c in rep["checks"] if c["name"] == "proposals" and c["ok"] is None), None)
+        print(f"{len(bad)} check(s) failed: {', '.join(bad)}" if bad else
+              f"no check failed, but no proposals were compared ({unchecked['message']})" if unchecked else
+              "all checks passed")
     return 0 if rep["ok"] else 1

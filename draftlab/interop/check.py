@@ -479,13 +479,21 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
     d = Path(export_dir)
-    meta = read_meta(d)
+    try:
+        meta = read_meta(d)
+    except ExportError:
+        if (d / "config.json").is_file():  # an engine's files (`draftlab export --to ...`), not draftlab's export
+            raise ExportError(f"{d}: not a draftlab export (no draftlab.json) but a model directory, as `draftlab "
+                              f"export --to` writes; check it against the export it came from: `draftlab check "
+                              f"EXPORT --served {d}`") from None
+        raise
     kind = meta["head"]["type"]
     engines = [engine] if engine else list(ENGINES)
     base_name = base or meta["base"]["name_or_path"]
     base_cfg = AutoConfig.from_pretrained(base_name).to_dict()  # config.json only: no weights
     tok_src = tokenizer or base_name
-    tok = load_tokenizer(tok_src) if tokenizer else use_chat_template(load_tokenizer(tok_src), d, meta)
+    tok = load_tokenizer(tok_src, field="--tokenizer") if tokenizer else use_chat_template(load_tokenizer(tok_src), d,
+                                                                                             meta)
     cfg, tensors, where = _served_files(d, meta, served)
     checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"]),
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),
