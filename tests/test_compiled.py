@@ -480,7 +480,10 @@ def test_generate_compile_flag_reports_both_baselines(tiny_base_dir, tmp_path, c
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "8", "--compare",
                  "--compile"]) == 0
     err = capsys.readouterr().err
-    assert "; compiled plain decoding " in err  # the human-readable line names both baselines
+    # the human-readable line leads with the fair baseline (both compiled), then HF's eager generate
+    assert "over compiled plain decoding (" in err and "over HF's eager generate (" in err
+    assert err.index("over compiled plain decoding") < err.index("over HF's eager generate")
+    assert err.startswith("compiling the decode steps")
     assert "compiled graphs loaded from the on-disk cache" in err
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--compile-cache", str(tmp_path)]) == 2
     assert "--compile-cache DIR keeps the compiled path's cache: add --compile" in capsys.readouterr().err
