@@ -404,6 +404,24 @@ def _section_fields(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _elsewhere(name: str) -> list[str]:
+    """Dotted keys of the recipe whose last part is `name` (or close to it): where a key given at the wrong level
+    (max_steps for train.max_steps) belongs."""
+    found, close = [], []
+
+    def walk(model, prefix):
+        for f, info in model.model_fields.items():
+            sub = _model_of(info.annotation)
+            if sub is not None:
+                walk(sub, prefix + (f,))
+            elif f == name:
+                found.append(".".join(prefix + (f,)))
+            elif difflib.get_close_matches(name, [f], n=1, cutoff=0.8):
+                close.append(".".join(prefix + (f,)))
+    walk(Recipe, ())
+    return found or close
+
+
 def _field_info(loc: tuple):
     model: Any = Recipe
     info = None
@@ -424,7 +442,9 @@ def _describe(err: dict) -> str:
     if kind == "extra_forbidden":
         options = _section_fields(loc)
         close = difflib.get_close_matches(loc[-1], options, n=1, cutoff=0.6)
+        other = [] if close else _elsewhere(loc[-1])
         hint = f"did you mean `{'.'.join(loc[:-1] + (close[0],))}`?" if close else (
+            f"did you mean `{'` or `'.join(other[:3])}`?" if other else
             f"valid keys here: {', '.join(options)}" if options else "remove it")
         return f"`{key}`: unknown key; {hint}"
     info = _field_info(loc)

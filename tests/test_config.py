@@ -45,6 +45,16 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     assert "`loss.zzz`: unknown key; valid keys here: head_decay, distill_weight, divergence, chunk_size, topk" in str(e.value)
 
 
+def test_a_key_at_the_wrong_level_names_where_it_belongs():
+    """`max_steps=10` listed the top-level sections (found by a new user's walkthrough); it belongs in train."""
+    with pytest.raises(ConfigError) as e:
+        build_recipe(MIN, ["max_steps=10"])
+    assert "`max_steps`: unknown key; did you mean `train.max_steps`?" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_recipe(MIN, ["train.num_heads=3"])
+    assert "`train.num_heads`: unknown key; did you mean `head.num_heads`?" in str(e.value)
+
+
 def test_cross_field_rule_names_the_fix():
     with pytest.raises(ConfigError) as e:
         build_recipe(MIN, ["head.prefix_attention=true"])
