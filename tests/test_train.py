@@ -126,6 +126,8 @@ def test_export_round_trip_and_base_mismatch(tiny_base_dir, data_file, tmp_path)
         load_export(out / "export", base=other)
     with pytest.raises(ExportError, match="not a draftlab export"):
         read_meta(tmp_path)
+    with pytest.raises(ExportError, match=r"did you mean .*/export \(the run's export\)"):  # the run directory
+        read_meta(out)
 
 
 def test_tensorboard_and_wandb_offline_trackers(tiny_base_dir, data_file, tmp_path):

@@ -85,7 +85,8 @@ def read_meta(export_dir: str | Path) -> dict:
     """draftlab.json of an export, checked for the format version and the files its kind needs."""
     d = Path(export_dir)
     if not (d / META).is_file():
-        raise ExportError(f"{d}: not a draftlab export (no {META}; training writes one to OUTPUT_DIR/export)")
+        inside = f"; did you mean {d / 'export'} (the run's export)?" if (d / "export" / META).is_file() else ""
+        raise ExportError(f"{d}: not a draftlab export (no {META}; training writes one to OUTPUT_DIR/export){inside}")
     try:
         meta = json.loads((d / META).read_text())
     except json.JSONDecodeError as e:
