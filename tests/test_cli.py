@@ -32,6 +32,12 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     assert "lr: 0.5" in capsys.readouterr().out
     assert main(["validate", str(r), "train.lrr=0.5"]) == 2
     assert "did you mean `train.lr`?" in capsys.readouterr().err
+    # A valid recipe whose files are not here says so (found by a new user's walkthrough: exit 0 and silence, then
+    # `train` stopped on them); d.jsonl is a file name, and `m` could be a hub id.
+    assert main(["validate", str(r)]) == 0
+    err = capsys.readouterr().err
+    assert "note: not here (paths are relative to where you run draftlab): data.path = d.jsonl" in err
+    assert "base.name_or_path" not in err
 
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):

@@ -194,3 +194,12 @@ def test_the_base_s_generation_config_stop_tokens_end_answers(tiny_base_dir, tmp
     res = run_generate(SpeculativeDecoder(base, NoDraft(), check_base=False), tok, [prompt], max_new_tokens=8,
                        compare=True, chat=True)
     assert res["tokens"][0][-1] == stop and len(res["tokens"][0]) == n and res["identical_to_baseline"]
+
+
+def test_plain_text_in_chat_mode_is_said(tiny_base_dir, tmp_path, capsys):
+    """A .txt file in the default --mode chat has each whole document asked as a user turn, silently (found by a
+    new user's walkthrough); the command says so and names --mode text."""
+    src = tmp_path / "stories.txt"
+    src.write_text("Once upon a time there was a cat.")
+    distill_data(str(tiny_base_dir), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=2)
+    assert "holds plain text: in --mode chat each document is asked whole" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .args import apply_compile_cache, positive_int
 
@@ -18,11 +19,15 @@ def _print_json(obj: dict) -> None:
 def cmd_validate(a) -> int:
     from ..config import dump_recipe, load_recipe
 
+    from .recipes import missing_paths
+
     recipe = load_recipe(a.recipe, a.overrides)
     if a.json:
         _print_json(recipe.model_dump(mode="json"))
     else:
         print(dump_recipe(recipe), end="")
+    for m in missing_paths(recipe.model_dump(mode="json"), Path.cwd()):  # (valid, but training would stop there)
+        print(f"note: not here (paths are relative to where you run draftlab): {m}", file=sys.stderr)
     return 0
 
 
@@ -155,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads and a 1-layer "
                                           "SSM, export and decode (CPU, offline)")
-    s.add_argument("--out", default="runs/quickstart")
+    s.add_argument("--out", default="runs/quickstart", help="where the base, data, runs and exports go")
     s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--seed", type=int, default=0, help="seed of the base's and the drafts' training")
+    s.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     s.set_defaults(func=cmd_quickstart)
 
     s = sub.add_parser("distill-data", help="have the base answer a dataset's prompts (self-distilled training data)",
@@ -184,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "text; default: the recipe's base.chat_template, else the tokenizer's own)")
     s.add_argument("--retries", type=int, default=5, help="tries per request after the first, rotating endpoints")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    s.add_argument("--max-new-tokens", type=positive_int, default=512)
+    s.add_argument("--max-new-tokens", type=positive_int, default=512, help="the longest answer the base writes")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--batch-size", type=int, default=8)
@@ -243,7 +248,28 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="speculative decoding with an export (optionally compared with plain decoding)")
     add_generate_args(s)
     s.set_defaults(func=cmd_generate)
+    _with_defaults(p)
     return p
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help that shows an option's default where it has one and its text does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and not any(d is x for x in (None, False, True, argparse.SUPPRESS))
+                and d not in ([], ()) and "default" not in text and action.help != argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsHelp
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _with_defaults(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ def add_dsi_args(p) -> None:
                    help="how the lookahead is chosen when not given: expected (default; needs --acceptance, else "
                         "no-wait): least expected latency, tasks' waits for a server included; no-wait: the smallest "
                         "with which no task waits for a server")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens decoded per prompt")
     p.add_argument("--target-latency-ms", type=float, default=0.0,
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
                         "emulate a multi-GPU node)")

@@ -29,7 +29,7 @@ def add_eval_args(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     add_typical_args(p)
-    p.add_argument("--max-new-tokens", type=positive_int, default=1024)
+    p.add_argument("--max-new-tokens", type=positive_int, default=1024, help="per turn (FastChat's MT-Bench setting)")
     p.add_argument("--compile", action="store_true",
                    help="the static-shape, compiled decode path (see generate --compile); same answers")
     add_compile_cache_arg(p)

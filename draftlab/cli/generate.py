@@ -25,7 +25,7 @@ def add_generate_args(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     add_typical_args(p)
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens decoded per prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--compare", action="store_true", help="also run plain decoding of the base and report speedup")

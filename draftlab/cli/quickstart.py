@@ -223,7 +223,11 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
                                   "export": results[kind]["export"]}
         print(f"| {kind} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(f"\nexports: {', '.join(r['export'] for r in results.values())}\n"
-          f"(try: draftlab generate {results['hydra']['export']} --prompt 'def ' --compare)")
+    fastest = max(summary["heads"], key=lambda k: summary["heads"][k]["speedup"])
+    print(f"\nexports: {', '.join(r['export'] for r in results.values())} ({summary['wall_s'] / 60:.1f} min in all)\n"
+          f"(try the fastest here: draftlab generate {results[fastest]['export']} --prompt 'def ' --compare)")
+    if minutes < 3:
+        print(f"(a base pretrained for {minutes:g} min writes poor text; the figures compare decoders of that base, "
+              "whose outputs are its own)")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -24,11 +24,12 @@ def add_recipes_args(sub) -> None:
     c.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
 
 
-def missing_paths(recipe: Path, cwd: Path) -> list[str]:
-    """Local paths the recipe reads (base.name_or_path, data.path) that do not exist relative to cwd."""
+def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
+    """Local paths the recipe (a file, or its sections as a dict) reads (base.name_or_path, data.path) that do not
+    exist relative to cwd."""
     import yaml
 
-    raw = yaml.safe_load(recipe.read_text()) or {}
+    raw = recipe if isinstance(recipe, dict) else yaml.safe_load(recipe.read_text()) or {}
     out = []
     for section, key in LOCAL_KEYS:
         value = (raw.get(section) or {}).get(key)

@@ -42,15 +42,17 @@ def add_search_args(p) -> None:
                         "rows end at different steps), among the top 3 by estimate and plain decoding; the vLLM and "
                         "SGLang files follow the estimate either way")
     p.add_argument("--max-rank", type=positive_int, default=10, help="candidates per depth considered (top-k)")
-    p.add_argument("--calibration-prompts", type=positive_int, default=64)
-    p.add_argument("--timing-prompts", type=int, default=8)
+    p.add_argument("--calibration-prompts", type=positive_int, default=64,
+                   help="prompts whose greedy continuations give the drafter's acceptance statistics")
+    p.add_argument("--timing-prompts", type=int, default=8, help="prompts each candidate tree is timed on")
     p.add_argument("--timing-rounds", type=positive_int, default=3,
                    help="times each tree is timed, interleaved with the others; its fastest round counts (a busy "
                         "machine's slow spells then do not decide the choice)")
     p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
                    help="stop timing trees after this many minutes (compiles included) and choose among those "
                         "timed; the rest are listed as untimed (not with --batch-sizes)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens decoded per prompt (calibration "
+                   "and timing)")
     p.add_argument("--sizes", type=positive_int, nargs="*", default=None,
                    help="tree sizes (non-root nodes) to time (default 1, 2, 4, ...)")
     p.add_argument("--max-depth", type=positive_int, default=8,
@@ -61,7 +63,7 @@ def add_search_args(p) -> None:
                         "that path's costs; each tree size compiles once (tens of seconds on a CPU)")
     add_compile_cache_arg(p)
     add_placement_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
 
 
 def schedule_command(a) -> int:

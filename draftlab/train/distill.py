@@ -10,6 +10,7 @@ learn an end of turn where the base had none (data.tokenize_chat, data.pack_text
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -225,6 +226,9 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
         raise DataError("--chat-template renders prompts in this process; servers render with their own (vLLM, "
                         "SGLang: start them with --chat-template)")
     todo = prompts_of(prompts_file, max_records, mode, prompt_chars, all_turns)
+    if mode == "chat" and todo and isinstance(todo[0][1], list) and str(prompts_file).endswith(".txt"):
+        print(f"note: {prompts_file} holds plain text: in --mode chat each document is asked whole as one user turn; "
+              "--mode text continues their openings instead", file=sys.stderr)
     if not todo:
         raise DataError(f"{prompts_file}: no prompts found (expected ShareGPT, Alpaca or text records)")
     out = Path(out_file)
