@@ -440,3 +440,18 @@ def test_check_names_the_option_and_the_files_it_was_given(good_dir, tmp_path):
     (served / "config.json").write_text("{}")
     with pytest.raises(ExportError, match=r"a model directory, as `draftlab export --to` writes; .* --served"):
         check_export(served)
+
+
+def test_a_first_layer_of_one_is_said_to_be_unservable_by_sglang_since_the_first_id_rule():
+    """Layers (1, 2, 4), the small-base default, written for SGLang as [0, 1, 3]: right before PR #25454, and
+    since then read as they are. The fix offered was to set the ids to the value they had (found by a new user's
+    walkthrough); no value serves such a draft there, and the message says so and what to retrain with."""
+    from draftlab.interop.check import check_aux
+
+    c = check_aux({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}},
+                  {"head": {"type": "eagle3", "layers": [1, 2, 4]}}, ["sglang"], 5)
+    assert c.ok is False and "no value serves this draft there" in c.message
+    assert "set eagle_config.eagle_aux_hidden_state_layer_ids to [0, 1, 3]" not in c.message
+    c = check_aux({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}},
+                  {"head": {"type": "eagle3", "layers": [3, 5, 7]}}, ["sglang"], 9)
+    assert "set eagle_config.eagle_aux_hidden_state_layer_ids to [3, 5, 7] for SGLang since the PR" in c.message

@@ -90,10 +90,17 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
                 notes.append(f"{who} captures hidden_states {got}")
                 continue
             key = "eagle_aux_hidden_state_layer_ids" if engine == "vllm" else "eagle_config.eagle_aux_hidden_state_layer_ids"
-            fix = (f"set {key} to {layers}" if engine == "vllm" else
-                   f"set {key} to {[l - 1 for l in layers]} (SGLang adds 1)" + (
-                       "" if layers[0] == 2 else "; no value is read alike by SGLang before and after PR #25454 "
-                       "unless the first layer is 2"))
+            if engine == "vllm":
+                fix = f"set {key} to {layers}"
+            elif "25454" not in who:
+                fix = f"set {key} to {[l - 1 for l in layers]} (SGLang adds 1)"
+            elif layers[0] == 1:  # an id of 1 first makes it add 1 to every id: hidden_states[1] cannot come first
+                fix = ("no value serves this draft there: a first id of 1 makes SGLang add 1 to every id, and any "
+                       "other is read as it is, so hidden_states[1] cannot be the first layer captured; retrain with "
+                       "a first layer other than 1 (2 is read alike by SGLang before and after the PR)")
+            else:
+                fix = (f"set {key} to {layers} for SGLang since the PR (read as they are); SGLang before it then adds "
+                       "1: no value is read alike by both unless the first layer is 2")
             gone = [l for l in got if not 0 <= l < n]
             problems.append(f"{key}: {who} captures hidden_states {got}" + (
                 f" ({gone} past the {n} decoder layers' inputs: never captured)" if gone else "") +
