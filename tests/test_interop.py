@@ -222,6 +222,8 @@ def test_trees_in_the_formats_medusa_and_eagle_write(tmp_path):
         Tree.parse("[(0,), (0 0)]")
     with pytest.raises(TreeError, match="no such tree file.*inline paths"):
         Tree.parse("nothere.json")
+    with pytest.raises(TreeError, match=r"defualt: no such tree file \(did you mean default\? .*dynamic:DEPTH"):
+        Tree.parse("defualt")
 
 
 def test_vllm_layout_is_read_as_vllm_reads_it(base, tiny_base_dir, tmp_path):

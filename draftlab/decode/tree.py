@@ -119,10 +119,16 @@ class Tree:
         or a text file holding a Python list of tuples."""
         import yaml
 
+        import difflib
+
         p = Path(path)
         if not p.is_file():
-            raise TreeError(f"{p}: no such tree file (give a JSON/YAML tree file, FILE.py:NAME, inline paths such "
-                            "as '[[0], [1], [0, 0]]', or one of default, chain, chain:N, expansion:K1,K2,...)")
+            names = ["default", "chain", "chain:N", "expansion:K1,K2,...", "dynamic:DEPTH,TOP_K,TOTAL_TOKENS"]
+            close = difflib.get_close_matches(str(path).split(":")[0], ["default", "chain", "expansion", "dynamic"],
+                                              n=1, cutoff=0.6)
+            guess = f"did you mean {close[0]}? " if close and "/" not in str(path) else ""
+            raise TreeError(f"{p}: no such tree file ({guess}give a JSON/YAML tree file, FILE.py:NAME, inline paths "
+                            f"such as '[[0], [1], [0, 0]]', or one of {', '.join(names)})")
         text = p.read_text()
         if text.lstrip().startswith("[") and "(" in text:  # Python tuple text, as Medusa / EAGLE write choices
             return Tree.from_paths(_literal(text, str(p)), {"name": p.stem}, source=str(p))
