@@ -85,8 +85,10 @@ def _read_file(path: Path) -> list:
     return data
 
 
-def read_records(path: str, split: str = "train", max_records: int | None = None) -> list[tuple[str, int, object]]:
-    """(source, index, raw record) for a local file/folder or a hub dataset id."""
+def read_records(path: str, split: str = "train", max_records: int | None = None,
+                 field: str = "data.path") -> list[tuple[str, int, object]]:
+    """(source, index, raw record) for a local file/folder or a hub dataset id; `field` names the path in errors
+    (the recipe's data.path, or a command's option)."""
     p = Path(path)
     out: list[tuple[str, int, object]] = []
     if p.exists():
@@ -95,23 +97,23 @@ def read_records(path: str, split: str = "train", max_records: int | None = None
             if max_records and len(out) >= max_records:
                 break
     else:
-        ds = hub_dataset(path, split)
+        ds = hub_dataset(path, split, field)
         n = len(ds) if max_records is None else min(len(ds), max_records)
         out = [(path, i, ds[i]) for i in range(n)]
     return out[:max_records] if max_records else out
 
 
-def hub_dataset(path: str, split: str):
+def hub_dataset(path: str, split: str, field: str = "data.path"):
     """A data.path that is no local file or folder, as a hub dataset; a path that names a file (an extension, a
     leading . or /) is refused at once, without asking the hub."""
     if path.endswith((".json", ".jsonl", ".txt")) or path.startswith((".", "/")):
-        raise DataError(f"data.path={path!r}: no such file or folder (from {os.getcwd()})")
+        raise DataError(f"{field}={path!r}: no such file or folder (from {os.getcwd()})")
     try:
         import datasets
 
         return datasets.load_dataset(path, split=split)
     except Exception as e:  # the hub client raises many types; all mean "cannot get it"
-        raise DataError(f"data.path={path!r}: not a local file and not loadable as a hub dataset "
+        raise DataError(f"{field}={path!r}: not a local file and not loadable as a hub dataset "
                         f"(split={split!r}): {e}") from None
 
 

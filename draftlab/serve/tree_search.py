@@ -162,7 +162,7 @@ def load_search(export: str, data: str, calibration_prompts: int, timing_prompts
     device = decoder_device(base)
     draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)
     prompts = []
-    for _, _, rec in read_records(data, max_records=calibration_prompts + timing_prompts):
+    for _, _, rec in read_records(data, max_records=calibration_prompts + timing_prompts, field="--data"):
         fmt = detect_format(rec)
         if fmt == "text":
             text = rec["text"][:prompt_chars]

@@ -49,7 +49,7 @@ def prompts_of(path: str, max_records: int | None = None, mode: str = "chat", pr
     out = []
     # i: the record's place among all records read (a folder's files one after the other), which names it in the
     # output (source_index) and on resume; a file's own numbering would repeat from file to file.
-    for i, (_, _, rec) in enumerate(read_records(path, max_records=max_records)):
+    for i, (_, _, rec) in enumerate(read_records(path, max_records=max_records, field="--prompts")):
         fmt = detect_format(rec)
         try:
             if mode == "text":
