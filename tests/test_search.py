@@ -231,6 +231,10 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
         assert key in tree.metadata
     assert tree.size == rep["tree_size"] and out.with_suffix(".sizes.png").is_file()
     assert out.with_suffix(".tree.png").is_file()
+    # Plain decoding is timed beside the trees (found by a new user: a search chose a tree slower than decoding
+    # without one, and said nothing), and each tree's timing rounds say how far they spread.
+    assert rep["plain_tokens_per_s"] > 0 and tree.metadata["plain_tokens_per_s"] == rep["plain_tokens_per_s"]
+    assert all(0 <= r["rounds_spread"] < 1 for r in rep["sizes"])
     names = [r["name"] for r in rep["sizes"]]
     # No tree past --max-nodes 6 (found by review: chains of 8 were timed and could be chosen) and none twice.
     assert max(r["tree_size"] for r in rep["sizes"]) <= 7 and len(set(names)) == len(names)
@@ -392,11 +396,11 @@ def test_trees_timed_after_a_compile_fell_back_to_eager_are_left_out_of_the_choi
 
     monkeypatch.setattr(tree_search, "measure", fake_measure)
     decs = [Dec("a", 10.0), Dec("b", 12.0), Dec("c", 80.0), Dec("d", 90.0)]
-    timed, untimed = tree_search.timed_trees(list("abcd"), decs, [[1]], 1, 8, None, 2, None, str)
+    timed, untimed, _ = tree_search.timed_trees(list("abcd"), decs, [[1]], 1, 8, None, 2, None, str)
     assert [t for t, _ in timed] == ["a", "b"] and untimed == ["c", "d"]
     assert timed[1][1]["tokens_per_s"] == 12.0  # its compiled round, not the eager one after
     assert "2 trees ran eagerly (BackendCompilerFailed: ImportError" in capsys.readouterr().err
-    timed, untimed = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 1, None, str)
+    timed, untimed, _ = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 1, None, str)
     assert [t for t, _ in timed] == ["c", "d"] and untimed == [] and "eagerly" not in capsys.readouterr().err
 
 
@@ -434,3 +438,19 @@ def test_a_drafters_compiled_step_that_fell_back_to_eager_is_reported(tiny_base_
     assert dec.compile_failed is None
     drafter._compiled = {("_draft", "inductor"): SimpleNamespace(failed="BackendCompilerFailed: x")}
     assert dec.compile_failed == "BackendCompilerFailed: x"
+
+
+def test_search_warns_where_plain_decoding_won_and_where_the_choice_is_a_toss_up():
+    from types import SimpleNamespace
+
+    from draftlab.cli.search_tree import search_warnings
+
+    a = SimpleNamespace(timing_prompts=8, timing_rounds=3)
+    rows = [{"name": "greedy-8", "tokens_per_s": 100.0, "rounds_spread": 0.05},
+            {"name": "greedy-4", "tokens_per_s": 99.3, "rounds_spread": 0.02}]
+    rep = {"plain_tokens_per_s": 120.0, "tokens_per_s": 100.0, "compiled": False, "sizes": rows}
+    out = search_warnings(rep, a)
+    assert out[0].startswith("warning: plain decoding (120.0 tokens/s) was faster than every tree") and "--compile" in out[0]
+    assert "greedy-4 ran within 0.7% of the chosen greedy-8, inside the timing rounds' spread (5%)" in out[1]
+    rows[1]["tokens_per_s"] = 80.0
+    assert search_warnings({**rep, "plain_tokens_per_s": 50.0}, a) == []

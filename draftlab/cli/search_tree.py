@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..serve.tree_search import search_tree
 from .args import add_compile_cache_arg, add_placement_args, positive_int
@@ -106,13 +107,38 @@ def search_command(a) -> int:
     if a.json:
         print(json.dumps(rep))
         return 0
-    print("| tree | nodes (root included) | depth | expected accept | measured accept | tokens/s |\n"
-          "|---|---|---|---|---|---|")
+    print("| tree | nodes (root included) | depth | expected accept | measured accept | tokens/s | rounds spread |\n"
+          "|---|---|---|---|---|---|---|")
+    print(f"| plain decoding | 1 | 0 | 1.000 | 1.000 | {rep['plain_tokens_per_s']:.1f} | - |")
     for r in rep["sizes"]:
         expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
         print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
-              f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} |")
+              f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} | {100 * r['rounds_spread']:.0f}% |")
     path = "compiled" if rep["compiled"] else "eager"
     print(f"\nchose {rep['tree_size']} nodes, the root included ({rep['tokens_per_s']:.1f} tokens/s at batch size "
-          f"{rep['batch_size']} on {rep['hardware']}, {path} decoding); wrote {rep['tree']}")
+          f"{rep['batch_size']} on {rep['hardware']}, {path} decoding, "
+          f"{rep['tokens_per_s'] / rep['plain_tokens_per_s']:.2f}x plain decoding's); wrote {rep['tree']}")
+    for line in search_warnings(rep, a):
+        print(line, file=sys.stderr)
     return 0
+
+
+def search_warnings(rep: dict, a) -> list[str]:
+    """What the figures above cannot show by themselves: plain decoding was faster, or the runner-up is within the
+    timing's own noise (the spread of the chosen tree's rounds)."""
+    out = []
+    if rep["plain_tokens_per_s"] >= rep["tokens_per_s"]:
+        out.append(f"warning: plain decoding ({rep['plain_tokens_per_s']:.1f} tokens/s) was faster than every tree "
+                   f"on this machine{' compiled' if rep['compiled'] else ''}: speculation with this drafter does not "
+                   "pay here" + ("" if rep["compiled"] else "; try --compile"))
+    ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
+    if len(ranked) > 1:
+        first, second = ranked[:2]
+        gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
+        noise = max(first["rounds_spread"], second["rounds_spread"])
+        if gap <= noise:
+            out.append(f"note: {second['name']} ran within {100 * gap:.1f}% of the chosen {first['name']}, inside "
+                       f"the timing rounds' spread ({100 * noise:.0f}%): a toss-up between them; more "
+                       f"--timing-prompts (now {a.timing_prompts}) or --timing-rounds (now {a.timing_rounds}) "
+                       "narrow it")
+    return out

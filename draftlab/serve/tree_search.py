@@ -79,12 +79,12 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], batch_size: i
 
 
 def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_new_tokens: int, eos,
-               rounds: int, budget_s: float | None = None) -> list[dict | None]:
+               rounds: int, budget_s: float | None = None, always: int = 1) -> list[dict | None]:
     """measure() of every decoder, `rounds` times interleaved (round 1 of every tree, then round 2, ...); each
     tree keeps its fastest round. A shared or busy machine slows some rounds down: the fastest round of each is
     the one least disturbed, and interleaving spreads a slow spell over all trees instead of one.
     budget_s: once this many seconds have gone (warm-ups and compiles included), the tree being timed is the last;
-    the trees not timed at all by then get None. The first tree is always timed. Rank 0's clock decides, so the
+    the trees not timed at all by then get None. The first `always` trees are always timed. Rank 0's clock decides, so the
     ranks of a tensor-parallel search stop together. Each round records `eager_fallback` (why the decoder's compiled
     calls fell back to eager decoding, or None), and a round timed on the compiled path beats one that fell back."""
     best: list[dict | None] = [None] * len(decoders)
@@ -92,26 +92,32 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
     start = time.perf_counter()
     for r in range(rounds):
         for i, dec in enumerate(decoders):
-            if budget_s is not None and (r or i) and agree(time.perf_counter() - start >= budget_s):
+            if budget_s is not None and (r or i >= always) and agree(time.perf_counter() - start >= budget_s):
                 bar.close()
                 return best
             m = measure(dec, prompts, batch_size, max_new_tokens, eos, warm=r == 0)  # warmed up once
             m["eager_fallback"] = getattr(dec, "compile_failed", None)  # see timed_trees
+            seen = (best[i] or {}).get("rounds_tokens_per_s", []) + [m["tokens_per_s"]]
             if best[i] is None or (not m["eager_fallback"], m["tokens_per_s"]) > (not best[i]["eager_fallback"],
                                                                                    best[i]["tokens_per_s"]):
                 best[i] = m
+            best[i]["rounds_tokens_per_s"] = seen
             bar.update(1)
     bar.close()
     return best
 
 
 def timed_trees(trees: list, decoders: list, prompts, batch_size: int, max_new_tokens: int, eos, rounds: int,
-                budget_s: float | None, name) -> tuple[list[tuple], list[str]]:
+                budget_s: float | None, name, plain=None) -> tuple[list[tuple], list[str], dict | None]:
     """time_trees within budget_s: ([(tree, its measure()), ...] for the trees timed, [name(tree), ...] for the
-    others), saying on stderr how many the budget left out. A tree timed only after a compiled call fell back to
-    eager decoding (a graph that failed to build; the fallback holds for every later call of that function) has no
-    figure of the path the search is for, unlike trees timed before: it joins the others, with a line saying why."""
-    timed = time_trees(decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s)
+    others, plain's measure()), saying on stderr how many the budget left out. plain: a decoder of the same base
+    without a drafter on the same path, timed first in every round beside the trees (the bar a tree must clear).
+    A tree timed only after a compiled call fell back to eager decoding (a graph that failed to build; the fallback
+    holds for every later call of that function) has no figure of the path the search is for, unlike trees timed
+    before: it joins the others, with a line saying why."""
+    timed = time_trees(([plain] if plain is not None else []) + decoders, prompts, batch_size, max_new_tokens, eos,
+                       rounds, budget_s, always=2 if plain is not None else 1)
+    plain_m, timed = (timed[0], timed[1:]) if plain is not None else (None, timed)
     untimed = [name(t) for t, m in zip(trees, timed) if m is None]
     if untimed:
         print(f"search-tree: the time budget ({budget_s:g} s) was spent after {len(trees) - len(untimed)} of "
@@ -123,7 +129,19 @@ def timed_trees(trees: list, decoders: list, prompts, batch_size: int, max_new_t
         for i in eager:
             timed[i] = None
             untimed.append(name(trees[i]))
-    return [(t, m) for t, m in zip(trees, timed) if m is not None], untimed
+    return [(t, m) for t, m in zip(trees, timed) if m is not None], untimed, plain_m
+
+
+def spread(m: dict) -> float:
+    """How far a tree's timing rounds spread: (fastest - slowest) / fastest."""
+    r = m.get("rounds_tokens_per_s") or [m["tokens_per_s"]]
+    return round((max(r) - min(r)) / max(r), 4) if max(r) else 0.0
+
+
+def plain_decoder(base, sync, compile):
+    from ..decode.decoder import NoDraft
+
+    return SpeculativeDecoder(base, NoDraft(), check_base=False, sync=sync, compile=compile)
 
 
 def hardware() -> str:
@@ -236,11 +254,12 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     candidates = candidate_trees(trees, sizes, chains, max_nodes)
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
-    timed, untimed = timed_trees(candidates, decoders, timing, batch_size, max_new_tokens, eos, timing_rounds,
-                                 time_budget_s, lambda t: t.metadata.get("name", ""))
+    timed, untimed, plain = timed_trees(candidates, decoders, timing, batch_size, max_new_tokens, eos,
+                                        timing_rounds, time_budget_s, lambda t: t.metadata.get("name", ""),
+                                        plain_decoder(base, sync, compile))
     for tree, m in timed:
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
-                     "eager_fallback": m["eager_fallback"],
+                     "eager_fallback": m["eager_fallback"], "rounds_spread": spread(m),
                      "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
@@ -259,12 +278,13 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         "tree_size": best["tree_size"], "batch_size": batch_size, "hardware": hardware(),
         "compiled": bool(compile) and not best["eager_fallback"],  # (every tree fell back to eager: compared eagerly)
         "timing_rounds": timing_rounds, "time_budget_s": time_budget_s, "untimed": untimed,
+        "plain_tokens_per_s": round(plain["tokens_per_s"], 2), "rounds_spread": best["rounds_spread"],
         "date": datetime.date.today().isoformat(), "sizes_measured": rows})
     chosen.save(out)
     report = {"tree": str(out), **{k: chosen.metadata[k] for k in ("expected_accept_length", "replayed_accept_length",
                                                                     "measured_accept_length",
                                                                     "tokens_per_s", "tree_size", "batch_size", "hardware",
-                                                                    "compiled")},
+                                                                    "compiled", "plain_tokens_per_s")},
               "sizes": rows, "untimed": untimed}
     if plot:
         report["plots"] = plot_search(rows, chosen, Path(out))
@@ -295,23 +315,25 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
         raise ValueError(f"--max-nodes {max_nodes}: dynamic trees need at least {min(DYNAMIC_GRID['total_tokens']) - 1}")
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in grid]
-    timed, untimed = timed_trees(grid, decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s,
-                                 DynamicTree.spec)
+    timed, untimed, plain = timed_trees(grid, decoders, prompts, batch_size, max_new_tokens, eos, rounds, budget_s,
+                                        DynamicTree.spec, plain_decoder(base, sync, compile))
     for tree, m in timed:
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
-                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2)})
+                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
+                     "rounds_spread": spread(m)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
             "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
             "hardware": hardware(), "compiled": compile, "date": datetime.date.today().isoformat(),
             "time_budget_s": budget_s, "untimed": untimed, "sizes_measured": rows,
+            "plain_tokens_per_s": round(plain["tokens_per_s"], 2),
             **{k: best[k] for k in ("measured_accept_length", "tokens_per_s", "tree_size")}}
     DynamicTree.parse(best["name"].partition(":")[2]).save(out, meta)
     return {"tree": str(out), "dynamic": best["name"], "expected_accept_length": None,
             "replayed_accept_length": None, "measured_accept_length": best["measured_accept_length"],
             "tokens_per_s": best["tokens_per_s"], "tree_size": best["tree_size"], "batch_size": batch_size,
             "hardware": hardware(), "compiled": compile, "sizes": [{**r, "expected_accept_length": None} for r in rows],
-            "untimed": untimed}
+            "untimed": untimed, "plain_tokens_per_s": round(plain["tokens_per_s"], 2)}
 
 
 def plot_search(rows: list[dict], tree: Tree, out: Path) -> list[str]:
