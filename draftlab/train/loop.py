@@ -336,6 +336,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
     bar = progress(total=run.total_steps, initial=step, disable=not run.is_main, desc="train", unit="step")
     window = Window()
     last_eval, stopped = None, False
+    postfix: dict = {}  # the bar's figures: the last logged loss and tokens/s, the last evaluation's accept length
     end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, step + stop_after_steps)
     stopper = StopRequest(run.out_dir, accelerator, run.stop_dirs)
     micro = step * ga
@@ -358,11 +359,16 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
             rec = window.record(step, micro / run.micro_per_epoch, run.scheduler.get_last_lr()[0], out, grad_norm,
                                 accelerator)
             metrics.log(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            bar.set_postfix(postfix)
             window = Window()
         if run.eval_ex and (step % t.eval_every_steps == 0 or step == run.total_steps):
             last_eval = evaluate_run(run, step)
             metrics.log({"step": step, "event": "eval", **last_eval})
+            accept = selection_value(last_eval)  # what the export would decode at (None: not measured here)
+            if accept is not None:
+                postfix["accept"] = f"{accept:.2f}"
+                bar.set_postfix(postfix)
         stopped = step < end_step and stopper.requested()
         if step % t.save_every_steps == 0 or step == end_step or stopped:
             save_checkpoint(accelerator, run.out_dir, step, run.total_steps, t.keep_checkpoints)
