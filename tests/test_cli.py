@@ -105,3 +105,18 @@ def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_
         make_drafter(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), DynamicTree(3, 8, 25))
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--tree", "dynamic:3,8,25"]) == 2
     assert "dynamic trees are built by eagle3 drafters" in capsys.readouterr().err
+
+
+def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, tmp_path, capsys):
+    """export --to wrote over whatever --out held, silently (found by a new user's walkthrough)."""
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
+                str(tiny_base_dir))
+    args = ["export", str(tmp_path / "exp"), "--to", "vllm-medusa", "--out", str(tmp_path / "v")]
+    assert main(args) == 0
+    assert main(args) == 2 and "holds files; export --to writes over them: pass --force" in capsys.readouterr().err
+    assert main(args + ["--force"]) == 0

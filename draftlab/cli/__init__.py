@@ -68,6 +68,10 @@ def cmd_import_medusa(a) -> int:
 def cmd_export(a) -> int:
     from ..interop.convert import export_to
 
+    out = Path(a.out)
+    if out.is_dir() and any(out.iterdir()) and not a.force:
+        raise ValueError(f"--out {out} exists and holds files; export --to writes over them: pass --force, or another "
+                         "--out")
     rep = export_to(a.export, a.to, a.out, a.eval, a.license)
     if a.json:
         _print_json(rep)
@@ -152,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "heads have no engine format (no engine runs sequentially dependent heads).")
     s.add_argument("export", help="a draftlab export directory")
     s.add_argument("--to", required=True, choices=["vllm-medusa", "medusa", "hf"])
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, help="the directory to write (refused if it holds files, unless --force)")
+    s.add_argument("--force", action="store_true", help="write over the files --out holds")
     s.add_argument("--eval", default=None, help="an `eval mt-bench` run directory whose figures go into the model card")
     s.add_argument("--license", default="other", help="license field of the model card (the base's usually applies)")
     s.add_argument("--json", action="store_true")
