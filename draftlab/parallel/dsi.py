@@ -491,14 +491,14 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     reference for the tokens. prompts: texts, or token id lists. The text ends at the base's stop tokens
     (base.stop_token_ids; unless eos=False) or a stop string, as `draftlab generate`'s does. Random streams: the
     drafter's from role_generator(seed, "drafter"), prompt j's verifier from role_generator(seed + j,
-    "verifier"). When no lookahead is given it is chosen from measured (or emulated) forward times: with lookahead_rule "expected" and
-    the drafter's expected acceptance rate given (`acceptance`), the one of least expected latency with the `sp`
-    servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens); otherwise ("no-wait", or no
-    acceptance rate) the smallest with which no verification task waits for a server. pool: a running DSI server
-    pool of the same base, latency and sampling to use (and leave running) instead of starting one. compile: the
-    static-shape compiled path (True: inductor, or DRAFTLAB_COMPILE_BACKEND; a string names a backend) for the
-    servers, the drafter and SI / non-SI, each compiled before anything is timed; the measured forward times that
-    choose the lookahead are then the compiled path's."""
+    "verifier"). When no lookahead is given it is chosen from measured (or emulated) forward times: with
+    lookahead_rule "expected" and the drafter's expected acceptance rate given (`acceptance`), the one of least
+    expected latency with the `sp` servers, waits included (simulate.best_dsi_lookahead, for max_new_tokens);
+    otherwise ("no-wait", or no acceptance rate) the smallest with which no verification task waits for a server.
+    pool: a running DSI server pool of the same base, latency and sampling to use (and leave running) instead of
+    starting one. compile: the static-shape compiled path (True: inductor, or DRAFTLAB_COMPILE_BACKEND; a string
+    names a backend) for the servers, the drafter and SI / non-SI, each compiled before anything is timed; the
+    measured forward times that choose the lookahead are then the compiled path's."""
     import contextlib
 
     import torch

@@ -84,9 +84,10 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
     tree keeps its fastest round. A shared or busy machine slows some rounds down: the fastest round of each is
     the one least disturbed, and interleaving spreads a slow spell over all trees instead of one.
     budget_s: once this many seconds have gone (warm-ups and compiles included), the tree being timed is the last;
-    the trees not timed at all by then get None. The first `always` trees are always timed. Rank 0's clock decides, so the
-    ranks of a tensor-parallel search stop together. Each round records `eager_fallback` (why the decoder's compiled
-    calls fell back to eager decoding, or None), and a round timed on the compiled path beats one that fell back."""
+    the trees not timed at all by then get None. The first `always` trees are always timed. Rank 0's clock decides,
+    so the ranks of a tensor-parallel search stop together. Each round records `eager_fallback` (why the decoder's
+    compiled calls fell back to eager decoding, or None), and a round timed on the compiled path beats one that fell
+    back."""
     best: list[dict | None] = [None] * len(decoders)
     bar = progress(total=rounds * len(decoders), desc="timing trees", unit="tree")
     start = time.perf_counter()
@@ -319,8 +320,8 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
                                         DynamicTree.spec, plain_decoder(base, sync, compile))
     for tree, m in timed:
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
-                     "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
-                     "rounds_spread": spread(m)})
+                     "measured_accept_length": round(m["accept_length"], 4),
+                     "tokens_per_s": round(m["tokens_per_s"], 2), "rounds_spread": spread(m)})
     best = max(rows, key=lambda r: r["tokens_per_s"])
     meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
             "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
