@@ -67,7 +67,8 @@ def test_eagle_layers_out_of_order_or_repeated_are_refused_before_training(layer
     `draftlab check` refused the export afterwards (found by review)."""
     with pytest.raises(ConfigError, match="three distinct base layer ids >= 0 in ascending order"):
         build_recipe(MIN, ["head.type=eagle3", f"head.eagle.layers={layers}"])
-    assert list(build_recipe(MIN, ["head.type=eagle3", "head.eagle.layers=[2, 16, 29]"]).head.eagle.layers) == [2, 16, 29]
+    ok = build_recipe(MIN, ["head.type=eagle3", "head.eagle.layers=[2, 16, 29]"])
+    assert list(ok.head.eagle.layers) == [2, 16, 29]
 
 
 def test_yaml_syntax_error_names_line(tmp_path):

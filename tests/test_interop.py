@@ -258,7 +258,8 @@ def test_vllm_layout_is_read_as_vllm_reads_it(base, tiny_base_dir, tmp_path):
     (d2 / "config.json").write_text(json.dumps(served))
     import_medusa(d2, tmp_path / "nobias_import", base=str(tiny_base_dir))
     h = torch.randn(4, base.config.hidden_size)
-    torch.testing.assert_close(load_export(tmp_path / "nobias_import")[0].logits(h), vllm_medusa_logits(state, served, h))
+    got = load_export(tmp_path / "nobias_import")[0]
+    torch.testing.assert_close(got.logits(h), vllm_medusa_logits(state, served, h))
 
 
 def test_an_export_finds_its_base_from_any_working_directory(base, tiny_base_dir, tmp_path, monkeypatch):
