@@ -159,7 +159,7 @@ class SearchInputs:
     draft: object
     tok: object
     sync: object
-    eos: int | None
+    eos: list[int]  # the base's stop tokens (base.stop_token_ids)
     calib: list[list[int]]
     timing: list[list[int]]
 
