@@ -455,3 +455,15 @@ def test_search_warns_where_plain_decoding_won_and_where_the_choice_is_a_toss_up
     assert "greedy-4 ran within 0.7% of the chosen greedy-8, inside the timing rounds' spread (5%)" in out[1]
     rows[1]["tokens_per_s"] = 80.0
     assert search_warnings({**rep, "plain_tokens_per_s": 50.0}, a) == []
+
+
+def test_sizes_past_the_largest_tree_are_said_to_be_capped(capsys):
+    """--sizes 100 with a 6-node tree the largest grown was timed as 6 nodes, silently (found by a new user)."""
+    from draftlab.serve.tree_search import candidate_trees
+
+    grown = [Tree.chain(n) for n in range(1, 4)]  # stand-ins for the greedy trees of 1, 2 and 3 nodes
+    picked = candidate_trees(grown, [2, 100], [], 6)
+    assert [t.size - 1 for t in picked] == [2, 3]
+    assert "search-tree: --sizes 100 timed as 3 nodes, the largest tree grown here" in capsys.readouterr().err
+    candidate_trees(grown, [1, 3], [], 6)
+    assert capsys.readouterr().err == ""

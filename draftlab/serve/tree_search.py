@@ -213,6 +213,10 @@ def candidate_trees(trees: list[Tree], sizes: list[int] | None, chains, max_node
     tree's name)."""
     if sizes and min(sizes) < 1:
         raise ValueError(f"--sizes {sizes}: tree sizes (non-root nodes) are at least 1")
+    if sizes and max(sizes) > len(trees):
+        print(f"search-tree: --sizes {', '.join(str(s) for s in sizes if s > len(trees))} timed as {len(trees)} "
+              f"nodes, the largest tree grown here (--max-nodes {max_nodes}, the draft's depth and --max-rank bound "
+              "it)", file=sys.stderr)
     sizes = sorted({min(s, len(trees)) for s in (sizes or geometric_sizes(len(trees)))})
     out, seen = [], set()
     for tree in [trees[n - 1] for n in sizes] + [Tree.chain(d) for d in chains if d <= max_nodes]:
