@@ -29,6 +29,7 @@ class DataStats:
     eval_examples: int = 0
     train_tokens: int = 0
     loss_tokens: int = 0
+    truncated: int = 0  # answers and texts marked `truncated` (distill-data: cut by its length limit), both splits
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -346,6 +347,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                 if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                     raise DataError("text records need a string 'text' field")
                 texts.append((rec["text"], rec.get("truncated") is True))
+                stats.truncated += rec.get("truncated") is True
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:
@@ -354,6 +356,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                     stats.skip(NO_ANSWER)  # nothing to learn (an empty answer a base gave, say): counted, as a
                     continue  # conversation truncated to no answer is
                 convs.append((msgs, (source, idx)))
+                stats.truncated += sum(bool(m.get("truncated")) for m in msgs)
         except DataError as e:
             if data_cfg.on_malformed == "skip":
                 stats.skip(str(e))

@@ -157,6 +157,11 @@ def test_answers_the_length_limit_cut_are_marked_and_teach_no_end_of_turn(tiny_b
     assert tok.eos_token_id not in [t for t, m in zip(ids, mask) if m]
     # The answer's own tokens stay supervised: the mask is the whole one up to the end of turn.
     assert sum(mask) >= 5 - 1 and all(a <= b for a, b in zip(mask, whole_mask))
+    # Training counts them (its start record says how many answers it read as cut).
+    from draftlab.config import DataSection
+    from draftlab.data import load_examples
+
+    assert load_examples(DataSection(path=str(tmp_path / "l.jsonl"), eval_size=0), tok)[2].truncated == 3
 
 
 def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):

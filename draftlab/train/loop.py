@@ -112,6 +112,7 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
         s = run.stats
         metrics.log({"step": 0, "event": "start", "train_examples": s.train_examples, "eval_examples": s.eval_examples,
                      "train_tokens": s.train_tokens, "loss_tokens": s.loss_tokens, "skipped": s.skipped,
+                     "truncated": s.truncated,
                      "total_steps": run.total_steps, "processes": run.accelerator.num_processes,
                      "base_params_local": round(local_fraction(run.base), 4)})
     step, stopped, last_eval = run_steps(run, step, stop_after_steps, metrics)
