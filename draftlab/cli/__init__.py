@@ -31,11 +31,23 @@ def cmd_validate(a) -> int:
     return 0
 
 
+def end_process_group() -> None:
+    """The launch's processes leave together and take their process group down before exiting: torn down at exit
+    instead, a process could abort ("terminate called without an active exception") once the first, which holds
+    the rendezvous store, had gone, and Slurm then counted a finished run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def cmd_train(a) -> int:
     from ..config import load_recipe
     from ..train import train
 
     summary = train(load_recipe(a.recipe, a.overrides), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
+    end_process_group()
     if a.json:
         _print_json(summary)
     elif summary.get("export") and not summary.get("already_finished"):
