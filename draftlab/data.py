@@ -215,11 +215,17 @@ def _text_end(content: str, own: str) -> int:
     return at + len(key)
 
 
+def plain_messages(msgs: list[dict]) -> list[dict]:
+    """Messages as a chat template or an OpenAI-compatible server takes them: role and content (no marks such as
+    `truncated`)."""
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
 def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[int], list[int]]:
     """Token ids of the conversation via the chat template, and a 0/1 mask on assistant tokens: each answer with its
     end of turn, except an answer marked `truncated` (a length limit cut it, so its end of turn is the template's,
     not the model's), which is masked up to its text's end."""
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    plain = plain_messages(messages)
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     full = render(plain, False)
     spans = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import DataError, detect_format, prompt_turns, read_records, to_messages
+from ..data import DataError, detect_format, plain_messages, prompt_turns, read_records, to_messages
 from ..progress import progress
 from .run_dir import resume_records
 
@@ -185,18 +185,13 @@ def _regenerate(source, items: list[tuple[int, object]], mode: str, all_turns: b
         active = [j for j, u in enumerate(users) if t < len(u)]
         for j in active:
             convs[j].append(users[j][t])
-        for j, (a, c) in zip(active, source.answer([_plain(convs[j]) for j in active])):
+        for j, (a, c) in zip(active, source.answer([plain_messages(convs[j]) for j in active])):
             convs[j].append({"role": "assistant", "content": a, **_cut(c)})
     return [{"source_index": i, "conversations": _sharegpt(c)} for (i, _), c in zip(items, convs)]
 
 
 def _cut(truncated: bool) -> dict:
     return {"truncated": True} if truncated else {}
-
-
-def _plain(msgs: list[dict]) -> list[dict]:
-    """Messages as a chat template or server takes them (role and content; no truncated marks)."""
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
 def _sharegpt(msgs: list[dict]) -> list[dict]:
