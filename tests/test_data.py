@@ -287,3 +287,29 @@ def test_a_json_file_of_one_conversation_is_one_record(tmp_path, tok):
     f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello"}]}))
     train, _, _ = load_examples(DataSection(path=str(f), eval_size=0), tok)
     assert len(train) == 1 and "Hello" in decoded_masked(tok, train[0]["input_ids"], train[0]["loss_mask"])
+
+
+def test_examples_are_held_as_flat_arrays_and_read_as_lists(tmp_path, tok):
+    """Training's examples are two flat arrays, 5 bytes a token (Python lists of ints took about 45: 4.5 GB a
+    process at 100k conversations of 1k tokens); an item still reads as lists, and slices, take and + keep the
+    examples' contents."""
+    from draftlab.data import Examples
+
+    recs = [{"conversations": [{"from": "human", "value": f"story {i}"},
+                               {"from": "gpt", "value": "Once upon a time " * (1 + i % 4)}]} for i in range(9)]
+    # (an answer of more than 255 supervised tokens: a byte mask must not be summed as bytes)
+    recs.append({"conversations": [{"from": "human", "value": "go"}, {"from": "gpt", "value": "cat dog " * 200}]})
+    f = write_jsonl(tmp_path / "c.jsonl", recs)
+    train, held, stats = load_examples(DataSection(path=str(f), max_len=1024, eval_size=0.2), tok)
+    assert isinstance(train, Examples) and isinstance(held, Examples) and len(train) + len(held) == 10
+    as_lists = [tokenize_chat([{"role": "user", "content": r["conversations"][0]["value"]},
+                               {"role": "assistant", "content": r["conversations"][1]["value"]}], tok, 1024)
+                for r in recs]
+    every = train + held
+    assert sorted((e["input_ids"], e["loss_mask"]) for e in every) == sorted(as_lists)
+    assert every.ids.dtype.itemsize + every.mask.dtype.itemsize == 5 and every.ids.size == every.tokens()
+    assert stats.train_tokens == sum(len(e["input_ids"]) for e in train)
+    assert stats.loss_tokens == sum(sum(e["loss_mask"]) for e in train)
+    assert every.loss_tokens() == sum(sum(e["loss_mask"]) for e in every) > 256
+    assert list(train[1:3]) == [train[1], train[2]] and list(train.take([4, 0])) == [train[4], train[0]]
+    assert train.take([0, 1]) == [train[0], train[1]] and train.take([0, 1]) != train.take([1, 0])

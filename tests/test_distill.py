@@ -176,7 +176,7 @@ def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
     assert s["truncated"] == 1 and rec["truncated"] is True
     [(ids, _)] = pack_text([(rec["text"], True)], tok, 512)
     [(whole, _)] = pack_text([rec["text"]], tok, 512)
-    assert whole == ids + [tok.eos_token_id]
+    assert whole.tolist() == ids.tolist() + [tok.eos_token_id]
 
 
 def test_the_base_s_generation_config_stop_tokens_end_answers(tiny_base_dir, tmp_path):

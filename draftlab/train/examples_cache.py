@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import data as data_mod
-from ..data import DataStats, load_examples
+from ..data import DataStats, Examples, load_examples
 from ..interop.export import tokenizer_fingerprint
 
 CACHE_DIR = "tokenized"
@@ -48,14 +48,12 @@ def examples_key(data_cfg, tok, seed: int) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def save_examples(f: Path, train: list[dict], held: list[dict], stats: DataStats) -> None:
+def save_examples(f: Path, train: Examples, held: Examples, stats: DataStats) -> None:
     """Write the examples to f at once (a temporary file renamed), and remove other keys' files beside it."""
     f.parent.mkdir(parents=True, exist_ok=True)
-    every = train + held
-    flat = lambda k, dt: np.concatenate([np.asarray(e[k], dtype=dt) for e in every] or [np.zeros(0, dt)])
+    ids, mask, lengths = (train + held).compact()
     tmp = f.with_name(f.stem + ".tmp.npz")
-    np.savez(tmp, ids=flat("input_ids", np.int32), mask=flat("loss_mask", np.uint8),
-             lengths=np.array([len(e["input_ids"]) for e in every], dtype=np.int64), n_train=np.array(len(train)),
+    np.savez(tmp, ids=ids, mask=mask, lengths=lengths, n_train=np.array(len(train)),
              stats=np.frombuffer(json.dumps(asdict(stats)).encode(), dtype=np.uint8))
     os.replace(tmp, f)
     for old in f.parent.glob("*.npz"):
@@ -63,13 +61,11 @@ def save_examples(f: Path, train: list[dict], held: list[dict], stats: DataStats
             old.unlink(missing_ok=True)
 
 
-def read_examples(f: Path) -> tuple[list[dict], list[dict], DataStats]:
+def read_examples(f: Path) -> tuple[Examples, Examples, DataStats]:
     with np.load(f) as z:
-        ids, mask, lengths, n_train = z["ids"], z["mask"], z["lengths"], int(z["n_train"])
-        stats = DataStats(**json.loads(z["stats"].tobytes()))
-    ends = np.cumsum(lengths)
-    every = [{"input_ids": ids[e - n:e].tolist(), "loss_mask": mask[e - n:e].tolist()}
-             for n, e in zip(lengths.tolist(), ends.tolist())]
+        every = Examples.flat(z["ids"].astype(np.int32, copy=False), z["mask"].astype(np.uint8, copy=False),
+                              z["lengths"].astype(np.int64, copy=False))
+        n_train, stats = int(z["n_train"]), DataStats(**json.loads(z["stats"].tobytes()))
     return every[:n_train], every[n_train:], stats
 
 

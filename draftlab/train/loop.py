@@ -201,10 +201,10 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
             run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
                                                                  worker_init=die_with_parent)
     if example_subset is not None:
-        run.train_ex = [run.train_ex[i] for i in example_subset]
+        run.train_ex = run.train_ex.take(example_subset)
         s = run.stats
-        s.train_examples, s.train_tokens = len(run.train_ex), sum(len(e["input_ids"]) for e in run.train_ex)
-        s.loss_tokens = sum(sum(e["loss_mask"]) for e in run.train_ex)
+        s.train_examples, s.train_tokens, s.loss_tokens = len(run.train_ex), run.train_ex.tokens(), \
+            run.train_ex.loss_tokens()
     with outside_deepspeed(ds_plugin):  # built whole (and checked, initialised from the base); ZeRO-3 shards it later
         run.draft = draft = build_draft(recipe.head.model_dump(), run.base).float()
     if hasattr(draft, "fit_vocab"):  # EAGLE-3's draft vocabulary: the training data's most frequent tokens
