@@ -202,7 +202,8 @@ class TrainSection(_Section):
     grad_accum_steps: int = Field(1, ge=1)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    seed: int = 0
+    seed: int = Field(0, description="data order, the split and the draft's initial weights (the same on every rank); "
+                      "dropout and DFlash's anchors draw from each rank's own stream derived from it")
     save_every_steps: int = Field(500, ge=1)
     eval_every_steps: int = Field(500, ge=1)
     log_every_steps: int = Field(10, ge=1)

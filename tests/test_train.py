@@ -11,6 +11,7 @@ from conftest import launch_train, tiny_llama
 from draftlab.config import build_recipe, dump_recipe
 from draftlab.interop.export import ExportError, load_export, read_meta
 from draftlab.train import RunDirError, train
+from draftlab.train.loop import rank_seed
 
 
 MEDUSA = {"head": {"num_heads": 3, "num_layers": 1}}
@@ -155,9 +156,22 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
     trackers = ["tensorboard"] + (["wandb"] if importlib.util.find_spec("wandb") else [])
     cfg.write_text(dump_recipe(build_recipe({**recipe(tiny_base_dir, data_file, out, kind, max_steps=2).model_dump(mode="json"),
                                              "log": {"trackers": trackers}})))
-    p = launch_train(cfg, processes=2, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}, json_out=True,
-                     timeout=300)
+    site = tmp_path / "site"  # each worker writes the seed of its torch generator as it exits
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "def _seed():\n"
+        "    import torch\n"
+        "    open(os.path.join(os.environ['SEED_DIR'], 'seed' + os.environ['RANK']), 'w').write(str(torch.initial_seed()))\n"
+        "if 'LOCAL_RANK' in os.environ:\n"
+        "    atexit.register(_seed)\n")
+    p = launch_train(cfg, processes=2, json_out=True, timeout=300, env={
+        "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "SEED_DIR": str(tmp_path),
+        "PYTHONPATH": f"{site}{os.pathsep}{Path(__file__).parents[1]}"})
     assert p.returncode == 0, p.stderr[-3000:]
+    # Dropout and DFlash's anchors draw from each rank's own stream (they drew the same on every rank).
+    seeds = {r: int((tmp_path / f"seed{r}").read_text()) for r in (0, 1)}
+    assert seeds[0] == 0 and seeds[1] == rank_seed(0, 1) != 0
     start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert start["processes"] == 2
     assert weights(out)

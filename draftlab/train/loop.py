@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..base import load_recipe_base, logit_transforms, set_seed
@@ -103,7 +104,9 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     build_optimizer(run)
     open_hidden_cache(run)
     open_accept_estimate(run)
-    step = resume_step(run.accelerator, run.out_dir, run.total_steps)
+    if run.accelerator.process_index:  # (rank 0 goes on with its stream: a one-process run is what it was)
+        torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index))
+    step = resume_step(run.accelerator, run.out_dir, run.total_steps)  # (restores each rank's generators)
     done = finished_before(run, step)
     if done is not None:  # the same command again after the run ended: nothing to redo
         return done
@@ -119,6 +122,13 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     summary = finish(run, step, stopped, last_eval, metrics)
     metrics.close()
     return summary
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank > 0's torch generator while it trains: dropout, LoRA dropout and DFlash's anchors draw from
+    it, so each rank draws its own (with one seed every rank dropped out the same units and drew the same anchor
+    positions). The draft is built before this, from train.seed on every rank."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] % 2**63)
 
 
 def check_teacher(recipe: Recipe, config=None, head=None) -> None:
