@@ -148,6 +148,21 @@ def test_static_trees_are_refused_with_the_dynamic_syntax():
         DynamicTree.parse("7,10")
 
 
+def test_a_tree_deeper_than_the_training_time_test_is_warned_of():
+    """Levels past ttt_steps read the draft's own features at a depth training never unrolled to."""
+    import warnings
+
+    from draftlab.serve.generate import resolve_tree
+
+    meta = {"head": {"type": "eagle3", "ttt_steps": 3}}
+    with pytest.warns(UserWarning, match="drafts 4 levels, but this EAGLE-3 draft trained on 3 .ttt_steps."):
+        assert resolve_tree("dynamic:4,2,8", meta).depth == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_tree("dynamic:3,2,8", meta).depth == 3
+        assert resolve_tree("chain:5", {"head": {"type": "ssm"}}).depth == 5  # (other kinds: no such limit)
+
+
 def test_draft_vocabulary_from_token_frequencies():
     base = tiny_llama(layers=3)
     d = eagle(base, vocab=5)

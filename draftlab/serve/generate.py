@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -17,7 +18,18 @@ def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's),
     'chain' (heads: one per head; a block drafter: its whole block; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
     (SpecInfer's expansion configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
-    exports), or a tree file / inline list (see Tree.parse)."""
+    exports), or a tree file / inline list (see Tree.parse). A tree deeper than an EAGLE-3 draft's ttt_steps is
+    decoded, with a warning."""
+    tree = _resolve_tree(spec, meta)
+    steps = meta["head"].get("ttt_steps") if meta["head"]["type"] == "eagle3" else None
+    if steps and tree.depth > steps:
+        warnings.warn(f"tree {spec or 'default'} drafts {tree.depth} levels, but this EAGLE-3 draft trained on "
+                      f"{steps} (ttt_steps): levels past {steps} read features of its own it never trained on, and may "
+                      f"accept less; a depth of at most {steps} costs less per step", stacklevel=2)
+    return tree
+
+
+def _resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     from ..drafters import SSM_DEFAULT_CHAIN, kind_of
 
     head = meta["head"]
