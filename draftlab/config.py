@@ -226,6 +226,10 @@ class TrainSection(_Section):
         "best", description="which weights the final export holds: best = the evaluation with the highest "
         "expected_accept_length (EAGLE-3: measured_accept_length; the last weights when no evaluation had one), "
         "last = the last step's")
+    grow_tree: bool = Field(
+        True, description="Medusa and Hydra heads: the export's default tree is grown from the exported "
+        "evaluation's held-out rank statistics (the kind's node count), where it decodes held-out texts better "
+        "than the kind's prior tree (two-fold check); false: the kind's tree")
 
 
 class DistributedSection(_Section):

@@ -467,3 +467,26 @@ def test_sizes_past_the_largest_tree_are_said_to_be_capped(capsys):
     assert "search-tree: --sizes 100 timed as 3 nodes, the largest tree grown here" in capsys.readouterr().err
     candidate_trees(grown, [1, 3], [], 6)
     assert capsys.readouterr().err == ""
+
+
+def test_a_fitted_tree_replaces_the_prior_only_where_it_decodes_held_out_texts_better():
+    """An export's default tree grown from its heads' held-out ranks (train.grow_tree): kept where, grown on half of
+    the texts, it replays the other half better than the kind's prior tree, both ways round."""
+    from draftlab.decode.search import default_tree, fitted_tree, replay_accept_length
+
+    prior = default_tree(4)
+    g = torch.Generator().manual_seed(0)
+    # Heads right 90% of the time at ranks 0, 3, 0, 2 of depths 1-4: a deep path the prior's tree (rank r at depth d
+    # accepted with 0.6^d 0.5^r) leaves out.
+    deep = [torch.where(torch.rand(40, 4, generator=g) < 0.9, torch.tensor([0, 3, 0, 2]), 50) for _ in range(6)]
+    assert (0, 3, 0) not in prior.paths  # (50: not among the candidates)
+    tree, info = fitted_tree(prior, deep)
+    assert info["source"] == "grown" and tree.size <= prior.size and (0, 3, 0, 2) in tree.paths
+    assert info["held_out_accept_length"]["grown"] > info["held_out_accept_length"]["kind"]
+    assert replay_accept_length(tree, deep) > replay_accept_length(prior, deep)
+    # Heads that are never right: nothing to grow, the prior stays.
+    tree, info = fitted_tree(prior, [torch.full((30, 4), 50) for _ in range(4)])
+    assert tree is prior and info["source"] == "kind"
+    # One text cannot be split into a part to grow on and a part to check on.
+    tree, info = fitted_tree(prior, deep[:1])
+    assert tree is prior and info["source"] == "kind" and "fewer than two" in info["why"]

@@ -12,6 +12,7 @@ from test_train import KINDS, recipe, weights
 from draftlab.config import ConfigError, accept_settings, build_recipe, dump_recipe
 from draftlab.decode.search import replay_accept_length
 from draftlab.decode.tree import Tree
+from draftlab.interop.export import read_meta
 from draftlab.train import train
 from draftlab.decode.search import replay_counts
 from draftlab.train.accept import AcceptEstimator
@@ -31,9 +32,10 @@ def records(out, event="eval"):
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if json.loads(l).get("event") == event]
 
 
-def decoded(out, r, tree=None):
-    """The decoder's accept length (load_decoder on the export, its default tree or `tree`, greedy) on the run's
-    accept prompts, pooled over prompts as the estimate is: (accept length, prompts)."""
+def decoded(out, r, tree="kind"):
+    """The decoder's accept length (load_decoder on the export, its kind's default tree, which the training figures
+    are of, or `tree`, greedy) on the run's accept prompts, pooled over prompts as the estimate is: (accept length,
+    prompts)."""
     from draftlab.data import load_examples
     from draftlab.serve.generate import load_decoder
     from draftlab.train.accept import accept_prompts
@@ -298,6 +300,14 @@ def test_estimate_agrees_with_the_decoder_on_stories260k(stories_dir, tmp_path):
     est = chosen["expected_accept_length"]
     print(f"stories260K medusa: estimate {est:.6f}, decoder {measured:.6f}, difference {est - measured:+.2e}")
     assert n == 8 and est > 1.3
+    # The export's default tree was grown from the heads' ranks on those prompts (train.grow_tree), having decoded
+    # held-out texts better than the kind's tree; the figure it records is the decoder's on the prompts.
+    grown = read_meta(out / "export")["training"]["default_tree"]
+    assert grown["source"] == "grown" and grown["states"] > 100 and grown["nodes"] == 24
+    assert grown["held_out_accept_length"]["grown"] > grown["held_out_accept_length"]["kind"]
+    assert grown["kind_expected_accept_length"] == pytest.approx(est, abs=1e-9)
+    assert decoded(out, r, tree=None)[0] == pytest.approx(grown["expected_accept_length"], abs=1e-9)
+    assert grown["expected_accept_length"] > est
     assert abs(est - measured) <= 0.05 * measured
     assert est == pytest.approx(measured, abs=1e-9) and chosen["measured_accept_length"] == pytest.approx(measured, abs=1e-9)
 

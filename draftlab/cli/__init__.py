@@ -52,6 +52,15 @@ def cmd_train(a) -> int:
         _print_json(summary)
     elif summary.get("export") and not summary.get("already_finished"):
         print(f"export written to {summary['export']}")
+        tree = summary.get("default_tree")
+        if tree and "held_out_accept_length" in tree:
+            held = tree["held_out_accept_length"]
+            if tree["source"] == "grown":
+                print(f"default tree: grown from the heads' held-out ranks (held-out accept length {held['grown']:.2f} "
+                      f"against {held['kind']:.2f} for the kind's tree, which --tree kind decodes with)")
+            else:
+                print(f"default tree: the kind's (one grown from the heads' held-out ranks decoded held-out text no "
+                      f"better: accept length {held['grown']:.2f} against {held['kind']:.2f})")
     return 0
 
 

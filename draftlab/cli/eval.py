@@ -23,7 +23,8 @@ def add_eval_args(sub) -> None:
                         "questions that ship with draftlab, data/mt_bench/question.jsonl)")
     p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
     p.add_argument("--tree", default=None,
-                   help="'default', 'chain', 'chain:N', 'expansion:K1,K2,...', 'dynamic:DEPTH,TOP_K,TOTAL' (eagle3 "
+                   help="'default', 'kind', 'chain', 'chain:N', 'expansion:K1,K2,...', 'dynamic:DEPTH,TOP_K,TOTAL' "
+                        "(eagle3 "
                         "exports), a tree file (JSON/YAML), FILE.py:NAME or inline paths, as generate --tree")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

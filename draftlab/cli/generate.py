@@ -14,7 +14,8 @@ def add_generate_args(p) -> None:
                                   "for prompt-lookup drafting with --base")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--tree", default=None,
-                   help="'default', 'chain', 'chain:N', 'expansion:K1,K2,...' (SpecInfer), 'dynamic:DEPTH,TOP_K,TOTAL' "
+                   help="'default', 'kind' (the kind's tree where the export grew its own), 'chain', 'chain:N', "
+                        "'expansion:K1,K2,...' (SpecInfer), 'dynamic:DEPTH,TOP_K,TOTAL' "
                         "(EAGLE-2 dynamic trees, eagle3 exports), a tree file (JSON/YAML), FILE.py:NAME (a list "
                         "assigned in a Python file, e.g. Medusa's medusa_choices.py) or inline paths, e.g. "
                         "'[[0], [1], [0, 0]]'")

@@ -162,3 +162,27 @@ def default_tree(num_heads: int, nodes: int = DEFAULT_TREE_NODES) -> Tree:
     """
     probs = [[0.6 ** (d + 1) * 0.5 ** r for r in range(8)] for d in range(num_heads)]
     return grow_tree(probs, nodes, name=f"default-{num_heads}h-{nodes}n")
+
+
+def fitted_tree(prior: Tree, texts: list[torch.Tensor], max_rank: int = 10) -> tuple[Tree, dict]:
+    """A tree of at most the prior's size grown from rank vectors of whole texts (RankStats over their states,
+    greedy growth; as deep as the vectors), where it decodes those texts better than the prior on texts it was not grown on: two-fold, the tree
+    grown on the even texts replayed on the odd ones and the other way round, their counts pooled (at least two
+    texts with states). (tree, what decided: the held-out accept lengths of both, the states, the choice)."""
+    texts = [t for t in texts if len(t)]
+    info = {"nodes": prior.size - 1, "texts": len(texts), "states": int(sum(len(t) for t in texts))}
+    if len(texts) < 2:
+        return prior, {**info, "source": "kind", "why": "fewer than two held-out texts to grow and check a tree on"}
+    stats = lambda part: RankStats(torch.cat(part), max_rank)  # (as deep as the texts' rank vectors)
+    fits = {"grown": [0, 0], "kind": [0, 0]}
+    for grow_on, check_on in ((texts[0::2], texts[1::2]), (texts[1::2], texts[0::2])):
+        for name, tree in (("grown", grow_tree(stats(grow_on), info["nodes"])), ("kind", prior)):
+            c, s = replay_counts(tree, check_on)
+            fits[name][0] += c
+            fits[name][1] += s
+    held = {k: round(c / max(s, 1), 4) for k, (c, s) in fits.items()}
+    info["held_out_accept_length"] = held
+    if held["grown"] <= held["kind"]:
+        return prior, {**info, "source": "kind", "why": "the grown tree did not decode held-out texts better"}
+    tree = grow_tree(stats(texts), info["nodes"], name=f"grown-{info['nodes']}n")
+    return tree, {**info, "source": "grown"}

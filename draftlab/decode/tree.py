@@ -123,9 +123,9 @@ class Tree:
 
         p = Path(path)
         if not p.is_file():
-            names = ["default", "chain", "chain:N", "expansion:K1,K2,...", "dynamic:DEPTH,TOP_K,TOTAL_TOKENS"]
-            close = difflib.get_close_matches(str(path).split(":")[0], ["default", "chain", "expansion", "dynamic"],
-                                              n=1, cutoff=0.6)
+            names = ["default", "kind", "chain", "chain:N", "expansion:K1,K2,...", "dynamic:DEPTH,TOP_K,TOTAL_TOKENS"]
+            close = difflib.get_close_matches(str(path).split(":")[0],
+                                              ["default", "kind", "chain", "expansion", "dynamic"], n=1, cutoff=0.6)
             guess = f"did you mean {close[0]}? " if close and "/" not in str(path) else ""
             raise TreeError(f"{p}: no such tree file ({guess}give a JSON/YAML tree file, FILE.py:NAME, inline paths "
                             f"such as '[[0], [1], [0, 0]]', or one of {', '.join(names)})")

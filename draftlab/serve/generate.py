@@ -15,9 +15,10 @@ from ..decode.tree import DynamicTree, Tree, TreeError
 
 
 def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
-    """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's),
-    'chain' (heads: one per head; a block drafter: its whole block; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...'
-    (SpecInfer's expansion configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
+    """A --tree value for an export: 'default' (or None: the export's default tree, else its kind's), 'kind' (its
+    kind's default tree, also where the export has its own), 'chain' (heads: one per head; a block drafter: its
+    whole block; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...' (SpecInfer's expansion
+    configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
     exports), or a tree file / inline list (see Tree.parse). A tree deeper than an EAGLE-3 draft's ttt_steps is
     decoded, with a warning."""
     tree = _resolve_tree(spec, meta)
@@ -33,6 +34,8 @@ def _resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     from ..drafters import SSM_DEFAULT_CHAIN, kind_of
 
     head = meta["head"]
+    if spec == "kind":  # the kind's own default, where the export's was grown from its heads' statistics
+        return kind_of(head["type"]).default_tree(_Shape(head))
     if spec in (None, "", "default"):
         if meta.get("default_tree"):
             d = meta["default_tree"]

@@ -81,6 +81,10 @@ class AcceptEstimator:
         self.tree = default if isinstance(default, Tree) else None  # None: dynamic, measured at every evaluation
         self.chain = Tree.chain(self.depth)
         self.texts: list | None = None  # this rank's (prompt length, continuation), computed once
+        # Heads exports: the default tree is grown from the rank vectors of every prompt (train.grow_tree), kept
+        # (gathered from all ranks, in prompt order) from the last evaluation.
+        self.grows = recipe.train.grow_tree and draft.kind in ("medusa", "hydra") and self.tree is not None
+        self.rows: list | None = None
 
     @property
     def active(self) -> bool:
@@ -142,6 +146,8 @@ class AcceptEstimator:
             r = text_ranks(draft, self.base, seq, plen, self.depth)  # stand-ins run the same base forward
             if item is not None:
                 rows.append(r)
+        if self.grows:
+            self.rows = self._gathered(rows)
         figures = []
         for tree in ([self.tree] if self.tree is not None else []) + [self.chain]:
             figures += list(replay_counts(tree, rows))
@@ -153,6 +159,15 @@ class AcceptEstimator:
         for k, name in enumerate(names):
             rec[name] = sums[2 * k] / max(sums[2 * k + 1], 1)
         return rec
+
+    def _gathered(self, rows: list) -> list:
+        """Every rank's rank vectors, in prompt order, on the CPU (each rank gets them all)."""
+        mine = [(i, r.cpu()) for i, r in zip([i for i in self._mine() if i is not None], rows)]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            mine = gather_object(mine)
+        return [r for _, r in sorted(mine, key=lambda x: x[0])]
 
     def _measured(self, draft) -> float:
         from ..decode.decoder import SpeculativeDecoder
@@ -187,13 +202,14 @@ class BestDraft:
         self.value: float | None = None
         self.weights: dict | None = None
         self.record: dict | None = None  # that evaluation's figures: what the export's draftlab.json reports
+        self.rows: list | None = None  # its rank vectors (AcceptEstimator.rows), that the export's tree grows from
 
-    def offer(self, step: int, value: float | None, module, record: dict | None = None) -> bool:
-        """Keep module's trainable weights (and the evaluation's record) if value beats the best so far (ties keep
-        the earlier); True if kept."""
+    def offer(self, step: int, value: float | None, module, record: dict | None = None, rows: list | None = None) -> bool:
+        """Keep module's trainable weights (and the evaluation's record and rank vectors) if value beats the best
+        so far (ties keep the earlier); True if kept."""
         if value is None or (self.value is not None and value <= self.value):
             return False
-        self.step, self.value, self.record = step, value, dict(record or {})
+        self.step, self.value, self.record, self.rows = step, value, dict(record or {}), rows
         if self.keep_weights:
             self.weights = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()
                             if p.requires_grad}
@@ -212,8 +228,10 @@ class BestDraft:
                 params[n].copy_(w.to(params[n].device, params[n].dtype))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "value": self.value, "weights": self.weights or {}, "record": self.record}
+        return {"step": self.step, "value": self.value, "weights": self.weights or {}, "record": self.record,
+                "rows": self.rows}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.value, self.record = state.get("step"), state.get("value"), state.get("record")
+        self.rows = state.get("rows")  # (None in a checkpoint of a draftlab from before: the kind's tree)
         self.weights = (state.get("weights") or None) if self.keep_weights else None

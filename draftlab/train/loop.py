@@ -432,7 +432,7 @@ def evaluate_run(run: Run, step: int) -> dict:
         whole = run.whole_objective()
         rec.update(run.accept.evaluate([run.objective, whole], math.ceil(step / run.recipe.train.eval_every_steps),
                                        draft=whole.draft))
-        run.best.offer(step, selection_value(rec), whole, rec)
+        run.best.offer(step, selection_value(rec), whole, rec, rows=run.accept.rows)
     if run.best.step is not None:
         rec["best_step"] = run.best.step
     return rec
@@ -454,9 +454,14 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
     if run.is_main:
         if chosen["step"] != step:  # train.export: best, and an earlier evaluation was better
             run.best.restore(objective)  # (the run ends here: the last weights are in the last checkpoint)
+        tree, tree_info = export_tree(run, run.best.rows if chosen["step"] != step else run.accept.rows)
+        summary["default_tree"] = tree_info
         export = save_export(objective.draft, run.base, run.out_dir / "export", recipe.base.name_or_path,
+                             default_tree=tree,
                              extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
-                                                 "eval": exported_eval, "export": chosen}}, tokenizer=run.tok,
+                                                 "eval": exported_eval, "export": chosen,
+                                                 **({"default_tree": tree_info} if tree_info else {})}},
+                             tokenizer=run.tok,
                              adapter=run.base if recipe.lora is not None else None,
                              chat_template=run.tok.chat_template if recipe.base.chat_template else None)
         summary["export"] = str(export)
@@ -466,6 +471,22 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
         metrics.log({"step": step, "event": "end", **last_eval, "export_step": chosen["step"],
                      "export_value": chosen["value"]})
     return summary
+
+
+def export_tree(run: Run, rows: list | None) -> tuple[list | None, dict | None]:
+    """The export's default tree (paths; None: the kind's) and what decided it (train.grow_tree; None where the
+    kind's tree is not grown): grown from the exported evaluation's rank vectors where it decodes held-out texts
+    better (decode.search.fitted_tree), with its accept length replayed on all of them."""
+    from ..decode.search import fitted_tree, replay_accept_length
+
+    if not run.accept.grows or rows is None:
+        return None, None
+    tree, info = fitted_tree(run.accept.tree, rows)
+    if info["source"] != "grown":
+        return None, info
+    info["expected_accept_length"] = replay_accept_length(tree, rows)  # (on the texts it was grown on)
+    info["kind_expected_accept_length"] = replay_accept_length(run.accept.tree, rows)
+    return [list(p) for p in tree.paths], info
 
 
 def finished_before(run: Run, step: int) -> dict | None:
