@@ -36,3 +36,25 @@ def test_quickstart_end_to_end_offline(tmp_path):
         assert noise not in p.stdout + p.stderr, noise
     n = int(re.search(r"decoding (\d+) held-out prompts", p.stdout).group(1))
     assert summary["prompts"] == n and re.search(rf"^decode: {n}/{n} prompt \(100%\)", p.stderr, re.M)
+
+
+def test_compiled_decoding_of_the_held_out_prompts(tiny_base_dir, tmp_path, monkeypatch):
+    """quickstart --compile: each draft and draftlab's plain decoding on the compiled path, warmed up on every
+    prompt first, each checked against HF's eager greedy tokens."""
+    from draftlab.base import load_base
+    from draftlab.cli.quickstart import decode_held_out
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")  # (dynamo without code generation: quick)
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    exports = {}
+    for kind, head in (("medusa", {"type": "medusa", "num_heads": 2, "num_layers": 1}),
+                       ("ssm", {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}})):
+        exports[kind] = str(save_export(build_draft(head, base), base, tmp_path / kind, str(tiny_base_dir)))
+    docs = ["Once upon a time there was a cat.", "The dog ran to the park and saw a big tree and a bird."]
+    tot, plain, compiled_plain, decoders, n = decode_held_out(exports, docs, 4, 12, compile=True)
+    assert n == 2 and plain > 0 and set(tot) == {"medusa", "ssm"}
+    assert all(d.forward is not None for d in decoders.values())  # (the compiled path)
+    for row in [*tot.values(), compiled_plain]:
+        assert row["identical"] is True and row["new"] == 2 * 12 and row["warmup_s"] > 0

@@ -104,7 +104,7 @@ def cmd_export(a) -> int:
 def cmd_quickstart(a) -> int:
     from .quickstart import quickstart
 
-    summary = quickstart(a.out, minutes=a.minutes, seed=a.seed)
+    summary = quickstart(a.out, minutes=a.minutes, seed=a.seed, compile=a.compile)
     if a.json:
         _print_json(summary)
     return 0
@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="runs/quickstart", help="where the base, data, runs and exports go")
     s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
     s.add_argument("--seed", type=int, default=0, help="seed of the base's and the drafts' training")
+    s.add_argument("--compile", action="store_true", help="decode on the compiled, static-shape path (each draft and "
+                   "draftlab's plain decoding compiled and warmed up on every prompt first, a few minutes on a CPU)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     s.set_defaults(func=cmd_quickstart)
 

@@ -117,33 +117,47 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
             "tokens": int(len(data))}
 
 
-def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int):
+def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int,
+                    compile: bool = False):
     """[3/4]: the opening of each held-out file (at most num_prompts) through each export's decoder and plain
-    decoding of the base, in turn. Returns per-export totals, plain tokens/s, the decoders and the prompt count."""
+    decoding of the base, in turn. compile: the compiled, static-shape decoders, each warmed up on every prompt
+    first (so no timed decoding compiles), and draftlab's plain decoding on that path too. Returns per-export
+    totals, plain tokens/s, compiled plain decoding's totals (None without compile), the decoders and the prompt
+    count."""
     from ..decode.acceptance import Sampling
+    from ..decode.decoder import NoDraft, SpeculativeDecoder
     from ..serve.generate import encode_prompt, load_decoder, plain_generate
 
     decoders = {}
     for kind, export in exports.items():
-        decoders[kind], tok, _ = load_decoder(export)
+        decoders[kind], tok, _ = load_decoder(export, compile=compile)
     base = next(iter(decoders.values())).base
-    for d in decoders.values():  # one base object, so every method runs the same weights
-        d.base = base
+    if not compile:  # one base object, so every method runs the same weights (compiled decoders keep their own
+        for d in decoders.values():  # copy of the same file's weights: a compiled call is bound to its model)
+            d.base = base
     eos = tok.eos_token_id
     prompts = [encode_prompt(tok, d[:200], chat=False) for d in held_out_docs[:num_prompts]]
     which = ("each held-out file" if len(prompts) == len(held_out_docs)
              else f"{len(prompts)} of the {len(held_out_docs)} held-out files")
     print(f"\n[3/4] decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
-          "greedy), each draft and plain decoding in turn")
-    for d in decoders.values():  # warm-up outside the timed region
-        d.generate(prompts[:1], max_new_tokens=8, eos_token_id=eos)
+          f"greedy), each draft and plain decoding in turn{', compiled' if compile else ''}")
+    methods = dict(decoders)
+    if compile:
+        methods["plain (compiled)"] = SpeculativeDecoder(base, NoDraft(), check_base=False, compile=True)
+    warm = {}
+    for kind, d in progress(list(methods.items()), desc="compile" if compile else "warm-up", unit="method"):
+        t0 = time.perf_counter()  # (outside the timed region; compiled: every prompt, so every shape compiles here)
+        for p in prompts if compile else prompts[:1]:
+            d.generate([p], max_new_tokens=max_new_tokens if compile else 8, eos_token_id=eos)
+        warm[kind] = time.perf_counter() - t0
     plain_generate(base, prompts[:1], 8, Sampling(), eos)
-    tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True} for k in decoders}
+    tot = {k: {"new": 0, "committed": 0, "steps": 0, "t": 0.0, "identical": True, "warmup_s": warm[k]}
+           for k in methods}
     plain_t = plain_new = 0
     for p in progress(prompts, desc="decode", unit="prompt"):
         ref, t = plain_generate(base, [p], max_new_tokens, Sampling(), eos)
         plain_t, plain_new = plain_t + t, plain_new + len(ref[0])
-        for kind, dec in decoders.items():
+        for kind, dec in methods.items():
             t0 = time.perf_counter()
             res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
             row = tot[kind]
@@ -152,12 +166,13 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
             row["committed"] += sum(res.committed)
             row["steps"] += res.steps
             row["identical"] &= res.tokens[0] == ref[0]
-    return tot, plain_new / plain_t, decoders, len(prompts)
+    return tot, plain_new / plain_t, tot.pop("plain (compiled)", None), decoders, len(prompts)
 
 
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
-               num_prompts: int = 16, max_new_tokens: int = 96) -> dict:
-    """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode; print tables and return the figures."""
+               num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False) -> dict:
+    """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode (compile: on the compiled path, beside
+    compiled plain decoding); print tables and return the figures."""
     from ..config import build_recipe
     from ..train import train
 
@@ -208,28 +223,48 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
     exports = {kind: results[kind]["export"] for kind in HEADS}
-    tot, btps, decoders, n_prompts = decode_held_out(exports, docs[split:], num_prompts, max_new_tokens)
+    tot, btps, plain_c, decoders, n_prompts = decode_held_out(exports, docs[split:], num_prompts, max_new_tokens,
+                                                               compile)
+    cps = plain_c["new"] / plain_c["t"] if compile else None
     print("\n[4/4] speculative decoding vs plain decoding of the same base")
-    print(f"plain decoding: {btps:.1f} tokens/s; each draft with its export's default tree (heads: grown from their "
-          "held-out ranks where that decoded held-out text better, else their kind's)\n")
-    print("| draft | tree | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n"
-          "|---|---|---|---|---|---|---|")
-    summary.update({"prompts": n_prompts, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    print(f"plain decoding (Hugging Face generate, eager): {btps:.1f} tokens/s"
+          + (f"; draftlab's plain decoding compiled: {cps:.1f} tokens/s" if compile else "")
+          + "; each draft with its export's default tree (heads: grown from their held-out ranks where that decoded "
+          "held-out text better, else their kind's)\n")
+    if compile:
+        print("| draft | tree | tree size | accept length | tokens/s | speedup over compiled plain | over HF eager "
+              "| compile s | identical to plain greedy |\n|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| draft | tree | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n"
+              "|---|---|---|---|---|---|---|")
+    summary.update({"prompts": n_prompts, "compiled": compile, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    if compile:  # (its tokens are checked against HF's as the drafts' are)
+        summary.update(compiled_plain_tokens_per_s=round(cps, 1), compiled_plain_identical=plain_c["identical"],
+                       compiled_plain_warmup_s=round(plain_c["warmup_s"], 1))
     for kind, row in tot.items():
         accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
         size = decoders[kind].drafter.max_nodes
         source = (results[kind].get("default_tree") or {}).get("source", "kind")
-        summary["heads"][kind] = {"tree": source, "tree_size": size, "accept_length": round(accept, 3),
-                                  "tokens_per_s": round(tps, 1),
-                                  "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"],
-                                  "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
-                                  "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
-                                  "export": results[kind]["export"]}
-        print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
+        h = summary["heads"][kind] = {
+            "tree": source, "tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+            "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"],
+            "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
+            "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]], "export": results[kind]["export"]}
+        if compile:
+            h.update(speedup_vs_compiled_plain=round(tps / cps, 3), warmup_s=round(row["warmup_s"], 1))
+            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / cps:.2f}x | {tps / btps:.2f}x | "
+                  f"{row['warmup_s']:.0f} | {row['identical']} |")
+        else:
+            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     fastest = max(summary["heads"], key=lambda k: summary["heads"][k]["speedup"])
     print(f"\nexports: {', '.join(r['export'] for r in results.values())} ({summary['wall_s'] / 60:.1f} min in all)\n"
-          f"(try the fastest here: draftlab generate {results[fastest]['export']} --prompt 'def ' --compare)")
+          f"(try the fastest here: draftlab generate {results[fastest]['export']} --prompt 'def ' --compare"
+          f"{' --compile' if compile else ''})")
+    if not compile:
+        print("(eager decoding of a base this small is mostly per-call overhead, which verifying a tree adds to; "
+              "`draftlab quickstart --compile` decodes on the compiled path, beside compiled plain decoding, after "
+              "a few minutes of compiling)")
     if minutes < 3:
         print(f"(a base pretrained for {minutes:g} min writes poor text; the figures compare decoders of that base, "
               "whose outputs are its own)")
