@@ -387,7 +387,7 @@ def accept_settings(recipe: Recipe) -> tuple[int, int]:
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.save_every_steps", "train.eval_every_steps",
                   "train.log_every_steps", "train.keep_checkpoints", "log.trackers", "log.run_name",
                   "data.num_proc", "data.cache", "train.cache_hidden", "train.hidden_cache_dir",
-                  "ensemble.tau_prompts", "train.export", "distributed.timeout_minutes"}
+                  "ensemble.tau_prompts", "train.export", "train.grow_tree", "distributed.timeout_minutes"}
 
 
 def _model_of(annotation):

@@ -161,6 +161,7 @@ def test_a_tree_deeper_than_the_training_time_test_is_warned_of():
         warnings.simplefilter("error")
         assert resolve_tree("dynamic:3,2,8", meta).depth == 3
         assert resolve_tree("chain:5", {"head": {"type": "ssm"}}).depth == 5  # (other kinds: no such limit)
+        assert resolve_tree(None, meta).depth == 7  # (the default, which the user did not choose: no warning)
 
 
 def test_draft_vocabulary_from_token_frequencies():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from draftlab.interop.export import read_meta
 from test_train import recipe, weights
 from draftlab.config import dump_recipe
 from draftlab.train import train
@@ -192,7 +193,7 @@ def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_wa
                                                                                               data_file, tmp_path):
     """Running a finished run's command again leaves its export and records as they are (found by review: it
     evaluated and exported again and logged a second end record); a run killed after its last checkpoint but before
-    its end record logs its end once; a changed train.export makes the export again."""
+    its end record logs its end once; a changed train.export or train.grow_tree makes the export again."""
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=2)
     first = train(r)
@@ -213,3 +214,5 @@ def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_wa
     other = train(recipe(tiny_base_dir, data_file, out, max_steps=2, export="last"))  # export: changed since
     assert "already_finished" not in other
     assert json.loads((out / "export" / "draftlab.json").read_text())["training"]["export"]["chosen"] == "last"
+    kept = train(recipe(tiny_base_dir, data_file, out, max_steps=2, export="last", grow_tree=False))  # so is grow_tree
+    assert "already_finished" not in kept and "default_tree" not in read_meta(out / "export")["training"]

@@ -19,11 +19,11 @@ def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     kind's default tree, also where the export has its own), 'chain' (heads: one per head; a block drafter: its
     whole block; SSM: the default chain length), 'chain:N', 'expansion:K1,K2,...' (SpecInfer's expansion
     configuration), 'dynamic:DEPTH,TOP_K,TOTAL' (EAGLE-2 dynamic trees, eagle3
-    exports), or a tree file / inline list (see Tree.parse). A tree deeper than an EAGLE-3 draft's ttt_steps is
-    decoded, with a warning."""
+    exports), or a tree file / inline list (see Tree.parse). A tree given deeper than an EAGLE-3 draft's ttt_steps
+    is decoded, with a warning."""
     tree = _resolve_tree(spec, meta)
     steps = meta["head"].get("ttt_steps") if meta["head"]["type"] == "eagle3" else None
-    if steps and tree.depth > steps:
+    if steps and tree.depth > steps and spec not in (None, "", "default", "kind"):  # (a tree the user chose)
         warnings.warn(f"tree {spec or 'default'} drafts {tree.depth} levels, but this EAGLE-3 draft trained on "
                       f"{steps} (ttt_steps): levels past {steps} read features of its own it never trained on, and may "
                       f"accept less; a depth of at most {steps} costs less per step", stacklevel=2)

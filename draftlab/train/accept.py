@@ -8,7 +8,7 @@ tau takes them):
 2. the draft's rank vectors along those texts (the kind's `ranks`, as `search-tree` collects them): at each state
    greedy decoding verifies from, the rank of the true token at each depth, conditioned on the true path;
 3. greedy decoding replayed on them (decode.search.replay_accept_length) along the kind's default tree (what
-   the export decodes with) -> `expected_accept_length`, and along a chain as deep as the draft drafts ->
+   the export decodes with, unless train.grow_tree gives a heads export its own) -> `expected_accept_length`, and along a chain as deep as the draft drafts ->
    `expected_accept_length_chain`. On the same texts this is the decoder's own accept length, exactly, for
    static trees and chains (tests/test_search.py shows it per kind; tests/test_train_accept.py on a trained export).
 Every `train.measure_accept_every` evaluations the same prompts are also decoded (SpeculativeDecoder, greedy,

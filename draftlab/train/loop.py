@@ -128,7 +128,7 @@ def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank > 0's torch generator while it trains: dropout, LoRA dropout and DFlash's anchors draw from
     it, so each rank draws its own (with one seed every rank dropped out the same units and drew the same anchor
     positions). The draft is built before this, from train.seed on every rank."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] % 2**63)
+    return int(np.random.SeedSequence([seed % 2**63, rank]).generate_state(1, np.uint64)[0] % 2**63)
 
 
 def check_teacher(recipe: Recipe, config=None, head=None) -> None:
@@ -501,9 +501,11 @@ def finished_before(run: Run, step: int) -> dict | None:
     training = json.loads(meta_file.read_text()).get("training", {})
     ends = [r for r in resume_records(run.out_dir / "metrics.jsonl", fix=False) if r.get("event") == "end"]
     end = ends[-1] if ends and ends[-1].get("step") == step else None
-    made_with = training.get("recipe", {}).get("train", {}).get("export")
-    if training.get("steps") != step or (run.eval_ex and end is None) or made_with != run.recipe.train.export:
-        return None  # (train.export changed since: the export is made again, as the recipe now asks)
+    made_with = training.get("recipe", {}).get("train", {})
+    asked = run.recipe.train
+    if training.get("steps") != step or (run.eval_ex and end is None) or made_with.get("export") != asked.export or \
+            made_with.get("grow_tree", asked.grow_tree) != asked.grow_tree:
+        return None  # (train.export or grow_tree changed since: the export is made again, as the recipe now asks)
     if run.is_main:
         print(f"{run.out_dir} finished at step {step}; its export is {meta_file.parent} (a larger train.max_steps or "
               "epochs trains on; --overwrite trains again)")
@@ -511,7 +513,8 @@ def finished_before(run: Run, step: int) -> dict | None:
                                           if k not in ("step", "event", "export_step", "export_value")}
     return {"step": step, "total_steps": run.total_steps, "output_dir": str(run.out_dir), "finished": True,
             "stopped": False, "already_finished": True, "export": str(meta_file.parent),
-            "eval": training.get("eval"), "last_eval": last_eval, "export_step": training.get("export", {}).get("step")}
+            "eval": training.get("eval"), "last_eval": last_eval, "export_step": training.get("export", {}).get("step"),
+            "default_tree": training.get("default_tree")}
 
 
 def export_choice(run: Run, step: int) -> dict:
