@@ -89,7 +89,7 @@ def test_quickstart_decode_counts_what_it_decodes(tiny_base_dir, tmp_path, capsy
     export = save_export(noisy_heads(base, num_heads=2, noise=0.02), base, tmp_path / "medusa", str(tiny_base_dir))
     docs = ["Once upon a time there was a cat.", "The dog was friendly.", "They were happy friends."]
     capsys.readouterr()
-    tot, _, _, n = decode_held_out({"medusa": str(export)}, docs, num_prompts=16, max_new_tokens=4)
+    tot, _, _, _, n = decode_held_out({"medusa": str(export)}, docs, num_prompts=16, max_new_tokens=4)
     out, err = capsys.readouterr()
     assert n == 3 and re.search(r"decoding 3 held-out prompts \(the opening of each held-out file;", out)
     assert re.search(r"^decode: 3/3 prompt \(100%\)", err, re.M)

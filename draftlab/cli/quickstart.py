@@ -145,7 +145,7 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
     if compile:
         methods["plain (compiled)"] = SpeculativeDecoder(base, NoDraft(), check_base=False, compile=True)
     warm = {}
-    for kind, d in progress(list(methods.items()), desc="compile" if compile else "warm-up", unit="method"):
+    for kind, d in progress(list(methods.items()), desc="compile", unit="method", disable=not compile):
         t0 = time.perf_counter()  # (outside the timed region; compiled: every prompt, so every shape compiles here)
         for p in prompts if compile else prompts[:1]:
             d.generate([p], max_new_tokens=max_new_tokens if compile else 8, eos_token_id=eos)
