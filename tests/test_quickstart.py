@@ -30,7 +30,8 @@ def test_quickstart_end_to_end_offline(tmp_path):
         # Medusa's heads reached 1.18 on a quiet 2-core machine and more elsewhere; untrained heads give about 1.0.
         assert h["accept_length"] > 1.1, kind
         assert len(h["head_top1"]) == (1 if kind == "ssm" else 4) and h["agree_top1"][0] > 0.05, kind
-    assert "| draft | tree | tree size | accept length |" in p.stdout and "| hydra++ |" in p.stdout and "| ssm |" in p.stdout
+    assert "| draft | tree | tree size | accept length |" in p.stdout
+    assert "| hydra++ |" in p.stdout and "| ssm |" in p.stdout
     # Clean output: no library bars or empty warnings in the log, and the counts announced are those that ran.
     for noise in ("Loading weights", "Writing model shards", "Removed shared tensor", "Setting accelerator to CPU"):
         assert noise not in p.stdout + p.stderr, noise

@@ -162,7 +162,8 @@ def test_two_process_accelerate_launch(tiny_base_dir, data_file, tmp_path, kind)
         "import atexit, os\n"
         "def _seed():\n"
         "    import torch\n"
-        "    open(os.path.join(os.environ['SEED_DIR'], 'seed' + os.environ['RANK']), 'w').write(str(torch.initial_seed()))\n"
+        "    f = os.path.join(os.environ['SEED_DIR'], 'seed' + os.environ['RANK'])\n"
+        "    open(f, 'w').write(str(torch.initial_seed()))\n"
         "if 'LOCAL_RANK' in os.environ:\n"
         "    atexit.register(_seed)\n")
     p = launch_train(cfg, processes=2, json_out=True, timeout=300, env={

@@ -166,9 +166,10 @@ def default_tree(num_heads: int, nodes: int = DEFAULT_TREE_NODES) -> Tree:
 
 def fitted_tree(prior: Tree, texts: list[torch.Tensor], max_rank: int = 10) -> tuple[Tree, dict]:
     """A tree of at most the prior's size grown from rank vectors of whole texts (RankStats over their states,
-    greedy growth; as deep as the vectors), where it decodes those texts better than the prior on texts it was not grown on: two-fold, the tree
-    grown on the even texts replayed on the odd ones and the other way round, their counts pooled (at least two
-    texts with states). (tree, what decided: the held-out accept lengths of both, the states, the choice)."""
+    greedy growth; as deep as the vectors), where it decodes better than the prior on texts it was not grown on:
+    two-fold, the tree grown on the even texts replayed on the odd ones and the other way round, their counts
+    pooled (at least two texts with states). (tree, what decided: the held-out accept lengths of both, the states,
+    the choice)."""
     texts = [t for t in texts if len(t)]
     info = {"nodes": prior.size - 1, "texts": len(texts), "states": int(sum(len(t) for t in texts))}
     if len(texts) < 2:

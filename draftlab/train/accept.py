@@ -8,9 +8,10 @@ tau takes them):
 2. the draft's rank vectors along those texts (the kind's `ranks`, as `search-tree` collects them): at each state
    greedy decoding verifies from, the rank of the true token at each depth, conditioned on the true path;
 3. greedy decoding replayed on them (decode.search.replay_accept_length) along the kind's default tree (what
-   the export decodes with, unless train.grow_tree gives a heads export its own) -> `expected_accept_length`, and along a chain as deep as the draft drafts ->
-   `expected_accept_length_chain`. On the same texts this is the decoder's own accept length, exactly, for
-   static trees and chains (tests/test_search.py shows it per kind; tests/test_train_accept.py on a trained export).
+   the export decodes with, unless train.grow_tree gives a heads export its own) -> `expected_accept_length`, and
+   along a chain as deep as the draft drafts -> `expected_accept_length_chain`. On the same texts this is the
+   decoder's own accept length, exactly, for static trees and chains (tests/test_search.py shows it per kind;
+   tests/test_train_accept.py on a trained export).
 Every `train.measure_accept_every` evaluations the same prompts are also decoded (SpeculativeDecoder, greedy,
 the kind's drafter with its default tree over the current draft) -> `measured_accept_length`. EAGLE-3's default
 trees are dynamic (rebuilt every step from off-path nodes' scores too), which no replay of on-path ranks gives:
@@ -204,7 +205,8 @@ class BestDraft:
         self.record: dict | None = None  # that evaluation's figures: what the export's draftlab.json reports
         self.rows: list | None = None  # its rank vectors (AcceptEstimator.rows), that the export's tree grows from
 
-    def offer(self, step: int, value: float | None, module, record: dict | None = None, rows: list | None = None) -> bool:
+    def offer(self, step: int, value: float | None, module, record: dict | None = None,
+              rows: list | None = None) -> bool:
         """Keep module's trainable weights (and the evaluation's record and rank vectors) if value beats the best
         so far (ties keep the earlier); True if kept."""
         if value is None or (self.value is not None and value <= self.value):
