@@ -93,6 +93,13 @@ class Examples(Sequence):
     def __repr__(self) -> str:
         return f"Examples({len(self)} examples, {self.tokens()} tokens)"
 
+    def __reduce__(self):
+        """Pickled (to a worker process, say) with their own tokens only: a slice of a larger set does not carry
+        the whole arrays."""
+        if self.tokens() < len(self.ids):
+            return Examples.flat, self.compact()
+        return Examples, (self.ids, self.mask, self.starts, self.ends)
+
     @property
     def lengths(self) -> np.ndarray:
         return self.ends - self.starts

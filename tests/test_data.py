@@ -313,3 +313,19 @@ def test_examples_are_held_as_flat_arrays_and_read_as_lists(tmp_path, tok):
     assert every.loss_tokens() == sum(sum(e["loss_mask"]) for e in every) > 256
     assert list(train[1:3]) == [train[1], train[2]] and list(train.take([4, 0])) == [train[4], train[0]]
     assert train.take([0, 1]) == [train[0], train[1]] and train.take([0, 1]) != train.take([1, 0])
+
+
+def test_a_slice_of_examples_pickles_its_own_tokens_only():
+    """Examples sent to another process as a slice of a larger set carry that slice's tokens, not the whole arrays;
+    every form reads back the same."""
+    import pickle
+
+    from draftlab.data import Examples
+
+    every = Examples.of(([i] * 100, [i % 2] * 100) for i in range(50))
+    part = every[10:12]
+    back = pickle.loads(pickle.dumps(part))
+    assert back == part and list(back) == list(part) and back.ids.size == 200
+    assert len(pickle.dumps(part)) < len(pickle.dumps(every)) / 10
+    for ex in (every, every.take([3, 3, 1]), every[:0]):
+        assert list(pickle.loads(pickle.dumps(ex))) == list(ex)

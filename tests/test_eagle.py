@@ -290,3 +290,20 @@ def test_the_draft_vocabulary_counts_the_supervised_tokens_only():
     d.fit_vocab([{"input_ids": [5, 5, 5, 9, 7], "loss_mask": [0, 0, 0, 1, 1]},
                  {"input_ids": [5, 5, 5, 9, 8], "loss_mask": [0, 0, 0, 1, 1]}])
     assert sorted(d.draft_ids().tolist()) == [7, 9]
+
+
+def test_the_draft_vocabulary_counts_examples_held_as_arrays_as_it_counts_lists():
+    """Training's Examples are counted from their flat arrays (no lists made): the same vocabulary as their items
+    read as lists, and a slice counts its own examples only."""
+    from draftlab.data import Examples
+
+    pairs = [([5, 5, 5, 9, 7, 7], [0, 0, 0, 1, 1, 1]), ([5, 5, 9, 8, 8, 8], [0, 0, 1, 1, 1, 1]),
+             ([3, 3, 3, 3, 6, 2], [1, 1, 1, 1, 0, 1])]
+    every = Examples.of(pairs)
+    for ex in (every, every[:2], every.take([2, 0])):
+        a, b = eagle(tiny_llama(layers=3), vocab=3), eagle(tiny_llama(layers=3), vocab=3)
+        a.fit_vocab(ex)
+        b.fit_vocab(list(ex))
+        assert a.draft_ids().tolist() == b.draft_ids().tolist()
+    a.fit_vocab(every[:2])
+    assert a.draft_ids().tolist() == [7, 8, 9]

@@ -189,6 +189,22 @@ def test_the_hidden_cache_is_keyed_by_every_token_the_layers_read_and_the_base(t
     assert fp != fingerprint(ex, str(base), torch.float32, (0, 0, 1))
 
 
+def test_the_hidden_cache_reads_examples_held_as_arrays_as_it_reads_lists(tmp_path):
+    """Training's Examples are hashed and measured from their flat arrays (no lists made), with the same fingerprint
+    and offsets as their items read as lists; a slice is its own examples."""
+    from draftlab.data import Examples
+    from draftlab.train.hidden_cache import HiddenCache, fingerprint
+
+    every = Examples.of(([i] * (3 + i), [1] * (3 + i)) for i in range(6))
+    for ex in (every, every[2:5], every.take([4, 1])):
+        assert fingerprint(ex, "b", torch.float32, (1,)) == fingerprint(list(ex), "b", torch.float32, (1,))
+    assert fingerprint(every[2:5], "b", torch.float32) != fingerprint(every[2:4] + every[1:2], "b", torch.float32)
+    a = HiddenCache(tmp_path / "a", every[2:5], 4, torch.float32, "b", create=True)
+    b = HiddenCache(tmp_path / "b", list(every[2:5]), 4, torch.float32, "b", create=True)
+    assert a.lengths == b.lengths == [5, 6, 7] and a.offsets == b.offsets == [0, 5, 11, 18]
+    assert (tmp_path / "a" / "meta.json").read_text() == (tmp_path / "b" / "meta.json").read_text()
+
+
 def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_was_not_logged(tiny_base_dir,
                                                                                               data_file, tmp_path):
     """Running a finished run's command again leaves its export and records as they are (found by review: it

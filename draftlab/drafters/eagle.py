@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import Examples
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
 from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, base_rope, empty_fixed, gather_kept
@@ -223,12 +225,15 @@ class Eagle3Draft(ReadsBase, nn.Module):
             ids = torch.arange(V)
         else:
             counts = torch.zeros(V, dtype=torch.long)
+            if isinstance(examples, Examples):  # one count over the flat arrays, no lists made
+                ids, mask, _ = examples.compact()
+                counts += torch.from_numpy(np.bincount(ids[mask.astype(bool)], minlength=V)[:V])
+                examples = ()
             for e in examples:
                 ids = torch.tensor(e["input_ids"])
                 mask = torch.tensor(e["loss_mask"], dtype=torch.bool) if "loss_mask" in e else None
                 counts += torch.bincount(ids if mask is None else ids[mask], minlength=V)[:V]
-            order = sorted(range(V), key=lambda i: (-int(counts[i]), i))[:Vd]
-            ids = torch.tensor(sorted(order))
+            ids = torch.sort(torch.argsort(-counts, stable=True)[:Vd]).values  # ties to the lower id
         self.d2t.copy_(ids - torch.arange(Vd))
         self.t2d.zero_()
         self.t2d[ids] = True

@@ -13,7 +13,10 @@ import json
 from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from ..data import Examples
 
 
 def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype, layers: tuple = (),
@@ -29,6 +32,12 @@ def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype, layers
             for i in range(16):
                 fh.seek(size * i // 16)
                 h.update(fh.read(1 << 16))
+    if isinstance(examples, Examples):  # the same bytes as below, read from the flat ids without making lists
+        ids64 = examples.ids.astype(np.int64)
+        for a, b in zip(examples.starts.tolist(), examples.ends.tolist()):
+            h.update((b - a).to_bytes(4, "little"))
+            h.update(memoryview(ids64[a:b]))
+        return h.hexdigest()[:16]
     for e in examples:
         ids = e["input_ids"]
         h.update(len(ids).to_bytes(4, "little"))
@@ -50,10 +59,9 @@ class HiddenCache:
     def __init__(self, directory: str | Path, examples: list[dict], hidden_size: int, dtype: torch.dtype,
                  base_name: str, create: bool, layers: tuple = (), revision: str | None = None):
         d = Path(directory)
-        self.lengths = [len(e["input_ids"]) for e in examples]
-        self.offsets = [0]
-        for n in self.lengths:
-            self.offsets.append(self.offsets[-1] + n)
+        self.lengths = (examples.lengths.tolist() if isinstance(examples, Examples)
+                        else [len(e["input_ids"]) for e in examples])
+        self.offsets = [0, *np.cumsum(self.lengths, dtype=np.int64).tolist()]
         self.hidden_size, self.dtype = hidden_size, dtype
         fp = fingerprint(examples, base_name, dtype, layers, revision)
         meta = {"fingerprint": fp, "examples": len(examples), "tokens": self.offsets[-1], "hidden_size": hidden_size,
