@@ -30,8 +30,11 @@ def test_quickstart_end_to_end_offline(tmp_path):
         # Medusa's heads reached 1.18 on a quiet 2-core machine and more elsewhere; untrained heads give about 1.0.
         assert h["accept_length"] > 1.1, kind
         assert len(h["head_top1"]) == (1 if kind == "ssm" else 4) and h["agree_top1"][0] > 0.05, kind
+        searched = h["searched"]  # (the tree search-tree chose on this machine, beside the export's default)
+        assert searched["identical_to_baseline"] is True and searched["tree"] == "searched", kind
+        assert 2 <= searched["tree_size"] <= 33 and searched["search_s"] > 0, kind
     assert "| draft | tree | tree size | accept length |" in p.stdout
-    assert "| hydra++ |" in p.stdout and "| ssm |" in p.stdout
+    assert "| hydra++ |" in p.stdout and "| ssm |" in p.stdout and "| hydra | searched |" in p.stdout
     # Clean output: no library bars or empty warnings in the log, and the counts announced are those that ran.
     for noise in ("Loading weights", "Writing model shards", "Removed shared tensor", "Setting accelerator to CPU"):
         assert noise not in p.stdout + p.stderr, noise
@@ -54,8 +57,44 @@ def test_compiled_decoding_of_the_held_out_prompts(tiny_base_dir, tmp_path, monk
                        ("ssm", {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}})):
         exports[kind] = str(save_export(build_draft(head, base), base, tmp_path / kind, str(tiny_base_dir)))
     docs = ["Once upon a time there was a cat.", "The dog ran to the park and saw a big tree and a bird."]
-    tot, plain, compiled_plain, decoders, n = decode_held_out(exports, docs, 4, 12, compile=True)
-    assert n == 2 and plain > 0 and set(tot) == {"medusa", "ssm"}
+    from draftlab.decode.tree import Tree
+
+    Tree.chain(2).save(tmp_path / "chain.json")  # (a tree file, as search-tree writes, for one method)
+    methods = {**exports, "medusa searched": exports["medusa"]}
+    tot, plain, compiled_plain, decoders, n = decode_held_out(methods, docs, 4, 12, compile=True,
+                                                              trees={"medusa searched": str(tmp_path / "chain.json")})
+    assert n == 2 and plain > 0 and set(tot) == {"medusa", "medusa searched", "ssm"}
     assert all(d.forward is not None for d in decoders.values())  # (the compiled path)
+    assert decoders["medusa searched"].drafter.max_nodes == 3 and decoders["medusa"].drafter.max_nodes > 3
     for row in [*tot.values(), compiled_plain]:
         assert row["identical"] is True and row["new"] == 2 * 12 and row["warmup_s"] > 0
+
+
+def test_each_draft_s_tree_is_searched_on_training_text_only(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    """quickstart's tree search: search-tree per export, calibrated and timed on training files' openings (the
+    held-out files it decodes afterwards are not read), writing the tree file the decoding then loads; a draft
+    whose search fails is named and keeps its default tree."""
+    import draftlab.serve.tree_search as tree_search
+    from draftlab.base import load_base
+    from draftlab.cli.quickstart import search_trees
+    from draftlab.decode.tree import Tree
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    head = {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}
+    exports = {"ssm": str(save_export(build_draft(head, base), base, tmp_path / "ssm", str(tiny_base_dir)))}
+    (tmp_path / "data").mkdir()
+    train_docs = [f"Once upon a time there was a cat number {i}. It ran to the park." for i in range(50)]
+    reps = search_trees(exports, train_docs, tmp_path, max_new_tokens=8)
+    tree = Tree.load(reps["ssm"]["tree"])
+    assert reps["ssm"]["search_s"] > 0 and tree.size == reps["ssm"]["tree_size"] > 1
+    calib = (tmp_path / "data" / "calibration.jsonl").read_text().splitlines()
+    assert [json.loads(l)["text"] for l in calib] == train_docs[:40]
+
+    def never_matched(*a, **k):
+        raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
+
+    monkeypatch.setattr(tree_search, "search_tree", never_matched)
+    assert search_trees(exports, train_docs, tmp_path, max_new_tokens=8) == {}
+    assert "ssm: no tree searched (the draft's candidates never matched" in capsys.readouterr().out

@@ -4,7 +4,9 @@
 2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
 3. Draft: Medusa, Hydra and Hydra++ heads and a 1-layer SSM distilled from the base, trained by the regular
    recipe trainer, exported.
-4. Decode: held-out prompts through the speculative decoder with each, vs plain decoding of the same base.
+4. Tree search: each draft's fastest tree on this machine (`draftlab search-tree`), on training text.
+5. Decode: held-out prompts through the speculative decoder with each, with its export's default tree and with the
+   searched one, vs plain decoding of the same base.
 """
 
 from __future__ import annotations
@@ -117,20 +119,49 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
             "tokens": int(len(data))}
 
 
+def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, max_new_tokens: int,
+                 compile: bool = False) -> dict[str, dict]:
+    """[3/5]: `search-tree` for each export on this machine, on the path the decoding below takes, calibrated and
+    timed on openings of training files (never the held-out ones). Eager: trees of 1-32 nodes (and an SSM's chains);
+    compiled: trees of 2, 4 and 8 nodes and chains up to 4, as each size compiles graphs of its own. Returns each
+    kind's report with the search's seconds."""
+    from ..serve.tree_search import search_tree
+
+    calib = out_dir / "data" / "calibration.jsonl"
+    calib.write_text("".join(json.dumps({"text": d}) + "\n" for d in train_docs[:40]))
+    print(f"\n[3/5] searching each draft's fastest tree on this machine ({'compiled' if compile else 'eager'} "
+          f"decoding; draftlab search-tree on the openings of training files)")
+    reports = {}
+    for kind, export in exports.items():
+        t0 = time.perf_counter()
+        try:
+            rep = search_tree(export, str(calib), str(out_dir / f"{kind}.tree.json"), max_nodes=32,
+                              calibration_prompts=32, timing_prompts=8, max_new_tokens=max_new_tokens,
+                              timing_rounds=2, sizes=[2, 4, 8] if compile else None, max_depth=4 if compile else 8,
+                              compile=compile)
+        except ValueError as e:  # (a draft that never matched the base: it decodes with its default tree only)
+            print(f"  {kind}: no tree searched ({e})")
+            continue
+        reports[kind] = {**rep, "search_s": time.perf_counter() - t0}
+        print(f"  {kind}: {rep['tree_size']} nodes, the root included ({rep['tree']}, "
+              f"{reports[kind]['search_s']:.0f} s)")
+    return reports
+
+
 def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int,
-                    compile: bool = False):
-    """[3/4]: the opening of each held-out file (at most num_prompts) through each export's decoder and plain
-    decoding of the base, in turn. compile: the compiled, static-shape decoders, each warmed up on every prompt
-    first (so no timed decoding compiles), and draftlab's plain decoding on that path too. Returns per-export
-    totals, plain tokens/s, compiled plain decoding's totals (None without compile), the decoders and the prompt
-    count."""
+                    compile: bool = False, trees: dict[str, str] | None = None):
+    """[4/5]: the opening of each held-out file (at most num_prompts) through each export's decoder (trees: a tree
+    file for some of them, by name; the others take their export's default tree) and plain decoding of the base, in
+    turn. compile: the compiled, static-shape decoders, each warmed up on every prompt first (so no timed decoding
+    compiles), and draftlab's plain decoding on that path too. Returns per-export totals, plain tokens/s, compiled
+    plain decoding's totals (None without compile), the decoders and the prompt count."""
     from ..decode.acceptance import Sampling
     from ..decode.decoder import NoDraft, SpeculativeDecoder
     from ..serve.generate import encode_prompt, load_decoder, plain_generate
 
     decoders = {}
     for kind, export in exports.items():
-        decoders[kind], tok, _ = load_decoder(export, compile=compile)
+        decoders[kind], tok, _ = load_decoder(export, tree=(trees or {}).get(kind), compile=compile)
     base = next(iter(decoders.values())).base
     if not compile:  # one base object, so every method runs the same weights (compiled decoders keep their own
         for d in decoders.values():  # copy of the same file's weights: a compiled call is bound to its model)
@@ -139,7 +170,7 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
     prompts = [encode_prompt(tok, d[:200], chat=False) for d in held_out_docs[:num_prompts]]
     which = ("each held-out file" if len(prompts) == len(held_out_docs)
              else f"{len(prompts)} of the {len(held_out_docs)} held-out files")
-    print(f"\n[3/4] decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
+    print(f"\n[4/5] decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
           f"greedy), each draft and plain decoding in turn{', compiled' if compile else ''}")
     methods = dict(decoders)
     if compile:
@@ -170,9 +201,10 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
 
 
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
-               num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False) -> dict:
-    """Build a base, train + export Medusa / Hydra / Hydra++ heads, decode (compile: on the compiled path, beside
-    compiled plain decoding); print tables and return the figures."""
+               num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False, search: bool = True) -> dict:
+    """Build a base, train + export Medusa / Hydra / Hydra++ heads and an SSM, search each one's tree on this
+    machine (search), decode with the export's default tree and the searched one (compile: on the compiled path,
+    beside compiled plain decoding); print tables and return the figures."""
     from ..config import build_recipe
     from ..train import train
 
@@ -187,17 +219,17 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     split = int(len(docs) * 0.9)
     summary: dict = {"corpus_files": len(docs)}
     if not (base_dir / "config.json").is_file():
-        print(f"[1/4] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
+        print(f"[1/5] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
               f"{minutes:g} min of pretraining)")
         tok = build_tokenizer(docs[:split], base_dir)
         summary.update(pretrain_base(tok, docs[:split], base_dir, minutes, seed))
     else:
-        print(f"[1/4] reusing the base in {base_dir}")
+        print(f"[1/5] reusing the base in {base_dir}")
     (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
     from ..config import dump_recipe
 
-    print(f"[2/4] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
+    print(f"[2/5] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
     results = {}
     for kind, (head, loss) in HEADS.items():
         recipe = build_recipe({
@@ -223,14 +255,19 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
     exports = {kind: results[kind]["export"] for kind in HEADS}
-    tot, btps, plain_c, decoders, n_prompts = decode_held_out(exports, docs[split:], num_prompts, max_new_tokens,
-                                                               compile)
+    searched = search_trees(exports, docs[:split], out_dir, max_new_tokens, compile) if search else {}
+    methods = {name: export for kind, export in exports.items()
+               for name in ((kind, f"{kind} searched") if kind in searched else (kind,))}
+    tot, btps, plain_c, decoders, n_prompts = decode_held_out(
+        methods, docs[split:], num_prompts, max_new_tokens, compile,
+        trees={f"{kind} searched": rep["tree"] for kind, rep in searched.items()})
     cps = plain_c["new"] / plain_c["t"] if compile else None
-    print("\n[4/4] speculative decoding vs plain decoding of the same base")
+    print("\n[5/5] speculative decoding vs plain decoding of the same base")
     print(f"plain decoding (Hugging Face generate, eager): {btps:.1f} tokens/s"
           + (f"; draftlab's plain decoding compiled: {cps:.1f} tokens/s" if compile else "")
           + "; each draft with its export's default tree (heads: grown from their held-out ranks where that decoded "
-          "held-out text better, else their kind's)\n")
+          "held-out text better, else their kind's)" + (", then with the tree searched on this machine" if search
+                                                         else "") + "\n")
     if compile:
         print("| draft | tree | tree size | accept length | tokens/s | speedup over compiled plain | over HF eager "
               "| compile s | identical to plain greedy |\n|---|---|---|---|---|---|---|---|---|")
@@ -241,25 +278,32 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     if compile:  # (its tokens are checked against HF's as the drafts' are)
         summary.update(compiled_plain_tokens_per_s=round(cps, 1), compiled_plain_identical=plain_c["identical"],
                        compiled_plain_warmup_s=round(plain_c["warmup_s"], 1))
-    for kind, row in tot.items():
+    for name, row in tot.items():
+        kind = name.split()[0]
         accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
-        size = decoders[kind].drafter.max_nodes
-        source = (results[kind].get("default_tree") or {}).get("source", "kind")
-        h = summary["heads"][kind] = {
-            "tree": source, "tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
-            "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"],
-            "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
-            "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]], "export": results[kind]["export"]}
+        size = decoders[name].drafter.max_nodes
+        source = "searched" if name != kind else (results[kind].get("default_tree") or {}).get("source", "kind")
+        h = {"tree": source, "tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+             "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"]}
         if compile:
             h.update(speedup_vs_compiled_plain=round(tps / cps, 3), warmup_s=round(row["warmup_s"], 1))
             print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / cps:.2f}x | {tps / btps:.2f}x | "
                   f"{row['warmup_s']:.0f} | {row['identical']} |")
         else:
             print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
+        if name != kind:
+            summary["heads"][kind]["searched"] = {**h, "tree_file": searched[kind]["tree"],
+                                                  "search_s": round(searched[kind]["search_s"], 1)}
+        else:
+            summary["heads"][kind] = {**h, "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
+                                      "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
+                                      "export": results[kind]["export"]}
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
-    fastest = max(summary["heads"], key=lambda k: summary["heads"][k]["speedup"])
+    fastest = max(((k, h) for k, head in summary["heads"].items() for h in (head, head.get("searched")) if h),
+                  key=lambda kh: kh[1]["speedup"])
+    tree = f" --tree {fastest[1]['tree_file']}" if "tree_file" in fastest[1] else ""
     print(f"\nexports: {', '.join(r['export'] for r in results.values())} ({summary['wall_s'] / 60:.1f} min in all)\n"
-          f"(try the fastest here: draftlab generate {results[fastest]['export']} --prompt 'def ' --compare"
+          f"(try the fastest here: draftlab generate {results[fastest[0]]['export']}{tree} --prompt 'def ' --compare"
           f"{' --compile' if compile else ''})")
     if not compile:
         print("(eager decoding of a base this small is mostly per-call overhead, which verifying a tree adds to; "
