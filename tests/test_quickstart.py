@@ -19,7 +19,7 @@ def test_quickstart_end_to_end_offline(tmp_path):
     """The whole pipeline as a new user runs it, with a short pretraining budget, in a fresh process."""
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
     p = run_cmd([sys.executable, "-m", "draftlab.cli", "quickstart", "--out", str(tmp_path / "qs"),
-                 "--minutes", "1", "--json"], 900, env=env, cwd=tmp_path)
+                 "--minutes", "1", "--search", "--json"], 900, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(summary["heads"]) == {"medusa", "hydra", "hydra++", "ssm"}

@@ -104,7 +104,8 @@ def cmd_export(a) -> int:
 def cmd_quickstart(a) -> int:
     from .quickstart import quickstart
 
-    summary = quickstart(a.out, minutes=a.minutes, seed=a.seed, compile=a.compile, search=not a.no_search)
+    summary = quickstart(a.out, minutes=a.minutes, seed=a.seed, compile=a.compile,
+                         search=a.compile if a.search is None else a.search)
     if a.json:
         _print_json(summary)
     return 0
@@ -191,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the base's and the drafts' training")
     s.add_argument("--compile", action="store_true", help="decode on the compiled, static-shape path (each draft and "
                    "draftlab's plain decoding compiled and warmed up on every prompt first, a few minutes on a CPU)")
-    s.add_argument("--no-search", action="store_true",
-                   help="skip searching each draft's tree on this machine (about a minute eager, several compiled) "
-                        "and decode with the exports' default trees only")
+    s.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
+                   help="search each draft's tree on this machine (draftlab search-tree, on the path decoding takes) "
+                        "and decode with it beside the export's default tree; on by default with --compile (several "
+                        "minutes on a CPU), where a verification's cost grows with the tree, off without it (about "
+                        "a minute, and eager decoding's per-call overhead leaves tree size little to choose)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     s.set_defaults(func=cmd_quickstart)
 

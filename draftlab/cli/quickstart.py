@@ -4,9 +4,10 @@
 2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
 3. Draft: Medusa, Hydra and Hydra++ heads and a 1-layer SSM distilled from the base, trained by the regular
    recipe trainer, exported.
-4. Tree search: each draft's fastest tree on this machine (`draftlab search-tree`), on training text.
-5. Decode: held-out prompts through the speculative decoder with each, with its export's default tree and with the
-   searched one, vs plain decoding of the same base.
+4. Tree search (with --compile, or --search): each draft's fastest tree on this machine (`draftlab search-tree`),
+   on training text.
+5. Decode: held-out prompts through the speculative decoder with each, with its export's default tree (and with the
+   searched one), vs plain decoding of the same base.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
 
 
 def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, max_new_tokens: int,
-                 compile: bool = False) -> dict[str, dict]:
-    """[3/5]: `search-tree` for each export on this machine, on the path the decoding below takes, calibrated and
+                 compile: bool = False, step: str = "[3/5]") -> dict[str, dict]:
+    """`search-tree` for each export on this machine, on the path the decoding below takes, calibrated and
     timed on openings of training files (never the held-out ones). Eager: trees of 1-32 nodes (and an SSM's chains);
     compiled: trees of 2, 4 and 8 nodes and chains up to 4, as each size compiles graphs of its own. Returns each
     kind's report with the search's seconds."""
@@ -129,7 +130,7 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
 
     calib = out_dir / "data" / "calibration.jsonl"
     calib.write_text("".join(json.dumps({"text": d}) + "\n" for d in train_docs[:40]))
-    print(f"\n[3/5] searching each draft's fastest tree on this machine ({'compiled' if compile else 'eager'} "
+    print(f"\n{step} searching each draft's fastest tree on this machine ({'compiled' if compile else 'eager'} "
           f"decoding; draftlab search-tree on the openings of training files)")
     reports = {}
     for kind, export in exports.items():
@@ -149,8 +150,8 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
 
 
 def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_prompts: int, max_new_tokens: int,
-                    compile: bool = False, trees: dict[str, str] | None = None):
-    """[4/5]: the opening of each held-out file (at most num_prompts) through each export's decoder (trees: a tree
+                    compile: bool = False, trees: dict[str, str] | None = None, step: str = "[4/5]"):
+    """The opening of each held-out file (at most num_prompts) through each export's decoder (trees: a tree
     file for some of them, by name; the others take their export's default tree) and plain decoding of the base, in
     turn. compile: the compiled, static-shape decoders, each warmed up on every prompt first (so no timed decoding
     compiles), and draftlab's plain decoding on that path too. Returns per-export totals, plain tokens/s, compiled
@@ -170,7 +171,7 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
     prompts = [encode_prompt(tok, d[:200], chat=False) for d in held_out_docs[:num_prompts]]
     which = ("each held-out file" if len(prompts) == len(held_out_docs)
              else f"{len(prompts)} of the {len(held_out_docs)} held-out files")
-    print(f"\n[4/5] decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
+    print(f"\n{step} decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
           f"greedy), each draft and plain decoding in turn{', compiled' if compile else ''}")
     methods = dict(decoders)
     if compile:
@@ -201,7 +202,7 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
 
 
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
-               num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False, search: bool = True) -> dict:
+               num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False, search: bool = False) -> dict:
     """Build a base, train + export Medusa / Hydra / Hydra++ heads and an SSM, search each one's tree on this
     machine (search), decode with the export's default tree and the searched one (compile: on the compiled path,
     beside compiled plain decoding); print tables and return the figures."""
@@ -215,21 +216,22 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     base_dir, data_dir = out_dir / "base", out_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    of = 5 if search else 4  # (steps)
     docs = stdlib_corpus()
     split = int(len(docs) * 0.9)
     summary: dict = {"corpus_files": len(docs)}
     if not (base_dir / "config.json").is_file():
-        print(f"[1/5] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
+        print(f"[1/{of}] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
               f"{minutes:g} min of pretraining)")
         tok = build_tokenizer(docs[:split], base_dir)
         summary.update(pretrain_base(tok, docs[:split], base_dir, minutes, seed))
     else:
-        print(f"[1/5] reusing the base in {base_dir}")
+        print(f"[1/{of}] reusing the base in {base_dir}")
     (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
     from ..config import dump_recipe
 
-    print(f"[2/5] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
+    print(f"[2/{of}] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
     results = {}
     for kind, (head, loss) in HEADS.items():
         recipe = build_recipe({
@@ -255,14 +257,14 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
     exports = {kind: results[kind]["export"] for kind in HEADS}
-    searched = search_trees(exports, docs[:split], out_dir, max_new_tokens, compile) if search else {}
+    searched = search_trees(exports, docs[:split], out_dir, max_new_tokens, compile, f"[3/{of}]") if search else {}
     methods = {name: export for kind, export in exports.items()
                for name in ((kind, f"{kind} searched") if kind in searched else (kind,))}
     tot, btps, plain_c, decoders, n_prompts = decode_held_out(
         methods, docs[split:], num_prompts, max_new_tokens, compile,
-        trees={f"{kind} searched": rep["tree"] for kind, rep in searched.items()})
+        trees={f"{kind} searched": rep["tree"] for kind, rep in searched.items()}, step=f"[{of - 1}/{of}]")
     cps = plain_c["new"] / plain_c["t"] if compile else None
-    print("\n[5/5] speculative decoding vs plain decoding of the same base")
+    print(f"\n[{of}/{of}] speculative decoding vs plain decoding of the same base")
     print(f"plain decoding (Hugging Face generate, eager): {btps:.1f} tokens/s"
           + (f"; draftlab's plain decoding compiled: {cps:.1f} tokens/s" if compile else "")
           + "; each draft with its export's default tree (heads: grown from their held-out ranks where that decoded "
@@ -274,7 +276,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     else:
         print("| draft | tree | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n"
               "|---|---|---|---|---|---|---|")
-    summary.update({"prompts": n_prompts, "compiled": compile, "baseline_tokens_per_s": round(btps, 1), "heads": {}})
+    summary.update({"prompts": n_prompts, "compiled": compile, "tree_search": search,
+                    "baseline_tokens_per_s": round(btps, 1), "heads": {}})
     if compile:  # (its tokens are checked against HF's as the drafts' are)
         summary.update(compiled_plain_tokens_per_s=round(cps, 1), compiled_plain_identical=plain_c["identical"],
                        compiled_plain_warmup_s=round(plain_c["warmup_s"], 1))
@@ -307,8 +310,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
           f"{' --compile' if compile else ''})")
     if not compile:
         print("(eager decoding of a base this small is mostly per-call overhead, which verifying a tree adds to; "
-              "`draftlab quickstart --compile` decodes on the compiled path, beside compiled plain decoding, after "
-              "a few minutes of compiling)")
+              "`draftlab quickstart --compile` decodes on the compiled path, beside compiled plain decoding, with each "
+              "draft's tree also searched on that path, after several minutes of compiling)")
     if minutes < 3:
         print(f"(a base pretrained for {minutes:g} min writes poor text; the figures compare decoders of that base, "
               "whose outputs are its own)")
