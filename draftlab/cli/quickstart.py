@@ -26,6 +26,7 @@ from ..base import SIMPLE_CHAT_TEMPLATE, set_seed
 CORPUS_BYTES = 3_000_000
 VOCAB = 512
 SEQ = 256
+PROMPT_CHARS = 200  # a prompt: the opening of a file (held out for decoding; from training for the tree search)
 # The three head types of the paper (4 heads each) and a small draft model, as recipe `head` and `loss` sections.
 HEADS = {
     "medusa": ({"type": "medusa", "num_heads": 4, "num_layers": 1}, {}),
@@ -123,7 +124,8 @@ def pretrain_base(tok, train_docs: list[str], out: Path, minutes: float, seed: i
 def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, max_new_tokens: int,
                  compile: bool = False, step: str = "[3/5]") -> dict[str, dict]:
     """`search-tree` for each export on this machine, on the path the decoding below takes, calibrated on the
-    openings of 32 training files and timed on those of the next ones (never the held-out files). Eager: trees of
+    openings of 32 training files and timed on those of the next ones (never the held-out files), as long as the
+    held-out openings decoded afterwards (a longer context is easier to draft). Eager: trees of
     1-32 nodes (and an SSM's chains), timed on 8 prompts, 2 rounds. Compiled: trees of 2, 4 and 8 nodes and chains
     up to 4, as each size compiles graphs of its own, timed on 16 prompts, 3 rounds (next to the compiling, a
     round costs little). Returns each kind's report with the search's seconds."""
@@ -140,7 +142,7 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
         try:
             rep = search_tree(export, str(calib), str(out_dir / f"{kind}.tree.json"), max_nodes=32,
                               calibration_prompts=32, timing_prompts=timing_prompts, max_new_tokens=max_new_tokens,
-                              timing_rounds=rounds, sizes=[2, 4, 8] if compile else None,
+                              timing_rounds=rounds, prompt_chars=PROMPT_CHARS, sizes=[2, 4, 8] if compile else None,
                               max_depth=4 if compile else 8, compile=compile)
         except ValueError as e:  # (a draft that never matched the base: it decodes with its default tree only)
             print(f"  {kind}: no tree searched ({e})")
@@ -172,7 +174,7 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
         for d in decoders.values():  # copy of the same file's weights: a compiled call is bound to its model)
             d.base = base
     eos = tok.eos_token_id
-    prompts = [encode_prompt(tok, d[:200], chat=False) for d in held_out_docs[:num_prompts]]
+    prompts = [encode_prompt(tok, d[:PROMPT_CHARS], chat=False) for d in held_out_docs[:num_prompts]]
     which = ("each held-out file" if len(prompts) == len(held_out_docs)
              else f"{len(prompts)} of the {len(held_out_docs)} held-out files")
     print(f"\n{step} decoding {len(prompts)} held-out prompts (the opening of {which}; {max_new_tokens} new tokens, "
