@@ -225,9 +225,10 @@ class Eagle3Draft(ReadsBase, nn.Module):
             ids = torch.arange(V)
         else:
             counts = torch.zeros(V, dtype=torch.long)
-            if isinstance(examples, Examples):  # one count over the flat arrays, no lists made
-                ids, mask, _ = examples.compact()
-                counts += torch.from_numpy(np.bincount(ids[mask.astype(bool)], minlength=V)[:V])
+            if isinstance(examples, Examples):  # counted from the flat arrays, no lists made, 4096 examples at a time
+                for i in range(0, len(examples), 4096):
+                    ids, mask, _ = examples[i:i + 4096].compact()
+                    counts += torch.from_numpy(np.bincount(ids[mask.astype(bool)], minlength=V)[:V])
                 examples = ()
             for e in examples:
                 ids = torch.tensor(e["input_ids"])

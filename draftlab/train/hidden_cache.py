@@ -33,10 +33,9 @@ def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype, layers
                 fh.seek(size * i // 16)
                 h.update(fh.read(1 << 16))
     if isinstance(examples, Examples):  # the same bytes as below, read from the flat ids without making lists
-        ids64 = examples.ids.astype(np.int64)
         for a, b in zip(examples.starts.tolist(), examples.ends.tolist()):
             h.update((b - a).to_bytes(4, "little"))
-            h.update(memoryview(ids64[a:b]))
+            h.update(memoryview(examples.ids[a:b].astype(np.int64)))
         return h.hexdigest()[:16]
     for e in examples:
         ids = e["input_ids"]
