@@ -21,12 +21,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     a = ap.parse_args()
 
-    from draftlab.cli.quickstart import HEADS, stdlib_corpus
+    from draftlab.cli.quickstart import HEADS, PROMPT_CHARS, split_corpus, stdlib_corpus
     from draftlab.interop.export import read_meta
     from draftlab.serve.generate import encode_prompt, load_decoder
 
-    docs = stdlib_corpus()
-    held = docs[int(len(docs) * 0.9):][:16]  # quickstart's held-out files, at most 16, as it decodes them
+    held = split_corpus(stdlib_corpus())[1][:16]  # quickstart's held-out files, at most 16, as it decodes them
     rows = {}
     for kind in HEADS:
         export = f"{a.quickstart}/{kind}/export"
@@ -38,7 +37,7 @@ def main() -> None:
             dec, tok, _ = load_decoder(export, tree=tree)
             committed = steps = 0
             for d in held:
-                r = dec.generate([encode_prompt(tok, d[:200], chat=False)], max_new_tokens=a.max_new_tokens,
+                r = dec.generate([encode_prompt(tok, d[:PROMPT_CHARS], chat=False)], max_new_tokens=a.max_new_tokens,
                                  eos_token_id=tok.eos_token_id)
                 committed, steps = committed + sum(r.committed), steps + r.steps
             row[f"accept_length_{tree}_tree"] = round(committed / steps, 4)

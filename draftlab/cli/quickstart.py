@@ -56,6 +56,12 @@ def stdlib_corpus(max_bytes: int = CORPUS_BYTES) -> list[str]:
     return docs
 
 
+def split_corpus(docs: list[str]) -> tuple[list[str], list[str]]:
+    """(training files, held-out files): the last 10% are held out."""
+    k = int(len(docs) * 0.9)
+    return docs[:k], docs[k:]
+
+
 def build_tokenizer(docs: list[str], out: Path):
     """Byte-level BPE with BOS/EOS/PAD, saved as a transformers tokenizer with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -224,13 +230,13 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     t_start = time.perf_counter()
     of = 5 if search else 4  # (steps)
     docs = stdlib_corpus()
-    split = int(len(docs) * 0.9)
+    train_docs, held_docs = split_corpus(docs)
     summary: dict = {"corpus_files": len(docs)}
     if not (base_dir / "config.json").is_file():
-        print(f"[1/{of}] building a small base on {split} standard-library files ({len(docs) - split} more held out; "
-              f"{minutes:g} min of pretraining)")
-        tok = build_tokenizer(docs[:split], base_dir)
-        summary.update(pretrain_base(tok, docs[:split], base_dir, minutes, seed))
+        print(f"[1/{of}] building a small base on {len(train_docs)} standard-library files ({len(held_docs)} more "
+              f"held out; {minutes:g} min of pretraining)")
+        tok = build_tokenizer(train_docs, base_dir)
+        summary.update(pretrain_base(tok, train_docs, base_dir, minutes, seed))
     else:
         print(f"[1/{of}] reusing the base in {base_dir}")
     (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -263,11 +269,11 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"| {h} | " + " | ".join(f"{x:.3f}" for x in agree) + " |" + " - |" * (4 - len(agree)))
 
     exports = {kind: results[kind]["export"] for kind in HEADS}
-    searched = search_trees(exports, docs[:split], out_dir, max_new_tokens, compile, f"[3/{of}]") if search else {}
+    searched = search_trees(exports, train_docs, out_dir, max_new_tokens, compile, f"[3/{of}]") if search else {}
     methods = {name: export for kind, export in exports.items()
                for name in ((kind, f"{kind} searched") if kind in searched else (kind,))}
     tot, btps, plain_c, decoders, n_prompts = decode_held_out(
-        methods, docs[split:], num_prompts, max_new_tokens, compile,
+        methods, held_docs, num_prompts, max_new_tokens, compile,
         trees={f"{kind} searched": rep["tree"] for kind, rep in searched.items()}, step=f"[{of - 1}/{of}]")
     cps = plain_c["new"] / plain_c["t"] if compile else None
     print(f"\n[{of}/{of}] speculative decoding vs plain decoding of the same base")

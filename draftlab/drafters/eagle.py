@@ -229,11 +229,11 @@ class Eagle3Draft(ReadsBase, nn.Module):
                 for i in range(0, len(examples), 4096):
                     ids, mask, _ = examples[i:i + 4096].compact()
                     counts += torch.from_numpy(np.bincount(ids[mask.astype(bool)], minlength=V)[:V])
-                examples = ()
-            for e in examples:
-                ids = torch.tensor(e["input_ids"])
-                mask = torch.tensor(e["loss_mask"], dtype=torch.bool) if "loss_mask" in e else None
-                counts += torch.bincount(ids if mask is None else ids[mask], minlength=V)[:V]
+            else:
+                for e in examples:
+                    ids = torch.tensor(e["input_ids"])
+                    mask = torch.tensor(e["loss_mask"], dtype=torch.bool) if "loss_mask" in e else None
+                    counts += torch.bincount(ids if mask is None else ids[mask], minlength=V)[:V]
             ids = torch.sort(torch.argsort(-counts, stable=True)[:Vd]).values  # ties to the lower id
         self.d2t.copy_(ids - torch.arange(Vd))
         self.t2d.zero_()
