@@ -136,6 +136,7 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
     up to 4, as each size compiles graphs of its own, timed on 16 prompts, 3 rounds (next to the compiling, a
     round costs little). Returns each kind's report with the search's seconds."""
     from ..serve.tree_search import search_tree
+    from .search_tree import toss_up
 
     timing_prompts, rounds = (16, 3) if compile else (8, 2)
     calib = out_dir / "data" / "calibration.jsonl"
@@ -156,8 +157,11 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
         reports[kind] = {**rep, "search_s": time.perf_counter() - t0}
         lost = (f"; plain decoding timed faster than every tree, {rep['plain_tokens_per_s']:.0f} against "
                 f"{rep['tokens_per_s']:.0f} tokens/s" if rep["plain_tokens_per_s"] >= rep["tokens_per_s"] else "")
+        close = toss_up(rep)
+        near = (f"; {close[1]} ran within {100 * close[2]:.1f}% of it, inside the timing rounds' spread of "
+                f"{100 * close[3]:.0f}%: a toss-up" if close else "")
         print(f"  {kind}: {rep['tree_size']} nodes, the root included ({rep['tree']}, "
-              f"{reports[kind]['search_s']:.0f} s{lost})")
+              f"{reports[kind]['search_s']:.0f} s{lost}{near})")
     return reports
 
 

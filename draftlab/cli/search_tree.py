@@ -131,14 +131,22 @@ def search_warnings(rep: dict, a) -> list[str]:
         out.append(f"warning: plain decoding ({rep['plain_tokens_per_s']:.1f} tokens/s) was faster than every tree "
                    f"on this machine{' compiled' if rep['compiled'] else ''}: speculation with this drafter does not "
                    "pay here" + ("" if rep["compiled"] else "; try --compile"))
-    ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
-    if len(ranked) > 1:
-        first, second = ranked[:2]
-        gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
-        noise = max(first["rounds_spread"], second["rounds_spread"])
-        if gap <= noise:
-            out.append(f"note: {second['name']} ran within {100 * gap:.1f}% of the chosen {first['name']}, inside "
-                       f"the timing rounds' spread ({100 * noise:.0f}%): a toss-up between them; more "
-                       f"--timing-prompts (now {a.timing_prompts}) or --timing-rounds (now {a.timing_rounds}) "
-                       "narrow it")
+    close = toss_up(rep)
+    if close:
+        first, second, gap, noise = close
+        out.append(f"note: {second} ran within {100 * gap:.1f}% of the chosen {first}, inside the timing rounds' spread "
+                   f"({100 * noise:.0f}%): a toss-up between them; more --timing-prompts (now {a.timing_prompts}) "
+                   f"or --timing-rounds (now {a.timing_rounds}) narrow it")
     return out
+
+
+def toss_up(rep: dict) -> tuple[str, str, float, float] | None:
+    """The chosen tree's name and the runner-up's, its gap below the chosen tree and the timing rounds' spread, where the gap is within
+    that spread (so the choice between the two is a toss-up); None otherwise."""
+    ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
+    if len(ranked) < 2:
+        return None
+    first, second = ranked[:2]
+    gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
+    noise = max(first["rounds_spread"], second["rounds_spread"])
+    return (first["name"], second["name"], gap, noise) if gap <= noise else None
