@@ -99,12 +99,12 @@ def test_each_draft_s_tree_is_searched_on_training_text_only(tiny_base_dir, tmp_
     assert search_trees(exports, train_docs, tmp_path, max_new_tokens=8) == {}
     assert "ssm: no tree searched (the draft's candidates never matched" in capsys.readouterr().out
 
-    rows = [{"name": "chain-4", "tokens_per_s": 100.0, "rounds_spread": 0.06},
-            {"name": "greedy-8", "tokens_per_s": 97.0, "rounds_spread": 0.02}]
+    rows = [{"name": "chain-4", "tokens_per_s": 100.0, "rounds_gap": 0.06},
+            {"name": "greedy-8", "tokens_per_s": 97.0, "rounds_gap": None}]
     canned = {"tree": "t.json", "tree_size": 5, "tokens_per_s": 100.0, "plain_tokens_per_s": 90.0, "sizes": rows}
     monkeypatch.setattr(tree_search, "search_tree", lambda *a, **k: canned)
     search_trees(exports, train_docs, tmp_path, max_new_tokens=8)
-    assert ("greedy-8 ran within 3.0% of it, inside the timing rounds' spread of 6%: a toss-up"
+    assert ("greedy-8 ran within 3.0% of it, less than their two fastest timing rounds differ (6%): a toss-up"
             in capsys.readouterr().out)
     rows[1]["tokens_per_s"] = 90.0  # (10% behind: a clear choice, no note)
     search_trees(exports, train_docs, tmp_path, max_new_tokens=8)

@@ -158,8 +158,8 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
         lost = (f"; plain decoding timed faster than every tree, {rep['plain_tokens_per_s']:.0f} against "
                 f"{rep['tokens_per_s']:.0f} tokens/s" if rep["plain_tokens_per_s"] >= rep["tokens_per_s"] else "")
         close = toss_up(rep)
-        near = (f"; {close[1]} ran within {100 * close[2]:.1f}% of it, inside the timing rounds' spread of "
-                f"{100 * close[3]:.0f}%: a toss-up" if close else "")
+        near = (f"; {close[1]} ran within {100 * close[2]:.1f}% of it, less than their two fastest timing "
+                f"rounds differ ({100 * close[3]:.0f}%): a toss-up" if close else "")
         print(f"  {kind}: {rep['tree_size']} nodes, the root included ({rep['tree']}, "
               f"{reports[kind]['search_s']:.0f} s{lost}{near})")
     return reports

@@ -107,13 +107,14 @@ def search_command(a) -> int:
     if a.json:
         print(json.dumps(rep))
         return 0
-    print("| tree | nodes (root included) | depth | expected accept | measured accept | tokens/s | rounds spread |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| tree | nodes (root included) | depth | expected accept | measured accept | tokens/s "
+          "| two fastest rounds apart |\n|---|---|---|---|---|---|---|")
     print(f"| plain decoding | 1 | 0 | 1.000 | 1.000 | {rep['plain_tokens_per_s']:.1f} | - |")
     for r in rep["sizes"]:
         expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
+        apart = "-" if r["rounds_gap"] is None else f"{100 * r['rounds_gap']:.0f}%"
         print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
-              f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} | {100 * r['rounds_spread']:.0f}% |")
+              f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} | {apart} |")
     path = "compiled" if rep["compiled"] else "eager"
     print(f"\nchose {rep['tree_size']} nodes, the root included ({rep['tokens_per_s']:.1f} tokens/s at batch size "
           f"{rep['batch_size']} on {rep['hardware']}, {path} decoding, "
@@ -125,7 +126,7 @@ def search_command(a) -> int:
 
 def search_warnings(rep: dict, a) -> list[str]:
     """What the figures above cannot show by themselves: plain decoding was faster, or the runner-up is within the
-    timing's own noise (the spread of the chosen tree's rounds)."""
+    timing's own noise (how far apart the two trees' two fastest rounds are)."""
     out = []
     if rep["plain_tokens_per_s"] >= rep["tokens_per_s"]:
         out.append(f"warning: plain decoding ({rep['plain_tokens_per_s']:.1f} tokens/s) was faster than every tree "
@@ -134,19 +135,19 @@ def search_warnings(rep: dict, a) -> list[str]:
     close = toss_up(rep)
     if close:
         first, second, gap, noise = close
-        out.append(f"note: {second} ran within {100 * gap:.1f}% of the chosen {first}, inside the timing rounds' spread "
-                   f"({100 * noise:.0f}%): a toss-up between them; more --timing-prompts (now {a.timing_prompts}) "
-                   f"or --timing-rounds (now {a.timing_rounds}) narrow it")
+        out.append(f"note: {second} ran within {100 * gap:.1f}% of the chosen {first}, less than their two fastest "
+                   f"timing rounds differ ({100 * noise:.0f}%): a toss-up between them; more --timing-prompts "
+                   f"(now {a.timing_prompts}) or --timing-rounds (now {a.timing_rounds}) narrow it")
     return out
 
 
 def toss_up(rep: dict) -> tuple[str, str, float, float] | None:
-    """The chosen tree's name and the runner-up's, its gap below the chosen tree and the timing rounds' spread, where the gap is within
-    that spread (so the choice between the two is a toss-up); None otherwise."""
+    """The chosen tree's name and the runner-up's, its gap below the chosen tree and the larger of their rounds_gap,
+    where the gap is within it (so the choice between the two is a toss-up); None otherwise."""
     ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
     if len(ranked) < 2:
         return None
     first, second = ranked[:2]
     gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
-    noise = max(first["rounds_spread"], second["rounds_spread"])
+    noise = max(first["rounds_gap"] or 0.0, second["rounds_gap"] or 0.0)
     return (first["name"], second["name"], gap, noise) if gap <= noise else None
