@@ -317,6 +317,10 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
             summary["heads"][kind] = {**h, "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
                                       "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
                                       "export": results[kind]["export"]}
+    if compile:
+        print("(compile s: each method's compiling and warm-up on every prompt, before and outside its timing; a "
+              "searched tree's graphs were compiled by the search, and graphs an earlier run left in inductor's "
+              "on-disk cache load instead of compiling, so a second run on this machine shows less)")
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     fastest = max(((k, h) for k, head in summary["heads"].items() for h in (head, head.get("searched")) if h),
                   key=lambda kh: kh[1]["speedup"])
