@@ -167,6 +167,31 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path):
     assert resume_step(acc, tmp_path, 20) == 4
 
 
+def test_a_multi_process_checkpoint_from_before_per_rank_streams_gives_the_ranks_their_own_on_resume(tmp_path, capsys):
+    """Checkpoints saved before each rank drew from its own random stream hold the same generator state on every rank,
+    which Accelerate restores: ranks above 0 are reseeded from (seed, rank, step) when they resume one. Checkpoints
+    saved since say `rank_streams`, and their restored states are kept."""
+    from types import SimpleNamespace
+
+    from draftlab.train.loop import rank_seed
+    from draftlab.train.run_dir import resume_step
+
+    ckpt = tmp_path / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    state = ckpt / "trainer_state.json"
+    state.write_text(json.dumps({"step": 4, "total_steps": 20, "processes": 2}))
+    calls = []
+    for rank in (0, 1):
+        acc = SimpleNamespace(is_main_process=rank == 0, num_processes=2, process_index=rank, load_state=lambda d: None)
+        assert resume_step(acc, tmp_path, 20, reseed=lambda at, r=rank: calls.append((r, at))) == 4
+    assert calls == [(1, 4)]
+    assert "the processes above the first are given theirs now" in capsys.readouterr().out
+    state.write_text(json.dumps({"step": 4, "total_steps": 20, "processes": 2, "rank_streams": True}))
+    resume_step(acc, tmp_path, 20, reseed=lambda at: calls.append((1, at)))
+    assert calls == [(1, 4)] and "given theirs" not in capsys.readouterr().out
+    assert len({rank_seed(0, 1), rank_seed(0, 1, 4), rank_seed(0, 2, 4), rank_seed(0, 1, 5)}) == 4
+
+
 def test_the_hidden_cache_is_keyed_by_every_token_the_layers_read_and_the_base(tmp_path):
     """The cached states are another run's when a token in the middle of an example, the layers read, the base's
     revision or its weight files differ (found by review: only the first and last 8 tokens and the base's name were

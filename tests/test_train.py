@@ -54,7 +54,8 @@ def test_resume_equals_straight_run(tiny_base_dir, data_file, tmp_path, kind):
     straight = train(recipe(tiny_base_dir, data_file, tmp_path / "a", kind, **short))
     assert straight["finished"] and straight["step"] == 4
     first = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind, **short), stop_after_steps=2)
-    assert not first["finished"] and (tmp_path / "b" / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert not first["finished"] and state["rank_streams"] is True  # (a resume keeps each rank's restored stream)
     assert not (tmp_path / "b" / "export").exists()
     resumed = train(recipe(tiny_base_dir, data_file, tmp_path / "b", kind, **short))
     assert resumed["finished"]

@@ -106,7 +106,9 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     open_accept_estimate(run)
     if run.accelerator.process_index:  # (rank 0 goes on with its stream: a one-process run is what it was)
         torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index))
-    step = resume_step(run.accelerator, run.out_dir, run.total_steps)  # (restores each rank's generators)
+    step = resume_step(run.accelerator, run.out_dir, run.total_steps,  # (restores each rank's generators)
+                       reseed=lambda at: torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index,
+                                                                     at)))
     done = finished_before(run, step)
     if done is not None:  # the same command again after the run ended: nothing to redo
         return done
@@ -124,11 +126,12 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     return summary
 
 
-def rank_seed(seed: int, rank: int) -> int:
+def rank_seed(seed: int, rank: int, *more: int) -> int:
     """The seed of rank > 0's torch generator while it trains: dropout, LoRA dropout and DFlash's anchors draw from
     it, so each rank draws its own (with one seed every rank dropped out the same units and drew the same anchor
-    positions). The draft is built before this, from train.seed on every rank."""
-    return int(np.random.SeedSequence([seed % 2**63, rank]).generate_state(1, np.uint64)[0] % 2**63)
+    positions). The draft is built before this, from train.seed on every rank. more: the step a resumed checkpoint
+    from before per-rank streams was saved at (run_dir.resume_step)."""
+    return int(np.random.SeedSequence([seed % 2**63, rank, *more]).generate_state(1, np.uint64)[0] % 2**63)
 
 
 def check_teacher(recipe: Recipe, config=None, head=None) -> None:

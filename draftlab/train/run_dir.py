@@ -122,7 +122,8 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, kee
     if is_main:
         # trainer_state.json is written last: a directory without it is never taken as a checkpoint.
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "total_steps": total_steps,
-                                                            "processes": accelerator.num_processes}))
+                                                            "processes": accelerator.num_processes,
+                                                            "rank_streams": True}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         done = sorted((p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp")),
@@ -132,10 +133,12 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, total_steps: int, kee
     accelerator.wait_for_everyone()
 
 
-def resume_step(accelerator, out_dir: Path, total_steps: int) -> int:
+def resume_step(accelerator, out_dir: Path, total_steps: int, reseed=None) -> int:
     """Load the newest complete checkpoint, if any, into the prepared objects; the step it was saved at (0 if none:
     the records a run killed before its first checkpoint logged are dropped, as it starts again). A checkpoint made
-    with another number of processes is refused: the data order, the steps per epoch and the schedule follow it."""
+    with another number of processes is refused: the data order, the steps per epoch and the schedule follow it.
+    reseed(step): called on ranks above 0 after loading a multi-process checkpoint saved before each rank had its
+    own random stream (no `rank_streams` in trainer_state.json), whose ranks' generators are all the same state."""
     ckpt = latest_checkpoint(out_dir)
     if ckpt is None:
         if accelerator.is_main_process:
@@ -151,8 +154,13 @@ def resume_step(accelerator, out_dir: Path, total_steps: int) -> int:
                            "output_dir (or with --overwrite).")
     accelerator.load_state(str(ckpt))
     step = state["step"]
+    shared = accelerator.num_processes > 1 and not state.get("rank_streams") and reseed is not None
+    if shared and accelerator.process_index:
+        reseed(step)
     if accelerator.is_main_process:
-        print(f"resuming from {ckpt} (step {step} of {total_steps})")
+        print(f"resuming from {ckpt} (step {step} of {total_steps})" + (
+            "; it was saved before each process drew from its own random stream, so the processes above the first "
+            "are given theirs now" if shared else ""))
         forget_metrics_after(out_dir, step)
     return step
 
