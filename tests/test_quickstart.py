@@ -14,6 +14,36 @@ def test_stdlib_corpus_is_found():
     assert docs and sum(map(len, docs)) >= 200_000
 
 
+def test_the_drafts_train_on_the_base_s_own_continuations_of_training_windows(tiny_base_dir, tmp_path, monkeypatch):
+    """quickstart's self-distilled data: the base's greedy continuations of windows of the training files (never the
+    held-out ones it decodes afterwards), each record a window and what the base wrote after it; a rerun on the same
+    base keeps the records written."""
+    import draftlab.cli.quickstart as qs
+    from draftlab.decode.acceptance import Sampling
+    from draftlab.serve.generate import plain_generate
+
+    monkeypatch.setattr(qs, "PROMPT_CHARS", 24)
+    monkeypatch.setattr(qs, "DISTILL_STRIDE", 60)
+    monkeypatch.setattr(qs, "DISTILL_NEW_TOKENS", 6)
+    monkeypatch.setattr(qs, "DISTILL_PROMPTS", 5)
+    train_docs = [f"Once upon a time there was a cat number {i}. " * 4 for i in range(3)]
+    out = qs.distill_corpus(tiny_base_dir, train_docs, tmp_path, seed=0)
+    records = [json.loads(l) for l in out.read_text().splitlines()]
+    windows = {d[i:i + 24] for d in train_docs for i in range(0, len(d) - 24, 60)}
+    assert len(records) == 5  # (of 9 windows, 3 a file)
+    assert all(r["text"][:24] in windows and len(r["text"]) > 24 for r in records)
+    from draftlab.base import load_base
+    from transformers import AutoTokenizer
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    tok = AutoTokenizer.from_pretrained(tiny_base_dir)
+    prompt = tok(records[0]["text"][:24], add_special_tokens=True).input_ids
+    greedy = plain_generate(base, [prompt], 6, Sampling(), None)[0][0]
+    assert records[0]["text"] == records[0]["text"][:24] + tok.decode(greedy, skip_special_tokens=True)
+    qs.distill_corpus(tiny_base_dir, train_docs, tmp_path, seed=0)
+    assert out.read_text().splitlines() == [json.dumps(r) for r in records]
+
+
 @pytest.mark.slow
 def test_quickstart_end_to_end_offline(tmp_path):
     """The whole pipeline as a new user runs it, with a short pretraining budget, in a fresh process."""
@@ -22,7 +52,9 @@ def test_quickstart_end_to_end_offline(tmp_path):
                  "--minutes", "1", "--search", "--json"], 900, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert set(summary["heads"]) == {"medusa", "hydra", "hydra++", "ssm"}
+    assert set(summary["heads"]) == {"medusa", "hydra", "hydra++", "ssm"} and summary["distill_s"] > 0
+    distilled = (tmp_path / "qs" / "data" / "distilled.jsonl").read_text().splitlines()
+    assert len(distilled) == 768  # (the drafts' training text: the base's continuations of training windows)
     for kind, h in summary["heads"].items():
         assert h["identical_to_baseline"] is True, kind
         assert h["tree"] in (("kind",) if kind == "ssm" else ("grown", "kind")), kind  # (heads may grow their own)

@@ -2,8 +2,9 @@
 
 1. Corpus: Python standard-library sources (present on every machine with Python).
 2. Base: a byte-level BPE tokenizer and a small Llama pretrained for a few minutes.
-3. Draft: Medusa, Hydra and Hydra++ heads and a 1-layer SSM distilled from the base, trained by the regular
-   recipe trainer, exported.
+3. Draft: the base's own greedy continuations of training-file windows (`draftlab distill-data --mode text`), on
+   which Medusa, Hydra and Hydra++ heads and a 1-layer SSM distilled from the base are trained by the regular
+   recipe trainer, and exported.
 4. Tree search (with --compile, or --search): each draft's fastest tree on this machine (`draftlab search-tree`),
    on training text.
 5. Decode: held-out prompts through the speculative decoder with each, with its export's default tree (and with the
@@ -27,6 +28,7 @@ CORPUS_BYTES = 3_000_000
 VOCAB = 512
 SEQ = 256
 PROMPT_CHARS = 200  # a prompt: the opening of a file (held out for decoding; from training for the tree search)
+DISTILL_PROMPTS, DISTILL_STRIDE, DISTILL_NEW_TOKENS = 768, 2000, 160  # the drafts' self-distilled training text
 # The three head types of the paper (4 heads each) and a small draft model, as recipe `head` and `loss` sections.
 HEADS = {
     "medusa": ({"type": "medusa", "num_heads": 4, "num_layers": 1}, {}),
@@ -60,6 +62,25 @@ def split_corpus(docs: list[str]) -> tuple[list[str], list[str]]:
     """(training files, held-out files): the last 10% are held out."""
     k = int(len(docs) * 0.9)
     return docs[:k], docs[k:]
+
+
+def distill_corpus(base_dir: Path, train_docs: list[str], data_dir: Path, seed: int) -> Path:
+    """The drafts' training text: the base's greedy continuations (DISTILL_NEW_TOKENS) of PROMPT_CHARS-character
+    windows of the training files, one every DISTILL_STRIDE characters, DISTILL_PROMPTS of them in a seeded order,
+    through `draftlab distill-data --mode text` (self-distillation: the drafts learn the text decoding verifies,
+    the base's own, not the corpus it was pretrained on). Records already written are kept (a rerun on the same base
+    resumes)."""
+    import random
+
+    from ..train.distill import distill_data
+
+    windows = [d[i:i + PROMPT_CHARS] for d in train_docs for i in range(0, len(d) - PROMPT_CHARS, DISTILL_STRIDE)]
+    random.Random(seed).shuffle(windows)
+    prompts, out = data_dir / "distill_prompts.jsonl", data_dir / "distilled.jsonl"
+    prompts.write_text("".join(json.dumps({"text": w}) + "\n" for w in windows[:DISTILL_PROMPTS]))
+    distill_data(str(base_dir), str(prompts), str(out), max_new_tokens=DISTILL_NEW_TOKENS, batch_size=64,
+                 mode="text", prompt_chars=PROMPT_CHARS, seed=seed)
+    return out
 
 
 def build_tokenizer(docs: list[str], out: Path):
@@ -241,19 +262,24 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
               f"held out; {minutes:g} min of pretraining)")
         tok = build_tokenizer(train_docs, base_dir)
         summary.update(pretrain_base(tok, train_docs, base_dir, minutes, seed))
+        (data_dir / "distilled.jsonl").unlink(missing_ok=True)  # (another base's text)
     else:
         print(f"[1/{of}] reusing the base in {base_dir}")
-    (data_dir / "heads.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
     from ..config import dump_recipe
 
-    print(f"[2/{of}] training {', '.join(HEADS)} drafts with the recipe trainer ({head_steps} steps each)")
+    print(f"[2/{of}] the base continues {DISTILL_PROMPTS} windows of the training files (greedy, "
+          f"{DISTILL_NEW_TOKENS} tokens: self-distilled training text, `draftlab distill-data --mode text`), then "
+          f"{', '.join(HEADS)} drafts train on it with the recipe trainer ({head_steps} steps each)")
+    t0 = time.perf_counter()
+    distilled = distill_corpus(base_dir, train_docs, data_dir, seed)
+    summary["distill_s"] = round(time.perf_counter() - t0, 1)
     results = {}
     for kind, (head, loss) in HEADS.items():
         recipe = build_recipe({
             "base": {"name_or_path": str(base_dir), "dtype": "float32"},
             "head": head, "loss": loss,
-            "data": {"path": str(data_dir / "heads.jsonl"), "format": "text", "max_len": SEQ, "eval_size": 0.1,
+            "data": {"path": str(distilled), "format": "text", "max_len": SEQ, "eval_size": 0.1,
                      "eval_pick": "tail"},
             "train": {"lr": 1e-2, "warmup_steps": 20, "max_steps": head_steps, "batch_size": 8,
                       "eval_every_steps": head_steps, "save_every_steps": head_steps, "log_every_steps": 25,
@@ -264,8 +290,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         path.write_text(f"# draftlab train {path}\n" + dump_recipe(recipe))
         print(f"  {kind}: {path}")
         results[kind] = train(recipe, overwrite=True)
-    print("\nheld-out top-1 agreement with the base (heads: head k predicts the token k+1 past the base's; "
-          "the SSM: the next token):")
+    print("\ntop-1 agreement with the base on the self-distilled records held out from training, the last 10% (heads: "
+          "head k predicts the token k+1 past the base's; the SSM: the next token):")
     print("| draft | " + " | ".join(f"head {k + 1}" for k in range(4)) + " |")
     print("|---" * 5 + "|")
     for h in HEADS:
@@ -318,7 +344,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
                                       "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
                                       "export": results[kind]["export"]}
     if compile:
-        print("(compile s: each method's compiling and warm-up on every prompt, before and outside its timing; a "
+        print("\n(compile s: each method's compiling and warm-up on every prompt, before and outside its timing; a "
               "searched tree's graphs were compiled by the search, and graphs an earlier run left in inductor's "
               "on-disk cache load instead of compiling, so a second run on this machine shows less)")
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
