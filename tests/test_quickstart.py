@@ -3,6 +3,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, run_cmd
 
@@ -16,32 +17,47 @@ def test_stdlib_corpus_is_found():
 
 def test_the_drafts_train_on_the_base_s_own_continuations_of_training_windows(tiny_base_dir, tmp_path, monkeypatch):
     """quickstart's self-distilled data: the base's greedy continuations of windows of the training files (never the
-    held-out ones it decodes afterwards), each record a window and what the base wrote after it; a rerun on the same
-    base keeps the records written."""
+    held-out ones it decodes afterwards), each record a window and what the base wrote after it. A killed run
+    resumes where it stopped; another base's records (or other prompts') are made again."""
+    import shutil
+
     import draftlab.cli.quickstart as qs
+    import draftlab.train.distill as distill
+    from draftlab.base import load_base
     from draftlab.decode.acceptance import Sampling
     from draftlab.serve.generate import plain_generate
+    from transformers import AutoTokenizer
 
     monkeypatch.setattr(qs, "PROMPT_CHARS", 24)
     monkeypatch.setattr(qs, "DISTILL_STRIDE", 60)
     monkeypatch.setattr(qs, "DISTILL_NEW_TOKENS", 6)
     monkeypatch.setattr(qs, "DISTILL_PROMPTS", 5)
+    asked = []
+    answer = distill.LocalModel.answer
+    monkeypatch.setattr(distill.LocalModel, "answer", lambda self, p: asked.append(len(p)) or answer(self, p))
+    base_dir = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base_dir)
     train_docs = [f"Once upon a time there was a cat number {i}. " * 4 for i in range(3)]
-    out = qs.distill_corpus(tiny_base_dir, train_docs, tmp_path, seed=0)
+    out = qs.distill_corpus(base_dir, train_docs, tmp_path, seed=0)
     records = [json.loads(l) for l in out.read_text().splitlines()]
     windows = {d[i:i + 24] for d in train_docs for i in range(0, len(d) - 24, 60)}
-    assert len(records) == 5  # (of 9 windows, 3 a file)
-    assert all(r["text"][:24] in windows and len(r["text"]) > 24 for r in records)
-    from draftlab.base import load_base
-    from transformers import AutoTokenizer
-
-    base, _ = load_base(str(tiny_base_dir), "float32")
-    tok = AutoTokenizer.from_pretrained(tiny_base_dir)
-    prompt = tok(records[0]["text"][:24], add_special_tokens=True).input_ids
-    greedy = plain_generate(base, [prompt], 6, Sampling(), None)[0][0]
-    assert records[0]["text"] == records[0]["text"][:24] + tok.decode(greedy, skip_special_tokens=True)
-    qs.distill_corpus(tiny_base_dir, train_docs, tmp_path, seed=0)
-    assert out.read_text().splitlines() == [json.dumps(r) for r in records]
+    assert len(records) == 5 and asked == [5]  # (of 9 windows, 3 a file)
+    base, _ = load_base(str(base_dir), "float32")
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    for r in records:  # (each one, in a batch of uneven prompts, as the base continues it alone)
+        assert r["text"][:24] in windows
+        greedy = plain_generate(base, [tok(r["text"][:24]).input_ids], 6, Sampling(), None)[0][0]
+        assert r["text"] == r["text"][:24] + tok.decode(greedy, skip_special_tokens=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))  # (killed after two records)
+    qs.distill_corpus(base_dir, train_docs, tmp_path, seed=0)
+    assert asked == [5, 3] and out.read_text().splitlines() == [json.dumps(r) for r in records]
+    qs.distill_corpus(base_dir, train_docs, tmp_path, seed=1)  # (other windows: made again, whole)
+    assert asked == [5, 3, 5] and len(out.read_text().splitlines()) == 5
+    with torch.no_grad():
+        base.model.embed_tokens.weight.add_(0.5)
+    base.save_pretrained(base_dir)  # (another base in the same place)
+    qs.distill_corpus(base_dir, train_docs, tmp_path, seed=1)
+    assert asked == [5, 3, 5, 5]
 
 
 @pytest.mark.slow
@@ -135,7 +151,8 @@ def test_each_draft_s_tree_is_searched_on_training_text_only(tiny_base_dir, tmp_
             {"name": "greedy-8", "tokens_per_s": 97.0, "rounds_gap": None}]
     canned = {"tree": "t.json", "tree_size": 5, "tokens_per_s": 100.0, "plain_tokens_per_s": 90.0, "sizes": rows}
     monkeypatch.setattr(tree_search, "search_tree", lambda *a, **k: canned)
-    search_trees(exports, train_docs, tmp_path, max_new_tokens=8)
+    close = search_trees(exports, train_docs, tmp_path, max_new_tokens=8)["ssm"]["toss_up"]
+    assert close == {"chosen": "chain-4", "runner_up": "greedy-8", "gap": 0.03, "rounds_gap": 0.06}
     assert ("greedy-8 ran within 3.0% of it, less than their two fastest timing rounds differ (6%): a toss-up"
             in capsys.readouterr().out)
     rows[1]["tokens_per_s"] = 90.0  # (10% behind: a clear choice, no note)

@@ -192,6 +192,26 @@ def test_a_multi_process_checkpoint_from_before_per_rank_streams_gives_the_ranks
     assert len({rank_seed(0, 1), rank_seed(0, 1, 4), rank_seed(0, 2, 4), rank_seed(0, 1, 5)}) == 4
 
 
+def test_training_hands_resume_its_rank_s_own_reseeding(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """train_draft gives resume_step the reseeding of its own rank from (train.seed, rank, step)."""
+    import draftlab.train.loop as loop
+
+    class Resumed(Exception):
+        pass
+
+    handed = []
+
+    def stop_at_resume(accelerator, out_dir, total_steps, reseed=None):
+        handed.append(reseed)
+        raise Resumed
+
+    monkeypatch.setattr(loop, "resume_step", stop_at_resume)
+    with pytest.raises(Resumed):
+        train(recipe(tiny_base_dir, data_file, tmp_path / "run", max_steps=2, seed=5))
+    handed[0](7)
+    assert torch.initial_seed() == loop.rank_seed(5, 0, 7)
+
+
 def test_the_hidden_cache_is_keyed_by_every_token_the_layers_read_and_the_base(tmp_path):
     """The cached states are another run's when a token in the middle of an example, the layers read, the base's
     revision or its weight files differ (found by review: only the first and last 8 tokens and the base's name were

@@ -67,19 +67,28 @@ def split_corpus(docs: list[str]) -> tuple[list[str], list[str]]:
 def distill_corpus(base_dir: Path, train_docs: list[str], data_dir: Path, seed: int) -> Path:
     """The drafts' training text: the base's greedy continuations (DISTILL_NEW_TOKENS) of PROMPT_CHARS-character
     windows of the training files, one every DISTILL_STRIDE characters, DISTILL_PROMPTS of them in a seeded order,
-    through `draftlab distill-data --mode text` (self-distillation: the drafts learn the text decoding verifies,
-    the base's own, not the corpus it was pretrained on). Records already written are kept (a rerun on the same base
-    resumes)."""
+    through `draftlab distill-data --mode text` in float32, as the drafts train and decode (self-distillation: each
+    record is a corpus window and, most of it, the base's own text, which decoding verifies). Records already written
+    for the same base weights and prompts are kept (a killed run resumes); any others are made again."""
+    import hashlib
     import random
 
     from ..train.distill import distill_data
 
     windows = [d[i:i + PROMPT_CHARS] for d in train_docs for i in range(0, len(d) - PROMPT_CHARS, DISTILL_STRIDE)]
     random.Random(seed).shuffle(windows)
-    prompts, out = data_dir / "distill_prompts.jsonl", data_dir / "distilled.jsonl"
-    prompts.write_text("".join(json.dumps({"text": w}) + "\n" for w in windows[:DISTILL_PROMPTS]))
+    text = "".join(json.dumps({"text": w}) + "\n" for w in windows[:DISTILL_PROMPTS])
+    key = hashlib.sha256(text.encode())
+    for f in sorted(base_dir.glob("*.safetensors")) + sorted(base_dir.glob("*.bin")):
+        key.update(f.read_bytes())
+    key = f"{key.hexdigest()} {DISTILL_NEW_TOKENS}"
+    prompts, out, stamp = (data_dir / n for n in ("distill_prompts.jsonl", "distilled.jsonl", "distilled.key"))
+    if not stamp.is_file() or stamp.read_text() != key:  # (another base's, or other prompts': made again)
+        out.unlink(missing_ok=True)
+        stamp.write_text(key)
+    prompts.write_text(text)
     distill_data(str(base_dir), str(prompts), str(out), max_new_tokens=DISTILL_NEW_TOKENS, batch_size=64,
-                 mode="text", prompt_chars=PROMPT_CHARS, seed=seed)
+                 mode="text", prompt_chars=PROMPT_CHARS, seed=seed, dtype="float32")
     return out
 
 
@@ -175,10 +184,11 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
         except ValueError as e:  # (a draft that never matched the base: it decodes with its default tree only)
             print(f"  {kind}: no tree searched ({e})")
             continue
-        reports[kind] = {**rep, "search_s": time.perf_counter() - t0}
+        close = toss_up(rep)
+        reports[kind] = {**rep, "search_s": time.perf_counter() - t0, "toss_up": close and {
+            "chosen": close[0], "runner_up": close[1], "gap": round(close[2], 4), "rounds_gap": close[3]}}
         lost = (f"; plain decoding timed faster than every tree, {rep['plain_tokens_per_s']:.0f} against "
                 f"{rep['tokens_per_s']:.0f} tokens/s" if rep["plain_tokens_per_s"] >= rep["tokens_per_s"] else "")
-        close = toss_up(rep)
         near = (f"; {close[1]} ran within {100 * close[2]:.1f}% of it, less than their two fastest timing "
                 f"rounds differ ({100 * close[3]:.0f}%): a toss-up" if close else "")
         print(f"  {kind}: {rep['tree_size']} nodes, the root included ({rep['tree']}, "
@@ -262,7 +272,6 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
               f"held out; {minutes:g} min of pretraining)")
         tok = build_tokenizer(train_docs, base_dir)
         summary.update(pretrain_base(tok, train_docs, base_dir, minutes, seed))
-        (data_dir / "distilled.jsonl").unlink(missing_ok=True)  # (another base's text)
     else:
         print(f"[1/{of}] reusing the base in {base_dir}")
 
@@ -338,6 +347,7 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
             print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
         if name != kind:
             summary["heads"][kind]["searched"] = {**h, "tree_file": searched[kind]["tree"],
+                                                  **{k: searched[kind][k] for k in ("toss_up", "plain_tokens_per_s")},
                                                   "search_s": round(searched[kind]["search_s"], 1)}
         else:
             summary["heads"][kind] = {**h, "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],

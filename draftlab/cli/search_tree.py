@@ -145,7 +145,7 @@ def toss_up(rep: dict) -> tuple[str, str, float, float] | None:
     """The chosen tree's name and the runner-up's, its gap below the chosen tree and the larger of their rounds_gap,
     where the gap is within it (so the choice between the two is a toss-up); None otherwise."""
     ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
-    if len(ranked) < 2:
+    if len(ranked) < 2 or ranked[0]["tokens_per_s"] <= 0:
         return None
     first, second = ranked[:2]
     gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
