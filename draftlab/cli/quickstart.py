@@ -185,12 +185,11 @@ def search_trees(exports: dict[str, str], train_docs: list[str], out_dir: Path, 
             print(f"  {kind}: no tree searched ({e})")
             continue
         close = toss_up(rep)
-        reports[kind] = {**rep, "search_s": time.perf_counter() - t0, "toss_up": close and {
-            "chosen": close[0], "runner_up": close[1], "gap": round(close[2], 4), "rounds_gap": close[3]}}
+        reports[kind] = {**rep, "search_s": time.perf_counter() - t0, "toss_up": close}
         lost = (f"; plain decoding timed faster than every tree, {rep['plain_tokens_per_s']:.0f} against "
                 f"{rep['tokens_per_s']:.0f} tokens/s" if rep["plain_tokens_per_s"] >= rep["tokens_per_s"] else "")
-        near = (f"; {close[1]} ran within {100 * close[2]:.1f}% of it, less than their two fastest timing "
-                f"rounds differ ({100 * close[3]:.0f}%): a toss-up" if close else "")
+        near = (f"; {close['runner_up']} ran within {100 * close['gap']:.1f}% of it, less than their two fastest "
+                f"timing rounds differ ({100 * close['rounds_gap']:.0f}%): a toss-up" if close else "")
         print(f"  {kind}: {rep['tree_size']} nodes, the root included ({rep['tree']}, "
               f"{reports[kind]['search_s']:.0f} s{lost}{near})")
     return reports

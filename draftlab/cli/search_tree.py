@@ -134,14 +134,14 @@ def search_warnings(rep: dict, a) -> list[str]:
                    "pay here" + ("" if rep["compiled"] else "; try --compile"))
     close = toss_up(rep)
     if close:
-        first, second, gap, noise = close
-        out.append(f"note: {second} ran within {100 * gap:.1f}% of the chosen {first}, less than their two fastest "
-                   f"timing rounds differ ({100 * noise:.0f}%): a toss-up between them; more --timing-prompts "
-                   f"(now {a.timing_prompts}) or --timing-rounds (now {a.timing_rounds}) narrow it")
+        out.append(f"note: {close['runner_up']} ran within {100 * close['gap']:.1f}% of the chosen {close['chosen']}, "
+                   f"less than their two fastest timing rounds differ ({100 * close['rounds_gap']:.0f}%): a toss-up "
+                   f"between them; more --timing-prompts (now {a.timing_prompts}) or --timing-rounds (now "
+                   f"{a.timing_rounds}) narrow it")
     return out
 
 
-def toss_up(rep: dict) -> tuple[str, str, float, float] | None:
+def toss_up(rep: dict) -> dict | None:
     """The chosen tree's name and the runner-up's, its gap below the chosen tree and the larger of their rounds_gap,
     where the gap is within it (so the choice between the two is a toss-up); None otherwise."""
     ranked = sorted(rep["sizes"], key=lambda r: -r["tokens_per_s"])
@@ -150,4 +150,5 @@ def toss_up(rep: dict) -> tuple[str, str, float, float] | None:
     first, second = ranked[:2]
     gap = 1 - second["tokens_per_s"] / first["tokens_per_s"]
     noise = max(first["rounds_gap"] or 0.0, second["rounds_gap"] or 0.0)
-    return (first["name"], second["name"], gap, noise) if gap <= noise else None
+    return ({"chosen": first["name"], "runner_up": second["name"], "gap": round(gap, 4), "rounds_gap": noise}
+            if gap <= noise else None)

@@ -104,11 +104,13 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     build_optimizer(run)
     open_hidden_cache(run)
     open_accept_estimate(run)
+    def seed_rank(*at: int):
+        torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index, *at))
+
     if run.accelerator.process_index:  # (rank 0 goes on with its stream: a one-process run is what it was)
-        torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index))
-    step = resume_step(run.accelerator, run.out_dir, run.total_steps,  # (restores each rank's generators)
-                       reseed=lambda at: torch.manual_seed(rank_seed(recipe.train.seed, run.accelerator.process_index,
-                                                                     at)))
+        seed_rank()
+    # (restores each rank's generators, and reseeds ranks above 0 of a checkpoint from before per-rank streams)
+    step = resume_step(run.accelerator, run.out_dir, run.total_steps, reseed=seed_rank)
     done = finished_before(run, step)
     if done is not None:  # the same command again after the run ended: nothing to redo
         return done
