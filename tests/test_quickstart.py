@@ -158,3 +158,37 @@ def test_each_draft_s_tree_is_searched_on_training_text_only(tiny_base_dir, tmp_
     rows[1]["tokens_per_s"] = 90.0  # (10% behind: a clear choice, no note)
     search_trees(exports, train_docs, tmp_path, max_new_tokens=8)
     assert "toss-up" not in capsys.readouterr().out
+
+
+def test_the_compiled_table_gives_both_speedups_and_says_where_compile_seconds_come_from(capsys):
+    """quickstart --compile's table: each draft (default and searched tree) against compiled plain decoding and HF's
+    eager generate, its compile seconds explained under the table, and the summary keeping what the table shows."""
+    from types import SimpleNamespace
+
+    from draftlab.cli.quickstart import print_results
+
+    def dec(n):
+        return SimpleNamespace(drafter=SimpleNamespace(max_nodes=n))
+
+    def row(new, t, committed, steps, warm):
+        return {"new": new, "t": t, "committed": committed, "steps": steps, "identical": True, "warmup_s": warm}
+
+    results = {"hydra": {"export": "h/export", "default_tree": {"source": "grown"},
+                         "eval": {"top1": [0.5, 0.4], "agree1": [0.6, 0.5]}}}
+    searched = {"hydra": {"tree": "hydra.tree.json", "search_s": 61.2, "plain_tokens_per_s": 3000.0,
+                          "toss_up": None}}
+    tot = {"hydra": row(960, 0.4, 960, 320, 12.0), "hydra searched": row(960, 0.3, 960, 300, 0.4)}
+    plain = row(960, 0.32, 960, 960, 5.0)  # (3,000 tokens/s)
+    summary = print_results(results, searched, tot, 800.0, plain, {"hydra": dec(25), "hydra searched": dec(5)})
+    out = capsys.readouterr().out
+    assert "draftlab's plain decoding compiled: 3000.0 tokens/s" in out
+    assert "| hydra | grown | 25 | 3.00 | 2400.0 | 0.80x | 3.00x | 12 | True |" in out
+    assert "| hydra | searched | 5 | 3.20 | 3200.0 | 1.07x | 4.00x | 0 | True |" in out
+    assert "a searched tree's graphs were compiled by the search" in out
+    assert summary["compiled_plain_tokens_per_s"] == 3000.0 and summary["baseline_tokens_per_s"] == 800.0
+    hydra = summary["heads"]["hydra"]
+    assert hydra["speedup_vs_compiled_plain"] == 0.8 and hydra["agree_top1"] == [0.6, 0.5]
+    assert hydra["searched"]["speedup_vs_compiled_plain"] == 1.067 and hydra["searched"]["search_s"] == 61.2
+    print_results(results, {}, {"hydra": tot["hydra"]}, 800.0, None, {"hydra": dec(25)})  # (eager: one speedup)
+    out = capsys.readouterr().out
+    assert "| hydra | grown | 25 | 3.00 | 2400.0 | 3.00x | True |" in out and "compile s" not in out

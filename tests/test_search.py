@@ -399,9 +399,13 @@ def test_trees_timed_after_a_compile_fell_back_to_eager_are_left_out_of_the_choi
     timed, untimed, _ = tree_search.timed_trees(list("abcd"), decs, [[1]], 1, 8, None, 2, None, str)
     assert [t for t, _ in timed] == ["a", "b"] and untimed == ["c", "d"]
     assert timed[1][1]["tokens_per_s"] == 12.0  # its compiled round, not the eager one after
+    # ... and its noise figure is of compiled rounds alone (a fallback's slow eager round made any tree a toss-up)
+    assert timed[1][1]["rounds_tokens_per_s"] == [12.0] and tree_search.rounds_gap(timed[1][1]) is None
     assert "2 trees ran eagerly (BackendCompilerFailed: ImportError" in capsys.readouterr().err
     timed, untimed, _ = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 1, None, str)
     assert [t for t, _ in timed] == ["c", "d"] and untimed == [] and "eagerly" not in capsys.readouterr().err
+    timed, _, _ = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 2, None, str)
+    assert timed[1][1]["rounds_tokens_per_s"] == [18.0, 18.0]  # (every round eager: all of them count)
 
 
 @pytest.mark.parametrize("kind", ["ssm", "eagle3"])  # (an untrained head's search has a single tree to time)

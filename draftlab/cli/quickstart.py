@@ -247,6 +247,57 @@ def decode_held_out(exports: dict[str, str], held_out_docs: list[str], num_promp
     return tot, plain_new / plain_t, tot.pop("plain (compiled)", None), decoders, len(prompts)
 
 
+def print_results(results: dict, searched: dict, tot: dict, btps: float, plain_c: dict | None, decoders: dict,
+                  step: str = "[4/4]") -> dict:
+    """The table of decode_held_out's figures (compiled when plain_c, compiled plain decoding's totals, is given),
+    each draft's default tree and searched one (searched: search_trees' reports); returns the summary's figures.
+    results: each kind's train() result."""
+    compile = plain_c is not None
+    cps = plain_c["new"] / plain_c["t"] if compile else None
+    print(f"\n{step} speculative decoding vs plain decoding of the same base")
+    print(f"plain decoding (Hugging Face generate, eager): {btps:.1f} tokens/s"
+          + (f"; draftlab's plain decoding compiled: {cps:.1f} tokens/s" if compile else "")
+          + "; each draft with its export's default tree (heads: grown from their held-out ranks where that decoded "
+          "held-out text better, else their kind's)" + (", then with the tree searched on this machine" if searched
+                                                         else "") + "\n")
+    if compile:
+        print("| draft | tree | tree size | accept length | tokens/s | speedup over compiled plain | over HF eager "
+              "| compile s | identical to plain greedy |\n|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| draft | tree | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n"
+              "|---|---|---|---|---|---|---|")
+    summary: dict = {"baseline_tokens_per_s": round(btps, 1), "heads": {}}
+    if compile:  # (its tokens are checked against HF's as the drafts' are)
+        summary.update(compiled_plain_tokens_per_s=round(cps, 1), compiled_plain_identical=plain_c["identical"],
+                       compiled_plain_warmup_s=round(plain_c["warmup_s"], 1))
+    for name, row in tot.items():
+        kind = name.split()[0]
+        accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
+        size = decoders[name].drafter.max_nodes
+        source = "searched" if name != kind else (results[kind].get("default_tree") or {}).get("source", "kind")
+        h = {"tree": source, "tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
+             "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"]}
+        if compile:
+            h.update(speedup_vs_compiled_plain=round(tps / cps, 3), warmup_s=round(row["warmup_s"], 1))
+            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / cps:.2f}x | {tps / btps:.2f}x | "
+                  f"{row['warmup_s']:.0f} | {row['identical']} |")
+        else:
+            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
+        if name != kind:
+            summary["heads"][kind]["searched"] = {**h, "tree_file": searched[kind]["tree"],
+                                                  **{k: searched[kind][k] for k in ("toss_up", "plain_tokens_per_s")},
+                                                  "search_s": round(searched[kind]["search_s"], 1)}
+        else:
+            summary["heads"][kind] = {**h, "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
+                                      "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
+                                      "export": results[kind]["export"]}
+    if compile:
+        print("\n(compile s: each method's compiling and warm-up on every prompt, before and outside its timing; a "
+              "searched tree's graphs were compiled by the search, and graphs an earlier run left in inductor's "
+              "on-disk cache load instead of compiling, so a second run on this machine shows less)")
+    return summary
+
+
 def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0, head_steps: int = 300,
                num_prompts: int = 16, max_new_tokens: int = 96, compile: bool = False, search: bool = False) -> dict:
     """Build a base, train + export Medusa / Hydra / Hydra++ heads and an SSM, search each one's tree on this
@@ -313,49 +364,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     tot, btps, plain_c, decoders, n_prompts = decode_held_out(
         methods, held_docs, num_prompts, max_new_tokens, compile,
         trees={f"{kind} searched": rep["tree"] for kind, rep in searched.items()}, step=f"[{of - 1}/{of}]")
-    cps = plain_c["new"] / plain_c["t"] if compile else None
-    print(f"\n[{of}/{of}] speculative decoding vs plain decoding of the same base")
-    print(f"plain decoding (Hugging Face generate, eager): {btps:.1f} tokens/s"
-          + (f"; draftlab's plain decoding compiled: {cps:.1f} tokens/s" if compile else "")
-          + "; each draft with its export's default tree (heads: grown from their held-out ranks where that decoded "
-          "held-out text better, else their kind's)" + (", then with the tree searched on this machine" if search
-                                                         else "") + "\n")
-    if compile:
-        print("| draft | tree | tree size | accept length | tokens/s | speedup over compiled plain | over HF eager "
-              "| compile s | identical to plain greedy |\n|---|---|---|---|---|---|---|---|---|")
-    else:
-        print("| draft | tree | tree size | accept length | tokens/s | speedup | identical to plain greedy |\n"
-              "|---|---|---|---|---|---|---|")
-    summary.update({"prompts": n_prompts, "compiled": compile, "tree_search": search,
-                    "baseline_tokens_per_s": round(btps, 1), "heads": {}})
-    if compile:  # (its tokens are checked against HF's as the drafts' are)
-        summary.update(compiled_plain_tokens_per_s=round(cps, 1), compiled_plain_identical=plain_c["identical"],
-                       compiled_plain_warmup_s=round(plain_c["warmup_s"], 1))
-    for name, row in tot.items():
-        kind = name.split()[0]
-        accept, tps = row["committed"] / max(1, row["steps"]), row["new"] / row["t"]
-        size = decoders[name].drafter.max_nodes
-        source = "searched" if name != kind else (results[kind].get("default_tree") or {}).get("source", "kind")
-        h = {"tree": source, "tree_size": size, "accept_length": round(accept, 3), "tokens_per_s": round(tps, 1),
-             "speedup": round(tps / btps, 3), "identical_to_baseline": row["identical"]}
-        if compile:
-            h.update(speedup_vs_compiled_plain=round(tps / cps, 3), warmup_s=round(row["warmup_s"], 1))
-            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / cps:.2f}x | {tps / btps:.2f}x | "
-                  f"{row['warmup_s']:.0f} | {row['identical']} |")
-        else:
-            print(f"| {kind} | {source} | {size} | {accept:.2f} | {tps:.1f} | {tps / btps:.2f}x | {row['identical']} |")
-        if name != kind:
-            summary["heads"][kind]["searched"] = {**h, "tree_file": searched[kind]["tree"],
-                                                  **{k: searched[kind][k] for k in ("toss_up", "plain_tokens_per_s")},
-                                                  "search_s": round(searched[kind]["search_s"], 1)}
-        else:
-            summary["heads"][kind] = {**h, "head_top1": [round(x, 4) for x in results[kind]["eval"]["top1"]],
-                                      "agree_top1": [round(x, 4) for x in results[kind]["eval"]["agree1"]],
-                                      "export": results[kind]["export"]}
-    if compile:
-        print("\n(compile s: each method's compiling and warm-up on every prompt, before and outside its timing; a "
-              "searched tree's graphs were compiled by the search, and graphs an earlier run left in inductor's "
-              "on-disk cache load instead of compiling, so a second run on this machine shows less)")
+    summary.update({"prompts": n_prompts, "compiled": compile, "tree_search": search})
+    summary.update(print_results(results, searched, tot, btps, plain_c, decoders, f"[{of}/{of}]"))
     summary["wall_s"] = round(time.perf_counter() - t_start, 1)
     fastest = max(((k, h) for k, head in summary["heads"].items() for h in (head, head.get("searched")) if h),
                   key=lambda kh: kh[1]["speedup"])

@@ -98,11 +98,14 @@ def time_trees(decoders: list, prompts: list[list[int]], batch_size: int, max_ne
                 return best
             m = measure(dec, prompts, batch_size, max_new_tokens, eos, warm=r == 0)  # warmed up once
             m["eager_fallback"] = getattr(dec, "compile_failed", None)  # see timed_trees
-            seen = (best[i] or {}).get("rounds_tokens_per_s", []) + [m["tokens_per_s"]]
-            if best[i] is None or (not m["eager_fallback"], m["tokens_per_s"]) > (not best[i]["eager_fallback"],
-                                                                                   best[i]["tokens_per_s"]):
+            prev = best[i]
+            if prev is None or (not m["eager_fallback"], m["tokens_per_s"]) > (not prev["eager_fallback"],
+                                                                               prev["tokens_per_s"]):
                 best[i] = m
-            best[i]["rounds_tokens_per_s"] = seen
+            # The rounds on the path of the kept figure: an eager round after a fallback measures no compiled noise.
+            path = bool(best[i]["eager_fallback"])
+            seen = prev["rounds_tokens_per_s"] if prev is not None and bool(prev["eager_fallback"]) == path else []
+            best[i]["rounds_tokens_per_s"] = seen + [m["tokens_per_s"]] * (bool(m["eager_fallback"]) == path)
             bar.update(1)
     bar.close()
     return best
