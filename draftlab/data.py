@@ -115,12 +115,19 @@ class Examples(Sequence):
 # ---------------------------------------------------------------------------------------------
 # reading
 
-def rewrite_lines(path: Path, lines: list[str]) -> None:
-    """path's new contents, one line each, in place of the old at once (a kill meanwhile leaves the old): how a
-    resumed run drops the records it redoes, or a line a killed one tore, from a file it appends to."""
+def replace_text(path: str | Path, text: str) -> None:
+    """path's new contents in place of the old at once: a kill meanwhile leaves the old file (or none), never part of
+    the new one, which a later run would read (a tree file, a cache's fingerprint)."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def rewrite_lines(path: Path, lines: list[str]) -> None:
+    """path's new contents, one line each, in place of the old at once (replace_text): how a resumed run drops the
+    records it redoes, or a line a killed one tore, from a file it appends to."""
+    replace_text(path, "".join(l + "\n" for l in lines))
 
 
 def _files(path: Path) -> list[Path]:
@@ -355,9 +362,10 @@ def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_p
         with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("spawn"), initializer=_tokenizer_worker,
                                  initargs=(worker_init, tokenizer, max_len)) as pool:
             return [r for part in pool.map(_tokenize_chunk, chunks) for r in part]
-    except BrokenProcessPool as e:
-        raise DataError(f"a tokenizing process (data.num_proc={num_proc}) died: {e}; lower data.num_proc if memory "
-                        "ran out") from None
+    except BrokenProcessPool as e:  # (a worker that raised at its start printed its traceback on stderr)
+        raise DataError(f"a tokenizing process (data.num_proc={num_proc}) failed or died: {e}; its traceback, if it "
+                        "raised one, is on stderr above; one killed may have run out of memory (lower "
+                        "data.num_proc)") from e
 
 
 _WORKER: dict = {}  # in a tokenizing process: its tokenizer and max_len

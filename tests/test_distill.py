@@ -2,6 +2,7 @@
 resume, every assistant turn regenerated, clear errors."""
 
 import json
+import time
 import socket
 
 import pytest
@@ -86,6 +87,36 @@ def test_endpoint_run_resumes_and_reports_errors(server, tmp_path):
         distill_data(None, str(src), str(tmp_path / "x.jsonl"), endpoints=[dead], model="tiny", retries=1)
     with pytest.raises(DataError, match="--all-turns .* needs --mode chat"):
         distill_data(None, str(src), str(tmp_path / "x.jsonl"), endpoints=[url], mode="text", all_turns=True)
+
+
+def test_a_failed_request_stops_the_batch_without_waiting_for_the_others_retries(monkeypatch):
+    """A request that fails for good (or Ctrl-C) ends the batch: the requests in flight are not retried and those not
+    sent are dropped (found by review: the thread pool's `with` block waited for every request, each up to timeout x
+    tries, an hour by default, before the error or the interrupt reached the caller)."""
+    import io
+    import threading
+    import urllib.error
+
+    import draftlab.train.distill as distill
+
+    calls = {"slow": 0}
+
+    def urlopen(req, timeout):
+        prompt = json.loads(req.data)["prompt"]
+        if prompt == "bad":
+            raise urllib.error.HTTPError(req.full_url, 400, "bad", {}, io.BytesIO(b"context too long"))
+        calls["slow"] += 1
+        time.sleep(0.2)
+        raise OSError("connection reset")  # (retried after a backoff)
+
+    monkeypatch.setattr(distill.urllib.request, "urlopen", urlopen)
+    ep = distill.Endpoints(["http://127.0.0.1:1"], "tiny", 4, 0.0, 1.0, concurrency=2, retries=6, timeout=1.0)
+    before = set(threading.enumerate())
+    with pytest.raises(DataError, match="HTTP 400: context too long"):
+        ep.answer(["slow", "bad", "slow", "slow"])
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=60)
+    assert calls["slow"] <= 2  # (the one in flight, and at most one try more; 7 tries and 31 s of backoff before)
 
 
 def test_a_folder_of_prompts_alone_resumes_record_by_record(tiny_base_dir, tmp_path):

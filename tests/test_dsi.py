@@ -292,6 +292,8 @@ def test_dsi_server_errors_reach_the_caller_and_the_pool_is_closed(tiny_base_dir
     with pytest.raises(DSIError, match="died"):
         dsi.generate(prompt, 48, kill_then_draft, lookahead=1)
     assert not _alive(dsi.procs)
+    with pytest.raises(DSIError, match="pool is closed"):  # (not a ValueError from a closed queue)
+        dsi.generate(prompt, 8, oracle(prompt, ref, 0.0, V, seed=0), lookahead=1)
 
 
 def test_dsi_failed_start_leaks_no_server(tmp_path):

@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -192,3 +193,37 @@ def test_the_compiled_table_gives_both_speedups_and_says_where_compile_seconds_c
     print_results(results, {}, {"hydra": tot["hydra"]}, 800.0, None, {"hydra": dec(25)})  # (eager: one speedup)
     out = capsys.readouterr().out
     assert "| hydra | grown | 25 | 3.00 | 2400.0 | 3.00x | True |" in out and "compile s" not in out
+
+
+def test_files_a_later_run_reads_are_replaced_whole_or_not_at_all(tiny_base_dir, tmp_path, monkeypatch):
+    """A run killed while it writes leaves the old file, not part of the new one (found by review): a tree file, a
+    schedule, a hidden-state cache's fingerprint and quickstart's base were written in place, and a later run read the
+    torn file (a base with its config.json but no weights was reused)."""
+    from pathlib import Path
+
+    import draftlab.cli.quickstart as qs
+    from draftlab.decode.tree import Tree
+
+    Tree.chain(2).save(tmp_path / "tree.json")
+    real = Path.write_text
+
+    def torn(self, text, *a, **k):  # half the text, then the process is killed
+        real(self, text[: len(text) // 2], *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(KeyboardInterrupt):
+        Tree.chain(4).save(tmp_path / "tree.json")
+    monkeypatch.setattr(Path, "write_text", real)
+    assert Tree.load(tmp_path / "tree.json").size == 3  # (the old tree, whole)
+
+    def killed_while_saving(tok, docs, out, minutes, seed):
+        shutil.copy(Path(tiny_base_dir) / "config.json", out / "config.json")  # (transformers writes it first)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qs, "stdlib_corpus", lambda: [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)])
+    monkeypatch.setattr(qs, "build_tokenizer", lambda docs, out: out.mkdir(parents=True))
+    monkeypatch.setattr(qs, "pretrain_base", killed_while_saving)
+    with pytest.raises(KeyboardInterrupt):
+        qs.quickstart(out=str(tmp_path / "qs"))
+    assert not (tmp_path / "qs" / "base" / "config.json").exists()  # (the next run builds the base again)

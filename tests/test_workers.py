@@ -139,3 +139,55 @@ def test_a_worker_killed_in_the_middle_of_a_large_message_is_reported_not_waited
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "WorkerError: test: a message from the workers could not be read" in out.stdout, out.stdout + out.stderr
     assert "has died" in out.stdout and "(exit code -9)" in out.stdout, out.stdout  # who died, and how
+
+
+INTERRUPTED = CHILD.replace("time.sleep(300)\n", "") + textwrap.dedent("""
+    def sender(inbox, pool):
+        die_with_parent()
+        import pickle
+        while True:
+            i = inbox.get()
+            pool.put(pickle.dumps((i, bytes([i % 256]) * (8 << 20))))  # 8 MB: read from the pipe in many pieces
+
+    if __name__ == "__main__":
+        import pickle
+        from draftlab.parallel.workers import reading_end_only, receive
+
+        ctx = mp.get_context("spawn")
+        inbox, pool = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=sender, args=(inbox, pool), daemon=True)
+        start_workers([p])
+        reading_end_only(pool)
+        interrupts = 0
+        for attempt in range(1, 31):
+            inbox.put(attempt)
+            assert pool._reader.poll(30)  # the message has begun to arrive
+            timer = threading.Timer(0.0005 * attempt, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                receive(pool, [p], 30.0, "test", loads=pickle.loads)
+                timer.join()  # (the interrupt lands here when the read was quicker)
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                interrupts += 1
+        print("interrupts", interrupts, flush=True)
+        inbox.put(255)
+        while True:  # a whole message (an interrupt before a read began leaves one), then the next one, intact
+            i, payload = receive(pool, [p], 30.0, "test", loads=pickle.loads)
+            assert payload == bytes([i]) * (8 << 20), i
+            if i == 255:
+                break
+        print("reused: every message whole", flush=True)
+""")
+
+
+def test_ctrl_c_while_a_large_message_is_read_leaves_the_queue_readable(tmp_path):
+    """Ctrl-C landing in the middle of a message's read left the rest of it in the pipe: the next read of that queue
+    (a pipeline or DSI pool reused after an interrupted run) took a length from its middle and waited for good, with
+    no timeout and the worker alive (found by review). The read now ends first, then the interrupt is raised."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "interrupts 30" in out.stdout, out.stdout + out.stderr[-2000:]  # every Ctrl-C still interrupts
+    assert "reused: every message whole" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -320,8 +322,12 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
     if not (base_dir / "config.json").is_file():
         print(f"[1/{of}] building a small base on {len(train_docs)} standard-library files ({len(held_docs)} more "
               f"held out; {minutes:g} min of pretraining)")
-        tok = build_tokenizer(train_docs, base_dir)
-        summary.update(pretrain_base(tok, train_docs, base_dir, minutes, seed))
+        building = out_dir / "base.tmp"  # renamed when whole: a run killed while saving leaves no base to reuse
+        shutil.rmtree(building, ignore_errors=True)
+        tok = build_tokenizer(train_docs, building)
+        summary.update(pretrain_base(tok, train_docs, building, minutes, seed))
+        shutil.rmtree(base_dir, ignore_errors=True)
+        os.replace(building, base_dir)
     else:
         print(f"[1/{of}] reusing the base in {base_dir}")
 

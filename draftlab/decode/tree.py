@@ -39,9 +39,11 @@ def _literal(text: str, source: str) -> list:
 
 def _write_json(path: str | Path, record: dict) -> None:
     """Write a tree file; its folder is created, as --out DIR/tree.json asks for a folder that may not exist yet."""
+    from ..data import replace_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    replace_text(path, json.dumps(record, indent=1))
 
 
 @dataclass(frozen=True)

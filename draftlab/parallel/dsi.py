@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import multiprocessing as mp
+import pickle
 import time
 from typing import Callable
 
@@ -152,7 +153,12 @@ def _server(index: int, base_path: str, dtype: str, device: str, tasks, results,
     target's greedy tokens or (sampling) its warped distributions after prefix + drafts[:i], i = 0..len(drafts).
     Replies ("result", index, task id, epoch, tokens or None when preempted); a failure replies ("error", ...)
     with the traceback and ends the server."""
+    from multiprocessing.reduction import ForkingPickler
+
     from .workers import die_with_parent, error_message
+
+    def send(msg) -> None:  # pickled here, in the try: the queue's feeder thread would drop a message that fails to
+        results.put(bytes(ForkingPickler.dumps(msg)))  # pickle (a tensor's shared memory refused) and only print it
 
     die_with_parent()
     try:
@@ -164,14 +170,14 @@ def _server(index: int, base_path: str, dtype: str, device: str, tasks, results,
         torch.set_num_threads(1)
         model, _ = load_base(base_path, dtype, device)
         target = greedy_model(model, width, backend)  # compiled: warmed up before it says it is ready
-        results.put(("ready", index))
+        send(("ready", index))
         while True:
             item = tasks.get()
             if item is None:
                 return
             task_id, ep, prefix, drafts = item
             if ep != epoch.value:  # preempted while queued
-                results.put(("result", index, task_id, ep, None))
+                send(("result", index, task_id, ep, None))
                 continue
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -181,9 +187,9 @@ def _server(index: int, base_path: str, dtype: str, device: str, tasks, results,
                 if ep != epoch.value:
                     break
                 time.sleep(min(0.002, max(0.0, latency - (time.perf_counter() - t0))))
-            results.put(("result", index, task_id, ep, toks if ep == epoch.value else None))
+            send(("result", index, task_id, ep, toks if ep == epoch.value else None))
     except BaseException:  # noqa: BLE001 - reported to the drafter, which raises it
-        results.put(error_message(f"target server {index} ({device})"))
+        send(error_message(f"target server {index} ({device})"))
 
 
 def server_devices(sp: int) -> list[str]:
@@ -217,7 +223,10 @@ class DSI:
             raise ValueError(f"{sp} target servers need {sp} devices, got {devices}")
         ctx = mp.get_context("spawn")
         self.sp, self.timeout_s, self.next_id, self.target_latency_s = sp, timeout_s, 0, target_latency_s
-        self.epoch = ctx.Value("i", 0)
+        # No lock: the servers read it every few ms, and one killed while holding a lock would leave the drafter's
+        # next epoch waiting for good; this process is its only writer.
+        self.epoch = ctx.Value("i", 0, lock=False)
+        self.closed = False
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(sp)]
         self.sampling = sampling if sampling is not None and sampling.temperature > 0 else None
@@ -243,8 +252,8 @@ class DSI:
 
         try:
             if block:
-                return receive(self.results, self.procs, timeout_s, "DSI")
-            return poll(self.results, self.procs, wait_s, "DSI")
+                return receive(self.results, self.procs, timeout_s, "DSI", loads=pickle.loads)
+            return poll(self.results, self.procs, wait_s, "DSI", loads=pickle.loads)
         except WorkerError as e:
             self.close()
             raise DSIError(str(e)) from None
@@ -253,6 +262,7 @@ class DSI:
         """Stop the servers (asked first, then terminated); safe to call twice."""
         from .workers import stop_workers
 
+        self.closed = True
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)
@@ -265,8 +275,7 @@ class DSI:
         self.close()
 
     def _new_epoch(self) -> None:
-        with self.epoch.get_lock():
-            self.epoch.value += 1  # preempts every task and draft of the last epoch
+        self.epoch.value += 1  # preempts every task and draft of the last epoch
 
     def generate(self, prompt: list[int], max_new_tokens: int, draft_next: Callable, lookahead: int,
                  draft_latency_s: float = 0.0, seed: int = 0, eos_token_id=None, stop=None) -> dict:
@@ -289,6 +298,9 @@ class DSI:
 
         if lookahead < 1:
             raise ValueError("DSI needs lookahead >= 1")
+        if self.closed:
+            raise DSIError("this DSI pool is closed (a server failed, died or went silent, or close() was called); "
+                           "start a new one")
         sampling = self.sampling is not None
         gen = role_generator(seed, "verifier")
         eos = eos_set(eos_token_id)

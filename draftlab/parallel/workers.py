@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from ..procs import die_with_parent  # noqa: F401 (the workers' first call; it lives where every stage reaches it)
 
@@ -62,13 +64,35 @@ def error_message(who: str) -> tuple:
     return ("error", who, traceback.format_exc())
 
 
+@contextmanager
+def ctrl_c_held():
+    """Ctrl-C (SIGINT) held back until the block ends, then raised as it would have been. A read interrupted in the
+    middle of a message leaves the rest of it in the pipe, and the next read of the same queue (a pipeline or DSI
+    pool reused after an interrupted run) takes a length from the middle of it and waits for good. Only the main
+    thread gets SIGINT, and only a Python handler can be held back; elsewhere the block runs as it is."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    got: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if got:
+            handler(signal.SIGINT, got[0])
+
+
 def _get(q, wait_s: float, procs: list, what: str, loads=None):
     """q's next message within wait_s seconds (none: only one already there), passed through loads; queue.Empty when
-    none came. A worker's error report, and a message that cannot be read, raise WorkerError."""
+    none came. A worker's error report, and a message that cannot be read, raise WorkerError. Ctrl-C waits for the
+    read to end (ctrl_c_held; wait_s is at most receive's poll_s, half a second, where a caller blocks)."""
     try:
-        msg = q.get(timeout=wait_s) if wait_s > 0 else q.get_nowait()
-        if loads is not None:
-            msg = loads(msg)
+        with ctrl_c_held():
+            msg = q.get(timeout=wait_s) if wait_s > 0 else q.get_nowait()
+            if loads is not None:
+                msg = loads(msg)
     except (EOFError, OSError, pickle.UnpicklingError) as e:  # a message that cannot be read: unpickling a tensor
         # shared by a worker that has died since (its resource sharer refuses), a truncated message, the pipe's end
         dead = _dead(procs, wait_s=1.0)

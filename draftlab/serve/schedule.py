@@ -29,6 +29,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..data import replace_text
 from ..decode.tree import Tree
 # Decoding by a schedule file lives in scheduled.py (generate imports it without the search); re-exported here.
 from .scheduled import (ScheduledDecoder, decoder_for_batch, drafter_for_batch, is_schedule,  # noqa: F401
@@ -235,19 +236,19 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
                          "follow the schedule: plain steps there)")
     record = {"paths": paths, "metadata": meta, "schedule": entries}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    replace_text(out, json.dumps(record, indent=1))
     written = {"tree": str(out)}
     vllm_path, sglang_path = engine_paths(out)
     if kind in VLLM_METHOD:
         # one line: `vllm serve BASE --speculative-config "$(cat OUT.vllm.json)"`
-        vllm_path.write_text(json.dumps(vllm_config(entries, VLLM_METHOD[kind], engine_model)) + "\n")
+        replace_text(vllm_path, json.dumps(vllm_config(entries, VLLM_METHOD[kind], engine_model)) + "\n")
         written["vllm"] = str(vllm_path)
     else:
         written["vllm"] = f"not written: vLLM has no {kind} drafter"
     if kind in SGLANG_ALGORITHM:
-        sglang_path.write_text(sglang_text(first, SGLANG_ALGORITHM[kind], engine_model,
-                                           schedule.get("estimate_no_speculation_above",
-                                                        schedule["no_speculation_above"])))
+        replace_text(sglang_path, sglang_text(first, SGLANG_ALGORITHM[kind], engine_model,
+                                              schedule.get("estimate_no_speculation_above",
+                                                           schedule["no_speculation_above"])))
         written["sglang"] = str(sglang_path)
     else:
         written["sglang"] = f"not written: SGLang's steps / top-k / draft-token settings have no {kind} drafter"

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from ..base import stop_token_ids
-from ..config import Recipe, build_recipe, dump_recipe
+from ..config import Recipe, build_recipe
 from ..data import prompt_length  # noqa: F401 (also read from here)
-from .run_dir import resume_records
+from .run_dir import resume_records, write_run_config
 
 
 def stage_recipe(recipe: Recipe, i: int) -> Recipe:
@@ -184,9 +184,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
             import shutil
 
             shutil.rmtree(out / "stages", ignore_errors=True)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(dump_recipe(recipe))
-        (out / "STOP").unlink(missing_ok=True)  # (one left from an earlier invocation stopped that one)
+        write_run_config(out, recipe)  # (whole: a resume checks it; a STOP file left from an earlier invocation goes)
     state.wait_for_everyone()
     metrics = out / "metrics.jsonl"
     recorded = {r["stage"] for r in resume_records(metrics, fix=state.is_main_process) if "stage" in r}

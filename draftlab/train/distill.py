@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -120,6 +121,7 @@ class Endpoints:
         self.concurrency, self.retries, self.timeout = concurrency, retries, timeout
         self.model = model or self._served_model()
         self.next = 0
+        self.stopped = threading.Event()  # set when a batch fails or is interrupted: requests in flight end there
 
     def _served_model(self) -> str:
         for url in self.urls:
@@ -134,6 +136,8 @@ class Endpoints:
     def _post(self, start: int, route: str, body: dict) -> dict:
         last = None
         for attempt in range(self.retries + 1):
+            if self.stopped.is_set():
+                raise DataError("stopped: another request of the batch failed or the run was interrupted")
             url = self.urls[(start + attempt) % len(self.urls)] + route
             req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
             try:
@@ -163,8 +167,19 @@ class Endpoints:
     def answer(self, prompts: list) -> list[tuple[str, bool]]:
         jobs = [(self.next + j, p) for j, p in enumerate(prompts)]
         self.next += len(prompts)
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._one, jobs))
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        try:
+            futures = [pool.submit(self._one, job) for job in jobs]
+            wait(futures, return_when=FIRST_EXCEPTION)  # (the first failure, not the first request's retries)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            return [f.result() for f in futures]
+        except BaseException:  # Ctrl-C or a failed request: the requests not sent are dropped and those in flight
+            self.stopped.set()  # are not retried, rather than each waited for (up to timeout x tries) before the
+            raise  # error is raised
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --- the run ----------------------------------------------------------------------------------------

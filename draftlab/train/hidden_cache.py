@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data import Examples
+from ..data import Examples, replace_text
 
 
 def fingerprint(examples: list[dict], base_name: str, dtype: torch.dtype, layers: tuple = (),
@@ -71,7 +71,7 @@ class HiddenCache:
             if not old.is_file() or json.loads(old.read_text()) != meta:
                 for f in ("hidden.bin", "done.bin"):
                     (d / f).unlink(missing_ok=True)
-                old.write_text(json.dumps(meta))
+                replace_text(old, json.dumps(meta))  # (whole: a torn one would fail every later run)
         elif json.loads((d / "meta.json").read_text()) != meta:
             raise RuntimeError(f"{d}: hidden-state cache was made for other data or another base")
         total = max(1, self.offsets[-1] * hidden_size)

@@ -301,7 +301,8 @@ def open_accept_estimate(run: Run) -> None:
     ckpt = latest_checkpoint(run.out_dir)
     if run.is_main and ckpt is not None and not (ckpt / BEST_STATE).is_file():
         # A checkpoint of a draftlab from before the best draft was checkpointed: resume with no best so far.
-        torch.save(run.best.state_dict(), ckpt / BEST_STATE)
+        torch.save(run.best.state_dict(), ckpt / (BEST_STATE + ".tmp"))  # (whole or not at all: the checkpoint
+        os.replace(ckpt / (BEST_STATE + ".tmp"), ckpt / BEST_STATE)  # is complete already, and resume loads it)
     run.accelerator.wait_for_everyone()
 
 
