@@ -466,6 +466,11 @@ def test_typical_epsilon_and_alpha_default_as_medusa_and_are_checked():
         Sampling(typical=True, posterior_threshold=0.0)
     with pytest.raises(ValueError, match="posterior_alpha"):
         Sampling(typical=True, posterior_alpha=-1.0)
+    # (top_p 0 cut every token: NaN probabilities, a cryptic multinomial error, or token V-1 drawn on the device)
+    with pytest.raises(ValueError, match=r"top_p = 0.0: .* in \(0, 1\]"):
+        Sampling(temperature=0.7, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k = -1"):
+        Sampling(temperature=0.7, top_k=-1)
     parser = build_parser()
     a = parser.parse_args(["generate", "x", "--prompt", "p", "--typical", "--temperature", "0.7",
                            "--typical-epsilon", "0.16"])

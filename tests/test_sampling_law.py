@@ -358,6 +358,55 @@ def test_heads_tree_sampling_keeps_the_law_over_several_steps(kind):
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_k=5))))
 
 
+@pytest.mark.parametrize("kind,compile", [("ssm", None), ("ssm", "eager"), ("dflash", None), ("dflash", "eager")])
+def test_sampled_siblings_are_independent_draws_from_the_q_they_hand_in(kind, compile):
+    """The rule accepts a sampled sibling by p / q after the others' rejection, which keeps the law only if siblings
+    are independent draws from q. A drafter whose siblings shared one uniform (copies of one draw, still handed in as
+    i.i.d.) passed the law tests of the default run, which met it in too few steps (found by review). Here each row's
+    first proposal: the pairs of the root's first two children against q x q (their q), over 3000 rows."""
+    from test_decoder import chi_square
+
+    base, lm = ssm_setup()
+    s, n = Sampling(temperature=1.0), 3000
+    if kind == "ssm":
+        drafter = SSMDrafter(lm, Tree.expansion([3]))
+    else:
+        from test_dflash import dflash
+
+        drafter = make_drafter(dflash(base, seed=3, block_size=3, scale=0.3), Tree.from_paths([[0], [1], [2]]))
+    first, propose = [], drafter.propose
+
+    def recording(root):
+        prop = propose(root)
+        if not first:
+            first.append(prop)
+        return prop
+
+    drafter.propose = recording  # (the first proposal, after the prefill, on either path)
+    SpeculativeDecoder(base, drafter, compile=compile).generate(
+        prompts(n), max_new_tokens=2, sampling=s, generator=torch.Generator().manual_seed(0))
+    prop = first[0]
+    a, b = 1, 2  # (the root's first two children in both trees)
+    q = prop.q[torch.arange(n), prop.q_index[:, a]].double()  # [n, V]: the law both were drawn from
+    assert torch.equal(prop.q_index[:, a], prop.q_index[:, b])
+    V = q.shape[-1]
+    counts = torch.bincount(prop.tokens[:, a] * V + prop.tokens[:, b], minlength=V * V).double()
+    stat, df = chi_square(counts, (q[:, :, None] * q[:, None, :]).mean(0).flatten())
+    assert df >= 8 and stat < df + 4 * (2 * df) ** 0.5, (stat, df)  # (shared uniforms: a statistic over 15,000)
+
+
+@pytest.mark.slow
+def test_the_fused_chained_sampled_step_keeps_the_law_through_inductor_on_a_cpu(monkeypatch):
+    """tests/test_gpu_law.py's check of the fused and chained sampled step (the compiled acceptance inside the verify
+    call) with inductor's code on this CPU: the default run's compiled tests trace with dynamo's eager backend, and
+    the GPU test is skipped without a GPU."""
+    import test_gpu_law
+
+    monkeypatch.setattr(test_gpu_law, "DEVICE", "cpu")
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "inductor")
+    test_gpu_law.test_sampled_steps_keep_the_law_on_the_gpu(fused=True)
+
+
 # --- more samples, longer continuations --------------------------------------------------------------------------
 
 @pytest.mark.slow

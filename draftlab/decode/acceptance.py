@@ -33,6 +33,10 @@ class Sampling:
     posterior_alpha: float | None = None  # alpha; None: sqrt(epsilon)
 
     def __post_init__(self):
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}: the nucleus' probability mass, in (0, 1] (1: no cut)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k = {self.top_k}: the number of tokens kept, >= 0 (0: no cut)")
         if not 0 < self.posterior_threshold <= 1:
             raise ValueError(f"typical epsilon (posterior_threshold) = {self.posterior_threshold}: a probability "
                              "threshold in (0, 1] is needed, e.g. Medusa's 0.09")
