@@ -16,6 +16,7 @@ from test_decoder import plain_greedy
 from draftlab.base import base_states
 from draftlab.config import LossSection
 from draftlab.decode.acceptance import Sampling
+from draftlab.decode.cache import static_slots
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.tree import Tree
 from draftlab.drafters import PromptState, build_draft, kind_of, make_drafter
@@ -109,6 +110,15 @@ def _peaked():
     return base
 
 
+def _row_ends(drafter) -> list[int]:
+    """Each row's end in the drafter's context cache, on the device, with a last commit the static path has staged
+    (written at the next proposal) counted."""
+    ends = drafter.row_n.tolist()
+    if drafter.staged is not None:
+        ends = [e + int(k) for e, k in zip(ends, drafter.staged[2].sum(-1).tolist())]
+    return ends
+
+
 @pytest.mark.parametrize("window_min", [256, 4])
 def test_block_logits_at_every_step_are_the_same_on_the_static_path(window_min, monkeypatch):
     """On the static path a commit's context entries are written in the next proposal's call (padded to one width,
@@ -132,25 +142,28 @@ def test_block_logits_at_every_step_are_the_same_on_the_static_path(window_min, 
     for opts in ({}, {"static": True}):
         seen.append([])
         dec = SpeculativeDecoder(base, make_drafter(d, tree), **opts)
-        dec.generate(prompts, max_new_tokens=21)
-        staged = opts and dec.drafter.staged is not None  # (a last commit, if any, is staged)
-        used.append(dec.drafter.n + (dec.drafter.staged_len if staged else 0))
+        res = dec.generate(prompts, max_new_tokens=21)
+        used.append(_row_ends(dec.drafter))
+        L = max(map(len, prompts))  # each row's entries: the (padded) prompt and its own text, not the batch's
+        assert all(end <= L + len(t) + tree.depth for end, t in zip(used[-1], res.tokens)), (used[-1], opts)
+        assert dec.drafter.valid.shape[1] == static_slots(dec.drafter.slots)  # (never regrown in the run)
     assert len(seen[0]) == len(seen[1]) > 5
     for a, b in zip(*seen):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    # The static path's context cache holds each step's longest path, as the eager one does (found by review: it
-    # grew by the tree's width every step, holes kept, reallocated as it filled).
+    # The static path's context cache holds each row's paths, as the eager one does (found by review: it grew by the
+    # tree's width every step, holes kept, reallocated as it filled; then by the batch's longest path, one end shared
+    # by every row, which filled it twice as fast as the text with 6 rows).
     assert used[0] == used[1]
 
 
-@pytest.mark.parametrize("path,window_min", [({"static": True}, 256), ({"static": True}, 4),
-                                             pytest.param({"compile": "eager"}, 256, marks=pytest.mark.slow)])
-def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_one(path, window_min, monkeypatch):
-    """A block drafter trained for a few steps on the base's own greedy text accepts several tokens per step;
-    the static-shape path (and, with the slow tests, the compiled one: dynamo's graph capture) gives the eager
-    tokens and steps, with EOS in the middle of a block. window_min 4: the block reads windows of 8, 16 and 32 of
-    its 256 context slots as the text grows."""
-    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
+PROMPTS3 = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]  # uneven: left-padded rows
+TREE5 = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The peaked base and a block drafter trained for a few steps on its own greedy text: it accepts several tokens
+    per step, some rows more than others."""
     base = _peaked()
     d = dflash(base, seed=1, block_size=4, num_anchors=64)
     text = torch.tensor([[1] + plain_greedy(base, [1], 40), [1, 5] + plain_greedy(base, [1, 5], 39)])
@@ -163,9 +176,54 @@ def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_on
         opt.zero_grad()
         loss.backward()
         opt.step()
-    d.eval()
-    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
-    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    return base, d.eval()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_every_step_s_block_is_the_training_block_at_that_row_s_root(trained, static, monkeypatch):
+    """Past the first step and with several rows (uneven prompts, partial accepts): each row's block in the decoder
+    equals the training forward's block anchored at its root's position over that row's own text, so the drafter's
+    context and positions follow each row (a wrong one would only lower acceptance, which the exactness tests do
+    not see; found by review: only the first step of one row was compared)."""
+    from draftlab.drafters.dflash import DFlashDrafter
+
+    base, d = trained
+    seen, block = [], DFlashDrafter._block
+
+    def recording(self, root, window=None, next_pos=None):
+        out = block(self, root, window, next_pos)
+        seen.append((root.clone(), (self.next_pos if next_pos is None else next_pos).clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(DFlashDrafter, "_block", recording)
+    res = SpeculativeDecoder(base, make_drafter(d, TREE5), static=static).generate(PROMPTS3, max_new_tokens=21)
+    assert res.accept_length > 1.5 and len(seen) > 5
+    compared = 0
+    for b, p in enumerate(PROMPTS3):
+        full = torch.tensor([p + res.tokens[b]])
+        states = base_states(base, full, torch.ones_like(full), d.base_layers)[:, :, :-1]
+        for root, pos, logits in seen:
+            a = int(pos[b])
+            if a < full.shape[1] - 1:  # (a row that has ended drafts nothing that counts)
+                assert int(root[b]) == int(full[0, a])
+                with torch.no_grad():
+                    want = d.logits(_one_block(d, states, full, a)[1:]).float()
+                torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=1e-4)
+                compared += 1
+    assert compared > 15
+
+
+@pytest.mark.parametrize("path,window_min", [({"static": True}, 256), ({"static": True}, 4),
+                                             pytest.param({"compile": "eager"}, 256, marks=pytest.mark.slow)])
+def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_one(path, window_min, monkeypatch,
+                                                                                  trained):
+    """A block drafter trained for a few steps on the base's own greedy text accepts several tokens per step;
+    the static-shape path (and, with the slow tests, the compiled one: dynamo's graph capture) gives the eager
+    tokens and steps, with EOS in the middle of a block. window_min 4: the block reads windows of 8, 16 and 32 of
+    its 256 context slots as the text grows."""
+    monkeypatch.setattr("draftlab.decode.cache.WINDOW_MIN", window_min)
+    base, d = trained
+    prompts, tree = PROMPTS3, TREE5
     eager = SpeculativeDecoder(base, make_drafter(d, tree)).generate(prompts, max_new_tokens=21)
     assert eager.accept_length > 1.5, eager.accept_length
     eos = eager.tokens[0][9]
@@ -178,8 +236,7 @@ def test_static_and_compiled_paths_give_the_eager_tokens_and_accept_more_than_on
         got = dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
         assert got.tokens == r.tokens and got.steps == r.steps, (path, e)
         ref_dec.generate(prompts, max_new_tokens=21, eos_token_id=e)
-        staged = dec.drafter.staged_len if dec.drafter.staged is not None else 0
-        assert dec.drafter.n + staged == ref_dec.drafter.n  # the context cache holds what the eager one does
+        assert _row_ends(dec.drafter) == _row_ends(ref_dec.drafter)  # the context cache holds what the eager one does
 
 
 def test_the_compiled_block_call_traces_as_one_graph():

@@ -218,6 +218,7 @@ class Verifier:
         return StepResult(tokens, paths, keep[:, :M], keep_valid[:, :M], length - 1, kept_pos[:, :M], valid_before,
                           bonus, live.clone(), time_s={"draft": draft_s, "verify": t3 - t2, "accept": t4 - t3},
                           host_tokens=[h[3 + N: 3 + N + h[1]] for h in host], host_live=list(self.live_host),
+                          host_verified=live_rows,
                           states=states, full=(keep, keep_valid, kept_pos), drafted=drafted)
 
     @property

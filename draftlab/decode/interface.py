@@ -88,6 +88,8 @@ class StepResult:
     # and `live` as a list. Drafters read them through path_tokens() / live_rows(), which copy once if absent.
     host_tokens: list[list[int]] | None = None
     host_live: list[bool] | None = None
+    # The rows this step verified (live before it), on the host: keep_valid's rows (None: read from keep_valid).
+    host_verified: list[bool] | None = None
     # The base's states at every tree node, [B, N, H] per requested layer, and keep / keep_valid / positions at the
     # tree's full width N (see `fixed`).
     states: dict[int, torch.Tensor] | None = None
@@ -116,6 +118,12 @@ class StepResult:
             tok = self.tokens.tolist()
             self.host_tokens = [[tok[b][n] for n in p] for b, p in enumerate(self.paths)]
         return self.host_tokens
+
+    def verified_rows(self) -> list[bool]:
+        """The rows this step verified (live before it; their paths' entries are keep_valid's), on the host."""
+        if self.host_verified is None:
+            self.host_verified = self.keep_valid[:, 0].tolist()
+        return self.host_verified
 
     def live_rows(self) -> list[bool]:
         """`live` on the host."""

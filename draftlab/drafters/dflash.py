@@ -18,9 +18,10 @@ draftlab's (and Hugging Face's output_hidden_states) indexing: id i is hidden_st
 layer i, i.e. the output of layer i - 1; DFlash's checkpoints name the layer whose output is read
 (`target_layer_ids`), so an export writes id - 1.
 
-Training: per sequence, `num_anchors` anchor positions a are drawn at random among those with a supervised token
-after them; block j holds x_a and masks at positions a..a+block_size-1, its queries see the context features at
-positions < a (what decoding has when x_a is the base's newest token) and the whole block. Block position k
+Training: per sequence, `num_anchors` anchor positions a >= 1 are drawn at random among those whose token and
+the token after it are supervised (draftlab's rule; docs/drafters.md); block j holds x_a and masks at positions
+a..a+block_size-1, its queries see the context features at positions < a (what decoding has when x_a is the
+base's newest token) and the whole block. Block position k
 predicts x_{a+k} with weight exp(-(k - 1) / loss_decay_gamma), the loss normalised by the summed weights
 (SpecForge's); the target is the data token (SpecForge), the base's distribution at position a+k-1 (speculators),
 or a mix (loss.distill_weight), as for every other kind.
@@ -64,7 +65,7 @@ def default_layers(num_base_layers: int, num_draft_layers: int) -> list[int]:
 
 def default_gamma(block_size: int) -> float:
     """The paper's decay of the loss weight over block positions: gamma 7 for blocks of 16, 5 for 10, 4 for 8;
-    other sizes interpolate linearly in the block size (at least 1)."""
+    other sizes take the line through the 8 and 16 entries (at least 1)."""
     table = {8: 4.0, 10: 5.0, 16: 7.0}
     if block_size in table:
         return table[block_size]
@@ -371,6 +372,11 @@ def _default_mask_token(base, V: int) -> int:
 
 # --- decoding -----------------------------------------------------------------------------------------------
 
+def _lengths(step: StepResult) -> list[int]:
+    """Each row's entries the step adds to the context cache (its path; none for a row that had ended), on the host."""
+    return [len(p) if v else 0 for p, v in zip(step.paths, step.verified_rows())]
+
+
 class DFlashDrafter(Drafter):
     """Drafts the block below the root in one forward and fills a static rank-path tree from it: depth d holds
     block position d's top-k (greedy) or i.i.d. samples of its warped distribution q_d (sampling; q given, so
@@ -407,21 +413,41 @@ class DFlashDrafter(Drafter):
         """Each draft layer's context keys / values of base features feats [B, T, n, H] at positions [B, T]."""
         return self.m.context_kv(self.m.context(feats), positions)
 
-    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor) -> None:
-        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T]) into the cache."""
+    def _append(self, feats: torch.Tensor, positions: torch.Tensor, ok: torch.Tensor, lengths: list[int]) -> None:
+        """Context entries (base features feats [B, T, n, H] at positions [B, T], valid ok [B, T], a prefix of each
+        row's T) into the cache at each row's end; lengths: an upper bound of each row's valid count, on the host."""
         kv = self._entries(feats, positions)
-        T = ok.shape[1]
-        self._room(T, kv, ok)
+        self._room(ok.shape[1], kv, ok)
+        self.row_n = self._write(kv, ok, self.row_n)
+        self._advance(lengths)
+
+    def _write(self, kv: list, ok: torch.Tensor, row_n: torch.Tensor) -> torch.Tensor:
+        """Entries kv (per layer (k, v) [B, kv_heads, W, d]) and ok [B, W] written at each row's slots row_n ..
+        row_n + W, the holes as zeros (a masked slot still enters attention's product: zero weight times a stray
+        NaN is NaN); returns each row's new end. Tensor operations only (in the static path's compiled call)."""
+        B, W = ok.shape
+        at = row_n[:, None] + torch.arange(W, device=ok.device)  # [B, W]
         for (kb, vb), (k, v) in zip(self.kv, kv):
-            kb[:, :, self.n: self.n + T], vb[:, :, self.n: self.n + T] = k, v
-        self.valid[:, self.n: self.n + T] = ok
-        self.n += T
+            idx = at[:, None, :, None].expand(B, kb.shape[1], W, kb.shape[3])
+            keep = ok[:, None, :, None]
+            kb.scatter_(2, idx, torch.where(keep, k.to(kb.dtype), 0))
+            vb.scatter_(2, idx, torch.where(keep, v.to(vb.dtype), 0))
+        self.valid.scatter_(1, at, ok)
+        return row_n + ok.sum(-1)
+
+    def _advance(self, lengths: list[int]) -> None:
+        """Each row's end moved by at most lengths[b] (its path's length: a row that ended adds none on the device);
+        self.n, the largest, bounds every row's entries on the host without a sync. Rows keep their own ends: a
+        shared one moved by the batch's longest path each step would leave holes in the other rows and fill the
+        cache about twice as fast as the text with a few rows, regrowing it (and recompiling) in the run."""
+        self.ends = [e + k for e, k in zip(self.ends, lengths)]
+        self.n = max(self.ends)
 
     def _room(self, T: int, kv: list, ok: torch.Tensor) -> None:
         """Room in the cache for T more entries shaped like kv (per layer (k, v) [B, kv_heads, *, d]) and ok [B, *]:
         first for the prompt and the run (self.slots), then doubled (in 256-slot steps) when full, their committed
         entries copied."""
-        if self.kv is None or self.n + T > self.valid.shape[1]:
+        if self.kv is None or self.n + T > self.valid.shape[1]:  # (self.n bounds every row's end)
             from ..decode.cache import static_buffer, static_slots
 
             cap = max(2 * (0 if self.kv is None else self.valid.shape[1]), static_slots(max(self.n + T, self.slots)))
@@ -440,12 +466,20 @@ class DFlashDrafter(Drafter):
     # --- the interface ----------------------------------------------------------------------------------------
     def begin(self, prompt: PromptState, sampling: Sampling, generator) -> None:
         self.sampling, self.generator = sampling, generator
-        self.kv, self.n, self.staged = None, 0, None
-        self.slots = prompt.ids.shape[1] + prompt.room  # the cache's first size (PromptState.room)
+        B, L = prompt.ids.shape
+        self.kv, self.n, self.staged, self.ends = None, L, None, [L] * B
+        self.row_n = torch.full((B,), L, dtype=torch.long, device=prompt.ids.device)  # each row's end
+        self.slots = L + prompt.room  # the cache's first size (PromptState.room)
         feats = torch.stack([prompt.hidden[l] for l in self.hidden_layers], 2)  # [B, L, n, H]
         self.states_like = (feats.dtype, feats.shape[3], feats.shape[2])  # a step's base states (empty_fixed)
-        with torch.no_grad():
-            self._append(feats, prompt.positions, prompt.valid.bool())
+        valid = prompt.valid.bool()
+        with torch.no_grad():  # the first L slots, the left padding's holes zeroed (see _write)
+            kv = self._entries(feats, prompt.positions)
+            self._room(0, kv, valid)
+            for (kb, vb), (k, v) in zip(self.kv, kv):
+                hole = ~valid[:, None, :, None]
+                kb[:, :, :L], vb[:, :, :L] = k.masked_fill(hole, 0), v.masked_fill(hole, 0)
+            self.valid[:, :L] = valid
         # The root's position: one past each row's last prompt position (prompts are left-padded).
         self.next_pos = prompt.positions[:, -1] + 1
 
@@ -500,29 +534,26 @@ class DFlashDrafter(Drafter):
         self.staged = None
         W = ok.shape[1]
         self._room(W, self.kv, self.valid)
-        n = torch.tensor(self.n, device=root.device)
         window = attention_window(self.n + W, self.valid.shape[1], self.valid.device.type)
         fn = compiled_method(self, "_commit_block", backend) if backend else self._commit_block
-        out, self.next_pos = fn(root, states, keep, positions, ok, n, window, greedy)
-        # The step's longest path (its entries are the first of the W written; the holes past it are written over
-        # by the next commit), as the eager path and the base's cache keep: the cache grows with the text, not by
-        # the tree's width every step.
-        self.n += 0 if empty else self.staged_len
+        out, self.next_pos, self.row_n = fn(root, states, keep, positions, ok, self.row_n, window, greedy)
+        # Each row's path (its entries are the first of the W written; the holes past it are written over by the
+        # next commit), as the eager path and the base's cache keep: the cache grows with the text, not by the
+        # tree's width every step.
+        if not empty:
+            self._advance(self.staged_lens)
         return out
 
-    def _commit_block(self, root, states, keep, positions, ok, n, window: int, greedy: bool = False):
+    def _commit_block(self, root, states, keep, positions, ok, row_n, window: int, greedy: bool = False):
         """The static path's step, tensor operations only (compiled: one graph): the last commit's context entries
         (the base's states at every tree node gathered at keep [B, W]; the entries ok [B, W] leaves out are holes)
-        projected and written to the cache at slots n .. n + W (n a tensor), then the block (as _block, over the
-        first `window` entries). Returns its logits (greedy: the tree's tokens) and the root's positions."""
-        at = n + torch.arange(ok.shape[1], device=ok.device)
-        for (kb, vb), (k, v) in zip(self.kv, self._entries(gather_kept(states, keep), positions)):
-            kb.index_copy_(2, at, k.to(kb.dtype))
-            vb.index_copy_(2, at, v.to(vb.dtype))
-        self.valid.index_copy_(1, at, ok)
+        projected and written to the cache at each row's end row_n [B] (_write), then the block (as _block, over
+        the first `window` entries). Returns its logits (greedy: the tree's tokens), the root's positions and the
+        rows' new ends."""
+        row_n = self._write(self._entries(gather_kept(states, keep), positions), ok, row_n)
         next_pos = self.next_pos + ok.sum(-1)
         logits = self._block(root, window, next_pos)
-        return (rank_tree_tokens(root, logits, self.buf, self.topk) if greedy else logits), next_pos
+        return (rank_tree_tokens(root, logits, self.buf, self.topk) if greedy else logits), next_pos, row_n
 
     # --- the chained step (Drafter.chain): _commit_block in the verifier's call ------------------------------------
     def chain_args(self) -> tuple | None:
@@ -530,25 +561,24 @@ class DFlashDrafter(Drafter):
             return None  # sampled blocks draw their tree from the generator, outside any call
         W = self.tree.depth + 1
         self._room(W, self.kv, self.valid)
-        return (W, torch.tensor(self.n, device=self.valid.device),
-                attention_window(self.n + W, self.valid.shape[1], self.valid.device.type))
+        return W, self.row_n, attention_window(self.n + W, self.valid.shape[1], self.valid.device.type)
 
-    def chain(self, states, full, tokens, bonus, last, W: int, n, window: int):
+    def chain(self, states, full, tokens, bonus, last, W: int, row_n, window: int):
         keep, ok, positions = [t[:, :W] for t in full]
-        return self._commit_block(bonus, states, keep, positions, ok, n, window, True)
+        return self._commit_block(bonus, states, keep, positions, ok, row_n, window, True)
 
     def chained(self, step: StepResult) -> Proposal:
-        tokens, self.next_pos = step.drafted
-        self.n += step.keep.shape[1]  # the step's longest path (see _static_block)
+        tokens, self.next_pos, self.row_n = step.drafted
+        self._advance(_lengths(step))  # (see _static_block)
         return Proposal(tokens, static_view(self.views, self.buf, tokens.shape[0]))
 
     @torch.no_grad()
     def commit(self, step: StepResult) -> None:
         if (self.decode_path or {}).get("static"):  # one width; they go in at the next proposal's call
-            self.staged, self.staged_len = step.fixed(self.tree.depth + 1, self.hidden_layers), step.keep.shape[1]
+            self.staged = step.fixed(self.tree.depth + 1, self.hidden_layers)
+            self.staged_lens = _lengths(step)
             return
         feats = torch.stack([step.hidden[l] for l in self.hidden_layers], 2)  # [B, M, n, H] at the kept nodes
         ok = step.keep_valid
-        positions = step.positions
-        self._append(feats, positions, ok)
+        self._append(feats, step.positions, ok, _lengths(step))
         self.next_pos = self.next_pos + ok.sum(-1)

@@ -991,7 +991,7 @@ class EnsembleDrafter(Drafter):
 
     def _after_vote(self, step: StepResult) -> None:
         """Once per verified batch: the winners' weights (VoteWeights) and the adaptive length."""
-        rows = [b for b, v in enumerate(step.keep_valid[:, 0].tolist()) if v]  # rows verified in this step
+        rows = [b for b, v in enumerate(step.verified_rows()) if v]
         if not rows:
             return
         won: dict[int, tuple[int, int]] = {}
