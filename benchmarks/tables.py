@@ -1092,6 +1092,9 @@ TABLES = {
     "refactor_check_dflash_cache": ("refactor_check_dflash_cache", refactor_check_compiled_exports(
         "DFlash's context cache advancing by each step's longest path, against the commit before, one thread "
         "(AMD EPYC)", "refactor_check_dflash_cache")),
+    "refactor_check_dflash_row_ends": ("refactor_check_dflash_row_ends", refactor_check_compiled_exports(
+        "DFlash's context cache with an end per row, against the commit before, one thread (AMD EPYC)",
+        "refactor_check_dflash_row_ends")),
     "refactor_check_session_1130e": ("refactor_check_session_1130e", refactor_check_compiled_exports(
         "The afternoon's changes of 2026-11-30 against the commit before them, one thread (AMD EPYC)",
         "refactor_check_session_1130e")),
