@@ -251,6 +251,15 @@ def test_export_is_the_eagle3_checkpoint_layout(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 24
     assert (torch.arange(24) + t["d2t"]).tolist() == list(range(10, 34))
+    # At the base's whole vocabulary the file holds no maps (the engines take none as the identity; vLLM since its
+    # PR #53458 has no parameter for d2t there, so an all-zero one failed the load), and draftlab loads it back.
+    whole = eagle(base, seed=9, scale=5.0)
+    whole.fit_vocab([])
+    out_whole = save_export(whole, base, tmp_path / "w", "tiny")
+    tw = load_file(out_whole / "model.safetensors")
+    assert not {"d2t", "t2d"} & set(tw) and vllm_names(tw) == VLLM_PARAMS - {"draft_id_to_target_id"}
+    back, _ = load_export(out_whole, base=base)
+    assert back.t2d.all() and not back.d2t.any()
     # Logits computed from the file the way the engines do equal draftlab's own.
     torch.manual_seed(0)
     T = 5

@@ -178,6 +178,22 @@ class Eagle3Draft(ReadsBase, nn.Module):
                 "norm_output": bool(c.get("norm_output")),
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}}
 
+    @property
+    def full_vocab(self) -> bool:
+        return self.d2t.numel() == self.vocab_size
+
+    def engine_state(self) -> dict:
+        """The tensors of model.safetensors: the module's, without the vocabulary maps when the draft's vocabulary
+        is the base's whole one. The engines take no map as the identity, and vLLM (since its PR #53458) builds no
+        draft_id_to_target_id at full vocabulary, so an all-zero d2t in the file failed its load."""
+        state = self.state_dict()
+        return {k: v for k, v in state.items() if k not in ("d2t", "t2d")} if self.full_vocab else state
+
+    def loaded_without_maps(self) -> None:
+        """After loading a file without the vocabulary maps (engine_state): the identity, at full vocabulary."""
+        self.d2t.zero_()
+        self.t2d.fill_(True)
+
     def config(self) -> dict:
         return {"type": "eagle3", **self.cfg}
 
