@@ -157,9 +157,9 @@ class Eagle3Draft(ReadsBase, nn.Module):
         one-layer Llama (LlamaForCausalLMEagle3) with draft_vocab_size, target_hidden_size and the base layer
         ids it reads, in each engine's convention: at the top level as Hugging Face hidden_states indices (vLLM
         captures the input of decoder layer L), under eagle_config one less (SGLang captures the output of decoder
-        layer L, hidden_states[L + 1]; since sglang PR #25454 only when the first id is 1, so the default layers
-        of bases with six or more layers, which start at 2, read alike before and after it; `draftlab check`
-        says so for others). The base's RoPE settings are copied: the draft layer rotates positions exactly as
+        layer L, hidden_states[L + 1]; for DeepSeek-V2/V3 and GLM4-MoE-Lite targets, since sglang PR #25454, only
+        when the first id is 1, so the default layers of bases with six or more layers, which start at 2, read
+        alike before and after it there; `draftlab check` says so for others). The base's RoPE settings are copied: the draft layer rotates positions exactly as
         the base does."""
         c = self.cfg
         rope = dict(c["rope_parameters"])

@@ -13,8 +13,9 @@ Engine rules (the loaders' code; sources in docs/interop.md):
 - vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as Hugging Face hidden_states indices (the
   residual stream captured before decoder layer L); missing: (2, n // 2, n - 3), silently.
 - SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids`, as decoder-layer outputs: it captures
-  hidden_states[L + 1]; missing: (2, n // 2, n - 3) with no offset. Since sglang PR #25454 the +1 is applied only
-  when the first id is 1 (a first id of 2 is taken as vLLM's convention).
+  hidden_states[L + 1]; missing: (2, n // 2, n - 3) with no offset. For DeepSeek-V2/V3 and GLM4-MoE-Lite targets
+  only, since sglang PR #25454 the +1 is applied only when the first id is 1 (a first id of 2 is taken as vLLM's
+  convention); its Llama, Qwen2 and Qwen3 models (0.5.23) add 1 always.
 - Both capture each layer once, in layer order, whatever the order of the ids; target id = draft id + d2t[id]
   (a missing d2t is all zeros: the first draft_vocab_size ids, no error); t2d is not read.
 """
@@ -49,8 +50,14 @@ def default_aux(n: int) -> list[int]:
     return [2, n // 2, n - 3]
 
 
-def engine_reads(cfg: dict, engine: str, n: int) -> list[tuple[str, list[int]]]:
-    """(who reads it, the hidden_states indices captured) for each reading of config.json by `engine`."""
+# The target models whose SGLang code adds 1 to the ids only when the first is 1 (PR #25454, in deepseek_v2.py,
+# which serves DeepSeek-V3 too, and glm4_moe_lite.py); its other models add 1 always (llama.py, qwen2.py, qwen3.py).
+FIRST_ID_RULE = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+
+
+def engine_reads(cfg: dict, engine: str, n: int, base_type: str = "") -> list[tuple[str, list[int]]]:
+    """(who reads it, the hidden_states indices captured) for each reading of config.json by `engine`, for a base
+    of model_type base_type."""
     if engine == "vllm":
         ids = cfg.get("eagle_aux_hidden_state_layer_ids")
         return [("vLLM (no top-level ids: its silent default)" if ids is None else "vLLM", default_aux(n)
@@ -60,10 +67,12 @@ def engine_reads(cfg: dict, engine: str, n: int) -> list[tuple[str, list[int]]]:
         return [("SGLang (no eagle_config ids: its default)", default_aux(n))]
     old = [int(i) + 1 for i in ids]
     new = old if ids and int(ids[0]) == 1 else [int(i) for i in ids]
-    return [("SGLang", old)] + ([("SGLang since PR #25454 (+1 only when the first id is 1)", new)] if new != old else [])
+    if base_type not in FIRST_ID_RULE or new == old:
+        return [("SGLang", old)]
+    return [("SGLang", old), (f"SGLang since PR #25454 (a {base_type} target: +1 only when the first id is 1)", new)]
 
 
-def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
+def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str = "") -> Check:
     head = meta["head"]
     if head["type"] == "dflash":
         ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
@@ -85,7 +94,7 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int) -> Check:
                         f"once, in layer order ({sorted(set(layers))}), so fc would read other features; retrain with "
                         "distinct ascending layers")
     for engine in engines:
-        for who, got in engine_reads(cfg, engine, n):
+        for who, got in engine_reads(cfg, engine, n, base_type):
             if got == layers:
                 notes.append(f"{who} captures hidden_states {got}")
                 continue
@@ -431,8 +440,8 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
             continue
         try:
             if kind == "eagle3":
-                eng = EngineEagle3(tensors, cfg, base, engine_reads(cfg, engine, base.config.num_hidden_layers)[0][1],
-                                   eagle31=engine != "vllm")
+                reads = engine_reads(cfg, engine, base.config.num_hidden_layers, base.config.model_type)
+                eng = EngineEagle3(tensors, cfg, base, reads[0][1])  # (vLLM 0.33 and SGLang read EAGLE-3.1's switches)
             elif kind == "dflash":
                 eng = EngineDFlash(tensors, cfg, base)
         except (ValueError, KeyError) as e:
@@ -502,7 +511,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     tok = load_tokenizer(tok_src, field="--tokenizer") if tokenizer else use_chat_template(load_tokenizer(tok_src), d,
                                                                                              meta)
     cfg, tensors, where = _served_files(d, meta, served)
-    checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"]),
+    checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"], base_cfg.get("model_type", "")),
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),
               check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
               check_tokenizer(d, meta, tok_src)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -226,6 +227,11 @@ def medusa_state(heads, base_name: str) -> tuple[dict, dict]:
                    "base_model_name_or_path": base_name}
 
 
+VLLM_MEDUSA_NOTE = ("vLLM releases that ship a Medusa model (`vllm/model_executor/models/medusa.py`) load this "
+                    "layout; vLLM 0.33.0 has none (no `medusa` speculative method), so it serves these heads no "
+                    "longer (checked 2026-12-01).")
+
+
 def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> str:
     """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do."""
     head, base, tr = meta["head"], meta["base"], meta.get("training") or {}
@@ -239,6 +245,8 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
              f"({base['model_type']}, hidden size {base['hidden_size']}, vocabulary {base['vocab_size']}), written by "
              f"draftlab in the `{fmt}` layout. Greedy speculative decoding with it reproduces the base's own greedy "
              "output; it changes speed, not text.", ""]
+    if fmt == "vllm-medusa":
+        lines += [VLLM_MEDUSA_NOTE, ""]
     if meta.get("adapter"):  # Medusa-2: the heads read the hidden states of the base with its LoRA adapter
         lines[-2] = lines[-2].replace("the base's own greedy output", "the adapted base's greedy output (below)")
         lines += ["**Medusa-2: trained with a LoRA adapter on the base**, in `adapter/` (peft's format). The heads "
@@ -320,4 +328,6 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
             shutil.copytree(Path(export_dir) / meta["adapter"], out / "adapter", dirs_exist_ok=True)
             files += [f"adapter/{f.name}" for f in (out / "adapter").iterdir()]
     (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
+    if fmt == "vllm-medusa":
+        print(f"export: {VLLM_MEDUSA_NOTE}", file=sys.stderr)
     return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}

@@ -46,8 +46,9 @@ class EngineEagle3:
     g; RoPE from the draft's own config; logits over the draft vocabulary, draft id i = target id i + d2t[i]."""
 
     def __init__(self, tensors: dict, cfg: dict, base, captured: list[int], eagle31: bool = True):
-        """eagle31: the engine reads EAGLE-3.1's switches (`fc_norm`, `norm_output`); vLLM's llama_eagle3.py reads
-        neither (read at vLLM 00bd149): it runs the layer as EAGLE-3 whatever they say, and has no fc_norm weights."""
+        """eagle31: the engine reads EAGLE-3.1's switches (`fc_norm`, `norm_output`), as vLLM 0.33.0's
+        llama_eagle3.py does; False: an older vLLM's, which read neither (at vLLM 00bd149: it ran the layer as
+        EAGLE-3 whatever they said, and had no fc_norm weights)."""
         self.t = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         if not eagle31:
             if cfg.get("fc_norm"):
