@@ -344,6 +344,47 @@ def test_tokenized_examples_are_kept_for_resume_and_made_again_when_an_input_cha
     assert calls == [1, 1, 1]
 
 
+def test_a_step_s_objective_does_not_depend_on_batch_size_and_accumulation(tiny_base_dir, tmp_path):
+    """One optimizer step over the same four conversations, answers of 8 and of 200 characters, as batch 4, as 2 x 2
+    accumulated and as 1 x 4: the same gradient and logged loss. Each micro-batch's mean loss divided by
+    grad_accum_steps made a token of a short answer weigh many times one of a long answer, so the layout changed the
+    objective (found by review: gradient norms 1.047, 1.330 and 1.649 in a run like this one). Ranks take the same
+    shares (window_shares, one all-reduce a step; the two-process launch runs it)."""
+    from conftest import STORY_TEXT
+
+    data = tmp_path / "uneven.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"Tell me about cat {i}."},
+        {"from": "gpt", "value": STORY_TEXT[i * 7: i * 7 + (200 if i % 2 else 8)]}]}) + "\n" for i in range(12)))
+    seen = []
+    for batch, ga in ((4, 1), (2, 2), (1, 4)):
+        out = tmp_path / f"b{batch}x{ga}"
+        r = recipe(tiny_base_dir, data, out, batch_size=batch, grad_accum_steps=ga, max_steps=1, max_grad_norm=1e9,
+                   warmup_steps=0, eval_every_steps=100, save_every_steps=100)
+        train(build_recipe({**r.model_dump(mode="json"), "data": {"path": str(data), "max_len": 128,
+                                                                   "eval_size": 0}}))
+        rec = next(json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"grad_norm"' in l)
+        seen.append((rec["grad_norm"], rec["loss"]))
+    for grad_norm, loss in seen[1:]:
+        assert grad_norm == pytest.approx(seen[0][0], rel=1e-5) and loss == pytest.approx(seen[0][1], rel=1e-5)
+
+
+def test_a_step_the_fp16_loss_scaler_skipped_leaves_the_schedule_where_it_was():
+    """On an fp16 overflow the optimizer skips its step; the learning-rate schedule (a plain LambdaLR, which
+    Accelerate's wrapper would not guard) stepped anyway, so warm-up lost those steps (found by review)."""
+    from types import SimpleNamespace
+
+    from draftlab.train.loop import optimizer_step
+
+    stepped = []
+    for skipped in (True, False):
+        opt = SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None, step_was_skipped=skipped)
+        run = SimpleNamespace(recipe=SimpleNamespace(train=SimpleNamespace(max_grad_norm=0)), optimizer=opt,
+                              scheduler=SimpleNamespace(step=lambda: stepped.append(skipped)))
+        optimizer_step(run)
+    assert stepped == [False]
+
+
 def test_the_logged_loss_and_top1_are_every_rank_s():
     """The log record's loss and train_top1 were rank 0's alone (found by review: at 64 GPUs, a curve of 1/64 of
     the data). They are now averaged (loss) and summed (top-1 counts) over the ranks."""

@@ -245,8 +245,6 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
              f"({base['model_type']}, hidden size {base['hidden_size']}, vocabulary {base['vocab_size']}), written by "
              f"draftlab in the `{fmt}` layout. Greedy speculative decoding with it reproduces the base's own greedy "
              "output; it changes speed, not text.", ""]
-    if fmt == "vllm-medusa":
-        lines += [VLLM_MEDUSA_NOTE, ""]
     if meta.get("adapter"):  # Medusa-2: the heads read the hidden states of the base with its LoRA adapter
         lines[-2] = lines[-2].replace("the base's own greedy output", "the adapted base's greedy output (below)")
         lines += ["**Medusa-2: trained with a LoRA adapter on the base**, in `adapter/` (peft's format). The heads "
@@ -254,6 +252,8 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
                   "`merge_and_unload`), and that merged model as the target. The outputs are then the adapted "
                   "base's, not the original base's; with the original base as the target the heads draft from "
                   "states they were not trained on.", ""]
+    if fmt == "vllm-medusa":
+        lines += [VLLM_MEDUSA_NOTE, ""]
     lines += ["## Training", ""]
     recipe = tr.get("recipe") or {}
     if recipe:

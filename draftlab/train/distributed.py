@@ -156,6 +156,9 @@ def deepspeed_plugin(recipe: Recipe):
         "zero_optimization": zero,
         "bf16": {"enabled": t.mixed_precision == "bf16"},
         "fp16": {"enabled": t.mixed_precision == "fp16"},
+        # Gradients accumulate in float32 over the micro-batches (DeepSpeed's default is the model's dtype: bf16
+        # under mixed precision, which rounds every accumulation; the DDP path accumulates in float32).
+        "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 1 << 30,
     }
     return DeepSpeedPlugin(hf_ds_config=config)

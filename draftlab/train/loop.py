@@ -306,9 +306,9 @@ def open_accept_estimate(run: Run) -> None:
     run.accelerator.wait_for_everyone()
 
 
-def micro_step(run: Run, idx: list[int], sync: bool, step: int) -> tuple[dict, int]:
-    """Forward and backward on one micro-batch (gradients synchronised across ranks only when `sync`); the
-    objective's outputs and the batch's token count."""
+def micro_step(run: Run, idx: list[int], sync: bool, step: int, share: float) -> tuple[dict, int]:
+    """Forward and backward on one micro-batch (gradients synchronised across ranks only when `sync`), its loss
+    weighted by `share` (window_shares); the objective's outputs and the batch's token count."""
     accelerator, recipe = run.accelerator, run.recipe
     batch = collate([run.train_ex[i] for i in idx], run.tok.pad_token_id)
     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
@@ -330,8 +330,24 @@ def micro_step(run: Run, idx: list[int], sync: bool, step: int) -> tuple[dict, i
             out = run.objective(hidden, batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
                                 run.base_weight)
         # DeepSpeed's engine divides by its gradient_accumulation_steps itself.
-        accelerator.backward(out["loss"] if run.use_deepspeed else out["loss"] / ga)
+        accelerator.backward(out["loss"] * (share * ga if run.use_deepspeed else share))
     return out, int(batch["attention_mask"].sum())
+
+
+def window_shares(run: Run, batches: list[list[int]]) -> list[float]:
+    """Each micro-batch's weight in an optimizer step: its supervised tokens (loss_mask) over those of the step's
+    micro-batches on every rank, times the number of ranks (the gradient is averaged over them). Each objective is a
+    mean over its micro-batch's supervised positions, so the step's gradient is that of the mean over all of them,
+    whatever the batch size, accumulation and rank count (with 1 / grad_accum_steps instead, a token in a
+    micro-batch of short answers weighed several times one of long answers, and the layout changed the objective).
+    One all-reduce a step."""
+    counts = [sum(int(sum(run.train_ex[i]["loss_mask"])) for i in idx) for idx in batches]
+    accelerator = run.accelerator
+    total = torch.tensor([float(sum(counts))], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    total = max(float(total[0]), 1.0)
+    return [c * accelerator.num_processes / total for c in counts]
 
 
 def optimizer_step(run: Run):
@@ -339,7 +355,8 @@ def optimizer_step(run: Run):
     t = run.recipe.train
     grad_norm = run.accelerator.clip_grad_norm_(run.params, t.max_grad_norm) if t.max_grad_norm > 0 else None
     run.optimizer.step()
-    run.scheduler.step()
+    if not getattr(run.optimizer, "step_was_skipped", False):  # (fp16: a step the loss scaler skipped on an
+        run.scheduler.step()  # overflow leaves the schedule where it was, as Accelerate's own scheduler wrapper does)
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -357,14 +374,23 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
     end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, step + stop_after_steps)
     stopper = StopRequest(run.out_dir, accelerator, run.stop_dirs)
     micro = step * ga
-    order: dict[int, list] = {}  # this epoch's micro-batches
-    while step < end_step:
-        epoch, j = divmod(micro, run.micro_per_epoch)
+    order: dict[int, list] = {}  # the micro-batches of this epoch (and of the next, where a window reaches it)
+
+    def batch_at(m: int) -> list[int]:
+        epoch, j = divmod(m, run.micro_per_epoch)
         if epoch not in order:
-            order = {epoch: micro_batch_indices(len(run.train_ex), t.batch_size, epoch, t.seed, rank, world)}
+            order.update({epoch: micro_batch_indices(len(run.train_ex), t.batch_size, epoch, t.seed, rank, world)})
+            for old in [e for e in order if e < epoch - 1]:
+                del order[old]
+        return order[epoch][j]
+
+    while step < end_step:
+        if micro % ga == 0:
+            shares = window_shares(run, [batch_at(micro + m) for m in range(ga)])
         sync = (micro + 1) % ga == 0
-        out, tokens = micro_step(run, order[epoch][j], sync, step)
-        window.add(out["loss"].item() / ga, tokens * world)
+        share = shares[micro % ga]
+        out, tokens = micro_step(run, batch_at(micro), sync, step, share)
+        window.add(out["loss"].item() * share, tokens * world)
         micro += 1
         if not sync:
             continue
@@ -410,9 +436,9 @@ class Window:
         self.tokens += tokens
 
     def record(self, step: int, epoch: float, lr: float, out: dict, grad_norm, accelerator) -> dict:
-        """The log record: the loss averaged over the window's steps and over the ranks (each rank's is the mean of
-        its micro-batches', as the gradient averages them), train_top1 over every rank's last micro-batch. Every
-        rank calls it at the same steps (one all-reduce)."""
+        """The log record: the loss averaged over the window's steps and over the ranks (each rank's is its
+        micro-batches' weighted by their shares of the step's supervised tokens, as the gradient weighs them),
+        train_top1 over every rank's last micro-batch. Every rank calls it at the same steps (one all-reduce)."""
         device = accelerator.device
         loss = torch.tensor([self.loss / self.n], dtype=torch.float64, device=device)
         top = torch.stack([out["top1"], out["count"]]).float()
