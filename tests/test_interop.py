@@ -166,10 +166,14 @@ def test_export_for_vllm_loads_into_its_structure_with_the_same_logits(base, tin
         torch.testing.assert_close(load_export(tmp_path / "back")[0].state_dict()[k], v)
 
 
-def test_export_faster_decoding_round_trip_and_shared_blocks(base, tiny_base_dir, tmp_path):
+def test_export_faster_decoding_round_trip_and_shared_blocks(base, tiny_base_dir, tmp_path, capsys):
     heads = random_heads(base, K=2, L=1)
     save_export(heads, base, tmp_path / "exp", str(tiny_base_dir))
     export_to(tmp_path / "exp", "medusa", tmp_path / "fd")
+    # FasterDecoding's current loader builds 5 heads for a heads-only directory (found by review): heads 2..4 would
+    # stay random there, said on stderr and in the model card.
+    note = "builds 5 heads for a heads-only directory"
+    assert note in capsys.readouterr().err and note in (tmp_path / "fd" / "README.md").read_text()
     state = torch.load(tmp_path / "fd" / "medusa_lm_head.pt", weights_only=True)
     assert set(state) == set(faster_decoding_state(heads))
     cfg = json.loads((tmp_path / "fd" / "config.json").read_text())

@@ -227,6 +227,20 @@ def medusa_state(heads, base_name: str) -> tuple[dict, dict]:
                    "base_model_name_or_path": base_name}
 
 
+def fasterdecoding_note(num_heads: int) -> str | None:
+    """What FasterDecoding's current loader does with a heads-only directory of num_heads heads (None: nothing to
+    say): its MedusaModel.from_pretrained takes the config with AutoConfig, which needs the base's whole config and
+    weights in the directory, and otherwise builds medusa_num_heads = 5 whatever the config says, loading the file
+    with strict=False (its older loader read medusa_num_heads)."""
+    if num_heads == 5:
+        return None
+    what = (f"heads {num_heads}..4 keep their random initialisation: decode there with a tree no deeper than "
+            f"{num_heads} (mc_sim_7b_63 is 4 deep)" if num_heads < 5
+            else f"heads 5..{num_heads - 1} are not loaded: trees deeper than 5 lose them")
+    return (f"FasterDecoding's current MedusaModel.from_pretrained builds 5 heads for a heads-only directory whatever "
+            f"medusa_num_heads says (its older loader reads it), and these are {num_heads}: {what}.")
+
+
 VLLM_MEDUSA_NOTE = ("vLLM releases that ship a Medusa model (`vllm/model_executor/models/medusa.py`) load this "
                     "layout; vLLM 0.33.0 has none (no `medusa` speculative method), so it serves these heads no "
                     "longer (checked 2026-12-01).")
@@ -254,6 +268,8 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
                   "states they were not trained on.", ""]
     if fmt == "vllm-medusa":
         lines += [VLLM_MEDUSA_NOTE, ""]
+    if fmt == "medusa" and fasterdecoding_note(head["num_heads"]):
+        lines += [fasterdecoding_note(head["num_heads"]), ""]
     lines += ["## Training", ""]
     recipe = tr.get("recipe") or {}
     if recipe:
@@ -328,6 +344,8 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
             shutil.copytree(Path(export_dir) / meta["adapter"], out / "adapter", dirs_exist_ok=True)
             files += [f"adapter/{f.name}" for f in (out / "adapter").iterdir()]
     (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
-    if fmt == "vllm-medusa":
-        print(f"export: {VLLM_MEDUSA_NOTE}", file=sys.stderr)
+    note = VLLM_MEDUSA_NOTE if fmt == "vllm-medusa" else fasterdecoding_note(meta["head"]["num_heads"]) \
+        if fmt == "medusa" else None
+    if note:
+        print(f"export: {note}", file=sys.stderr)
     return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}
