@@ -42,6 +42,11 @@ def test_questions_formats_and_errors(tmp_path):
         load_questions(str(bad))
     with pytest.raises(EvalError, match="no such file, and not a hub dataset id"):
         load_questions("nothing-here.jsonl")
+    twice = tmp_path / "twice.jsonl"  # (answers are kept by id: one counted under both categories before)
+    twice.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n'
+                     '{"question_id": 1, "category": "b", "turns": ["yo"]}\n')
+    with pytest.raises(EvalError, match="twice.jsonl:2: question_id 1 again"):
+        load_questions(str(twice))
 
 
 def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path):
@@ -110,6 +115,28 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
         run_mt_bench(export, str(MT), str(out), limit=5, max_new_tokens=16, progress=False)
     with pytest.raises(EvalError, match="other settings .*dtype: None -> 'float64'"):
         run_mt_bench(export, str(MT), str(out), limit=5, dtype="float64", **kw)
+
+    # An export retrained in place (same path, other weights) made new answers; the old ones were kept and reported
+    # as its own (found by review). So does another machine or thread count, whose timings would be mixed.
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(export, moved)
+    s = run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
+    (moved / "draft.safetensors").write_bytes((moved / "draft.safetensors").read_bytes())  # (rewritten: mtime)
+    with pytest.raises(EvalError, match="other settings .*export_files"):
+        run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
+    settings = json.loads((tmp_path / "m" / "run.json").read_text())
+    (tmp_path / "m" / "run.json").write_text(json.dumps({**settings, "export_files": None, "hardware": "elsewhere"}))
+    with pytest.raises(EvalError, match="other settings .*hardware: 'elsewhere'"):
+        run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
+    # --overwrite removes the old summary and report at once: a run killed before writing its own left the old ones,
+    # which `eval compare` read as this run's
+    from draftlab.eval.mt_bench import _settings_file
+
+    assert (tmp_path / "m" / "summary.json").is_file() and (tmp_path / "m" / "report.md").is_file()
+    _settings_file(tmp_path / "m", settings, overwrite=True)
+    assert not (tmp_path / "m" / "summary.json").exists() and not (tmp_path / "m" / "report.md").exists()
 
 
 def test_a_turn_that_compiled_is_decoded_again_until_nothing_compiles(monkeypatch):
@@ -284,6 +311,15 @@ def test_sampling_run_and_compare(export, tmp_path):
     rows = table.splitlines()[2:4]
     assert rows[0].split(" | ")[2] == str(runs[0]["tree_size"]) and rows[1].split(" | ")[2] == "5"
     assert rows[0].split(" | ")[6] == "-" and rows[1].split(" | ")[6] == "100%"  # sampled vs greedy run
+    assert "Sampling: speculative and plain decoding draw from their own random streams" in (
+        tmp_path / "a" / "report.md").read_text()
+    # Other questions of the same file are not a comparison of the same text (found by review: not said)
+    run_mt_bench(export, str(SPEC), str(tmp_path / "c"), categories=["translation"], limit=1, max_new_tokens=16,
+                 tree="chain", progress=False, plots=False)
+    _, runs = compare_runs([str(tmp_path / "b"), str(tmp_path / "c")])
+    from draftlab.eval.compare import held_fixed
+
+    assert any(line.startswith("questions_answered:") for line in held_fixed(runs))
     with pytest.raises(EvalError, match="no summary.json"):
         compare_runs([str(tmp_path)])
 

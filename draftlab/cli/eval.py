@@ -21,7 +21,8 @@ def add_eval_args(sub) -> None:
     p.add_argument("--questions", default=None,
                    help="question.jsonl (FastChat or Spec-Bench) or a hub dataset id (default: the 80 MT-Bench "
                         "questions that ship with draftlab, data/mt_bench/question.jsonl)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/eval/<export name>)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/eval/<the folder holding the export: its "
+                   "training run>; answers already there are kept when the export, base and settings match)")
     p.add_argument("--tree", default=None,
                    help="'default', 'kind', 'chain', 'chain:N', 'expansion:K1,K2,...', 'dynamic:DEPTH,TOP_K,TOTAL' "
                         "(eagle3 "

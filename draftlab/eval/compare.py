@@ -6,8 +6,8 @@ A slice got worse when B's accept length, or B's speedup, is lower than A's by m
 Each row carries the slice's size in both runs (records, or verification steps for output position), so a
 drop in a slice of two records reads as what it is.
 
-Runs are compared for what a comparison holds fixed (`held_fixed`): the base, the questions and how many turns
-were answered, the sampling, the length limit, the dtype and the hardware. Where they differ the command says so
+Runs are compared for what a comparison holds fixed (`held_fixed`): the base, the questions, which of them and how
+many turns were answered, the field the slices follow, the sampling, the length limit, the dtype and the hardware. Where they differ the command says so
 above the tables (`not_comparable` with --json); the export, tree, compiling and baseline are what one compares.
 """
 
@@ -19,8 +19,8 @@ from .mt_bench import EvalError
 from .slices import SLICINGS, bucket_key
 
 
-HELD_FIXED = ("base", "questions", "max_new_tokens", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
-              "typical_alpha", "dtype", "hardware")
+HELD_FIXED = ("base", "questions", "questions_answered", "slice_field", "max_new_tokens", "temperature", "top_p",
+              "top_k", "typical", "typical_epsilon", "typical_alpha", "dtype", "hardware")
 
 
 def held_fixed(runs: list[dict]) -> list[str]:

@@ -35,6 +35,26 @@ from .slices import plot_slices, slice_report, slice_tables, turn_records
 NEAR_TIE_ULPS = 8  # see near_tie_tolerance
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
             "typical_alpha", "max_new_tokens", "seed", "baseline", "compiled", "dtype")
+# Checked when the run directory records them (run.json files written before 2026-12-01 do not): an export or base
+# whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
+# whose timings would be mixed with these under one hardware label.
+RUN_KEYS_SINCE_1201 = ("export_files", "base_files", "hardware")
+
+
+def files_fingerprint(path: str) -> str | None:
+    """A digest of a local model directory's files (draftlab.json's and config.json's contents, every other file's
+    name, size and modification time), or None for a hub id: what says its weights changed in place."""
+    import hashlib
+
+    d = Path(path)
+    if not d.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(d)}\0{st.st_size}\0".encode())
+        h.update(f.read_bytes() if f.name in ("draftlab.json", "config.json") else str(st.st_mtime_ns).encode())
+    return h.hexdigest()[:16]
 
 
 class EvalError(ValueError):
@@ -73,6 +93,9 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
         if slice_field and slice_field not in r:
             raise EvalError(f"{where}: --slice-field {slice_field}: the question record has no such field "
                             f"(fields: {', '.join(sorted(r))})")
+        if any(q["question_id"] == r["question_id"] for q in out):
+            raise EvalError(f"{where}: question_id {r['question_id']!r} again: answers are kept by question_id, so "
+                            "ids must be unique")
         out.append({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"],
                     **({slice_field: r[slice_field]} if slice_field else {})})
     if categories:
@@ -279,7 +302,9 @@ def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict, s
             hist.update({int(k): v for k, v in h.items()})
     diffs = [{"question_id": q["question_id"], "category": q["category"], **d}
              for q in qs for d in d_ans[q["question_id"]].get("differences", [])]
-    return {**settings, "hardware": hardware(), "overall": _agg(by(d_ans, None), by(b_ans, None)),
+    answered = json.dumps(sorted(str(q["question_id"]) for q in qs))  # (which questions, whatever the file's path)
+    return {**settings, "hardware": hardware(), "questions_answered": f"{zlib.crc32(answered.encode()):08x}",
+            "overall": _agg(by(d_ans, None), by(b_ans, None)),
             "categories": {c: _agg(by(d_ans, c), by(b_ans, c)) for c in cats},
             "accept_histogram": {str(k): hist[k] for k in sorted(hist)}, "differences": diffs,
             "slices": slice_report(turn_records(qs, d_ans, b_ans, slice_field), slice_field)}
@@ -333,6 +358,12 @@ def write_report(out: Path, s: dict) -> Path:
             lines.append("Every answer is identical to plain decoding.")
         else:
             lines.append("No plain baseline ran (--no-baseline): losslessness was not checked.")
+    else:
+        lines += ["", "Sampling: speculative and plain decoding draw from their own random streams, so their answers "
+                  "differ and are not compared token by token. " + (
+                      "Typical acceptance does not keep the base's distribution." if s.get("typical") else
+                      "Speculative sampling keeps the base's distribution; this run does not check that (the "
+                      "test suite's law tests do).")]
     if s.get("slices"):
         lines += ["", "## Slices", "", "Accept length = tokens committed / verification steps within the slice; "
                   "buckets are powers of two, and an output-position step counts where it starts."]
@@ -381,11 +412,14 @@ def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
     if f.is_file() and not overwrite:
         old = json.loads(f.read_text())
         diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
+        diff += [k for k in RUN_KEYS_SINCE_1201 if k in old and old[k] != settings.get(k)]
         if diff:
             raise EvalError(f"{out} holds answers made with other settings ({', '.join(f'{k}: {old.get(k)!r} -> {settings.get(k)!r}' for k in diff)}); "
                             "use another --out, or --overwrite to start again")
-    if overwrite:
+    if overwrite:  # (a summary or report left from the old run would be read as this one's until it ends)
         shutil.rmtree(out / "answers", ignore_errors=True)
+        for name in ("summary.json", "report.md"):
+            (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(settings, indent=2))
 
@@ -423,7 +457,9 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "typical_alpha": sampling.typical_alpha if typical else None, "greedy": greedy, "compiled": compile,
                 "dtype": dtype,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
-                "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category"}
+                "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category",
+                "export_files": files_fingerprint(export), "base_files": files_fingerprint(base_name),
+                "hardware": hardware()}
     outp = Path(out)
     _settings_file(outp, settings, overwrite)
     ans_dir = outp / "answers"
