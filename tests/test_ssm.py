@@ -302,6 +302,25 @@ def test_a_vocabulary_mismatch_names_both_sizes(tiny_base_dir, tmp_path):
         build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "other")}}, base)
 
 
+def test_a_draft_model_whose_logits_are_not_its_lm_head_s_product_is_refused(tiny_base_dir):
+    """The SSM trains on softmax(h @ W) and drafts with the model's own logits: an lm_head bias, soft-capping or a
+    logit scale made the two differ (found by review: a Phi-style bias left 20% of argmaxes agreeing). A pretrained
+    draft with one is refused; one built from a soft-capped base's config does not inherit it."""
+    from draftlab.base import load_base, logit_transforms
+    from draftlab.drafters import build_draft
+    from draftlab.drafters.ssm import SSMError, check_vocab
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    lm = tiny_llama(vocab=base.config.vocab_size, hidden=16, layers=1, dtype=torch.float32)
+    check_vocab(lm, base, "plain")
+    lm.lm_head.bias = torch.nn.Parameter(torch.zeros(base.config.vocab_size))
+    with pytest.raises(SSMError, match="biased: .*an lm_head bias.*build one from the recipe"):
+        check_vocab(lm, base, "biased")
+    base.config.final_logit_softcapping = 30.0
+    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base)
+    assert logit_transforms(ssm.lm.config, ssm.lm.get_output_embeddings()) == []
+
+
 def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys):
     import json
 

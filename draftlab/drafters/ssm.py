@@ -47,6 +47,10 @@ def _ssm_config(base_config, c: dict):
                 "num_key_value_heads": kv, "intermediate_size": inter})
     if getattr(cfg, "head_dim", None) is not None:
         cfg.head_dim = H // heads
+    # A new model's logits are its lm_head's product alone (see check_vocab): no soft-capping or scale inherited.
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, key, None) is not None:
+            setattr(cfg, key, None if key == "final_logit_softcapping" else 1.0)
     for key in ("layer_types", "_name_or_path"):  # per-layer lists sized for the base's depth
         if hasattr(cfg, key) and key == "layer_types" and cfg.layer_types is not None:
             cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
@@ -54,7 +58,17 @@ def _ssm_config(base_config, c: dict):
 
 
 def check_vocab(ssm, base, where: str) -> None:
-    """Drafts are verified token id for token id: the vocabularies must be the same size (no truncation)."""
+    """Drafts are verified token id for token id: the vocabularies must be the same size (no truncation). And the
+    draft model's logits must be its lm_head's product: training computes them as softmax(h @ W) (the chunked loss),
+    while drafting runs the model, so a bias, soft-capping or a logit scale would make it draft with logits it was
+    not trained on (found by review: a Phi-style lm_head bias left 20% of argmaxes agreeing)."""
+    from ..base import logit_transforms
+
+    found = logit_transforms(ssm.config, ssm.get_output_embeddings())
+    if found:
+        raise SSMError(f"{where}: the draft model changes its logits after its lm_head's product ({', '.join(found)});"
+                       " draftlab trains an SSM on that product alone, so it would draft with logits it was not "
+                       "trained on: pick a draft model without them, or build one from the recipe (head.ssm)")
     vs, vb = ssm.get_output_embeddings().weight.shape[0], base.get_output_embeddings().weight.shape[0]
     if vs != vb:
         raise SSMError(f"{where}: the draft model has a vocabulary of {vs} tokens and the base {vb}; an SSM must "
