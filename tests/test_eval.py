@@ -59,6 +59,9 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     assert [r["question_id"] for r in d] == [81, 82, 83] == [r["question_id"] for r in b]
     rec = d[0]
     assert set(rec) >= {"question_id", "answer_id", "model_id", "choices", "tstamp"}
+    # What Spec-Bench's evaluation/speed.py reads: the category, and the tokens committed per step over the turns
+    assert rec["category"] == "writing" and b[0]["category"] == "writing"
+    assert rec["choices"][0]["accept_lengths"] == [n for t in rec["choices"][0]["step_committed"] for n in t]
     ch = rec["choices"][0]
     assert ch["index"] == 0 and len(ch["turns"]) == 2 and all(isinstance(t, str) for t in ch["turns"])
     assert len(ch["new_tokens"]) == len(ch["steps"]) == len(ch["wall_time"]) == 2

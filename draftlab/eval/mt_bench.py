@@ -257,8 +257,10 @@ def answer_record(q: dict, model_id: str, turns: list[dict], extra: dict | None 
               "step_committed", "compile_s", "compiled_plain_new_tokens", "compiled_plain_wall_time"):
         if k in turns[0]:
             choice[k] = [t[k] for t in turns]
-    rec = {"question_id": q["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": model_id,
-           "choices": [choice], "tstamp": time.time()}
+    if "step_committed" in turns[0]:  # (Spec-Bench's evaluation/speed.py reads these two: tokens committed per
+        choice["accept_lengths"] = [n for t in turns for n in t["step_committed"]]  # step, and the category)
+    rec = {"question_id": q["question_id"], "category": q["category"], "answer_id": uuid.uuid4().hex[:22],
+           "model_id": model_id, "choices": [choice], "tstamp": time.time()}
     rec.update(extra or {})
     return rec
 
