@@ -82,7 +82,7 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
 
         ds = load_dataset(src, split="train")
         rows = [(f"{src}[{i}]", dict(r)) for i, r in enumerate(ds)]
-    out = []
+    out, seen = [], set()
     for where, r in rows:
         missing = [k for k in ("question_id", "category", "turns") if k not in r]
         if missing:
@@ -93,9 +93,10 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
         if slice_field and slice_field not in r:
             raise EvalError(f"{where}: --slice-field {slice_field}: the question record has no such field "
                             f"(fields: {', '.join(sorted(r))})")
-        if any(q["question_id"] == r["question_id"] for q in out):
+        if r["question_id"] in seen:
             raise EvalError(f"{where}: question_id {r['question_id']!r} again: answers are kept by question_id, so "
                             "ids must be unique")
+        seen.add(r["question_id"])
         out.append({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"],
                     **({slice_field: r[slice_field]} if slice_field else {})})
     if categories:

@@ -246,6 +246,13 @@ VLLM_MEDUSA_NOTE = ("vLLM releases that ship a Medusa model (`vllm/model_executo
                     "longer (checked 2026-12-01).")
 
 
+def serving_note(fmt: str, head: dict) -> str | None:
+    """What serving an export in `fmt` should know (the model card and stderr say it), or None."""
+    if fmt == "vllm-medusa":
+        return VLLM_MEDUSA_NOTE
+    return fasterdecoding_note(head["num_heads"]) if fmt == "medusa" else None
+
+
 def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> str:
     """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do."""
     head, base, tr = meta["head"], meta["base"], meta.get("training") or {}
@@ -266,10 +273,9 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
                   "`merge_and_unload`), and that merged model as the target. The outputs are then the adapted "
                   "base's, not the original base's; with the original base as the target the heads draft from "
                   "states they were not trained on.", ""]
-    if fmt == "vllm-medusa":
-        lines += [VLLM_MEDUSA_NOTE, ""]
-    if fmt == "medusa" and fasterdecoding_note(head["num_heads"]):
-        lines += [fasterdecoding_note(head["num_heads"]), ""]
+    note = serving_note(fmt, head)
+    if note:
+        lines += [note, ""]
     lines += ["## Training", ""]
     recipe = tr.get("recipe") or {}
     if recipe:
@@ -344,8 +350,7 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
             shutil.copytree(Path(export_dir) / meta["adapter"], out / "adapter", dirs_exist_ok=True)
             files += [f"adapter/{f.name}" for f in (out / "adapter").iterdir()]
     (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
-    note = VLLM_MEDUSA_NOTE if fmt == "vllm-medusa" else fasterdecoding_note(meta["head"]["num_heads"]) \
-        if fmt == "medusa" else None
+    note = serving_note(fmt, meta["head"])
     if note:
         print(f"export: {note}", file=sys.stderr)
     return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}
