@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from draftlab.decode.acceptance import Sampling, accept_sampling, draw, warp
+from draftlab.decode.acceptance import Sampling, accept_sampling, draw, sample, warp
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.search import default_tree
 from draftlab.decode.tree import Tree, TreeError, TreeView
@@ -487,14 +487,28 @@ def test_typical_epsilon_and_alpha_default_as_medusa_and_are_checked():
 def test_inverse_cdf_draws_follow_q_and_never_pick_a_zero_probability_token():
     """draw(q, u): the drafters' in-graph sampler. Uniform edges (0, and just below 1) land on tokens with mass,
     and 200k draws match q (a max deviation far above it fails: q reversed)."""
-    q = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]])
-    edges = torch.tensor([[[0.0, 0.5 - 1e-7, 0.5, 0.7, 1 - 1e-7]]])
+    q = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])  # dyadic: the edges are exact in any precision
+    edges = torch.tensor([[[0.0, 0.5 - 1e-7, 0.5, 0.75, 1 - 1e-7]]], dtype=torch.float64)
     assert draw(q[None], edges).tolist() == [[[1, 1, 3, 4, 4]]]
     u = torch.rand(1, 200_000, generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(draw(q, u)[0], minlength=6).double() / u.numel()
     assert (freq - q[0]).abs().max() < 0.005
     assert (freq - q[0].flip(0)).abs().max() > 0.1
 
+
+
+def test_draws_keep_tokens_whose_mass_is_below_float32s_resolution():
+    """10,000 tokens of mass 1e-8 each after one of 1 - 1e-4: torch.multinomial on CPU never draws them (it drew 0
+    of 1e6 here), and a float32 CDF gives them widths of 0 or 6e-8. `sample` (every sampling role's draws) gives the
+    tail its mass, and draw sends a float64 uniform at the middle of each tail token's interval to that token."""
+    K = 10_000
+    q = torch.full((K + 1,), 1e-8, dtype=torch.float64)
+    q[0] = 1 - 1e-4
+    hits = int((sample(q.float(), 1_000_000, torch.Generator().manual_seed(0)) > 0).sum())
+    assert 60 < hits < 140  # 100 expected, Poisson sd 10
+    cdf = q.cumsum(-1)
+    mid = ((cdf[:-1] + cdf[1:]) / 2 / cdf[-1])[None, :]
+    assert draw(q[None], mid)[0].tolist() == list(range(1, K + 1))
 
 def sliding_base(kind: str):
     """A tiny base whose layers attend over a sliding window of 12 tokens: every layer (Mistral's) or every other

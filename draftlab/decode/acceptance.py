@@ -75,10 +75,24 @@ def draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Samples from the distributions q [..., V] by inverse CDF, given uniforms u [..., k] in [0, 1) (k draws per
     distribution, i.i.d. when u is): index i is drawn when cdf[i - 1] <= u * total < cdf[i], so a zero-probability
     token is never drawn. Tensor operations only (it runs inside compiled graphs, the uniforms drawn outside them
-    from the role's own generator)."""
-    cdf = q.float().cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[..., -1:]).contiguous(), right=True)
+    from the role's own generator, by `uniforms`).
+
+    The CDF is summed in float64 and u should be float64 too: float32 resolves 2^-24 of the total only, so a
+    token whose mass lies below that next to a large one would get no interval or a rounded one (torch.multinomial
+    on CPU draws none of 10,000 tokens of mass 1e-8 each after one of 1 - 1e-4)."""
+    cdf = q.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[..., -1:]).contiguous(), right=True)
     return idx.clamp(max=q.shape[-1] - 1)
+
+
+def uniforms(*shape: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """float64 uniforms in [0, 1) from a role's generator: draw's, and the acceptance rule's tries."""
+    return torch.rand(*shape, generator=generator, device=device, dtype=torch.float64)
+
+
+def sample(q: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k i.i.d. draws from each distribution of q [..., V]: [..., k] (draw, from the generator's uniforms)."""
+    return draw(q, uniforms(*q.shape[:-1], k, generator=generator, device=q.device))
 
 
 def _deepest(ok: torch.Tensor, view: TreeView) -> torch.Tensor:
@@ -133,11 +147,11 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
     probability that the rejection happened. So the residual is empty only when p == q up to rounding (or a
     q whose mass exceeds 1 through rounding lies over p everywhere), and then the rejection had probability
     ~0: whatever is drawn in its place moves the law of the output by at most that probability. Drawing
-    from p is the choice that is exact when p == q; raising (torch.multinomial on zeros) is not an option.
+    from p is the choice that is exact when p == q; raising (a draw from zeros) is not an option.
     A deterministic proposal x is q = one-hot(x): the residual is p without x.
     """
     p = p.float()
-    return int(torch.multinomial(_renormalised(residual(p, q.float()), p), 1, generator=generator)[0])
+    return int(sample(_renormalised(residual(p, q.float()), p), 1, generator)[0])
 
 
 def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, s: Sampling,
@@ -159,7 +173,7 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, view: TreeView, 
     [B, N + 1], one for each node's try (used if it is tried) and one for the bonus.
     """
     B, N = tokens.shape
-    u = torch.rand(B, N + 1, generator=generator, device=tokens.device)
+    u = uniforms(B, N + 1, generator=generator, device=tokens.device)
     K, D = tree_bounds(view)
     last, bonus = sampling_decision(tokens, logits, view.parents, view.valid, s, u, q, q_index, K, D)
     return paths_to(view, last), bonus

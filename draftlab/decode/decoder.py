@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .interface import Drafter, PromptState, Proposal, StepResult
-from .acceptance import Sampling, accept_sampling, sampling_decision, tree_bounds, typical_decision, warp
+from .acceptance import (Sampling, accept_sampling, sample, sampling_decision, tree_bounds, typical_decision, uniforms,
+                         warp)
 from .compiled import compiled_function
 from .fuse import fuse_by_default, fuse_projections, fused as fused_groups, modules_of
 from .cache import (SlotCache, StaticSlotCache, UnsupportedBaseError, cache_layers,  # noqa: F401
@@ -150,7 +151,7 @@ class Verifier:
         on_device = (deterministic or self.static_nodes is not None) and self.sync is None
         drawn = None
         if on_device and not deterministic:
-            drawn = (torch.rand(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
+            drawn = (uniforms(B, N + 1, generator=generator, device=dev), prop.q, prop.q_index,
                      *tree_bounds(view, rounded=self.compiled))
         fused = on_device and self.fused is not None
         chainer = drafter.chainer if fused and self.chain is not None and drafter is not None else None
@@ -411,7 +412,7 @@ def _pick_root(logits: torch.Tensor, sampling: Sampling, generator) -> torch.Ten
         # Typical acceptance: Medusa decodes the first token of every step greedily (see accept_typical).
         return logits.argmax(-1)
     probs = warp(logits, sampling)
-    return torch.multinomial(probs.float(), 1, generator=generator)[:, 0]
+    return sample(probs, 1, generator)[:, 0]
 
 
 def eos_set(eos_token_id) -> set:

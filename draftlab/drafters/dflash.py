@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decode.acceptance import Sampling, warp
+from ..decode.acceptance import Sampling, sample, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
@@ -521,9 +521,7 @@ class DFlashDrafter(Drafter):
         # Sampling: every depth-d node is an i.i.d. draw from q_d (its siblings too); q_d does not depend on the
         # drafted path (the block is drafted in parallel), so one row of q per depth serves all its nodes.
         q = warp(logits, self.sampling)  # [B, D, V]
-        D, V = q.shape[1], q.shape[2]
-        draws = torch.multinomial(q.reshape(B * D, V), self.buf.depth.numel() - 1, replacement=True,
-                                  generator=self.generator).view(B, D, -1)
+        draws = sample(q, self.buf.depth.numel() - 1, self.generator)  # [B, D, nodes]
         node = torch.arange(1, self.buf.depth.numel(), device=root.device)
         tokens = torch.cat([root[:, None], draws[:, depth - 1, node - 1]], 1)
         q_index = torch.cat([torch.full((1,), -1, device=root.device, dtype=torch.long), depth - 1])

@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..decode.acceptance import Sampling, draw, warp
+from ..decode.acceptance import Sampling, draw, uniforms, warp
 from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
 from ..decode.compiled import Fixed, compiled_method
 from ..decode.tree import Tree, TreeView
@@ -394,7 +394,7 @@ class SSMDrafter(Drafter):
 
     def _uniforms(self, B: int, P: int, k: int) -> torch.Tensor:
         """Uniforms for k draws from each of P distributions per row, from the drafter's own generator."""
-        return torch.rand(B, P, k, generator=self.generator, device=self.device)
+        return uniforms(B, P, k, generator=self.generator, device=self.device)
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor) -> Proposal:

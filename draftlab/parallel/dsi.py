@@ -449,17 +449,17 @@ def _decide_sampled(p, n: int, drafts: list[int], qs: list, checked: int, gen):
     tokens or None, checked)."""
     import torch
 
-    from ..decode.acceptance import sample_residual
+    from ..decode.acceptance import sample, sample_residual, uniforms
 
     for i in range(checked, min(n + 1, len(drafts))):
         x, q = drafts[i], qs[i]
-        if torch.rand((), generator=gen) * q[x] < p[i, x]:
+        if uniforms(1, generator=gen, device=p.device)[0] * q[x] < p[i, x]:
             checked = i + 1
             continue
         return drafts[:i] + [sample_residual(p[i], q, gen)], checked
     if checked == n + 1:  # every position this task covers accepted: the next task goes on
         return None, checked
-    return drafts + [int(torch.multinomial(p[n], 1, generator=gen))], checked  # no draft after the n verified
+    return drafts + [int(sample(p[n], 1, gen)[0])], checked  # no draft after the n verified
 
 
 def si_generate(model, prompt: list[int], max_new_tokens: int, draft_next, lookahead: int,
@@ -516,7 +516,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
     import torch
 
     from ..base import load_base, stop_token_ids
-    from ..decode.acceptance import Sampling, warp
+    from ..decode.acceptance import Sampling, sample, warp
     from ..decode.compiled import compile_backend
     from ..serve.generate import encode_prompt, plain_generate, stop_fn
     from ..decode.streams import role_generator
@@ -544,7 +544,7 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
             return drafter.next_tokens(toks)[0]
         with torch.no_grad():
             q = warp(drafter.logits(toks)[0], sampling)
-        return int(torch.multinomial(q, 1, generator=gen)), q
+        return int(sample(q, 1, gen)[0]), q
     ids = [list(p) if isinstance(p, (list, tuple)) else encode_prompt(tok, p, chat) for p in prompts]
     eos_id = stop_token_ids(model, tok) if eos else None
     stop = stop_fn(tok, list(stops))
