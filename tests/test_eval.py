@@ -142,6 +142,41 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     assert not (tmp_path / "m" / "summary.json").exists() and not (tmp_path / "m" / "report.md").exists()
 
 
+
+def test_a_system_message_opens_every_conversation(export, stories_dir, tmp_path):
+    """--system: both methods' prompts start with it (FastChat's templates carry one; published accept lengths are
+    measured with it), a run directory keeps one system message, and a template that refuses or drops it is said."""
+    from draftlab.base import load_base
+    from draftlab.eval.mt_bench import _check_system
+
+    _, tok = load_base(str(stories_dir), "float32")
+    system = "Once upon a time there was a helpful cat."
+    s = run_mt_bench(export, str(MT), str(tmp_path / "r"), limit=1, max_new_tokens=8, progress=False, plots=False,
+                     system=system)
+    q = load_questions(str(MT), limit=1)[0]
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": q["turns"][0]}]
+    want = len(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids)
+    for path in s["answers"].values():
+        assert lines(path)[0]["choices"][0]["context_tokens"][0] == want
+    assert s["system"] == system and s["overall"]["identical_share"] == 1.0
+    with pytest.raises(EvalError, match="other settings .*system: 'Once upon"):
+        run_mt_bench(export, str(MT), str(tmp_path / "r"), limit=1, max_new_tokens=8, progress=False, plots=False)
+
+    class Tok:  # Gemma's template raises on a system turn; some others leave it out
+        def __init__(self, refuse):
+            self.refuse = refuse
+
+        def apply_chat_template(self, msgs, **kw):
+            if self.refuse and msgs[0]["role"] == "system":
+                raise ValueError("System role not supported")
+            return "".join(m["content"] for m in msgs if m["role"] != "system")
+
+    with pytest.raises(EvalError, match="refuses a system message .System role not supported"):
+        _check_system(Tok(True), system, "gemma")
+    with pytest.raises(EvalError, match="leaves the system message out"):
+        _check_system(Tok(False), system, "other")
+
 def test_a_turn_that_compiled_is_decoded_again_until_nothing_compiles(monkeypatch):
     """answer_question's timing on the compiled path, with a stand-in decoder that compiles in its first runs: the
     turn is decoded again until a run compiles nothing (at most RETIMES more runs), that run's time is the turn's

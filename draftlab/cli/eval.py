@@ -45,6 +45,9 @@ def add_eval_args(sub) -> None:
     p.add_argument("--device", default=None)
     add_placement_args(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message opening every conversation (default: none, or the chat template's own). "
+                        "Published accept lengths often use one: FastChat's Vicuna and Llama-2-chat templates")
     p.add_argument("--model-id", default=None, help="model_id in the answer file")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots (per category, histogram, per slicing)")
@@ -96,7 +99,7 @@ def eval_command(a) -> int:
                      a.max_new_tokens, a.limit, a.category, a.base, a.dtype, a.device, a.seed, not a.no_baseline,
                      a.model_id, a.overwrite, progress=not a.json, plots=not a.no_plots, tp=a.tp,
                      device_map=a.device_map, typical_epsilon=a.typical_epsilon, typical_alpha=a.typical_alpha,
-                     compile=a.compile, slice_field=a.slice_field)
+                     compile=a.compile, slice_field=a.slice_field, system=a.system)
     differ = s["differences"] if s["greedy"] and s["baseline"] else []
     # A difference not explained as a near tie (a turn after a differing one follows other answers: no verdict).
     bugs = [d for d in differ if not d.get("near_tie") and not d.get("after_earlier_difference")]

@@ -20,7 +20,7 @@ from .slices import SLICINGS, bucket_key
 
 
 HELD_FIXED = ("base", "questions", "questions_answered", "slice_field", "max_new_tokens", "temperature", "top_p",
-              "top_k", "typical", "typical_epsilon", "typical_alpha", "dtype", "hardware")
+              "top_k", "typical", "typical_epsilon", "typical_alpha", "dtype", "hardware", "system")
 
 
 def held_fixed(runs: list[dict]) -> list[str]:

@@ -34,7 +34,7 @@ from .slices import plot_slices, slice_report, slice_tables, turn_records
 
 NEAR_TIE_ULPS = 8  # see near_tie_tolerance
 RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_k", "typical", "typical_epsilon",
-            "typical_alpha", "max_new_tokens", "seed", "baseline", "compiled", "dtype")
+            "typical_alpha", "max_new_tokens", "seed", "baseline", "compiled", "dtype", "system")
 # Checked when the run directory records them (run.json files written before 2026-12-01 do not): an export or base
 # whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
 # whose timings would be mixed with these under one hardware label.
@@ -131,6 +131,19 @@ def _prompt_ids(tok, messages: list[dict], budget: int) -> tuple[list[int], bool
     return ids, False
 
 
+def _check_system(tok, system: str, name: str) -> None:
+    """A system message the chat template places in the prompt: some templates refuse the role (Gemma's raise),
+    others drop it without a word."""
+    user = [{"role": "user", "content": "Hi."}]
+    try:
+        text = tok.apply_chat_template([{"role": "system", "content": system}] + user, tokenize=False,
+                                       add_generation_prompt=True)
+    except Exception as e:  # a template's own raise_exception(): jinja2's TemplateError, or what it chose
+        raise EvalError(f"--system: the chat template of {name} refuses a system message ({e})") from e
+    if text == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True) or system not in text:
+        raise EvalError(f"--system: the chat template of {name} leaves the system message out of the prompt")
+
+
 def _context_budget(base, max_new_tokens: int, tree_size: int) -> int:
     ctx = getattr(base.config, "max_position_embeddings", None) or 1 << 30
     budget = ctx - max_new_tokens - tree_size - 1
@@ -148,17 +161,20 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def answer_question(q: dict, decoder, tok, sampling: Sampling, max_new_tokens: int, seed: int, budget: int,
-                    baseline: bool, retime: bool = True, plain_compiled=None) -> tuple[dict, dict | None]:
+                    baseline: bool, retime: bool = True, plain_compiled=None,
+                    system: str | None = None) -> tuple[dict, dict | None]:
     """Both methods answer every turn of one question, interleaved; returns (draftlab turns, plain turns).
     retime: on the compiled path a turn whose decoding compiled something (a shape met for the first time: a new
     prompt width, cache size or attention window) is decoded again, up to RETIMES times until a run compiles
     nothing, and the last run is timed; the first run's extra time is the turn's `compile_s`, reported beside the
     speed figures rather than inside them.
     plain_compiled: a decoder of the same base without a drafter on the compiled path (decode.decoder.NoDraft),
-    which decodes each turn's prompt too, timed the same way: the fastest plain decoding, the second baseline."""
+    which decodes each turn's prompt too, timed the same way: the fastest plain decoding, the second baseline.
+    system: a system message that opens each conversation (None: the chat template's own default, if any)."""
     eos = stop_token_ids(decoder.base, tok)
     dev = decoder.device
-    conv = {"draftlab": [], "plain": []}
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    conv = {"draftlab": list(opening), "plain": list(opening)}
     turns = {"draftlab": [], "plain": []}
 
     def timed(dec, ids, turn_seed):
@@ -434,10 +450,11 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                  model_id: str | None = None, overwrite: bool = False, progress: bool = True,
                  plots: bool = True, tp: bool = False, device_map: str | None = None,
                  typical_epsilon: float | None = None, typical_alpha: float | None = None,
-                 compile: bool = False, slice_field: str | None = None) -> dict:
+                 compile: bool = False, slice_field: str | None = None, system: str | None = None) -> dict:
     """Answer the questions with the decoder (and plain decoding), write answers, summary, report and plots.
     tp: every rank of the launch answers every question with its shard of the base; rank 0 writes --out, the
-    others a private scratch directory, and all follow rank 0's list of questions still to answer."""
+    others a private scratch directory, and all follow rank 0's list of questions still to answer.
+    system: a system message opening every conversation (FastChat's templates carry one, e.g. Vicuna's), or None."""
     qs = load_questions(questions, categories, limit, slice_field)
     if not qs:
         raise EvalError(f"{questions}: no questions selected")
@@ -446,6 +463,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
         out, progress, plots = tempfile.mkdtemp(prefix="draftlab-eval-rank"), False, False
     if tok.chat_template is None:
         raise EvalError(f"the tokenizer of {meta['base']['name_or_path']} has no chat template")
+    if system is not None:
+        _check_system(tok, system, meta["base"]["name_or_path"])
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, typical=typical,
                         posterior_alpha=typical_alpha,
                         **({} if typical_epsilon is None else {"posterior_threshold": typical_epsilon}))
@@ -461,8 +480,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "dtype": dtype,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category",
-                "export_files": files_fingerprint(export), "base_files": files_fingerprint(base_name),
-                "hardware": hardware()}
+                "system": system, "export_files": files_fingerprint(export),
+                "base_files": files_fingerprint(base_name), "hardware": hardware()}
     outp = Path(out)
     _settings_file(outp, settings, overwrite)
     ans_dir = outp / "answers"
@@ -486,13 +505,13 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     if todo:  # warm-up of both paths, not timed and not recorded
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
         answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline, retime=False,
-                        plain_compiled=plain_compiled)
+                        plain_compiled=plain_compiled, system=system)
     bar = progress_bar(todo, desc="mt-bench", unit="question", disable=not progress)
     run = {"new_tokens": 0, "steps": 0, "committed": 0.0}  # this run's answers so far, for the progress line
     with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
         for q in bar:
             d_turns, b_turns = answer_question(q, decoder, tok, sampling, max_new_tokens, seed, budget, baseline,
-                                               plain_compiled=plain_compiled)
+                                               plain_compiled=plain_compiled, system=system)
             extra = {}
             if baseline and greedy:
                 # rank 0's positions: the explaining forward runs on every rank of a tensor-parallel base, or none
