@@ -217,6 +217,14 @@ def test_plain_batch_sizes_decode_plain_steps_with_an_ssm_drafter(tiny_base_dir,
         res = dec.generate(rows, max_new_tokens=10, eos_token_id=tok.eos_token_id)
         assert res.tokens == ref and type(dec.for_batch(len(rows)).drafter).__name__ == drafter, len(rows)
     assert dec.for_batch(1).drafter.max_nodes != dec.for_batch(4).drafter.max_nodes  # two trees, two decoders
+    # generate's report on 4 prompts is the batch-4 decoder's, warmed up before the timed run (review: it described
+    # the batch-1 tree, and a compiled batch-4 decoder compiled inside the timed run)
+    from draftlab.serve.generate import run_generate
+
+    dec, tok, _ = load_decoder(str(exp), tree=str(out))
+    rep = run_generate(dec, tok, ["Once upon a time", "The cat", "A dog ran", "She said"], max_new_tokens=10)
+    assert rep["batch_size"] == 4 and rep["tree_size"] == 2 and rep["drafter"]["tree"].endswith("@b4")
+    assert list(dec._by_batch) == [4]
 
 
 # Measured tokens/s of decoding the timing prompts in static batches (rows end at different steps): at batch 1 the

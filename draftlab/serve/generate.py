@@ -190,7 +190,11 @@ def _plain_generate(model, prompts, max_new_tokens: int, sampling: Sampling, eos
 def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(), compare=False, chat=False,
                  stops=(), seed=0, on_text=None) -> dict:
     """Decode prompts (batched) and report; with compare, also plain decoding of the same base."""
+    from .scheduled import ScheduledDecoder
+
     ids = [encode_prompt(tok, p, chat) for p in prompts]
+    if isinstance(decoder, ScheduledDecoder):  # the decoder of this batch size: its tree is the report's, its graphs
+        decoder = decoder.for_batch(len(ids))  # compile in the warm-up
     eos = stop_token_ids(decoder.base, tok)
     gen = torch.Generator(device=decoder.device).manual_seed(seed)
     # Warm-up (allocator, kernels) outside the timed region; a compiled decoder compiles for these shapes here.

@@ -58,7 +58,8 @@ def is_schedule(path) -> bool:
 class ScheduledDecoder:
     """What `--tree FILE` gives when FILE holds a schedule: every generate() call decodes with the tree (or plain
     steps) its batch size gets (decoder_for_batch), one SpeculativeDecoder per distinct choice, made when first
-    needed. Other attributes are those of the batch-size-1 decoder."""
+    needed. warm_up too goes to the prompts' batch size; other attributes are those of the batch-size-1 decoder (a
+    report on a run at another batch size reads for_batch(B), as run_generate does)."""
 
     def __init__(self, base, draft, path: str | Path, drafter_options: dict | None = None, **options):
         self.path, self._args = str(path), (base, draft, drafter_options, options)
@@ -76,6 +77,9 @@ class ScheduledDecoder:
 
     def generate(self, prompts, *args, **kwargs):
         return self.for_batch(len(prompts)).generate(prompts, *args, **kwargs)
+
+    def warm_up(self, prompts, *args, **kwargs):
+        return self.for_batch(len(prompts)).warm_up(prompts, *args, **kwargs)
 
     def __getattr__(self, name):
         if name.startswith("_"):
