@@ -283,6 +283,26 @@ def test_search_tree_on_an_eagle3_export_writes_the_fastest_dynamic_setting(tiny
     assert json.loads(out.read_text())["metadata"]["tokens_per_s"] == best["tokens_per_s"]
 
 
+def test_an_eagle3_search_whose_compile_fell_back_says_it_was_timed_eagerly(tiny_base_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """The dynamic search's tree file said `compiled: true` whatever ran (review), where the static search's follows
+    the fallback; and --plot, which draws static trees only, is said to draw nothing."""
+    from draftlab.cli import main
+    from draftlab.decode.decoder import SpeculativeDecoder
+
+    monkeypatch.setenv("DRAFTLAB_COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(SpeculativeDecoder, "compile_failed", property(lambda self: "BackendCompilerFailed: x"))
+    _, data = search_inputs(tiny_base_dir, tmp_path, "eagle3")
+    out = tmp_path / "tree.json"
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "7",
+                 "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "8", "--compile",
+                 "--time-budget", "0", "--timing-rounds", "1", "--plot", "--json"]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(captured.out.strip().splitlines()[-1])
+    assert rep["compiled"] is False and json.loads(out.read_text())["metadata"]["compiled"] is False
+    assert "dynamic trees are not drawn" in captured.err
+
+
 def test_search_tree_times_trees_on_the_compiled_path(tiny_base_dir, tmp_path, capsys, monkeypatch):
     """--compile: every candidate is timed on the static-shape compiled path, and the tree file says so."""
     from draftlab.cli import main
@@ -406,6 +426,14 @@ def test_trees_timed_after_a_compile_fell_back_to_eager_are_left_out_of_the_choi
     assert [t for t, _ in timed] == ["c", "d"] and untimed == [] and "eagerly" not in capsys.readouterr().err
     timed, _, _ = tree_search.timed_trees(list("cd"), decs[2:], [[1]], 1, 8, None, 2, None, str)
     assert timed[1][1]["rounds_tokens_per_s"] == [18.0, 18.0]  # (every round eager: all of them count)
+    # plain decoding (the bar every tree must clear) fell back while the trees compiled: said, not hidden
+    failed[0] = None
+
+    class Plain(Dec):
+        compile_failed = "TypeError: y"
+
+    tree_search.timed_trees(list("ab"), decs[:2], [[1]], 1, 8, None, 1, None, str, plain=Plain("p", 5.0))
+    assert "plain decoding ran eagerly (TypeError: y)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["ssm", "eagle3"])  # (an untrained head's search has a single tree to time)

@@ -185,7 +185,12 @@ def test_inputs_from_a_generate_report(tiny_base_dir):
                "drafter": drafter.describe()}
         got = from_generate(rep)
         assert got["depth"] == depth and got["acceptance"] == pytest.approx(a, abs=1e-3)
-        assert got["t_target"] == pytest.approx(0.03) and got["t_draft"] == pytest.approx(0.002)
+        # the target's step is all of a step but drafting: acceptance and commit too (review: verify alone)
+        assert got["t_target"] == pytest.approx(0.031) and got["t_draft"] == pytest.approx(0.002)
+        assert got["path"] == "eager"
+    assert from_generate({**rep, "compiled": True})["path"] == "compiled"
+    assert from_generate({**rep, "compiled": True, "compile_failed": "no C compiler"})["path"] == \
+        "eager (the compile fell back: no C compiler)"
     with pytest.raises(ValueError, match="names no tree depth"):
         from_generate({**rep, "drafter": {"kind": "ensemble"}})
     # A report whose drafting ran inside its verification calls (the chained step) has no drafting time to read.

@@ -45,7 +45,7 @@ def add_search_args(p) -> None:
     p.add_argument("--max-rank", type=positive_int, default=10, help="candidates per depth considered (top-k)")
     p.add_argument("--calibration-prompts", type=positive_int, default=64,
                    help="prompts whose greedy continuations give the drafter's acceptance statistics")
-    p.add_argument("--timing-prompts", type=int, default=8, help="prompts each candidate tree is timed on")
+    p.add_argument("--timing-prompts", type=positive_int, default=8, help="prompts each candidate tree is timed on")
     p.add_argument("--timing-rounds", type=positive_int, default=3,
                    help="times each tree is timed, interleaved with the others; its fastest round counts (a busy "
                         "machine's slow spells then do not decide the choice)")

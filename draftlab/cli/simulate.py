@@ -53,7 +53,8 @@ def simulate_command(a) -> int:
     c = Config(t_target, t_draft, acc, k, a.sp, a.tokens, a.prefill_ms)
     rule = "given" if a.lookahead else a.lookahead_rule
     rep = {"inputs": {"t_target_ms": t_target, "t_draft_ms": t_draft, "acceptance": acc, "lookahead": k,
-                      "lookahead_rule": rule, "sp": a.sp, "tokens": a.tokens, "from_report": a.from_report},
+                      "lookahead_rule": rule, "sp": a.sp, "tokens": a.tokens, "from_report": a.from_report,
+                      **({"report_path": src["path"], "report_batch_size": src["batch_size"]} if src else {})},
            **expected(c)}
     if a.monte_carlo:
         rep["monte_carlo"] = monte_carlo(c, a.monte_carlo)

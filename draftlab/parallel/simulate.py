@@ -389,7 +389,12 @@ def heatmaps(t_target: float, sp: int, n_tokens: int, out: str, ratios=None, acc
 
 def from_generate(report: dict) -> dict:
     """Simulator inputs from a `draftlab generate --json` (or eval) report: per-forward latencies from its time
-    split and the i.i.d. acceptance rate that explains its accept length for its tree depth."""
+    split and the i.i.d. acceptance rate that explains its accept length for its tree depth.
+
+    The target's time per step is everything a step spends but drafting: the verify forward, and the acceptance
+    and commit the step needs before the next draft (on the eager path they are calls of their own, on the fused
+    compiled path inside the verify call; counting only `verify` left out a fifth of an eager step). `path` says
+    which path the figures are from: a compiled run whose graphs fell back ran eagerly."""
     if report.get("chained_steps"):
         raise ValueError("the report's drafting ran inside its verification calls (the compiled path's chained step), "
                          "so its time split has no drafting time of its own; make the report with "
@@ -402,7 +407,7 @@ def from_generate(report: dict) -> dict:
         raise ValueError(f"the report's drafter ({drafter.get('kind', 'unknown')}) names no tree depth, which the "
                          "acceptance rate is solved for; give --acceptance and the latencies instead")
     depth = max(int(depth), 1)
-    t_target = split.get("verify", 0.0) / steps
+    t_target = sum(split.get(k, 0.0) for k in ("verify", "accept", "commit")) / steps
     t_draft = split.get("draft", 0.0) / steps / depth
     tau = report["accept_length"]  # E = (1 - a^(depth+1)) / (1 - a); solve for a by bisection
     lo, hi = 0.0, 1.0
@@ -410,4 +415,8 @@ def from_generate(report: dict) -> dict:
         mid = (lo + hi) / 2
         e = depth + 1 if mid >= 1 else (1 - mid ** (depth + 1)) / (1 - mid)
         lo, hi = (mid, hi) if e < tau else (lo, mid)
-    return {"t_target": t_target, "t_draft": t_draft, "acceptance": round(lo, 4), "depth": depth}
+    failed = report.get("compile_failed")
+    path = ("compiled" if not failed else f"eager (the compile fell back: {failed})") if report.get("compiled") \
+        else "eager"
+    return {"t_target": t_target, "t_draft": t_draft, "acceptance": round(lo, 4), "depth": depth, "path": path,
+            "batch_size": report.get("batch_size")}

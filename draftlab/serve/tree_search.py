@@ -133,6 +133,10 @@ def timed_trees(trees: list, decoders: list, prompts, batch_size: int, max_new_t
         for i in eager:
             timed[i] = None
             untimed.append(name(trees[i]))
+    if plain_m is not None and plain_m["eager_fallback"] and any(m is not None and not m["eager_fallback"]
+                                                                 for m in timed):
+        print(f"search-tree: plain decoding ran eagerly ({plain_m['eager_fallback']}), the trees compiled: the "
+              "comparison with plain decoding is not on one path", file=sys.stderr)
     return [(t, m) for t, m in zip(trees, timed) if m is not None], untimed, plain_m
 
 
@@ -195,7 +199,11 @@ def load_search(export: str, data: str, calibration_prompts: int, timing_prompts
             prompts.append(encode_prompt(tok, prompt_turns(to_messages(rec, fmt)), True))
     if len(prompts) < 2:
         raise ValueError(f"--data {data}: need at least 2 prompts, found {len(prompts)}")
-    calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:] or prompts[:timing_prompts]
+    calib, timing = prompts[:calibration_prompts], prompts[calibration_prompts:]
+    if not timing:
+        timing = prompts[:timing_prompts]
+        print(f"search-tree: --data {data} has no records past the {len(calib)} calibration prompts; the trees are "
+              f"timed on the first {len(timing)} of them (the texts their statistics came from)", file=sys.stderr)
     return SearchInputs(base, draft, tok, RankSync() if tp else None, stop_token_ids(base, tok), calib, timing)
 
 
@@ -255,6 +263,9 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         out, plot = str(Path(tempfile.mkdtemp(prefix="draftlab-search-rank")) / Path(out).name), False
     depth = max_depth if draft.kind == "ssm" else draft.num_heads
     if draft.kind == "eagle3":
+        if plot:
+            print("search-tree: --plot draws static trees; an EAGLE-3 export's dynamic trees are not drawn",
+                  file=sys.stderr)
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
                               calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds,
                               budget_s=time_budget_s)
@@ -331,10 +342,12 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
         rows.append({"name": tree.spec(), "tree_size": tree.size, "tree_depth": tree.depth, "top_k": tree.top_k,
                      "measured_accept_length": round(m["accept_length"], 4),
                      "tokens_per_s": round(m["tokens_per_s"], 2), "rounds_gap": rounds_gap(m)})
-    best = max(rows, key=lambda r: r["tokens_per_s"])
+    i = max(range(len(rows)), key=lambda j: rows[j]["tokens_per_s"])
+    best = rows[i]
+    compiled = bool(compile) and not timed[i][1]["eager_fallback"]  # (every setting fell back: compared eagerly)
     meta = {"method": "measured grid over EAGLE-2 depth / top_k / total_tokens", "export": str(export),
             "timing": {"data": calib_source, "prompts": len(prompts)}, "batch_size": batch_size,
-            "hardware": hardware(), "compiled": compile, "date": datetime.date.today().isoformat(),
+            "hardware": hardware(), "compiled": compiled, "date": datetime.date.today().isoformat(),
             "time_budget_s": budget_s, "untimed": untimed, "sizes_measured": rows,
             "plain_tokens_per_s": round(plain["tokens_per_s"], 2),
             **{k: best[k] for k in ("measured_accept_length", "tokens_per_s", "tree_size")}}
@@ -342,7 +355,7 @@ def search_dynamic(base, draft, export, prompts, out, max_nodes, batch_size, max
     return {"tree": str(out), "dynamic": best["name"], "expected_accept_length": None,
             "replayed_accept_length": None, "measured_accept_length": best["measured_accept_length"],
             "tokens_per_s": best["tokens_per_s"], "tree_size": best["tree_size"], "batch_size": batch_size,
-            "hardware": hardware(), "compiled": compile, "sizes": [{**r, "expected_accept_length": None} for r in rows],
+            "hardware": hardware(), "compiled": compiled, "sizes": [{**r, "expected_accept_length": None} for r in rows],
             "untimed": untimed, "plain_tokens_per_s": round(plain["tokens_per_s"], 2)}
 
 
