@@ -243,6 +243,13 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
         assert max(r["tree_depth"] for r in rep["sizes"]) > 2
     else:
         assert not any(n.startswith("chain") for n in names)
+    # Served as it was searched: no word. On another path or for another export: a line saying so.
+    from draftlab.serve.generate import searched_elsewhere
+
+    exp = str(tmp_path / "exp")
+    assert searched_elsewhere(str(out), exp, compile=False) is None and searched_elsewhere("chain:2", exp, True) is None
+    note = searched_elsewhere(str(out), str(tmp_path / "other"), compile=True)
+    assert "for the export" in note and "timed eagerly (this run is compiled)" in note
 
 
 def test_the_dynamic_grid_holds_small_trees_and_only_settings_that_fill_their_trees():

@@ -101,10 +101,42 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     device = decoder_device(model)
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
+    note = searched_elsewhere(tree, export_dir, compile)
+    if note:
+        warnings.warn(note, stacklevel=2)
     if tree and is_schedule(tree):  # search-tree --batch-sizes: the tree follows each call's batch size
         return ScheduledDecoder(model, draft, tree, options, sync=sync, compile=compile), tok, meta
     drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
     return SpeculativeDecoder(model, drafter, sync=sync, compile=compile), tok, meta
+
+
+def searched_elsewhere(tree: str | None, export_dir: str, compile: bool) -> str | None:
+    """A line saying how the run a `search-tree` file was chosen for differs from this one (the export searched, the
+    path it was timed on, the machine and thread count), or None: its tree was the fastest there, which it need not
+    be here. None for other trees, and for files older than these records."""
+    import json
+    from pathlib import Path
+
+    from .tree_search import hardware
+
+    if not tree or not Path(tree).is_file():
+        return None
+    try:
+        m = json.loads(Path(tree).read_text()).get("metadata") or {}
+    except (OSError, ValueError, AttributeError):
+        return None  # (Tree.parse says what is wrong with it)
+    differ = []
+    if m.get("export") and Path(m["export"]).resolve() != Path(export_dir).resolve():
+        differ.append(f"for the export {m['export']}")
+    if "compiled" in m and bool(m["compiled"]) != bool(compile):
+        differ.append("timed " + ("compiled (this run is eager: add --compile)" if m["compiled"] else
+                                  "eagerly (this run is compiled)"))
+    if m.get("hardware") and m["hardware"] != hardware():
+        differ.append(f"on {m['hardware']} (here: {hardware()})")
+    if not differ:
+        return None
+    return (f"--tree {tree} was chosen by search-tree {', '.join(differ)}; it was the fastest there, not necessarily "
+            "here (run search-tree for this run to choose again)")
 
 
 def load_placed(name: str, dtype: str, device, tp: bool, device_map):
