@@ -127,6 +127,32 @@ def test_generation_scores_are_spec_infers_test_batched():
     ref, same = eos_case[i]
     assert generation_scores(base, [other], examples[i:i + 1], 0, [ref[same - 1]], match_tokens=6)[0] == 1.0
 
+    # Boost's stages score the members so far, then one more: with a memo the base generates once and each call
+    # runs only the new member, on the examples not matched whole (review: every stage ran the base and every
+    # member again), with the scores of a call without it.
+    from draftlab.train import boost
+
+    calls = []
+    real = boost._greedy
+    boost._greedy = lambda lm, ids, att, n: calls.append((lm, ids.shape[0])) or real(lm, ids, att, n)
+    try:
+        memo, third = {}, SimpleNamespace(lm=peaked(0.02))
+        for members in ([other], [other, twin], [other, twin, third]):
+            calls.clear()
+            got = generation_scores(base, members, examples, 0, [], 6, 3, memo=memo)
+            ran = list(calls)
+            assert got == generation_scores(base, members, examples, 0, [], 6, 3)
+            rows = {id(lm): 0 for lm in (base, other.lm, twin.lm, third.lm)}
+            for lm, b in ran:
+                rows[id(lm)] += b
+            if len(members) == 1:
+                assert rows[id(base)] == rows[id(other.lm)] == 5
+            else:  # nothing for the base and the earlier members; the new one only where no match was whole
+                assert rows[id(base)] == rows[id(other.lm)] == rows[id(twin.lm)] * (len(members) == 3) == 0
+                assert rows[id(members[-1].lm)] == (sum(v < 1 for v in want.values()) if len(members) == 2 else 0)
+    finally:
+        boost._greedy = real
+
 
 def test_a_stage_drops_the_covered_examples_and_says_which(tiny_base_dir, data_file, tmp_path):
     """Examples scoring at least the threshold are dropped (or kept at the downweight rate); examples.json lists

@@ -198,6 +198,55 @@ def test_vote_weights_reward_and_punish():
     assert winner((1, 2), [1.0] * 3) == 1  # at equal weights, the first
 
 
+def test_vote_weights_have_a_floor_so_a_member_that_turns_best_wins_again_soon():
+    """After 5,000 batches won by member 0, member 1 becomes the one whose drafts are accepted. Without a floor its
+    weight was 1e-323 and it took about 3,300 batches to win a row again (review); at the floor (1e-3) about 19."""
+    v = VoteWeights()
+    v.reset(2)
+    for _ in range(5000):
+        v.update({0: (4, 4)})
+    assert min(v.weights) == v.weight_floor == 1e-3
+    batches = 0
+    while v.weights[1] <= v.weights[0]:  # member 0 wins the rows and is punished; member 1 is rewarded on its own
+        v.update({0: (0, 4), 1: (4, 4)})
+        batches += 1
+    assert batches < 25
+
+
+def test_ensemble_settings_that_cannot_run_are_refused_when_built():
+    """A member that reads the base's states of every step (heads, EAGLE-3, DFlash) cannot sit out a step, which a
+    scheduler has members do: it crashed at the first probe after a pause (review); and an adaptive length that
+    starts outside [s_min, s_max] verified trees larger than the drafter's max_nodes."""
+    from test_decoder import noisy_heads
+    from draftlab.drafters import make_drafter
+
+    base = tiny_llama(seed=0)
+    heads = make_drafter(noisy_heads(base, seed=0, noise=3.0), Tree.chain(3))
+    ssm = SSMDrafter(tiny_llama(seed=0), Tree.chain(3))
+    with pytest.raises(ValueError, match="member1 read the base's states .* scheduler=None"):
+        EnsembleDrafter([ssm, heads], scheduler=Scheduler())
+    drafter = EnsembleDrafter([ssm, heads])  # every member drafts every step: exact
+    prompt = [1, 5, 7, 9, 3]
+    assert SpeculativeDecoder(base, drafter).generate([prompt], max_new_tokens=40).tokens[0] == \
+        plain_greedy(base, prompt, 40)
+    with pytest.raises(ValueError, match=r"starts at 16 \(--length\), outside \[s_min, s_max\] = \[1, 12\]"):
+        EnsembleDrafter([ssm], mode="vote", length=16, adaptive=AdaptiveLength(s=16))
+
+
+def test_the_cost_schedule_keeps_step_times_per_batch_size():
+    """A step's seconds depend on the batch size: a run at batch 1 after one at batch 32 priced two members by the
+    batch-32 steps, and a count priced out was never timed again (review). Each batch size explores its own."""
+    sched = Scheduler(policy="cost")
+    sched.reset(3, 32)
+    sched._timed(2, 0.050)
+    sched.k = 2
+    sched.reset(3, 1)
+    assert sched.seconds == [[], [], [], []] and sched.k == 0
+    sched._timed(2, 0.020)
+    sched.reset(3, 32)
+    assert sched.seconds[2] == [0.050] and sched.by_rows[1][0][2] == [0.020]
+
+
 def _vote_ensemble(lms, length=3, **kw):
     return EnsembleDrafter([SSMDrafter(lm, Tree.chain(length)) for lm in lms], mode="vote", length=length, **kw)
 

@@ -119,6 +119,8 @@ class Scheduler:
     fed: list[float] = field(default_factory=list)  # seconds the last probes (every member drafting) spent feeding
     steady_until: int = 0  # the standing choice's last step + 1 (the next probe or choice), and who drafts until then
     steady_on: list[bool] = field(default_factory=list)
+    rows: int = 0  # the batch size of the run: `seconds` and `fed` are its own (by_rows holds every batch size's)
+    by_rows: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.policy not in SCHEDULE_POLICIES:
@@ -136,13 +138,18 @@ class Scheduler:
         if self.warmup < 0:
             raise ValueError(f"ensemble option warmup={self.warmup}: must be 0 or more")
 
-    def reset(self, n: int) -> None:
+    def reset(self, n: int, rows: int = 1) -> None:
+        """A run of n members over `rows` rows. A step's seconds depend on the batch size: each batch size keeps its
+        own (explored once, when first met), and the member count is chosen again from them; the lengths (what the
+        members' trees held) are the same whatever the batch size, and stay."""
         if len(self.gains) != n:
-            self.gains = [1.0] * n
-            self.seconds = [[] for _ in range(n + 1)]
-            self.lengths, self.order, self.k, self.probed_k, self.fed = [], [], 0, -1, []
+            self.gains, self.by_rows, self.rows = [1.0] * n, {}, 0
+            self.lengths, self.order, self.k, self.probed_k = [], [], 0, -1
             self.__dict__.pop("_memo", None)
             self.interval, self.next_probe, self.next_choice, self.steady_until = self._first_interval, 0, 0, 0
+        if rows != self.rows:
+            self.seconds, self.fed = self.by_rows.setdefault(rows, ([[] for _ in range(n + 1)], []))
+            self.rows, self.k, self.steady_until = rows, 0, 0
 
     def active(self) -> list[bool]:
         if self.policy == "cost":
@@ -304,12 +311,16 @@ class VoteWeights:
     number of members. Reading of the paper: the ratio is the batch's, not a running mean (a running mean would let
     old batches decide today's reward), and a batch of B rows is one verification, not B of them (B updates per
     step multiplied a weight by reward_factor**B and locked one member in).
+    No weight falls below `weight_floor` (draftlab's, not the paper's): without one, a member that lost for
+    thousands of batches had a weight of 1e-323 and, once it became the best, needed about as many batches to win a
+    row again; a server runs for days.
     """
 
     reward_factor: float = 1.2
     punish_factor: float = 0.8
     reward_threshold: float = 0.6
     punish_threshold: float = 0.3
+    weight_floor: float = 1e-3
     weights: list[float] = field(default_factory=list)
     updates: int = 0  # verified batches seen
 
@@ -329,7 +340,7 @@ class VoteWeights:
             elif rate < self.punish_threshold:
                 self.weights[m] *= self.punish_factor
         total = sum(self.weights)
-        self.weights = [w * len(self.weights) / total for w in self.weights]
+        self.weights = [max(w * len(self.weights) / total, self.weight_floor) for w in self.weights]
 
 
 ADAPTIVE_RULES = ("trend", "regression")
@@ -490,14 +501,15 @@ class MemberGroup:
 def ensemble_parts(options: dict, length: int = 4) -> tuple[Scheduler, VoteWeights, AdaptiveLength]:
     """Scheduler, vote weights and adaptive length from `name=value` options; each name is a field of one of
     them (min_share, decay, warmup, probe_every, policy, explore, cost_window, rank_window, probe_share, probe_max,
-    rank_on; reward_factor, punish_factor, reward_threshold, punish_threshold; s_min, s_max, decision_threshold,
+    rank_on; reward_factor, punish_factor, reward_threshold, punish_threshold, weight_floor; s_min, s_max,
+    decision_threshold,
     window, s_reward, s_punish, metric, rule), typed as its default is. An unknown name is an error listing the known
     ones."""
     from dataclasses import fields
 
     parts = (Scheduler(), VoteWeights(), AdaptiveLength(s=length))
     state = ("steps", "since", "s", "updates", "direction", "period", "k", "probed_k", "row_updates", "interval",
-             "next_probe", "next_choice", "count", "steady_until")  # running state
+             "next_probe", "next_choice", "count", "steady_until", "rows", "by_rows")  # running state
     known = {f.name: (i, type(getattr(parts[i], f.name))) for i, p in enumerate(parts) for f in fields(p)
              if not isinstance(getattr(p, f.name), list) and f.name not in state}
     for name, value in options.items():
@@ -538,6 +550,11 @@ class EnsembleDrafter(Drafter):
         self.members, self.mode, self.node_budget = members, mode, node_budget
         self.names = names or [f"member{i}" for i in range(len(members))]
         self.scheduler = scheduler
+        stuck = [n for n, m in zip(self.names, members) if type(m).follow is Drafter.follow]
+        if scheduler is not None and stuck:
+            raise ValueError(f"ensemble members {', '.join(stuck)} read the base's states of every step and cannot "
+                             "sit out a step, which the ensemble's scheduler has members do: build the ensemble "
+                             "with scheduler=None (every member drafts every step)")
         # The cost policy drafts with some members only, each on its own: a grouped model would draft every member's
         # rows whoever is paused, so drafting with fewer would save nothing.
         self.cost = scheduler is not None and scheduler.policy == "cost"
@@ -551,6 +568,10 @@ class EnsembleDrafter(Drafter):
         self.graphs = 0  # graphs compiled in this process by then
         self.vote = vote or VoteWeights()
         self.adaptive = adaptive if mode == "vote" else None
+        if self.adaptive is not None and not self.adaptive.s_min <= self.adaptive.s <= self.adaptive.s_max:
+            a = self.adaptive
+            raise ValueError(f"the adaptive length starts at {a.s} (--length), outside [s_min, s_max] = [{a.s_min}, "
+                             f"{a.s_max}]: give a --length in that range, or the options s_min / s_max")
         self.hidden_layers = tuple(sorted({l for m in members for l in m.hidden_layers}))
         # Seconds spent in the members' own proposals and commits, and in the ensemble's bookkeeping (merging,
         # voting, weights, schedule): the latter is the ensemble's overhead.
@@ -636,7 +657,7 @@ class EnsembleDrafter(Drafter):
                                         prompt.positions.repeat(k, 1), room=prompt.room), sampling, generator)
         n = len(self.members)
         if self.scheduler is not None:
-            self.scheduler.reset(n)
+            self.scheduler.reset(n, prompt.ids.shape[0])
         self.vote.reset(n)
         # (self.plan stays: the members the schedule chose, at the last run's last step, for the step after it, which
         # is this run's first; dropped, a probe planned there would be lost and the schedule's history would hold a

@@ -95,16 +95,29 @@ def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generation_scores(base, members: list, examples: list[dict], pad_id: int | None, eos_ids: list[int],
-                      match_tokens: int = 32, batch_size: int = 8,
-                      indices: list[int] | None = None) -> dict[int, float]:
+                      match_tokens: int = 32, batch_size: int = 8, indices: list[int] | None = None,
+                      memo: dict | None = None) -> dict[int, float]:
     """Per example index: the longest share of the base's greedy output after the example's prompt part (its first
     match_tokens tokens, fewer when the example continues for fewer, cut after EOS) that some member's own greedy
-    output reproduces from the start (SpecInfer's test; 1.0: the outputs match)."""
+    output reproduces from the start (SpecInfer's test; 1.0: the outputs match).
+
+    memo: a dict kept from call to call while the members only grow (boost's stages: the members so far, then one
+    more). It keeps the base's greedy output and each example's best match, so a call with one member more runs
+    the base on nothing and only the new member, on the examples the earlier ones do not match whole: over 5 stages
+    the base generates once, not 5 times, and the members 5 times, not 15. Other members start it afresh."""
     dev = next(base.parameters()).device
     idx = list(range(len(examples))) if indices is None else indices
-    scores = {}
-    for s in range(0, len(idx), batch_size):
-        part = idx[s:s + batch_size]
+    memo = {} if memo is None else memo
+    seen = memo.get("members", [])
+    if seen != [id(m) for m in members[: len(seen)]]:
+        memo.clear()
+        seen = []
+    ref, length, best = memo.setdefault("ref", {}), memo.setdefault("length", {}), memo.setdefault("best", {})
+    grown = len(members) > len(seen)
+    todo = [i for i in idx if i not in ref or (grown and best[i] < length[i])]
+    eos = set(eos_ids or [])
+    for s in range(0, len(todo), batch_size):
+        part = todo[s:s + batch_size]
         plen = [prompt_length(examples[i]) for i in part]
         want = [min(match_tokens, len(examples[i]["input_ids"]) - p) for i, p in zip(part, plen)]
         P, n = max(plen), max(want)
@@ -113,26 +126,35 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
         for r, (i, p) in enumerate(zip(part, plen)):  # left-padded, so every row's next token is at the end
             ids[r, P - p:] = torch.tensor(examples[i]["input_ids"][:p], device=dev)
             att[r, P - p:] = 1
-        ref = _greedy(base, ids, att, n)  # [B, n]
-        length = torch.tensor(want, device=dev)
-        if eos_ids:  # the base's output ends at its EOS (included)
-            at_eos = torch.isin(ref, torch.tensor(eos_ids, device=dev)).int()
-            ends = torch.where(at_eos.any(-1), at_eos.argmax(-1) + 1, torch.full_like(length, n))
-            length = torch.minimum(length, ends)
-        best = torch.zeros_like(length)
-        for m in members:
-            same = (_greedy(m.lm, ids, att, n) == ref).int().cumprod(-1).sum(-1)  # [B] matching prefix
-            best = torch.maximum(best, torch.minimum(same, length))
-        scores.update(zip(part, (best.float() / length.float()).tolist()))
-    return scores
+        new = [r for r, i in enumerate(part) if i not in ref]  # rows every member is run on
+        if new:
+            for r, out in zip(new, _greedy(base, ids[new], att[new], n).tolist()):
+                out = out[: want[r]]
+                i = part[r]
+                # the base's output ends at its EOS (included)
+                ref[i], best[i] = out, 0
+                length[i] = next((k + 1 for k, t in enumerate(out) if t in eos), len(out))
+        target = torch.full((len(part), n), -1, dtype=torch.long, device=dev)
+        for r, i in enumerate(part):
+            target[r, : len(ref[i])] = torch.tensor(ref[i], device=dev)
+        cap = torch.tensor([length[i] for i in part], device=dev)
+        held = torch.tensor([best[i] for i in part], device=dev)
+        for k, m in enumerate(members):
+            rows = list(range(len(part))) if k >= len(seen) else new
+            if rows:
+                same = (_greedy(m.lm, ids[rows], att[rows], n) == target[rows]).int().cumprod(-1).sum(-1)
+                held[rows] = torch.maximum(held[rows], torch.minimum(same, cap[rows]))  # matching prefix
+        best.update(zip(part, held.tolist()))
+    memo["members"] = [id(m) for m in members]
+    return {i: best[i] / max(length[i], 1) for i in idx}
 
 
 def example_scores(e, base, members: list, examples: list[dict], tok, batch_size: int,
-                   indices: list[int] | None = None) -> dict[int, float]:
-    """The scores of ensemble.score (generation or coverage) for the examples at indices."""
+                   indices: list[int] | None = None, memo: dict | None = None) -> dict[int, float]:
+    """The scores of ensemble.score (generation or coverage) for the examples at indices (memo: generation_scores')."""
     if e.score == "generation":
         return generation_scores(base, members, examples, tok.pad_token_id, stop_token_ids(base, tok), e.match_tokens,
-                                 batch_size, indices)
+                                 batch_size, indices, memo)
     return coverage_scores(base, members, examples, tok.pad_token_id, batch_size, indices)
 
 
@@ -255,14 +277,16 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
 
 def _scores(recipe: Recipe, members: list, base, tok, train_ex: list, state, cache: dict) -> dict:
     """Every training example's score under members, scored in shards across processes; the same member set is
-    scored once (a stage's record and the next stage's selection share it)."""
+    scored once (a stage's record and the next stage's selection share it), and a set with one member more runs
+    only that member (generation_scores' memo; a resumed run starts it afresh)."""
     if len(members) not in cache:
         dev = next(base.parameters()).device
         for m in members:
             m.to(dev)
         mine = list(range(state.process_index, len(train_ex), state.num_processes))
         cache[len(members)] = _gather(example_scores(recipe.ensemble, base, members, train_ex, tok,
-                                                     recipe.train.batch_size, mine), state.num_processes)
+                                                     recipe.train.batch_size, mine, cache.setdefault("memo", {})),
+                                      state.num_processes)
     return cache[len(members)]
 
 
