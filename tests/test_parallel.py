@@ -40,6 +40,30 @@ def exports(stories_dir, tmp_path_factory):
                             tokenizer=tok))]
 
 
+@pytest.fixture(scope="module")
+def base_reading_exports(stories_dir, tmp_path_factory):
+    """Exports whose drafter reads the base through modules TP splits: DFlash's logits go through the base's lm_head,
+    and Medusa-2's adapter is merged into the base's attention and MLP weights."""
+    from peft import LoraConfig, get_peft_model
+
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    base, tok = load_base(str(stories_dir), "float32")
+    d = tmp_path_factory.mktemp("tp_exports_2")
+    torch.manual_seed(0)
+    dflash = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 1}}, base)
+    adapted = get_peft_model(load_base(str(stories_dir), "float32")[0],
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    return [str(save_export(dflash, base, d / "dflash", str(stories_dir), tokenizer=tok)),
+            str(save_export(noisy_heads(base, num_heads=2, noise=0.02), base, d / "medusa2", str(stories_dir),
+                            tokenizer=tok, adapter=adapted))]
+
+
 def single_process(exports) -> dict:
     return decode_all(exports, device="cpu")[0]
 
@@ -59,6 +83,17 @@ def test_tensor_parallel_decoding_gives_the_single_process_tokens(exports, tmp_p
     for key, run in ref.items():
         assert ranks[0]["runs"][key] == run, key
         assert all(len(t) == 24 for t in run["tokens"])
+
+
+@pytest.mark.slow  # multi-process (gloo)
+def test_dflash_and_medusa2_decode_under_tp_as_in_one_process(base_reading_exports, tmp_path):
+    """Both failed under --tp (review): DFlash multiplied by the split lm_head's weight, and peft merged whole LoRA
+    tensors into split weights. Now each rank merges the adapter into its own shards."""
+    out = tmp_path / "tp.json"
+    p = torchrun(2, str(REPO / "tests" / "tp_worker.py"), str(out), *base_reading_exports)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"tp.json.rank{r}").read_text()) for r in range(2)]
+    assert ranks[0]["runs"] == ranks[1]["runs"] == single_process(base_reading_exports)
 
 
 @pytest.mark.slow  # multi-process (gloo) and compiling
@@ -205,3 +240,38 @@ def test_the_synced_verify_keeps_the_slots_a_defragmentation_moved(monkeypatch):
         res = SpeculativeDecoder(base, Alternating(), static=True, sync=sync).generate(prompts, max_new_tokens=200)
         assert res.tokens == want and res.accept_length > 2
     assert moved  # the runs went through a defragmentation
+
+
+def test_tp_settings_that_cannot_work_are_refused_and_a_synced_proposal_keeps_its_width(tmp_path):
+    """Found by review: a base whose head counts do not divide by the ranks failed in a reshape with advice for
+    another model family; an ensemble whose length or members follow its own clock drafted different trees on
+    different ranks and failed; the synced proposal lost its static width (`nodes`), padding to the whole budget."""
+    from transformers import LlamaConfig
+
+    from conftest import tiny_llama
+    from draftlab.decode.decoder import SpeculativeDecoder
+    from draftlab.decode.tensor_parallel import RankSync, check_heads_divide
+    from draftlab.decode.tree import Tree, TreeView
+    from draftlab.drafters import Proposal
+    from draftlab.drafters.ensemble import AdaptiveLength, EnsembleDrafter, Scheduler
+    from draftlab.drafters.ssm import SSMDrafter
+
+    LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1).save_pretrained(tmp_path / "mqa")
+    with pytest.raises(ValueError, match="4 attention heads and 1 key/value heads.* use 1 processes, or --device-map"):
+        check_heads_divide(str(tmp_path / "mqa"), 2)
+    LlamaConfig(hidden_size=32, num_attention_heads=8, num_key_value_heads=4).save_pretrained(tmp_path / "gqa")
+    check_heads_divide(str(tmp_path / "gqa"), 4)
+
+    base = tiny_llama(seed=0)
+    ssm = lambda: SSMDrafter(tiny_llama(seed=0), Tree.chain(3))
+    for drafter, what in ((EnsembleDrafter([ssm()], mode="vote", adaptive=AdaptiveLength()), "adaptive length"),
+                          (EnsembleDrafter([ssm(), ssm()], scheduler=Scheduler(policy="cost")), "cost schedule")):
+        with pytest.raises(ValueError, match=f"{what}.* by its own clock"):
+            SpeculativeDecoder(base, drafter, sync=PassSync())
+    SpeculativeDecoder(base, EnsembleDrafter([ssm(), ssm()], scheduler=Scheduler()), sync=PassSync())
+
+    sync = RankSync()
+    sync._bcast = lambda t: t
+    prop = Proposal(torch.tensor([[1, 2, 3]]), TreeView.of_static(Tree.chain(2).buffers(), 1))
+    prop.nodes = 3
+    assert sync.proposal(prop).nodes == 3

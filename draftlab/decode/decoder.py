@@ -440,6 +440,9 @@ class SpeculativeDecoder:
             raise TypeError(f"expected a Drafter, got {type(drafter).__name__}; wrap draft modules with "
                             "draftlab.drafters.make_drafter(module, tree)")
         self.base, self.drafter, self.sync = base, drafter, sync
+        if sync is not None and drafter.clock_choices():
+            raise ValueError(f"{drafter.clock_choices()} by its own clock, which under --tp differs from rank to rank "
+                             "(so would the trees): use a fixed length / the gain policy with --tp")
         self.device = base.get_output_embeddings().weight.device
         if check_base:
             check_tree_support(base)

@@ -205,6 +205,11 @@ class Drafter(ABC):
         same time (the pipeline's groups): what it adapts across steps (an ensemble's vote weights, schedule and
         speculation length) becomes one state both update. Drafters that learn nothing online ignore it."""
 
+    def clock_choices(self) -> str | None:
+        """What this drafter chooses by its own clock (a schedule's step times), if anything. Under tensor
+        parallelism every rank runs its own drafter, and ranks whose clocks differ would draft different trees."""
+        return None
+
     def compile_failed(self) -> str | None:
         """Why one of this drafter's compiled steps runs eagerly, if one does (a drafter made of others asks them
         too)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from dataclasses import replace
 
 import torch
 
@@ -90,7 +91,7 @@ class RankSync:
             parents = self._bcast(view.parents.contiguous())
             valid = self._bcast(view.valid.to(torch.uint8).contiguous()).bool()
             view = TreeView.of_parents(parents, valid)
-        return Proposal(tokens, view, prop.q, prop.q_index)
+        return replace(prop, tokens=tokens, view=view)  # (nodes, the static path's width, stays)
 
     def decision(self, last: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank src's last accepted node [B] and bonus token [B] (the trees are rank src's, so its last node's
@@ -124,12 +125,31 @@ def release() -> None:
         dist.destroy_process_group()
 
 
+def check_heads_divide(name_or_path: str, n: int, revision=None, trust_remote_code: bool = False) -> None:
+    """Each rank holds whole attention heads: the query and key/value head counts must divide by the ranks.
+    transformers splits the columns unevenly otherwise, and the first forward fails in a reshape."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads and (heads % n or kv % n):
+        import math
+
+        ok = [d for d in range(1, math.gcd(heads, kv) + 1) if math.gcd(heads, kv) % d == 0]
+        raise ValueError(f"--tp over {n} processes: the base has {heads} attention heads and {kv} key/value heads, "
+                         f"which must both divide by the number of processes; use {', '.join(map(str, ok))} "
+                         "processes, or --device-map auto (layer-wise placement, one process)")
+
+
 def load_tp_base(name_or_path: str, dtype: str, revision: str | None = None, trust_remote_code: bool = False):
     """The base with transformers' tensor-parallel plan over this launch's processes, and its tokenizer."""
     from .. import base as base_mod
 
     from transformers import DistributedConfig
 
+    check_heads_divide(name_or_path, world_size(), revision, trust_remote_code)
     init_tp()
     model, tok = base_mod.load_base(name_or_path, dtype, None, revision, trust_remote_code,
                                     distributed_config=DistributedConfig(tp_size=world_size(), tp_plan="auto"))

@@ -233,8 +233,10 @@ class DFlashDraft(ReadsBase, nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Block outputs [..., H] -> logits over the base's vocabulary through its (frozen) lm_head."""
-        w = self.base.get_output_embeddings().weight
-        return self.norm(x) @ w.t().to(x.dtype)
+        head = self.base.get_output_embeddings()
+        if type(head.weight).__name__ == "DTensor":  # a base split with --tp: its lm_head gathers the vocabulary
+            return head(self.norm(x).to(head.weight.dtype)).to(x.dtype)
+        return self.norm(x) @ head.weight.t().to(x.dtype)
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Base features [..., n, H] -> the context features c [..., H]."""

@@ -611,6 +611,11 @@ class EnsembleDrafter(Drafter):
             return 1 + (self.adaptive.s_max if self.adaptive else self.length)
         return 1 + min(self.node_budget, sum(m.max_nodes - 1 for m in self.members))
 
+    def clock_choices(self) -> str | None:
+        if self.adaptive is not None:
+            return "the ensemble's adaptive length (--adaptive) moves"
+        return "the ensemble's cost schedule (policy=cost) chooses its members" if self.cost else None
+
     def compile_failed(self) -> str | None:
         parts = [*self.members, *(g.drafter for g in self.groups)]
         return super().compile_failed() or next((f for f in (m.compile_failed() for m in parts) if f), None)

@@ -8,6 +8,7 @@ directory (`config.json`, `model.safetensors`, the base's tokenizer), loadable o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -114,7 +115,39 @@ def apply_adapter(base, export_dir: str | Path, meta: dict):
     if not (d / "adapter_config.json").is_file():
         raise ExportError(f"{export_dir}: draftlab.json names the adapter directory {meta['adapter']!r}, which holds no "
                           "adapter_config.json; export again from the run")
+    if any(type(w).__name__ == "DTensor" for w in base.parameters()):  # --tp: each rank merges into its shards
+        return merge_into_shards(base, d)
     return PeftModel.from_pretrained(base, d).merge_and_unload().eval()
+
+
+def merge_into_shards(base, adapter_dir: Path):
+    """A LoRA adapter merged into a tensor-parallel base, each rank into its own shards: W += (B @ A) * scaling, as
+    peft's merge_and_unload computes it, sliced as the weight is split (peft's merge multiplies whole LoRA tensors
+    with the sharded weights, and fails). Plain LoRA on linear layers only (no DoRA, no per-layer ranks)."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("rank_pattern") or \
+            cfg.get("alpha_pattern"):
+        raise ExportError(f"{adapter_dir}: only a plain LoRA adapter (no DoRA, no per-layer ranks) is merged into a "
+                          "base split with --tp; decode in one process, or with --device-map auto")
+    scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    weights = load_file(adapter_dir / "adapter_model.safetensors")
+    modules = dict(base.named_modules())
+    for key in sorted(k for k in weights if k.endswith(".lora_A.weight")):
+        name = key[: -len(".lora_A.weight")].removeprefix("base_model.model.")
+        w = getattr(modules.get(name), "weight", None)
+        if not isinstance(w, DTensor) or w.dim() != 2:
+            raise ExportError(f"{adapter_dir}: the adapter's {name} is not a linear layer split by --tp; decode in "
+                              "one process, or with --device-map auto")
+        a, b = weights[key].to(w.device, w.dtype), weights[key.replace("lora_A", "lora_B")].to(w.device, w.dtype)
+        delta = (b @ a) * scale
+        if cfg.get("fan_in_fan_out"):
+            delta = delta.T
+        with torch.no_grad():  # the local slice of the whole delta (src_data_rank None: no communication)
+            w.add_(distribute_tensor(delta, w.device_mesh, w.placements, src_data_rank=None))
+    return base.eval()
 
 
 def check_base(meta: dict, base, where: str = "export") -> None:
