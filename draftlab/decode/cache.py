@@ -177,26 +177,29 @@ class SlotCache:
     def length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
-    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False, bucket: bool = False):
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden=(), bucket: bool = False, last: bool = False):
         """Left-padded prompts [B, L] (valid marks real tokens) -> model output; each row's positions count
-        its own tokens only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
+        its own tokens only. hidden: the hidden_states indices the caller reads (hidden_states_arg); last: the
+        logits of the last position only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=hidden)
+                         use_cache=True, output_hidden_states=hidden_states_arg(hidden),
+                         **last_logits(self.model, last))
         self.valid, self.next_pos = valid.bool(), valid.sum(-1)
         return out, pos
 
-    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden=()):
         """Tentative slots for tokens [B, N]. Node i sees the valid committed slots and, of the tentative slots
         (those already appended since the last keep, then these N), the ones allowed[:, i] [B, N, T] marks.
-        Its position is next_pos + depth [B, N]. Returns the model output."""
+        Its position is next_pos + depth [B, N]. Returns the model output (hidden: as prefill's)."""
         B, N = tokens.shape
         L = self.valid.shape[1]
         full = torch.cat([self.valid[:, None, :].expand(B, N, L), allowed], dim=2)  # [B, N, L+T]
         pos = self.next_pos[:, None] + depth
         far = distances(self.valid, pos, allowed.shape[2]) if self.spans else None
         return self.model(input_ids=tokens, attention_mask=span_masks(full, far, pos, self.spans, self.dtype),
-                          position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+                          position_ids=pos, past_key_values=self.cache, use_cache=True,
+                          output_hidden_states=hidden_states_arg(hidden))
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         """Keep tentative slots start+keep[b] [B, M] (entries with keep_valid False become holes), drop the
@@ -211,7 +214,7 @@ class SlotCache:
         self.valid = torch.cat([self.valid[:, :start], keep_valid], dim=1)
         self.next_pos = self.next_pos + keep_valid.sum(-1)
 
-    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden=()):
         """Commit tokens [B, P] (rows left-padded: valid marks real ones) in one forward; returns the output."""
         out = self.forward(tokens, causal_allowed(valid), (valid.long().cumsum(-1) - 1).clamp(min=0), hidden)
         self.valid = torch.cat([self.valid, valid.bool()], dim=1)
@@ -475,9 +478,10 @@ class StaticSlotCache:
         self.n += m
         self.tentative -= m
 
-    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden: bool = False, bucket: bool = False):
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, hidden=(), bucket: bool = False, last: bool = False):
         """The prompt [B, L] (ids, or states [B, L, H]; left-padded, valid marks real tokens) written from slot 0:
-        the model's output and the positions. bucket: on a CPU with a compiled forward, the prompt goes through it
+        the model's output and the positions (hidden, last: as SlotCache.prefill's; a prefill padded to a width
+        keeps every position's logits, which the cut below then drops). bucket: on a CPU with a compiled forward, the prompt goes through it
         padded on the right with holes to prefill_width(L) (one compiled shape per width) where the cache has room
         for that, and the output is cut back to the prompt's L positions; the padding's slots are written over by
         the next forward, so the cache holds what an eager prefill leaves. Else the model runs eagerly at the
@@ -500,7 +504,7 @@ class StaticSlotCache:
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         out = (self.run if compiled else self.model)(**self.open(ids, hidden),
                                                      attention_mask=self._mask(causal_allowed(valid), pos),
-                                                     position_ids=pos)
+                                                     position_ids=pos, **last_logits(self.model, last and W == L))
         self.slots[:, :W] = valid.bool()
         self.n, self.tentative, self.next_pos = L, 0, valid.sum(-1)
         if W == L:
@@ -509,12 +513,12 @@ class StaticSlotCache:
             layer.cumulative_length.fill_(L)
         return _first(out, L, W), pos[:, :L]
 
-    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, allowed: torch.Tensor, depth: torch.Tensor, hidden=()):
         inputs = self.open(tokens, hidden)
         pos = self.next_pos[:, None] + depth
         return self.run(**inputs, attention_mask=self._mask(allowed, pos), position_ids=pos)
 
-    def open(self, tokens: torch.Tensor, hidden: bool = False) -> dict:
+    def open(self, tokens: torch.Tensor, hidden=()) -> dict:
         """Room for a forward over tokens [B, N] written at the next N slots, counted as tentative, with the window
         that holds them set; the model's keyword arguments for it but its mask and positions. `forward` adds those
         (built eagerly); the decoder's fused verify step (decode.decoder.verify_and_keep) builds them in its graph,
@@ -523,7 +527,8 @@ class StaticSlotCache:
         self._check_room(N)
         self.tentative += N
         self._set_window(self.n + self.tentative)
-        return dict(**_inputs(tokens), past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        return dict(**_inputs(tokens), past_key_values=self.cache, use_cache=True,
+                    output_hidden_states=hidden_states_arg(hidden))
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
         m = keep.shape[1]
@@ -569,7 +574,7 @@ class StaticSlotCache:
         for layer in self._layers():
             layer.cumulative_length.fill_(n)
 
-    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden: bool = False):
+    def append(self, tokens: torch.Tensor, valid: torch.Tensor, hidden=()):
         out = self.forward(tokens, causal_allowed(valid), (valid.long().cumsum(-1) - 1).clamp(min=0), hidden)
         self.keep(self.n, torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1),
                   valid.bool(), in_place=True)
@@ -635,6 +640,33 @@ def _first(out, L: int, W: int):
             return v[:, :L]
         return tuple(cut(t) for t in v) if isinstance(v, tuple) else v
     return type(out)(**{k: cut(v) for k, v in out.items()})
+
+
+def hidden_states_arg(hidden) -> bool | list[int]:
+    """output_hidden_states for the hidden_states indices a caller reads (a tuple; True: all, a falsy value: none).
+    Given the indices, transformers keeps those layers' states only (None in the others' places): with True a prefill
+    kept every layer's, 81 tensors [B, L, H] over a 70B base's prompt (43 GB at batch 8 x 4,096 tokens) where
+    EAGLE-3 reads 3. A model without the selection reads the list as True."""
+    if isinstance(hidden, (tuple, list)):
+        return sorted(set(hidden)) if hidden else False
+    return bool(hidden)
+
+
+def last_logits(model, last: bool) -> dict:
+    """The model's keyword argument for logits at the last position only (`logits_to_keep`, where its forward has
+    it): a prefill whose caller reads the next token only leaves out [B, L, V] logits (8 GB in bfloat16 for a
+    128k vocabulary at batch 8 x 4,096 tokens)."""
+    if not last:
+        return {}
+    forward = type(model).forward
+    if forward not in _KEEPS_LOGITS:
+        import inspect
+
+        _KEEPS_LOGITS[forward] = "logits_to_keep" in inspect.signature(forward).parameters
+    return {"logits_to_keep": 1} if _KEEPS_LOGITS[forward] else {}
+
+
+_KEEPS_LOGITS: dict = {}
 
 
 def _inputs(x: torch.Tensor) -> dict:

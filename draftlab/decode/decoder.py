@@ -120,7 +120,7 @@ class Verifier:
             self.target = static_slot_cache(self.base, B, static_slots(L + room), self.forward, reuse=self.target)
         else:
             self.target = SlotCache(self.base)
-        out, pos = self.target.prefill(ids, valid, hidden=bool(self.layers), bucket=self.sync is None)
+        out, pos = self.target.prefill(ids, valid, hidden=self.layers, bucket=self.sync is None, last=True)
         root = _pick_root(out.logits[:, -1], self.sampling, self.generator)  # [B]
         if self.sync is not None:
             root = self.sync.root(root)
@@ -158,7 +158,7 @@ class Verifier:
         chain = chainer.chain_args() if chainer is not None else None
         drafted = None
         if fused:  # forward, rule and bookkeeping in one call (one graph): the verify time holds acceptance's kernels
-            opened = target.open(tokens, hidden=bool(self.layers))
+            opened = target.open(tokens, hidden=self.layers)
             del opened["input_ids"]  # verify_and_keep gives the forward `tokens`: passed once, the call's signature
             # has no alias to find (decode.compiled._aliases)
             inputs = (self.base, opened, target.window, target.spans, target.dtype, self.layers, tokens, view.parents,
@@ -171,7 +171,7 @@ class Verifier:
                 states, decided = self.fused(*inputs, drawn=drawn)
             states = dict(zip(self.layers, states))
         else:
-            out = target.forward(tokens, view.ancestors, view.depth, hidden=bool(self.layers))
+            out = target.forward(tokens, view.ancestors, view.depth, hidden=self.layers)
             states = _layers(out, self.layers)
         sync_device(dev)
         t3 = time.perf_counter()

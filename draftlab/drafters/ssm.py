@@ -370,7 +370,8 @@ class SSMDrafter(Drafter):
                                  self.decode_path, reuse=self.kept_static)
         if self.decode_path and self.decode_path.get("static"):
             self.kept_static = self.target
-        out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True)
+        # (its logits: for the statistics of a search, else none are read; the first draft runs from the root)
+        out, _ = self.target.prefill(prompt.ids, prompt.valid, bucket=True, last=self.ranks is None)
         if self.ranks is not None:
             self.record_ranks(out.logits, prompt.ids, prompt.valid, None)
         B = prompt.ids.shape[0]
