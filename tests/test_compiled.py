@@ -1062,3 +1062,77 @@ def test_the_gpu_benchmark_runs_its_drafters_chained_on_a_tiny_base(tmp_path):
         if "chained" in name:
             assert r["steps"] - 2 <= r["chained_steps"] <= r["steps"], name
     assert d["errors"]["hf_static_compiled"].startswith("not run")
+
+
+@pytest.mark.slow  # two decoders compiled twice (about 30 s)
+def test_after_a_dynamo_reset_no_call_runs_a_variant_recorded_before_it(monkeypatch):
+    """torch._dynamo.reset() empties dynamo's caches; signatures recorded before it, trusted with guards skipped, ran
+    whatever variant was left: Hydra's chained step for Hydra++ (2 outputs read as 3: IndexError; review). The
+    path a GPU takes (no direct calls): every signature is forgotten at a reset, and both decoders give the eager
+    tokens after it."""
+    monkeypatch.setenv("DRAFTLAB_COMPILE_DIRECT", "0")
+    base = peaked()
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 2, 3]]
+    kinds = ("hydra", "hydra++")
+    ref = {k: SpeculativeDecoder(base, drafter(k, base)).generate(prompts, max_new_tokens=21).tokens for k in kinds}
+    decs = {k: SpeculativeDecoder(base, drafter(k, base), compile="eager") for k in kinds}
+    for _ in range(2):
+        for k, dec in decs.items():
+            res = dec.generate(prompts, max_new_tokens=21)
+            assert res.tokens == ref[k] and res.chained_steps > 0, k
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow  # three compiled decoders (about 20 s)
+def test_compiled_models_are_freed_and_a_base_that_fails_leaves_others_compiled(capsys):
+    """A registry of compiled forwards held every model compiled in the process (its Compiled refers to it); and one
+    base that did not compile turned the shared verify steps eager for every later base, reported as theirs. The
+    failure says so once, not once per compiled call."""
+    import gc
+    import weakref
+
+    base = peaked(seed=10)
+    SpeculativeDecoder(base, drafter("hydra++", base), compile="eager").generate([[1, 5, 7]], max_new_tokens=8)
+    ref = weakref.ref(base)
+    del base
+    gc.collect()
+    assert ref() is None
+
+    broken = [True]
+
+    @torch._dynamo.register_backend
+    def fails_first(gm, example_inputs):
+        if broken[0]:
+            raise NotImplementedError("aten.some_op has no lowering")
+        return gm.forward
+
+    prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
+    for seed, fails in ((4, True), (5, False)):
+        base = peaked(seed=seed)
+        want = SpeculativeDecoder(base, drafter("hydra++", base)).generate(prompts, max_new_tokens=21).tokens
+        dec = SpeculativeDecoder(base, drafter("hydra++", base), compile="fails_first")
+        assert dec.generate(prompts, max_new_tokens=21).tokens == want
+        assert bool(dec.compile_failed) == fails and (dec.chain.failed_for(base) is None) != fails
+        broken[0] = False
+    err = capsys.readouterr().err
+    assert err.count("does not compile") == 1 and err.count("for the same reason") == 1, err
+
+
+def test_past_dynamos_recompile_limit_the_calls_that_run_eagerly_are_said(monkeypatch, capsys):
+    """Past the limit a code object runs the variants it has and other calls eagerly: it was reported as a graph
+    break ("slower, not wrong", cut mid-word) and `failed` stayed None, so a run of eager steps said it was compiled.
+    A call that ran eagerly there records no variant (the front one is another signature's)."""
+    from draftlab.decode.compiled import Compiled
+
+    def double(x):
+        return x * 2
+
+    c = Compiled(double, "eager", skip_guards=True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    try:
+        for n in (1, 2, 3, 2, 1):
+            assert c(torch.ones(n)).tolist() == [2.0] * n
+        assert "recompile limit" in c.failed and "recompile limit" in capsys.readouterr().err
+        assert len(c.direct or {}) <= 1  # (only the first shape's variant: the others ran eagerly)
+    finally:
+        torch._dynamo.reset()

@@ -36,6 +36,14 @@ bytecode: the compiled graph's call and everything dynamo replays around it) as 
 A function with a graph break keeps the hook and its guards (above). Not on a GPU (not measured there);
 DRAFTLAB_COMPILE_DIRECT=0 keeps the hook everywhere.
 
+What a signature recorded stops holding when dynamo forgets its variants: `torch._dynamo.reset()` (and
+torch.compiler.reset) empties every code object's cache, so every Compiled forgets its signatures then (the call
+is counted; a Hydra decoder's chained step ran for Hydra++ after a reset, its 2 outputs where 3 were read). Past
+dynamo's recompile limit a code object runs only the variants it has, and calls of new shapes run eagerly: the
+signature's guarded call then ran no variant of its own, so a variant is recorded only when its guards pass on the
+call's arguments (a model's forward, whose variants are not read, keeps its guards from then on), and the function's
+`failed` says calls run eagerly (the tokens stay the eager path's).
+
 Outputs under CUDA graphs. A graphed call's outputs live in the CUDA graphs' shared memory pool, which the next
 graphed call (of any function) writes over: torch raises "accessing tensor output of CUDAGraphs that has been
 overwritten by a subsequent run" where one is read later, e.g. when a step's bonus token is the next step's input.
@@ -66,7 +74,8 @@ import torch
 from . import fuse, gqa
 from .switches import env_flag
 
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # functions' Compiled (models keep their own)
+_RESETS = [0]  # torch._dynamo.reset calls in this process (_count_resets)
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _NO_TENSORS = frozenset(_PLAIN) | {dict}  # attribute types _held passes over (it does not walk dicts)
 
@@ -327,6 +336,31 @@ def direct_calls() -> bool:
     return env_flag("DRAFTLAB_COMPILE_DIRECT") is not False
 
 
+def _count_resets() -> None:
+    """Count the calls of torch._dynamo.reset and reset_code_caches (see the module's overview): a Compiled whose
+    count is behind forgets its signatures."""
+    import torch._dynamo
+
+    for name in ("reset", "reset_code_caches"):
+        fn = getattr(torch._dynamo, name, None)
+        if fn is None or getattr(fn, "_draftlab_counted", False):
+            continue
+
+        def counted(*args, _fn=fn, **kwargs):
+            _RESETS[0] += 1
+            return _fn(*args, **kwargs)
+
+        functools.update_wrapper(counted, fn)
+        counted._draftlab_counted = True
+        setattr(torch._dynamo, name, counted)
+
+
+def _limit_reached() -> bool:
+    """Whether some code object of this process met dynamo's recompile limit (it then runs the variants it has only,
+    and other calls eagerly)."""
+    return any("recompile limit" in str(k[1]).lower() for k in _graph_breaks())
+
+
 def _last_variant(fn):
     """(code, guards) of the compiled variant of fn (a function or a bound method) that dynamo ran last: the front of
     its code object's cache, where dynamo puts the variant a call runs. Read right after a guarded call, that is the
@@ -403,10 +437,14 @@ class Compiled:
         # its forward's: batch sizes, tree sizes and cache lengths of one server easily pass 8, after which dynamo
         # would run the forward eagerly without a word.
         cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
+        for name, least in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024),
+                            ("accumulated_cache_size_limit", 1024)):
             if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
-        self.failed: str | None = None
+                setattr(cfg, name, max(getattr(cfg, name), least))
+        _count_resets()
+        self.resets = _RESETS[0]
+        self.failures: dict = {}  # whose calls run eagerly (_whose), and why
+        self.limit: str | None = None  # why calls of new shapes run eagerly: dynamo's recompile limit
         self.skip_guards = skip_guards  # False for a function with few guards: its signature would cost more
         self.warmup_s = 0.0
         self.calls = 0  # calls that went through the compiled function
@@ -450,9 +488,30 @@ class Compiled:
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
 
+    @property
+    def failed(self) -> str | None:
+        """Why calls run eagerly, if some do: compiling failed (for a function shared by decoders, the first model
+        it failed for: see failed_for), or dynamo's recompile limit was reached."""
+        return next(iter(self.failures.values()), None) or self.limit
+
+    def failed_for(self, model) -> str | None:
+        """failed, for the calls whose first argument is `model` (a function shared by decoders, each with its base:
+        one base that does not compile leaves the others' calls compiled)."""
+        return self.failures.get(_token(model) if isinstance(model, torch.nn.Module) else None) or self.limit
+
+    @staticmethod
+    def _whose(args: tuple):
+        """Whose failure a call shares: its first argument's, where that is a model (a shared step's base)."""
+        return _token(args[0]) if args and isinstance(args[0], torch.nn.Module) else None
+
     def _call(self, *args, **kwargs):
-        if self.failed:
+        if self.failures and self._whose(args) in self.failures:
             return self.model(*args, **kwargs)
+        if self.resets != _RESETS[0]:  # dynamo forgot its variants: so does every signature recorded
+            self.resets = _RESETS[0]
+            self.skip, self.guarded = set(), set()
+            if self.direct is not None:
+                self.direct = {}
         self.calls += 1
         key = None
         if self.skip_guards and not self.breaks and guards_skipped():
@@ -504,8 +563,8 @@ class Compiled:
                           f"an interrupted build ({broken[0]}); compiling again", file=sys.stderr)
                     continue
                 lines = str(e).splitlines()
-                self.failed = f"{type(e).__name__}: {' '.join(lines[:2])}"
-                print(f"draftlab: {name} does not compile ({self.failed}); decoding eagerly", file=sys.stderr)
+                why = self.failures[self._whose(args)] = f"{type(e).__name__}: {' '.join(lines[:2])}"
+                _say(f"draftlab: {name} does not compile ({why}); decoding eagerly", why)
                 return self.model(*args, **kwargs)
         if compiled_graphs() != graphs:  # this call compiled
             self.warmup_s += time.perf_counter() - t0
@@ -513,18 +572,42 @@ class Compiled:
         if now != breaks:
             self.breaks = True  # no signature from now on (see the module's overview)
             name = getattr(self.model, "__qualname__", type(self.model).__name__)
-            why = "; ".join(str(k[1]) for k in now if now[k] != breaks.get(k))[:200]
-            print(f"draftlab: {name} has a graph break ({why}); its compiled calls keep dynamo's guards on every call "
-                  "(slower, not wrong)", file=sys.stderr)
+            new = [str(k[1]) for k in now if now[k] != breaks.get(k)]
+            if any("recompile limit" in w.lower() for w in new):
+                cfg = torch._dynamo.config
+                self.limit = ("dynamo's recompile limit: calls of new shapes run eagerly (raise "
+                              f"torch._dynamo.config.recompile_limit, now {getattr(cfg, 'recompile_limit', '?')}, "
+                              f"or accumulated_recompile_limit, now {getattr(cfg, 'accumulated_recompile_limit', '?')})")
+                _say(f"draftlab: {name} reached {self.limit}; the tokens are the same, slower", self.limit)
+            else:
+                why = "; ".join(new)[:200]
+                _say(f"draftlab: {name} has a graph break ({why}); its compiled calls keep dynamo's guards on every "
+                     "call (slower, not wrong)", why)
         if record:
             variant = _last_variant(self.model)  # the variant this guarded call ran
-            if self.breaks or _resumes(variant) or (variant is None and _function(self.model)):
+            if variant is not None and _limit_reached() and _variant_code(self.model, variant, args, kwargs) is None:
+                variant = None  # the front variant is another signature's: this call ran eagerly, past the limit
+            if self.breaks or _resumes(variant) or (variant is None and (_function(self.model) or _limit_reached())):
                 self.guarded.add(key)  # code past a graph break can hang on values no signature holds (.item())
             else:
                 self.skip.add(key)
                 if self.direct is not None and direct_calls():
                     self.direct[key] = variant
         return out
+
+
+_SAID: dict = {}  # reason -> lines said for it (_say)
+
+
+def _say(line: str, reason: str) -> None:
+    """A line on stderr, once per reason in this process; the functions that meet the same reason later are counted
+    on one more line at most (a base that does not compile is met by its forward, the verify step and the drafter's
+    steps: one line, not four)."""
+    n = _SAID[reason] = _SAID.get(reason, 0) + 1
+    if n == 1:
+        print(line, file=sys.stderr)
+    elif n == 2:
+        print("draftlab: (and other compiled calls, for the same reason)", file=sys.stderr)
 
 
 # DRAFTLAB_EMULATE_GRAPH_OUTPUTS (the module's overview): whether it is on (tests set it), and the outputs of the last
@@ -585,8 +668,9 @@ def compile_backend(compile: bool | str) -> str | None:
 
 
 def compiled_forward(model, backend: str = "inductor") -> Compiled:
-    """The process's compiled forward of `model` with `backend` (made on first use, then shared)."""
-    fns = _COMPILED.setdefault(model, {})
+    """The process's compiled forward of `model` with `backend` (made on first use, then shared). Kept on the model
+    itself: a registry holding it would keep every model ever compiled alive (its Compiled refers to it)."""
+    fns = model.__dict__.setdefault("_draftlab_compiled", {})
     if backend not in fns:
         fns[backend] = Compiled(model, backend, next(model.parameters()).device.type, graphs=True, keep_outputs=True)
     return fns[backend]
@@ -604,7 +688,7 @@ def compiled_function(fn, backend: str, device: str = "cpu", graphs: bool = Fals
     return fns[key]
 
 
-def method_failure(obj) -> str | None:
+def method_failure(obj) -> str | None:  # (`failed` covers the recompile limit too)
     """Why one of obj's compiled methods (compiled_method) runs eagerly, if one does."""
     return next((c.failed for c in obj.__dict__.get("_compiled", {}).values() if c.failed), None)
 

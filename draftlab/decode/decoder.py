@@ -482,8 +482,8 @@ class SpeculativeDecoder:
     def compile_failed(self) -> str | None:
         """Why the base's verify forward (or the fused verify step, or the chained step), or a compiled step of the
         drafter's (an ensemble's members' included), runs eagerly, if one does."""
-        return next((c.failed for c in (self.forward, self.step, self.chain) if c is not None and c.failed),
-                    None) or self.drafter.compile_failed()
+        return next((c.failed_for(self.base) for c in (self.forward, self.step, self.chain)
+                     if c is not None and c.failed_for(self.base)), None) or self.drafter.compile_failed()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, sampling: Sampling | None = None,
