@@ -50,6 +50,16 @@ def test_layer_ids_are_dflash_target_layers_shifted_to_hidden_states_ids():
     assert default_layers(32, 1) == [17] and default_layers(28, 3) == [2, 14, 26]
     assert all(1 <= i <= 4 for i in default_layers(5, 3))  # a shallow base still gets ids of real layer outputs
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    # ... and distinct ones (a new user's 2-layer base trained on [1, 1], which `check` then passed; review)
+    assert all(len(set(default_layers(L, n))) == n for L in range(2, 9) for n in range(1, L))
+    from draftlab.interop.check import check_aux
+
+    with pytest.raises(ValueError, match=r"default for 2 draft layers would be \[1, 1\].*num_layers at most 1"):
+        DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2}}, tiny_llama(layers=2))
+    with pytest.raises(ValueError, match=r"head.dflash.layers is \[1, 1\]"):
+        DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2, "layers": [1, 1]}}, tiny_llama(layers=4))
+    cfg = {"dflash_config": {"target_layer_ids": [0, 0]}}
+    assert check_aux(cfg, {"head": {"type": "dflash", "layers": [1, 1]}}, ["sglang"], 2).ok is False
 
 
 def _one_block(d: DFlashDraft, states, ids, a):

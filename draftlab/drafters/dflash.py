@@ -53,14 +53,17 @@ from .eagle import RMSNorm
 def default_layers(num_base_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash's target layers for a base of L decoder layers: as many as draft layers, spread evenly from the output
     of layer 1 to that of layer L - 3 (one draft layer: layer L // 2), as hidden_states ids (output of layer i = id
-    i + 1). Bases too shallow for that range use layers 1..L - 2."""
+    i + 1). Bases too shallow for that range spread them over layers 0..L - 2, distinct while n <= L - 1."""
     L, n = num_base_layers, num_draft_layers
     if n == 1:
         out = [L // 2]
     else:
         start, end = 1, max(L - 3, 2)
         out = [round(start + i * (end - start) / (n - 1)) for i in range(n)]
-    return [min(max(i, 0), L - 2) + 1 for i in out]
+    out = [min(max(i, 0), L - 2) + 1 for i in out]
+    if len(set(out)) < n and n <= L - 1:
+        out = [round(i * (L - 2) / (n - 1)) + 1 for i in range(n)]
+    return out
 
 
 def default_gamma(block_size: int) -> float:
@@ -203,7 +206,14 @@ class DFlashDraft(ReadsBase, nn.Module):
         c, e = base.config, dict(head.get("dflash") or {})
         heads = c.num_attention_heads
         n = e.get("num_layers", 5)  # (the recipe schema's defaults, for a head given without it)
-        layers = e.get("layers") or default_layers(c.num_hidden_layers, n)
+        L = c.num_hidden_layers
+        layers = e.get("layers") or default_layers(L, n)
+        if len(set(layers)) != len(layers) or not 1 <= min(layers) <= max(layers) <= L:
+            raise ValueError(
+                f"DFlash reads distinct base layers (ids 1..{L}: the outputs of this base's {L} decoder layers), " + (
+                    f"and head.dflash.layers is {list(layers)}" if e.get("layers") else
+                    f"and the default for {n} draft layers would be {list(layers)}: give head.dflash.num_layers at "
+                    f"most {max(L - 1, 1)}, or head.dflash.layers"))
         bs = e.get("block_size", 16)
         V = base.get_output_embeddings().weight.shape[0]
         mask = e.get("mask_token_id")

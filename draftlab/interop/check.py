@@ -77,6 +77,10 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str 
     if head["type"] == "dflash":
         ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
         want = [i - 1 for i in head["layers"]]
+        if len(set(want)) != len(want):  # (exports trained before 2026-12-01 on a base too shallow for their layers)
+            return Check("aux-layer-ids", False, f"draftlab.json layers {head['layers']} are not distinct: engines "
+                         "capture each layer once, so the draft's fc would read other features; retrain with distinct "
+                         "layers (head.dflash.layers, or fewer head.dflash.num_layers)")
         ok = ids == want
         return Check("aux-layer-ids", ok, f"dflash_config.target_layer_ids {ids} " + (
             f"= the layers draftlab trained on {head['layers']} read as hidden_states[id + 1] (z-lab's DFlash code, "
