@@ -1118,7 +1118,7 @@ def test_compiled_models_are_freed_and_a_base_that_fails_leaves_others_compiled(
     assert err.count("does not compile") == 1 and err.count("for the same reason") == 1, err
 
 
-def test_past_dynamos_recompile_limit_the_calls_that_run_eagerly_are_said(monkeypatch, capsys):
+def test_past_dynamos_recompile_limit_the_calls_that_run_eagerly_are_said(capsys):
     """Past the limit a code object runs the variants it has and other calls eagerly: it was reported as a graph
     break ("slower, not wrong", cut mid-word) and `failed` stayed None, so a run of eager steps said it was compiled.
     A call that ran eagerly there records no variant (the front one is another signature's)."""
@@ -1128,11 +1128,27 @@ def test_past_dynamos_recompile_limit_the_calls_that_run_eagerly_are_said(monkey
         return x * 2
 
     c = Compiled(double, "eager", skip_guards=True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     try:
-        for n in (1, 2, 3, 2, 1):
-            assert c(torch.ones(n)).tolist() == [2.0] * n
+        with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch's undo deletes a config entry)
+            for n in (1, 2, 3, 2, 1):
+                assert c(torch.ones(n)).tolist() == [2.0] * n
         assert "recompile limit" in c.failed and "recompile limit" in capsys.readouterr().err
         assert len(c.direct or {}) <= 1  # (only the first shape's variant: the others ran eagerly)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_model_with_a_compiled_forward_copies_and_pickles_without_it():
+    """The compiled forward lives on its model (a registry kept every model alive); copy.deepcopy of such a model
+    failed inside dynamo's wrapper (a drafter's `copy.deepcopy(base)` after a compiled run: review)."""
+    import pickle
+
+    from draftlab.decode.compiled import compiled_forward
+
+    base = tiny_llama(vocab=32, layers=1)
+    fwd = compiled_forward(base, "eager")
+    assert compiled_forward(base, "eager") is fwd
+    for twin in (copy.deepcopy(base), pickle.loads(pickle.dumps(base))):
+        assert dict(twin.__dict__["_draftlab_compiled"]) == {}
+        assert compiled_forward(twin, "eager") is not fwd
+        assert torch.equal(twin.model.embed_tokens.weight, base.model.embed_tokens.weight)

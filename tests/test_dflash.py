@@ -54,10 +54,11 @@ def test_layer_ids_are_dflash_target_layers_shifted_to_hidden_states_ids():
     assert all(len(set(default_layers(L, n))) == n for L in range(2, 9) for n in range(1, L))
     from draftlab.interop.check import check_aux
 
-    with pytest.raises(ValueError, match=r"default for 2 draft layers would be \[1, 1\].*num_layers at most 1"):
+    # a base too shallow for distinct layers trains with a word (draftlab decodes it; the engines cannot)
+    with pytest.warns(UserWarning, match=r"reads layers \[1, 1\], which repeat.*num_layers at most 1"):
         DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2}}, tiny_llama(layers=2))
-    with pytest.raises(ValueError, match=r"head.dflash.layers is \[1, 1\]"):
-        DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2, "layers": [1, 1]}}, tiny_llama(layers=4))
+    with pytest.raises(ValueError, match=r"head.dflash.layers \[1, 5\].*ids 1..4"):
+        DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2, "layers": [1, 5]}}, tiny_llama(layers=4))
     cfg = {"dflash_config": {"target_layer_ids": [0, 0]}}
     assert check_aux(cfg, {"head": {"type": "dflash", "layers": [1, 1]}}, ["sglang"], 2).ok is False
 

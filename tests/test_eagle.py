@@ -45,9 +45,11 @@ def test_layer_ids_follow_output_hidden_states():
     assert default_layers(32) == [2, 16, 29] and default_layers(80) == [2, 40, 77]
     assert default_layers(5) == [1, 2, 4] and len(default_layers(1)) == 3
     # Three distinct layers need a base of 4: a 2-layer base trained on [1, 1, 1] without a word, and `check` then
-    # said the export cannot be served (review)
-    with pytest.raises(ValueError, match=r"default for 3 layers would be \[1, 1, 2\]: a base needs at least 4"):
+    # said the export cannot be served (review); it trains with a warning, and layers out of range are refused
+    with pytest.warns(UserWarning, match=r"reads layers \[1, 1, 2\], which repeat"):
         Eagle3Draft.settings({"type": "eagle3"}, tiny_llama(layers=3))
+    with pytest.raises(ValueError, match=r"head.eagle.layers \[0, 1, 4\].*ids 0..3"):
+        Eagle3Draft.settings({"type": "eagle3", "eagle": {"layers": [0, 1, 4]}}, tiny_llama(layers=4))
     assert Eagle3Draft.settings({"type": "eagle3"}, tiny_llama(layers=4))["layers"] == [1, 2, 3]
 
 

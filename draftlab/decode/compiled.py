@@ -667,10 +667,21 @@ def compile_backend(compile: bool | str) -> str | None:
     return compile or None
 
 
+class _OnModel(dict):
+    """A model's compiled forwards, by backend, kept on the model: a copy or a pickle of the model gets none (a
+    compiled forward is of the model it was made for, and dynamo's wrapper cannot be copied)."""
+
+    def __deepcopy__(self, memo):
+        return _OnModel()
+
+    def __reduce__(self):
+        return _OnModel, ()
+
+
 def compiled_forward(model, backend: str = "inductor") -> Compiled:
     """The process's compiled forward of `model` with `backend` (made on first use, then shared). Kept on the model
     itself: a registry holding it would keep every model ever compiled alive (its Compiled refers to it)."""
-    fns = model.__dict__.setdefault("_draftlab_compiled", {})
+    fns = model.__dict__.setdefault("_draftlab_compiled", _OnModel())
     if backend not in fns:
         fns[backend] = Compiled(model, backend, next(model.parameters()).device.type, graphs=True, keep_outputs=True)
     return fns[backend]

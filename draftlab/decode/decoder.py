@@ -12,6 +12,7 @@ masked-out holes.
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -61,6 +62,13 @@ def sync_device(device) -> None:
     """Wait for queued GPU work, so wall-clock timings cover it (a no-op on CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def hardware() -> str:
+    """The machine timings are taken on, as run records and search files name it: the GPU, or the CPU and threads."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
 
 
 def _layers(out, layers) -> dict:

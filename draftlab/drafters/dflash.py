@@ -36,6 +36,7 @@ distribution when sampling), so the default tree is the paper's chain of top-1s 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -208,12 +209,14 @@ class DFlashDraft(ReadsBase, nn.Module):
         n = e.get("num_layers", 5)  # (the recipe schema's defaults, for a head given without it)
         L = c.num_hidden_layers
         layers = e.get("layers") or default_layers(L, n)
-        if len(set(layers)) != len(layers) or not 1 <= min(layers) <= max(layers) <= L:
-            raise ValueError(
-                f"DFlash reads distinct base layers (ids 1..{L}: the outputs of this base's {L} decoder layers), " + (
-                    f"and head.dflash.layers is {list(layers)}" if e.get("layers") else
-                    f"and the default for {n} draft layers would be {list(layers)}: give head.dflash.num_layers at "
-                    f"most {max(L - 1, 1)}, or head.dflash.layers"))
+        if not 1 <= min(layers) <= max(layers) <= L:
+            raise ValueError(f"head.dflash.layers {list(layers)}: DFlash reads the outputs of this base's {L} decoder "
+                             f"layers, hidden_states ids 1..{L}")
+        if len(set(layers)) != len(layers):
+            warnings.warn(
+                f"DFlash on this {L}-layer base reads layers {list(layers)}, which repeat: draftlab decodes such a "
+                "draft, but vLLM and SGLang capture each layer once and cannot serve it (check says so); "
+                f"give head.dflash.num_layers at most {max(L - 1, 1)}, or distinct head.dflash.layers", stacklevel=2)
         bs = e.get("block_size", 16)
         V = base.get_output_embeddings().weight.shape[0]
         mask = e.get("mask_token_id")

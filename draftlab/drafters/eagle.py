@@ -30,6 +30,7 @@ is committed (tentative tree entries are dropped).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -142,12 +143,14 @@ class Eagle3Draft(ReadsBase, nn.Module):
         heads = c.num_attention_heads
         layers = e.get("layers") or default_layers(c.num_hidden_layers)
         L = c.num_hidden_layers
-        if len(set(layers)) != 3 or not 0 <= min(layers) <= max(layers) < L:
-            raise ValueError(
-                f"EAGLE-3 reads three distinct base layers (ids 0..{L - 1}: the inputs of this base's {L} decoder "
-                "layers, which the engines capture), " + (f"and head.eagle.layers is {list(layers)}" if e.get("layers")
-                else f"and the default for {L} layers would be {list(layers)}: a base needs at least 4 layers for "
-                "EAGLE-3 (a DFlash or SSM drafter reads fewer)"))
+        if len(layers) != 3 or not 0 <= min(layers) <= max(layers) < L:
+            raise ValueError(f"head.eagle.layers {list(layers)}: EAGLE-3 reads three of this base's layer inputs, "
+                             f"hidden_states ids 0..{L - 1}")
+        if len(set(layers)) != 3:
+            warnings.warn(
+                f"EAGLE-3 on this {L}-layer base reads layers {list(layers)}, which repeat (three distinct ones need 4 "
+                "layers): draftlab decodes such a draft, but vLLM and SGLang capture each layer once and cannot serve "
+                "it (check says so)", stacklevel=2)
         V = base.get_output_embeddings().weight.shape[0]
         return {"hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(c, "num_key_value_heads", heads) or heads,

@@ -10,7 +10,7 @@ import torch
 from ..decode.acceptance import Sampling
 from ..decode.compiled import compile_cache_report
 from ..base import stop_token_ids
-from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
+from ..decode.decoder import NoDraft, SpeculativeDecoder, hardware, sync_device
 from ..decode.tree import DynamicTree, Tree, TreeError
 
 
@@ -116,8 +116,6 @@ def searched_elsewhere(tree: str | None, export_dir: str, compile: bool) -> str 
     be here. None for other trees, and for files older than these records."""
     import json
     from pathlib import Path
-
-    from .tree_search import hardware
 
     if not tree or not Path(tree).is_file():
         return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import platform
 import sys
 import tempfile
 import time
@@ -15,7 +14,7 @@ from ..base import stop_token_ids
 from ..progress import progress
 
 from ..decode.compiled import timed_without_compiling
-from ..decode.decoder import SpeculativeDecoder, sync_device
+from ..decode.decoder import SpeculativeDecoder, hardware, sync_device
 from ..decode.tensor_parallel import agree
 from ..decode.search import RankStats, expected_accept_length, geometric_sizes, proposal_trees, replay_accept_length
 from ..decode.tree import DynamicTree, Tree
@@ -152,12 +151,6 @@ def plain_decoder(base, sync, compile):
     from ..decode.decoder import NoDraft
 
     return SpeculativeDecoder(base, NoDraft(), check_base=False, sync=sync, compile=compile)
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads"
 
 
 @dataclass
