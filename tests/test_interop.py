@@ -209,6 +209,11 @@ def test_export_hf_for_ssms_and_refusals(base, tiny_base_dir, tmp_path):
     save_export(hydra, base, tmp_path / "hy", str(tiny_base_dir))
     with pytest.raises(ConvertError, match="sequentially dependent.*no serving engine implements them"):
         export_to(tmp_path / "hy", "vllm-medusa", tmp_path / "x")
+    eagle = build_draft({"type": "eagle3"}, base)  # already an engine's layout: no format sends it elsewhere
+    save_export(eagle, base, tmp_path / "e3", str(tiny_base_dir))
+    for fmt in ("hf", "vllm-medusa", "medusa"):
+        with pytest.raises(ConvertError, match="already in the layout vLLM and SGLang load.*nothing to convert"):
+            export_to(tmp_path / "e3", fmt, tmp_path / "x")
 
 
 def test_trees_in_the_formats_medusa_and_eagle_write(tmp_path):
