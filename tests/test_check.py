@@ -270,7 +270,7 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def dflash_dir(base_dir, tmp_path_factory):
     """draftlab's DFlash export (blocks of 4, two layers, random weights), as draftlab writes it."""
-    from draftlab.base import load_base
+    from draftlab.base import load_base, load_tokenizer
 
     base = load_base(str(base_dir), "float32")[0]
     torch.manual_seed(0)
@@ -278,7 +278,8 @@ def dflash_dir(base_dir, tmp_path_factory):
     with torch.no_grad():
         for p in d.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    return save_export(d, base, tmp_path_factory.mktemp("dflash") / "export", str(base_dir))
+    return save_export(d, base, tmp_path_factory.mktemp("dflash") / "export", str(base_dir),
+                       tokenizer=load_tokenizer(str(base_dir)))  # (as training saves it: the mask token named)
 
 
 def test_a_correct_dflash_export_drafts_the_same_blocks_read_sglangs_way(dflash_dir):
@@ -318,11 +319,13 @@ def test_dflash_target_layer_ids_as_hidden_states_indices(dflash_dir, tmp_path):
 
 @pytest.mark.parametrize("how", ["mask", "permuted"])
 def test_dflash_files_that_load_and_draft_other_blocks(dflash_dir, tmp_path, how):
-    """Only the proposals see these: another mask token in config.json, or served weights with layer 0's gate and
-    up projections swapped (same shapes: it loads)."""
+    """The proposals see these: another mask token id in config.json (its token string, no longer that id's, is
+    what SGLang refuses to start on), or served weights with layer 0's gate and up projections swapped (same
+    shapes: it loads; only the proposals see it)."""
     if how == "mask":
         rep = check_export(variant(dflash_dir, tmp_path / "x", cfg=lambda c: c["dflash_config"].update(
             mask_token_id=c["dflash_config"]["mask_token_id"] + 7)), engine="sglang")
+        assert "SGLang refuses to start" in only_fails(rep, "vocab-maps")["vocab-maps"]["message"]
     else:
         def swap(t):
             t["layers.0.mlp.gate_proj.weight"], t["layers.0.mlp.up_proj.weight"] = (
@@ -330,8 +333,35 @@ def test_dflash_files_that_load_and_draft_other_blocks(dflash_dir, tmp_path, how
 
         served = variant(dflash_dir, tmp_path / "x", tensors=swap)
         rep = check_export(dflash_dir, engine="sglang", served=str(served))
-    c = only_fails(rep)
+        c = only_fails(rep)
+    c = by_name(rep)
     assert c["proposals"]["ok"] is False and "SGLang: first difference at prompt " in c["proposals"]["message"]
+
+
+def test_the_dflash_mask_token_is_named_as_sglang_resolves_it(dflash_dir, base_dir, tmp_path):
+    """SGLang looks dflash_config.mask_token (default "<|MASK|>") up in the served tokenizer: the export names the
+    trained mask id's own token, so every SGLang reading lands on that id; an export without the name (saved with no
+    tokenizer) fails, as does a served tokenizer holding "<|MASK|>" at another id (SGLang refuses to start)."""
+    from draftlab.base import load_tokenizer
+    from draftlab.interop.check import _mask_token_problems
+
+    tok = load_tokenizer(str(base_dir))
+    dc = json.loads((dflash_dir / "config.json").read_text())["dflash_config"]
+    assert tok.get_vocab()[dc["mask_token"]] == dc["mask_token_id"]
+    assert "mask token" in by_name(check_export(dflash_dir, engine="sglang"))["vocab-maps"]["message"]
+    unnamed = variant(dflash_dir, tmp_path / "x", cfg=lambda c: c["dflash_config"].pop("mask_token"))
+    msg = only_fails(check_export(unnamed, engine="sglang"), "vocab-maps")["vocab-maps"]["message"]
+    assert "no dflash_config.mask_token" in msg and "new id the draft never trained with" in msg
+
+    class MaskAt3:  # a served tokenizer holding "<|MASK|>" at id 3 (the tiny one has no spare id for it)
+        def get_vocab(self):
+            return {**tok.get_vocab(), "<|MASK|>": 3}
+
+    V = len(tok)
+    assert "refuses to start" in _mask_token_problems({"mask_token_id": 5}, V, MaskAt3())[0]
+    assert _mask_token_problems({"mask_token_id": 3}, V, MaskAt3()) == []  # (the default string finds the id)
+    assert _mask_token_problems({"mask_token_id": 3, "mask_token": "<|MASK|>"}, V, MaskAt3()) == []
+    assert "outside the base's vocabulary" in _mask_token_problems({"mask_token_id": V}, V, MaskAt3())[0]
 
 
 def test_ssm_and_ensemble_members_are_read_as_hugging_face_models(base_dir, tmp_path):

@@ -35,8 +35,10 @@ distribution when sampling), so the default tree is the paper's chain of top-1s 
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -372,6 +374,25 @@ class DFlashDraft(ReadsBase, nn.Module):
                 "num_target_layers": c["num_target_layers"],
                 "dflash_config": {"mask_token_id": c["mask_token_id"], "target_layer_ids": target_ids,
                                   "block_size": c["block_size"]}}
+
+
+SGLANG_MASK_TOKEN = "<|MASK|>"  # SGLang's dflash_config.mask_token when a config names none
+
+
+def name_mask_token(out: Path, tokenizer) -> None:
+    """Write the mask id's token string as dflash_config.mask_token in an export's config.json. SGLang resolves
+    that string in the served tokenizer (default "<|MASK|>"): with mask_token_id set it refuses to start where the
+    string sits at another id, and its runners that read only the string use that id, adding "<|MASK|>" to the
+    tokenizer (a new id the draft never trained with) where it is absent. Naming the trained id's own token makes
+    every reading land on it."""
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    dc = cfg["dflash_config"]
+    i = int(dc["mask_token_id"])
+    token = tokenizer.convert_ids_to_tokens(i) if i < len(tokenizer) else None
+    if token is not None and tokenizer.get_vocab().get(token) == i:  # (else no string names it: check says so)
+        dc["mask_token"] = token
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _default_mask_token(base, V: int) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
+from ..drafters.dflash import SGLANG_MASK_TOKEN
 from .engine_read import EngineDFlash, EngineEagle3, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
 
@@ -123,7 +124,7 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str 
     return Check("aux-layer-ids", True, f"draftlab.json layers {layers} (hidden_states indices): " + "; ".join(notes))
 
 
-def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok) -> Check:
+def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok, engines: list[str]) -> Check:
     kind, msgs = meta["head"]["type"], []
     V = cfg.get("vocab_size", V_base)
     if V != V_base:
@@ -164,13 +165,44 @@ def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok) -> Check
                                     "t2d disagree: one of them was rewritten); export again")
                 elif t2d is not None and not msgs:
                     msgs.append(f"t2d is {t2d.dtype} {tuple(t2d.shape)}, the convention is bool [{V_base}]")
+    elif kind == "dflash" and "sglang" in engines:
+        msgs += _mask_token_problems(cfg.get("dflash_config") or {}, V_base, tok)
     if msgs:
         return Check("vocab-maps", False, "; ".join(msgs))
     size = f", tokenizer {len(tok)} tokens" if tok is not None else ""
+    if kind == "dflash" and "sglang" in engines and tok is not None:
+        dc = cfg["dflash_config"]
+        name = dc.get("mask_token", SGLANG_MASK_TOKEN)
+        size += f", mask token {name!r} = id {dc['mask_token_id']} as SGLang reads it"
     if kind == "eagle3" and (cfg.get("draft_vocab_size") or V) < V:
         return Check("vocab-maps", True, f"d2t maps {cfg['draft_vocab_size']} draft ids into {V_base} target ids "
                                          f"(distinct, ascending), t2d agrees{size}")
     return Check("vocab-maps", True, f"full vocabulary {V} = the base's{size}")
+
+
+def _mask_token_problems(dc: dict, V_base: int, tok) -> list[str]:
+    """DFlash's mask token as SGLang resolves it (dflash_config.mask_token, default "<|MASK|>", looked up in the
+    served tokenizer; mask_token_id, where set, must agree with it or SGLang refuses to start; its runners that
+    read only the string add "<|MASK|>" to the tokenizer where absent: an id the draft never trained with)."""
+    i, name = dc.get("mask_token_id"), dc.get("mask_token")
+    if i is None:
+        return ["no dflash_config.mask_token_id: the engines then pick a mask id of their own; export again"]
+    if not 0 <= int(i) < V_base:
+        return [f"dflash_config.mask_token_id {i} is outside the base's vocabulary 0..{V_base - 1}; export again"]
+    if tok is None:
+        return []
+    at = tok.get_vocab().get(name or SGLANG_MASK_TOKEN)
+    if at == int(i):
+        return []
+    if name is None:
+        return [f"no dflash_config.mask_token: SGLang looks up {SGLANG_MASK_TOKEN!r} in the tokenizer "
+                + (f"(id {at}, not the trained mask id {i}: it refuses to start)" if at is not None else
+                   "and its runners that read only that string add it as a new id the draft never trained with")
+                + "; export again with a tokenizer (training does), which names the mask id's own token"]
+    return [f"dflash_config.mask_token {name!r} is " + (f"id {at}" if at is not None else "not a token")
+            + f" in the served tokenizer, mask_token_id is {i}: SGLang " + ("refuses to start" if at is not None
+                                                                            else "adds it as a new id")
+            + "; is this the tokenizer the draft was trained with?"]
 
 
 def _rope(c: dict) -> tuple[float, dict]:
@@ -516,7 +548,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
                                                                                              meta)
     cfg, tensors, where = _served_files(d, meta, served)
     checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"], base_cfg.get("model_type", "")),
-              check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok),
+              check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok, engines),
               check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
               check_tokenizer(d, meta, tok_src)]
     model = load_base(base_name, "float32")[0] if kind != "lookup" else None

@@ -17,6 +17,7 @@ import torch
 
 from ..base import base_identity
 from ..drafters import KINDS, kind_of
+from ..drafters.dflash import name_mask_token
 from ..drafters.base import ExportError, read_safetensors  # noqa: F401 (part of the contract, re-exported)
 
 FORMAT_VERSION = 1
@@ -62,6 +63,8 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
             "default_tree": default_tree, "files": files, **(extra or {})}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer_fingerprint(tokenizer)
+        if draft.kind == "dflash":
+            name_mask_token(out, tokenizer)
     if chat_template is not None:
         (out / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
         meta["chat_template"] = CHAT_TEMPLATE
