@@ -78,6 +78,12 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     report = (out / "report.md").read_text()
     assert "| writing | 3 |" in report and "Every answer is identical" in report
     assert (out / "speedup_per_category.png").stat().st_size > 0 and (out / "accept_length_hist.png").is_file()
+    from draftlab.interop.convert import model_card  # (export --eval: the card gives the command and the figures)
+    from draftlab.interop.export import read_meta
+
+    card = model_card(read_meta(export), "vllm-medusa", str(out), "other")
+    assert f"--questions {MT} --limit 3 --max-new-tokens 24 --temperature 0.0` on " in card and ", 3 answers:" in card
+    assert f"- {o['speedup']}x draftlab's eager plain decoding" in card and "compiled" not in card
 
     # The second turn sees the first answer through the chat template: replay the plain turn 2 by hand.
     base, tok = load_base(str(stories_dir), "float32")
@@ -263,6 +269,15 @@ def test_compiled_turns_that_compile_are_timed_again(export, tmp_path, monkeypat
     assert c == compile_cache_report()
     assert f"{c['hits']} loaded from the on-disk cache, {c['misses']} built (`{c['dir']}`" in report
     assert "| vs compiled plain |" in compare_runs([str(tmp_path / "run")])[0]
+    # The model card of `export --eval` on this run: the command that reproduces it (--limit, --compile), the
+    # answer count, and the speedup over compiled plain decoding beside the eager one (it gave the eager one only).
+    from draftlab.interop.convert import model_card
+    from draftlab.interop.export import read_meta
+
+    card = model_card(read_meta(export), "vllm-medusa", str(tmp_path / "run"), "other")
+    assert f"`draftlab eval mt-bench {export} --questions {MT} --limit 1 --max-new-tokens 8 " in card
+    assert "--compile`" in card and ", 1 answer:" in card and s["limit"] == 1 and s["category"] is None
+    assert f"; {o['speedup_vs_compiled_plain']}x its compiled plain decoding" in card
 
 
 def test_a_difference_at_a_near_tie_is_told_from_a_bug():

@@ -480,7 +480,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "dtype": dtype,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category",
-                "system": system, "export_files": files_fingerprint(export),
+                "system": system, "limit": limit, "category": categories, "export_files": files_fingerprint(export),
                 "base_files": files_fingerprint(base_name), "hardware": hardware()}
     outp = Path(out)
     _settings_file(outp, settings, overwrite)

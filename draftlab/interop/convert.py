@@ -296,11 +296,14 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
     if summary is not None and summary.is_file():
         s = json.loads(summary.read_text())
         o = s["overall"]
-        lines += [f"`draftlab eval mt-bench {s['export']} --questions {s['questions']} --max-new-tokens "
-                  f"{s['max_new_tokens']} --temperature {s['temperature']}` on {s['hardware']}:", "",
+        lines += [f"`{eval_command(s)}` on {s['hardware']}, {o['answers']} answer"
+                  f"{'s' if o['answers'] != 1 else ''}:", "",
                   f"- accept length {o['accept_length']} (tokens per verification forward, bonus included), "
-                  f"{o['tokens_per_s']} tokens/s, {o.get('speedup', '-')}x plain decoding of the same base in the same "
-                  f"run, tree of {s['tree_size']} tokens, batch size 1"]
+                  f"{o['tokens_per_s']} tokens/s, tree of {s['tree_size']} tokens, batch size 1"]
+        if "speedup" in o:
+            lines.append(f"- {o['speedup']}x draftlab's eager plain decoding of the same base in the same run"
+                         + (f"; {o['speedup_vs_compiled_plain']}x its compiled plain decoding (the fastest plain "
+                            "decoding measured)" if "speedup_vs_compiled_plain" in o else ""))
         if "identical_share" in o:
             lines.append(f"- answers identical to plain greedy decoding: {100 * o['identical_share']:.0f}%")
     else:
@@ -308,6 +311,22 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
                   "question.jsonl` and pass `--eval RUN_DIR` to `draftlab export` to record it here."]
     lines += ["", f"License: {license_id} (the base model's license governs its use)." , ""]
     return "\n".join(lines)
+
+
+def eval_command(s: dict) -> str:
+    """The `draftlab eval mt-bench` command line of an eval summary's settings (those that change its figures)."""
+    words = ["draftlab eval mt-bench", s["export"], "--questions", s["questions"]]
+    words += [w for c in s.get("category") or [] for w in ("--category", c)]  # (--category; "categories" holds figures)
+    words += ["--limit", str(s["limit"])] if s.get("limit") else []
+    words += ["--tree", s["tree"]] if s.get("tree") else []
+    words += ["--max-new-tokens", str(s["max_new_tokens"]), "--temperature", str(s["temperature"])]
+    words += ["--top-p", str(s["top_p"])] if s.get("top_p", 1.0) < 1 else []
+    words += ["--top-k", str(s["top_k"])] if s.get("top_k") else []
+    words += ["--typical"] if s.get("typical") else []
+    words += ["--compile"] if s.get("compiled") else []
+    words += ["--dtype", s["dtype"]] if s.get("dtype") else []
+    words += ["--system", json.dumps(s["system"])] if s.get("system") is not None else []
+    return " ".join(words)
 
 
 def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str | None = None,
