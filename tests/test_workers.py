@@ -163,8 +163,8 @@ INTERRUPTED = CHILD.replace("time.sleep(300)\n", "") + textwrap.dedent("""
             inbox.put(attempt)
             assert pool._reader.poll(30)  # the message has begun to arrive
             timer = threading.Timer(0.0005 * attempt, os.kill, (os.getpid(), signal.SIGINT))
-            timer.start()
             try:
+                timer.start()  # (inside: on a loaded machine the interrupt can land while the thread starts)
                 receive(pool, [p], 30.0, "test", loads=pickle.loads)
                 timer.join()  # (the interrupt lands here when the read was quicker)
                 time.sleep(0.05)
