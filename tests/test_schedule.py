@@ -98,13 +98,14 @@ def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp
     assert not engine_paths(tmp_path / "h.json")[0].exists()
 
 
-def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base_dir, tmp_path, capsys):
+def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base_dir, tmp_path, capsys, monkeypatch):
     from draftlab.cli import main
     from draftlab.serve.generate import load_decoder, run_generate
 
     exp, data = search_inputs(tiny_base_dir, tmp_path, "ssm")
     out = tmp_path / "sched.json"
-    assert main(["search-tree", str(exp), "--data", str(data), "--out", str(out), "--batch-sizes", "1,2",
+    monkeypatch.chdir(exp.parent)  # the export given relative: the engines' files name it absolute (they run elsewhere)
+    assert main(["search-tree", exp.name, "--data", str(data), "--out", str(out), "--batch-sizes", "1,2",
                  "--max-nodes", "4", "--max-depth", "3", "--calibration-prompts", "6", "--timing-prompts", "2",
                  "--max-new-tokens", "8", "--timing-rounds", "1", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -127,6 +128,7 @@ def test_search_tree_batch_sizes_writes_the_schedule_in_three_syntaxes(tiny_base
     flags = parse_sglang_flags(sglang.read_text())
     if rep["schedule"][0]["speculate"]:
         steps, topk = int(flags["--speculative-num-steps"]), int(flags["--speculative-eagle-topk"])
+        assert flags["--speculative-draft-model-path"] == str(exp)
         assert steps == tree.depth and (topk > 1 or int(flags["--speculative-num-draft-tokens"]) == steps + 1)
     else:
         assert flags == {}

@@ -336,7 +336,11 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
             "hardware": hardware(), "compiled": compiled, "timing_rounds": timing_rounds,
             "date": datetime.date.today().isoformat(), "measured": table}
-    files = write_schedule(out, schedule, meta, draft.kind, engine_model or str(export))
+    # The engine resolves a relative path against its own working directory (and, not found, as a hub id): a local
+    # directory is written absolute; an --engine-draft that is no local path (a hub id) as given.
+    model = engine_model or str(export)
+    model = str(Path(model).resolve()) if Path(model).exists() else model
+    files = write_schedule(out, schedule, meta, draft.kind, model)
     return {"files": files, "schedule": schedule["entries"], "no_speculation_above": schedule["no_speculation_above"],
             "estimate_no_speculation_above": schedule["estimate_no_speculation_above"], "schedule_by": schedule_by,
             "candidates": [{k: v for k, v in r.items() if k != "paths"} for r in rows], "measured": table,
