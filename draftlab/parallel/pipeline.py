@@ -253,6 +253,9 @@ class DraftPipeline:
 
         if batch_size < 1 or in_flight < 1:
             raise ValueError("batch_size and in_flight must be >= 1")
+        if not (pool_limit in ("batch", None) or (isinstance(pool_limit, int) and pool_limit >= 1)):
+            raise ValueError(f"pool_limit {pool_limit!r}: 'batch', None or a number of requests >= 1 (with 0 the "
+                             "drafter would never draft)")
         sampling, dev = sampling or Sampling(), self.device
         seed = self.seed if seed is None else seed
         gen = role_generator(seed, "verifier", dev)
