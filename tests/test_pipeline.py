@@ -168,6 +168,26 @@ def test_pipelined_sampling_keeps_the_base_law(tmp_path):
         assert law.ok, (context_free, str(law))
 
 
+def test_a_worker_blocked_on_a_large_proposal_stops_when_asked(ssm_export, monkeypatch):
+    """A sampled run that ends mid-way (Ctrl-C, a failure) leaves the worker writing proposals (their q's: here
+    about 330 KB each) into a pipe nobody reads; it read close()'s stop only once that write ended, so close()
+    waited out its timeout and terminated it. close() now reads and drops what the worker still sends: the
+    worker ends by itself (exit code 0), not by SIGTERM."""
+    from draftlab.parallel import pipeline as P
+
+    export, base = ssm_export
+    pipe = P.DraftPipeline(base, export, tree="expansion:4,3,2")
+
+    def failing_verify(self, prop, draft_s=0.0):
+        raise RuntimeError("verifier failed")
+    monkeypatch.setattr(P.Verifier, "verify", failing_verify)
+    with pytest.raises(RuntimeError, match="verifier failed"):
+        pipe.run([[1, 50 + i, 7] for i in range(48)], batch_size=16, in_flight=3, max_new_tokens=16,
+                 sampling=P.Sampling(temperature=1.0))
+    pipe.close()
+    assert pipe.worker.exitcode == 0
+
+
 def test_pipeline_reused_after_an_interrupted_run(ssm_export, monkeypatch):
     """A run that fails mid-way leaves proposals in flight; the next run on the same worker takes none of them
     (run ids), and a proposal whose root is not its rows' current root is refused."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import pickle
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -321,13 +322,21 @@ class DraftPipeline:
             raise
         return res
 
-    def close(self) -> None:
-        """Stop the worker (asked first, then terminated); safe to call twice."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (asked first, then terminated); safe to call twice. Until it exits, what it still sends is
+        read and dropped: a worker writing a proposal larger than the pipe holds (a run interrupted with Ctrl-C
+        leaves one) reads its stop only once that write ends, and close() waited out its whole timeout for it."""
         from .workers import stop_workers
 
         if self.worker.is_alive():
             _send(self.inbox, ("stop",))
-        stop_workers([self.worker], queues=(self.inbox,))
+            deadline = time.perf_counter() + timeout_s
+            while self.worker.is_alive() and time.perf_counter() < deadline:
+                try:
+                    self.pool.get(timeout=0.05)
+                except (queue.Empty, EOFError, OSError):
+                    pass
+        stop_workers([self.worker], timeout_s=0.0, queues=(self.inbox,))  # (waited above: one still alive is ended)
 
     def __enter__(self):
         return self
