@@ -473,6 +473,21 @@ def sampling_rounding(p, d) -> None:
             p(f"| {int(V):,} | {names[k]} | {r['draws_differ']:.3%} | {r['all_agree_over_127_draws']:.1%} |")
 
 
+def lookup_memory(p, d) -> None:
+    st = d["settings"]
+    heading(p, "What a retrieval datastore costs",
+            f"`python benchmarks/lookup_memory.py`; the lookup drafter's settings (n-grams {st['min_n']}..{st['max_n']}, "
+            f"{st['per_key']} occurrences per key, {st['limit']} continuations of {st['length']} tokens); memory is "
+            f"tracemalloc's, per token of the datastore; {where(d)}")
+    p("| corpus | tokens | index | bytes/token kept | bytes/token at the build's peak | build s | us per lookup | "
+      "same continuations |\n|---|---|---|---|---|---|---|---|")
+    for corpus, c in d["corpora"].items():
+        for name, r in c["indexes"].items():
+            p(f"| {corpus} | {c['tokens']:,} | {name} | {r['kept_bytes_per_token']:.0f} | "
+              f"{r['peak_bytes_per_token']:.0f} | {r['build_s']:.2f} | {r['us_per_lookup']:.0f} | "
+              f"{'yes' if c['same_continuations'] else 'NO'} |")
+
+
 def signature_cost(p, d) -> None:
     heading(p, "What a compiled call's signature costs per step",
             f"`python benchmarks/signature_cost.py`; the arguments of a fused verify step of compiled plain decoding "
@@ -1042,6 +1057,7 @@ TABLES = {
         "Fusing again only after a group changed, against the commit before (AMD EPYC)", "refactor_check_fuse_seen")),
     "sampling_rounding": ("sampling_rounding", sampling_rounding),
     "signature_cost": ("signature_cost", signature_cost),
+    "lookup_memory": ("lookup_memory", lookup_memory),
     "refactor_check_fixed_signature": ("refactor_check_fixed_signature", refactor_check_compiled_exports(
         "A compiled call's signature reading the KV buffers and the sampling settings once, against the commit "
         "before (AMD EPYC)", "refactor_check_fixed_signature")),

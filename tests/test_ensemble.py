@@ -683,3 +683,28 @@ def test_ensemble_options_reach_the_scheduler_vote_and_adaptive_length():
         ensemble_parts({"reward": "1"})
     with pytest.raises(ValueError, match="expected a int"):
         ensemble_parts({"window": "many"})
+
+
+def test_the_flat_datastore_answers_as_the_ngram_index_does(monkeypatch):
+    """The datastore keeps flat arrays (hashed n-gram keys sorted with their positions) instead of NgramIndex's dict
+    of tuples (about 430 bytes a token); its continuations are the dict's, newest first and cut at `per_key`
+    occurrences and at the end of each sequence, on random sequences over a small vocabulary (many repeats) and
+    with every key colliding (the tokens tell the n-grams apart)."""
+    import draftlab.drafters.retrieval as R
+    from draftlab.drafters.retrieval import NgramIndex
+
+    rng = random.Random(0)
+    for trial in range(6):
+        seqs = [[rng.randrange(4) for _ in range(rng.randint(0, 40))] for _ in range(rng.randint(1, 8))]
+        min_n, max_n, per_key = rng.randint(1, 2), rng.randint(2, 4), rng.randint(1, 8)
+        ref = NgramIndex(min_n, max_n, per_key)
+        for seq in seqs:
+            ref.seqs.append(list(seq))
+            ref.add(len(ref.seqs) - 1, 0)
+        if trial == 5:  # every n-gram gets the key of its last token
+            monkeypatch.setattr(R, "_P", 0)
+        store = Datastore.from_sequences(seqs, min_n, max_n, per_key)
+        for _ in range(60):
+            context = [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+            length, limit = rng.randint(1, 6), rng.randint(1, 5)
+            assert store.continuations(context, length, limit) == ref.continuations(context, length, limit), trial

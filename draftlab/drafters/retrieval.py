@@ -50,16 +50,71 @@ class NgramIndex:
         return []
 
 
-class Datastore(NgramIndex):
-    """Token sequences to retrieve from (e.g. the training data's texts), indexed once."""
+_P, _MASK = 0x100000001B3, (1 << 64) - 1  # n-gram keys: a polynomial hash of the tokens (+1) modulo 2**64
+
+
+class Datastore:
+    """Token sequences to retrieve from (e.g. the training data's texts), indexed once, in flat arrays: the tokens
+    (int32) and, per n-gram length, every n-gram's 64-bit key sorted with its end position (ties in position
+    order): 4 + 12 x (max_n - min_n + 1) bytes a token. A dict of tuples (what NgramIndex keeps for the growing
+    text) took 332 bytes a token on LIMA with the Llama 2 tokenizer, this 28 (benchmarks/lookup_memory.py). Answers NgramIndex.continuations' question the same way: of the newest `per_key` occurrences of the longest
+    n-gram that ends the context (keys that collide are told apart by the tokens), the distinct continuations."""
+
+    def __init__(self, tokens, starts, by_n: dict, min_n: int, max_n: int, per_key: int):
+        self.tokens, self.starts, self.by_n = tokens, starts, by_n
+        self.min_n, self.max_n, self.per_key = min_n, max_n, per_key
 
     @staticmethod
     def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
-        store = Datastore(min_n, max_n, per_key)
-        for seq in seqs:
-            store.seqs.append(list(seq))
-            store.add(len(store.seqs) - 1, 0)
-        return store
+        import numpy as np
+
+        lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
+        total = int(lengths.sum())
+        tokens = np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=total)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        offset = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # position within its sequence
+        pos_type = np.int32 if total < 2 ** 31 else np.int64
+        by_n, key = {}, np.zeros(total, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for n in range(1, max_n + 1):  # key of the n-gram ending at e, from the (n-1)-gram ending at e - 1
+                shifted = np.zeros(total, dtype=np.uint64)
+                shifted[1:] = key[:-1]
+                key = shifted * np.uint64(_P) + (tokens + 1).astype(np.uint64)
+                if n >= min_n:
+                    ends = np.flatnonzero(offset >= n - 1)
+                    order = np.argsort(key[ends], kind="stable")
+                    by_n[n] = (key[ends][order], ends[order].astype(pos_type))
+        return Datastore(tokens.astype(np.int32), starts, by_n, min_n, max_n, per_key)
+
+    def continuations(self, context: list[int], length: int, limit: int, exclude: int | None = None) -> list[list[int]]:
+        """As NgramIndex.continuations (exclude does not apply: the datastore holds no text being decoded)."""
+        import numpy as np
+
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            gram = context[-n:]
+            k = 0
+            for t in gram:
+                k = (k * _P + t + 1) & _MASK
+            keys, ends = self.by_n[n]
+            lo, hi = np.searchsorted(keys, np.uint64(k), "left"), np.searchsorted(keys, np.uint64(k), "right")
+            found, seen, hits = [], set(), 0
+            for e in ends[lo:hi][::-1].tolist():  # newest first
+                if self.tokens[e - n + 1: e + 1].tolist() != gram:
+                    continue  # (another n-gram with the same key)
+                hits += 1
+                if hits > self.per_key:
+                    break
+                nxt = int(np.searchsorted(self.starts, e, "right"))  # the next sequence: this one ends at its start
+                end = int(self.starts[nxt]) if nxt < len(self.starts) else len(self.tokens)
+                cont = tuple(self.tokens[e + 1: min(end, e + 1 + length)].tolist())
+                if cont and cont not in seen:
+                    seen.add(cont)
+                    found.append(list(cont))
+                    if len(found) == limit:
+                        break
+            if found:
+                return found
+        return []
 
 
 class LookupDrafter(Drafter):
