@@ -32,6 +32,19 @@ class DataStats:
     train_tokens: int = 0
     loss_tokens: int = 0
     truncated: int = 0  # answers and texts marked `truncated` (distill-data: cut by its length limit), both splits
+    cut_at_max_len: int = 0  # conversations kept whose end data.max_len cut off, both splits
+
+    def summary(self, max_len: int) -> str:
+        """One line for the log: what training reads and what was left out."""
+        kept = self.train_examples + self.eval_examples
+        line = (f"data: {self.train_examples:,} training examples ({self.train_tokens:,} tokens, {self.loss_tokens:,} "
+                f"in the loss), {self.eval_examples:,} held out, from {self.records:,} records")
+        if self.cut_at_max_len:
+            line += (f"; {self.cut_at_max_len:,} conversations ({self.cut_at_max_len / max(kept, 1):.0%}) longer than "
+                     f"data.max_len={max_len} lost their end")
+        if self.skipped:
+            line += "; skipped: " + ", ".join(f"{n:,} ({why})" for why, n in self.skipped.items())
+        return line
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -346,7 +359,8 @@ PARALLEL_MIN = 2000  # conversations below which num_proc is not worth starting 
 
 def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_proc: int = 1,
                  worker_init=None) -> list[tuple]:
-    """tokenize_chat of each conversation, in order: (ids, mask), or (error type, message) where the chat template
+    """tokenize_chat of each conversation, in order: (ids, mask, whether max_len cut it), or (error type, message)
+    where the chat template
     refused it. With num_proc > 1, at least PARALLEL_MIN conversations and a worker_init (called first in each
     worker: procs.die_with_parent, which the caller passes, so workers end with this process), in that many worker
     processes, each given the tokenizer once; a failure in one is raised here with its traceback."""
@@ -384,8 +398,9 @@ def _tokenize_chunk(conversations: list, tokenizer=None, max_len: int | None = N
     out = []
     for msgs in conversations:
         try:  # (as arrays: a tenth of the memory, and quick to pass between processes)
-            ids, mask = tokenize_chat(msgs, tokenizer, max_len)
-            out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
+            ids, mask = tokenize_chat(msgs, tokenizer, max_len + 1)  # (one more token tells a conversation max_len cut)
+            out.append((np.asarray(ids[:max_len], dtype=np.int32), np.asarray(mask[:max_len], dtype=np.uint8),
+                        len(ids) > max_len))
         except (DataError, TemplateError) as e:
             out.append((type(e).__name__, str(e)))
     return out
@@ -468,16 +483,18 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
 
     def encode(conversations, done, blocks):
         out = list(blocks)
-        for (ids, mask), (_, (source, idx)) in zip(done, conversations):
-            if isinstance(ids, str):  # the chat template refused it (e.g. roles that do not alternate, under a
+        for res, (_, (source, idx)) in zip(done, conversations):
+            if isinstance(res[0], str):  # the chat template refused it (e.g. roles that do not alternate, under a
                 if data_cfg.on_malformed == "skip":  # template that insists)
-                    stats.skip(f"the chat template could not render it ({ids})")
+                    stats.skip(f"the chat template could not render it ({res[0]})")
                     continue
-                raise DataError(f"{source} record {idx}: the chat template: {mask}. Fix the record, or set "
+                raise DataError(f"{source} record {idx}: the chat template: {res[1]}. Fix the record, or set "
                                 "data.on_malformed=skip to drop such records and count them")
+            ids, mask, cut = res
             if not mask.any():
                 stats.skip("no assistant tokens left after truncation to data.max_len")
                 continue
+            stats.cut_at_max_len += int(cut)
             out.append((ids, mask))
         return Examples.of(out)
 

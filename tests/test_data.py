@@ -50,7 +50,18 @@ def test_truncation_and_examples_without_assistant_tokens_are_counted(tmp_path, 
     train, held, stats = load_examples(DataSection(path=str(f), max_len=32, eval_size=0), tok)
     assert all(len(e["input_ids"]) <= 32 for e in train)
     assert stats.skipped == {"no assistant tokens left after truncation to data.max_len": 5}
-    assert len(train) == 5
+    assert len(train) == 5 and stats.cut_at_max_len == 0
+    # A conversation max_len cuts but keeps answer tokens of is kept and counted (it was not: a recipe whose max_len
+    # cut most conversations said nothing), the same tokens as a max_len that fits it, cut.
+    long_a = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "cat " * 40}]}]
+    g = write_jsonl(tmp_path / "a.jsonl", long_a * 3)
+    cut, _, cut_stats = load_examples(DataSection(path=str(g), max_len=24, eval_size=0), tok)
+    whole = load_examples(DataSection(path=str(g), max_len=1024, eval_size=0), tok)[0]
+    assert cut_stats.cut_at_max_len == 3 and cut[0]["input_ids"] == whole[0]["input_ids"][:24]
+    assert cut[0]["loss_mask"] == whole[0]["loss_mask"][:24]
+    line = cut_stats.summary(24)
+    assert "3 training examples" in line and "3 conversations (100%) longer than data.max_len=24" in line
+    assert "skipped" in stats.summary(32) and "5 (no assistant tokens left" in stats.summary(32)
 
 
 def test_malformed_record_names_file_and_record(tmp_path, tok):

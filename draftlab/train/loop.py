@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -115,11 +116,13 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
     if done is not None:  # the same command again after the run ended: nothing to redo
         return done
     metrics = Metrics(recipe, run.out_dir, run.accelerator)
+    if run.is_main:
+        print(run.stats.summary(recipe.data.max_len), file=sys.stderr, flush=True)
     if run.is_main and step == 0:
         s = run.stats
         metrics.log({"step": 0, "event": "start", "train_examples": s.train_examples, "eval_examples": s.eval_examples,
                      "train_tokens": s.train_tokens, "loss_tokens": s.loss_tokens, "skipped": s.skipped,
-                     "truncated": s.truncated,
+                     "truncated": s.truncated, "cut_at_max_len": s.cut_at_max_len,
                      "total_steps": run.total_steps, "processes": run.accelerator.num_processes,
                      "base_params_local": round(local_fraction(run.base), 4)})
     step, stopped, last_eval = run_steps(run, step, stop_after_steps, metrics)
