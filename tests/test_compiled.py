@@ -69,8 +69,8 @@ def drafter(kind: str, base):
 KINDS = ["medusa", "hydra", "hydra++", "ssm", "eagle3", "ensemble", "ensemble-grouped", "lookup"]
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "ensemble" else k  # 13 s
-                                  for k in KINDS])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow)  # 9-13 s each (CI's slow run has them)
+                                  if k in ("ensemble", "ensemble-grouped", "ssm") else k for k in KINDS])
 def test_static_and_compiled_decoding_give_the_eager_tokens(kind):
     """... and every compiled call traces as whole graphs: a graph break would run Python between its pieces on every
     call (a DFlash call once read Tree.depth, a max() dynamo cannot trace, inside its graph)."""
@@ -215,7 +215,7 @@ def test_sampled_acceptance_on_the_static_path_is_the_device_rule_in_the_accepta
     assert run(static=True) == run(compile="eager") == eager
 
 
-@pytest.mark.parametrize("kind", ["ssm", "ensemble-grouped"])
+@pytest.mark.parametrize("kind", ["ssm", pytest.param("ensemble-grouped", marks=pytest.mark.slow)])  # 8 s
 def test_sampled_ssm_drafts_are_the_eager_loops_on_the_static_path(kind):
     """Sampled SSM children are drawn inside the static path's one drafting call (compiled: the chained step's, for a
     lone SSM), from uniforms the drafter's own generator gave before it in the eager loop's order: the same tree

@@ -91,6 +91,7 @@ def test_quickstart_end_to_end_offline(tmp_path):
     assert summary["prompts"] == n and re.search(rf"^decode: {n}/{n} prompt \(100%\)", p.stderr, re.M)
 
 
+@pytest.mark.slow  # 14 s on 2 cores; the compiled path of every drafter kind is tested by default in test_compiled.py
 def test_compiled_decoding_of_the_held_out_prompts(tiny_base_dir, tmp_path, monkeypatch):
     """quickstart --compile: each draft and draftlab's plain decoding on the compiled path, warmed up on every
     prompt first, each checked against HF's eager greedy tokens."""

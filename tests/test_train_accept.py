@@ -281,6 +281,7 @@ def test_a_checkpoint_without_a_best_draft_resumes(tiny_base_dir, data_file, tmp
     assert s["finished"] and s["export_step"] == 4
 
 
+@pytest.mark.slow  # 11 s; test_training_estimate_agrees_with_the_decoder_on_the_export checks it on a tiny base
 def test_estimate_agrees_with_the_decoder_on_stories260k(stories_dir, tmp_path):
     """The 5% test on a real (pretrained) base, where Medusa heads trained 40 steps get 1.4 tokens per step
     (about 11 s on 2 cores)."""
