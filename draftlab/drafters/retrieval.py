@@ -57,7 +57,8 @@ class Datastore:
     """Token sequences to retrieve from (e.g. the training data's texts), indexed once, in flat arrays: the tokens
     (int32) and, per n-gram length, every n-gram's 64-bit key sorted with its end position (ties in position
     order): 4 + 12 x (max_n - min_n + 1) bytes a token. A dict of tuples (what NgramIndex keeps for the growing
-    text) took 332 bytes a token on LIMA with the Llama 2 tokenizer, this 28 (benchmarks/lookup_memory.py). Answers NgramIndex.continuations' question the same way: of the newest `per_key` occurrences of the longest
+    text) took 332 bytes a token on LIMA with the Llama 2 tokenizer, this 28 (benchmarks/lookup_memory.py).
+    Answers NgramIndex.continuations' question the same way: of the newest `per_key` occurrences of the longest
     n-gram that ends the context (keys that collide are told apart by the tokens), the distinct continuations."""
 
     def __init__(self, tokens, starts, by_n: dict, min_n: int, max_n: int, per_key: int):
