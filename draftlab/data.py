@@ -360,9 +360,10 @@ PARALLEL_MIN = 2000  # conversations below which num_proc is not worth starting 
 def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_proc: int = 1,
                  worker_init=None) -> list[tuple]:
     """tokenize_chat of each conversation, in order: (ids, mask, whether max_len cut it), or (error type, message)
-    where the chat template refused it. With num_proc > 1, at least PARALLEL_MIN conversations and a worker_init (called first in each
-    worker: procs.die_with_parent, which the caller passes, so workers end with this process), in that many worker
-    processes, each given the tokenizer once; a failure in one is raised here with its traceback."""
+    where the chat template refused it. With num_proc > 1, at least PARALLEL_MIN conversations and a worker_init
+    (called first in each worker: procs.die_with_parent, which the caller passes, so workers end with this
+    process), in that many worker processes, each given the tokenizer once; a failure in one is raised here with
+    its traceback."""
     if num_proc <= 1 or len(conversations) < PARALLEL_MIN or worker_init is None:
         return _tokenize_chunk(conversations, tokenizer, max_len)
     import multiprocessing as mp
