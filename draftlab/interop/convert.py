@@ -342,8 +342,8 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
         raise ConvertError(HYDRA_REFUSAL)
     if kind in ("eagle3", "dflash"):  # (the generic refusals below sent these from --to hf to --to medusa and back)
         raise ConvertError(f"{export_dir} holds a {kind} draft, already in the layout vLLM and SGLang load "
-                           "(config.json + model.safetensors): give the directory itself to the engine as its draft model, after "
-                           f"`draftlab check {export_dir}`; there is nothing to convert (docs/interop.md)")
+                           "(config.json + model.safetensors): give the directory itself to the engine as its draft "
+                           f"model, after `draftlab check {export_dir}`; there is nothing to convert (docs/interop.md)")
     if kind in ("lookup", "ensemble"):
         raise ConvertError(f"{export_dir} holds a {kind} drafter, which only draftlab decodes (`draftlab generate`, "
                            "`draftlab eval`); no engine format holds it")
