@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from ..decode.tree import TreeView
@@ -35,19 +36,24 @@ class NgramIndex:
         """Up to `limit` distinct continuations (newest first) of the longest n-gram that ends `context` and occurs in
         the index; `exclude` skips matches in that sequence ending at or after len(context) - 1 (the text itself)."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            found, seen = [], set()
-            for seq_id, end in reversed(self.index.get(tuple(context[-n:]), [])):
-                if seq_id == exclude and end >= len(context) - 1:
-                    continue
-                cont = tuple(self.seqs[seq_id][end + 1: end + 1 + length])
-                if cont and cont not in seen:
-                    seen.add(cont)
-                    found.append(list(cont))
-                    if len(found) == limit:
-                        break
+            found = _distinct((self.seqs[seq_id][end + 1: end + 1 + length]
+                               for seq_id, end in reversed(self.index.get(tuple(context[-n:]), []))
+                               if not (seq_id == exclude and end >= len(context) - 1)), limit)
             if found:
                 return found
         return []
+
+
+def _distinct(continuations, limit: int) -> list[list[int]]:
+    """The first `limit` distinct non-empty continuations, in order."""
+    found, seen = [], set()
+    for cont in continuations:
+        if cont and tuple(cont) not in seen:
+            seen.add(tuple(cont))
+            found.append(list(cont))
+            if len(found) == limit:
+                break
+    return found
 
 
 _P, _MASK = 0x100000001B3, (1 << 64) - 1  # n-gram keys: a polynomial hash of the tokens (+1) modulo 2**64
@@ -67,8 +73,6 @@ class Datastore:
 
     @staticmethod
     def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
-        import numpy as np
-
         lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
         total = int(lengths.sum())
         tokens = np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=total)
@@ -89,33 +93,30 @@ class Datastore:
 
     def continuations(self, context: list[int], length: int, limit: int, exclude: int | None = None) -> list[list[int]]:
         """As NgramIndex.continuations (exclude does not apply: the datastore holds no text being decoded)."""
-        import numpy as np
-
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            gram = context[-n:]
-            k = 0
-            for t in gram:
-                k = (k * _P + t + 1) & _MASK
-            keys, ends = self.by_n[n]
-            lo, hi = np.searchsorted(keys, np.uint64(k), "left"), np.searchsorted(keys, np.uint64(k), "right")
-            found, seen, hits = [], set(), 0
-            for e in ends[lo:hi][::-1].tolist():  # newest first
-                if self.tokens[e - n + 1: e + 1].tolist() != gram:
-                    continue  # (another n-gram with the same key)
-                hits += 1
-                if hits > self.per_key:
-                    break
-                nxt = int(np.searchsorted(self.starts, e, "right"))  # the next sequence: this one ends at its start
-                end = int(self.starts[nxt]) if nxt < len(self.starts) else len(self.tokens)
-                cont = tuple(self.tokens[e + 1: min(end, e + 1 + length)].tolist())
-                if cont and cont not in seen:
-                    seen.add(cont)
-                    found.append(list(cont))
-                    if len(found) == limit:
-                        break
+            found = _distinct(self._after(context[-n:], length), limit)
             if found:
                 return found
         return []
+
+    def _after(self, gram: list[int], length: int):
+        """The continuations (up to `length` tokens, within their sequence) of the newest `per_key` occurrences of
+        `gram`, newest first."""
+        k = 0
+        for t in gram:
+            k = (k * _P + t + 1) & _MASK
+        keys, ends = self.by_n[len(gram)]
+        lo, hi = np.searchsorted(keys, np.uint64(k), "left"), np.searchsorted(keys, np.uint64(k), "right")
+        hits = 0
+        for e in ends[lo:hi][::-1].tolist():  # newest first
+            if self.tokens[e - len(gram) + 1: e + 1].tolist() != gram:
+                continue  # (another n-gram with the same key)
+            hits += 1
+            if hits > self.per_key:
+                return
+            nxt = int(np.searchsorted(self.starts, e, "right"))  # the next sequence: this one ends at its start
+            end = int(self.starts[nxt]) if nxt < len(self.starts) else len(self.tokens)
+            yield self.tokens[e + 1: min(end, e + 1 + length)].tolist()
 
 
 class LookupDrafter(Drafter):
