@@ -697,10 +697,7 @@ def test_the_flat_datastore_answers_as_the_ngram_index_does(monkeypatch):
     for trial in range(6):
         seqs = [[rng.randrange(4) for _ in range(rng.randint(0, 40))] for _ in range(rng.randint(1, 8))]
         min_n, max_n, per_key = rng.randint(1, 2), rng.randint(2, 4), rng.randint(1, 8)
-        ref = NgramIndex(min_n, max_n, per_key)
-        for seq in seqs:
-            ref.seqs.append(list(seq))
-            ref.add(len(ref.seqs) - 1, 0)
+        ref = NgramIndex.of(seqs, min_n, max_n, per_key)
         if trial == 5:  # every n-gram gets the key of its last token
             monkeypatch.setattr(R, "_P", 0)
         store = Datastore.from_sequences(seqs, min_n, max_n, per_key)

@@ -22,6 +22,15 @@ class NgramIndex:
         self.seqs: list[list[int]] = []
         self.index: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
 
+    @classmethod
+    def of(cls, seqs, min_n: int, max_n: int, per_key: int = 8) -> "NgramIndex":
+        """An index of these sequences (copied: they grow as text is committed)."""
+        idx = cls(min_n, max_n, per_key)
+        for seq in seqs:
+            idx.seqs.append(list(seq))
+            idx.add(len(idx.seqs) - 1, 0)
+        return idx
+
     def add(self, seq_id: int, start: int) -> None:
         """Index the n-grams of sequence seq_id that end at positions >= start."""
         seq = self.seqs[seq_id]
@@ -142,10 +151,8 @@ class LookupDrafter(Drafter):
                 "max_matches": self.max_matches, "datastore": self.datastore is not None}
 
     def begin(self, prompt: PromptState, sampling, generator) -> None:
-        self.text = NgramIndex(self.min_ngram, self.max_ngram, per_key=4 * self.max_matches)
-        for row, ok in zip(prompt.ids.tolist(), prompt.valid.tolist()):
-            self.text.seqs.append([t for t, v in zip(row, ok) if v])
-            self.text.add(len(self.text.seqs) - 1, 0)
+        rows = ([t for t, v in zip(row, ok) if v] for row, ok in zip(prompt.ids.tolist(), prompt.valid.tolist()))
+        self.text = NgramIndex.of(rows, self.min_ngram, self.max_ngram, per_key=4 * self.max_matches)
         self.device = prompt.ids.device
 
     def _candidates(self, b: int, root: int) -> list[list[int]]:
