@@ -705,3 +705,30 @@ def test_the_flat_datastore_answers_as_the_ngram_index_does(monkeypatch):
             context = [rng.randrange(4) for _ in range(rng.randint(1, 5))]
             length, limit = rng.randint(1, 6), rng.randint(1, 5)
             assert store.continuations(context, length, limit) == ref.continuations(context, length, limit), trial
+
+
+def test_a_lookup_export_keeps_its_datastore_as_flat_arrays(tmp_path):
+    """The export stores the datastore's tokens end to end with their lengths (safetensors) and reloads them without
+    Python lists; an export written before (datastore.json) still loads, and one whose store is missing is refused
+    (it loaded as a lookup drafter with no datastore before)."""
+    import json
+
+    import numpy as np
+
+    from draftlab.drafters import LookupDraft, make_drafter
+    from draftlab.drafters.base import ExportError
+    from draftlab.interop.export import load_export, save_export
+
+    seqs, base = [[1, 2, 3, 4, 5, 6], [], [2, 3, 9, 9]], tiny_llama(seed=1)
+    save_export(LookupDraft(num_tokens=3, min_ngram=2, datastore=seqs), base, tmp_path / "e", "tiny")
+    assert not (tmp_path / "e" / "datastore.json").exists()
+    module, _ = load_export(tmp_path / "e")
+    tokens, lengths = module.datastore
+    assert tokens.dtype == np.int32 and tokens.tolist() == [1, 2, 3, 4, 5, 6, 2, 3, 9, 9] and lengths.tolist() == [6, 0, 4]
+    assert make_drafter(module).datastore.continuations([0, 2, 3], 2, 4) == [[9, 9], [4, 5]]
+    (tmp_path / "e" / "datastore.safetensors").unlink()
+    with pytest.raises(ExportError, match="datastore.safetensors is missing"):
+        load_export(tmp_path / "e")
+    (tmp_path / "e" / "datastore.json").write_text(json.dumps(seqs))
+    module, _ = load_export(tmp_path / "e")
+    assert make_drafter(module).datastore.continuations([0, 2, 3], 2, 4) == [[9, 9], [4, 5]]

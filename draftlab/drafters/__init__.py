@@ -277,41 +277,65 @@ DFLASH = DraftKind(_build_dflash, _save_engine_layout, _load_dflash, _dflash_dra
 # --- lookup: prompt lookup / datastore retrieval, no weights ------------------------------------------
 
 class LookupDraft(torch.nn.Module):
-    """The retrieval drafter's settings and optional datastore, as a (weightless) draft module."""
+    """The retrieval drafter's settings and optional datastore, as a (weightless) draft module. The datastore is
+    kept as its sequences' tokens end to end (int32) and their lengths (int64): `datastore` takes those two arrays
+    or a list of token lists."""
 
     kind = "lookup"
     num_heads = 1
 
     def __init__(self, num_tokens: int = 5, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
-                 datastore: list[list[int]] | None = None):
+                 datastore=None):
+        from .retrieval import flatten
+
         super().__init__()
         self.settings = {"num_tokens": num_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
                          "max_matches": max_matches}
+        if isinstance(datastore, list):
+            datastore = flatten(datastore)
         self.datastore = datastore
 
     def config(self) -> dict:
         return {"type": "lookup", **self.settings, "datastore": self.datastore is not None}
 
 
+LOOKUP_STORE = "datastore.safetensors"
+
+
 def _save_lookup(module, out: Path) -> list[str]:
+    from safetensors.torch import save_file
+
     if module.datastore is None:
         return []
-    (out / "datastore.json").write_text(json.dumps(module.datastore))
-    return ["datastore.json"]
+    tokens, lengths = module.datastore
+    save_file({"tokens": torch.from_numpy(tokens), "lengths": torch.from_numpy(lengths)}, out / LOOKUP_STORE,
+              metadata={"format": "pt"})
+    return [LOOKUP_STORE]
 
 
 def _load_lookup(head: dict, export_dir: Path, base):
-    store = export_dir / "datastore.json"
-    seqs = json.loads(store.read_text()) if head.get("datastore") and store.is_file() else None
-    return LookupDraft(**{k: head[k] for k in ("num_tokens", "max_ngram", "min_ngram", "max_matches")}, datastore=seqs)
+    from .base import ExportError, read_safetensors
+
+    store = None
+    if head.get("datastore"):
+        if (export_dir / LOOKUP_STORE).is_file():
+            t = read_safetensors(export_dir / LOOKUP_STORE)
+            store = (t["tokens"].numpy(), t["lengths"].numpy())
+        elif (export_dir / "datastore.json").is_file():  # exports written before 2026-12-02
+            store = json.loads((export_dir / "datastore.json").read_text())
+        else:
+            raise ExportError(f"{export_dir}: draftlab.json says the lookup drafter has a datastore, but "
+                              f"{LOOKUP_STORE} is missing. Export again from the run")
+    return LookupDraft(**{k: head[k] for k in ("num_tokens", "max_ngram", "min_ngram", "max_matches")},
+                       datastore=store)
 
 
 def _lookup_drafter(module, tree: Tree | None) -> Drafter:
     from .retrieval import Datastore, LookupDrafter
 
     st = module.settings
-    store = (Datastore.from_sequences(module.datastore, max(2, st["min_ngram"]), st["max_ngram"])
-             if module.datastore else None)
+    store = (Datastore.from_flat(*module.datastore, max(2, st["min_ngram"]), st["max_ngram"])
+             if module.datastore is not None else None)
     return LookupDrafter(st["num_tokens"], st["max_ngram"], st["min_ngram"], st["max_matches"], store)
 
 

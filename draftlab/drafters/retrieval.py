@@ -65,6 +65,14 @@ def _distinct(continuations, limit: int) -> list[list[int]]:
     return found
 
 
+def flatten(seqs) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences as one int32 array of their tokens end to end and an int64 array of their lengths."""
+    seqs = list(seqs)
+    lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
+    tokens = np.fromiter((t for q in seqs for t in q), dtype=np.int32, count=int(lengths.sum()))
+    return tokens, lengths
+
+
 _P, _MASK = 0x100000001B3, (1 << 64) - 1  # n-gram keys: a polynomial hash of the tokens (+1) modulo 2**64
 
 
@@ -82,10 +90,16 @@ class Datastore:
 
     @staticmethod
     def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
-        lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
+        return Datastore.from_flat(*flatten(seqs), min_n, max_n, per_key)
+
+    @staticmethod
+    def from_flat(tokens, lengths, min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
+        """From the sequences laid end to end (tokens) and their lengths, as `flatten` gives them."""
+        tokens, lengths = np.asarray(tokens, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         total = int(lengths.sum())
-        tokens = np.fromiter((t for q in seqs for t in q), dtype=np.int64, count=total)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        if total != len(tokens):
+            raise ValueError(f"datastore: the lengths add up to {total} tokens, the sequences hold {len(tokens)}")
+        starts = np.cumsum(lengths) - lengths
         offset = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # position within its sequence
         pos_type = np.int32 if total < 2 ** 31 else np.int64
         by_n, key = {}, np.zeros(total, dtype=np.uint64)
