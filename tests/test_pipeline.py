@@ -29,12 +29,15 @@ def test_pipelined_stream_equals_plain_greedy_and_respects_the_pool(ssm_export):
     with DraftPipeline(base, export, tree="expansion:2,1,1") as pipe:
         limited = pipe.run(prompts, batch_size=3, in_flight=3, max_new_tokens=20)
         unlimited = pipe.run(prompts, batch_size=3, in_flight=3, max_new_tokens=20, pool_limit=None)
+        # Groups whose rows all end with their first token are finished at prefill: no draft, no verification.
+        first = pipe.run(prompts, batch_size=3, in_flight=3, max_new_tokens=1)
         for bad in (0, -1, "all"):  # (0: the drafter would never draft, and the run would wait for its timeout)
             with pytest.raises(ValueError, match="pool_limit"):
                 pipe.run(prompts, batch_size=3, pool_limit=bad)
     for p, got in zip(prompts, limited.tokens):
         assert got == plain_greedy(base, p, 20)
     assert unlimited.tokens == limited.tokens
+    assert first.tokens == [t[:1] for t in limited.tokens] and first.steps == 0 and first.drafter["drafts"] == 0
     assert limited.accept_length > 1
     # Each step of a group is a step of the plain decoder on that group's batch, with the same drafter and tree.
     from draftlab.decode.decoder import SpeculativeDecoder

@@ -268,17 +268,33 @@ class DraftPipeline:
         views: dict = {}  # static tree views by the drafter's key
         cursor = {"prompt": 0, "group": 0}
 
+        def finish(v: Verifier, idx: list[int]) -> None:
+            if self.forward:
+                self.free_caches.append(v.target)
+            for i, toks in zip(idx, v.res.tokens):
+                res.tokens[i] = toks
+            res.steps += v.res.steps
+            res.committed += sum(v.res.committed)
+            res.rows += sum(v.res.rows_per_step)
+
         def open_group() -> None:
-            idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
-            cursor["prompt"] += len(idx)
-            v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen,
-                         static_nodes=self.max_nodes if self.forward else None, forward=self.forward,
-                         cache=self.free_caches.pop() if self.free_caches else None)
-            prompt, root = v.prefill()
-            g = cursor["group"]
-            open_groups[g] = (v, idx, root.cpu())
-            _send(self.inbox, ("begin", run, g, move(prompt, "cpu"), root.cpu(), sampling))
-            cursor["group"] += 1
+            """Prefill the next prompts and hand them to the drafter; a group whose rows all end with their first
+            token (EOS, or max_new_tokens 1) is finished here, and the next one opened in its place."""
+            while cursor["prompt"] < len(prompts):
+                idx = list(range(cursor["prompt"], min(cursor["prompt"] + batch_size, len(prompts))))
+                cursor["prompt"] += len(idx)
+                v = Verifier(self.base, [prompts[i] for i in idx], max_new_tokens, sampling, eos, generator=gen,
+                             static_nodes=self.max_nodes if self.forward else None, forward=self.forward,
+                             cache=self.free_caches.pop() if self.free_caches else None)
+                prompt, root = v.prefill()
+                if v.done:
+                    finish(v, idx)
+                    continue
+                g = cursor["group"]
+                open_groups[g] = (v, idx, root.cpu())
+                _send(self.inbox, ("begin", run, g, move(prompt, "cpu"), root.cpu(), sampling))
+                cursor["group"] += 1
+                return
 
         t_start = time.perf_counter()
         _send(self.inbox, ("run", run, batch_size if pool_limit == "batch" else pool_limit, seed))
@@ -301,15 +317,8 @@ class DraftPipeline:
                 if v.done:
                     _send(self.inbox, ("end", run, g))
                     del open_groups[g]
-                    if self.forward:
-                        self.free_caches.append(v.target)
-                    for i, toks in zip(idx, v.res.tokens):
-                        res.tokens[i] = toks
-                    res.steps += v.res.steps
-                    res.committed += sum(v.res.committed)
-                    res.rows += sum(v.res.rows_per_step)
-                    if cursor["prompt"] < len(prompts):
-                        open_group()
+                    finish(v, idx)
+                    open_group()
                 else:
                     open_groups[g] = (v, idx, step.bonus.cpu())
                     _send(self.inbox, ("commit", run, g, move(step, "cpu")))
