@@ -60,10 +60,14 @@ def test_slices_of_hand_made_records_are_exact():
     sl = slice_report(recs)
     cat = sl["category"]
     assert list(cat) == ["math", "writing"]
+    # Standard errors by the delta method over the records: accept length sqrt(2 * (10^2 + 10^2)) / 30 (residuals
+    # 35 - 2.5 x 10 and 40 - 2.5 x 20); speedup 1.75 x sqrt(2 * 2 x (2/3.5 - 1/2)^2) (new tokens cancel).
     assert cat["writing"] == {"records": 2, "steps": 30, "committed": 75, "new_tokens": 77, "accept_length": 2.5,
-                              "tokens_per_s": 38.5, "plain_tokens_per_s": 22.0, "speedup": 1.75}
+                              "accept_length_se": 0.6667, "tokens_per_s": 38.5, "plain_tokens_per_s": 22.0,
+                              "speedup": 1.75, "speedup_se": 0.25}
     assert cat["math"] == {"records": 1, "steps": 40, "committed": 40, "new_tokens": 41, "accept_length": 1.0,
-                           "tokens_per_s": 20.5, "plain_tokens_per_s": 25.0, "speedup": 0.82}
+                           "accept_length_se": None, "tokens_per_s": 20.5, "plain_tokens_per_s": 25.0,
+                           "speedup": 0.82, "speedup_se": None}
     assert {k: (v["records"], v["steps"], v["accept_length"]) for k, v in sl["turn"].items()} == {
         "1": (2, 50, 1.5), "2": (1, 20, 2.0)}
     # speedup of turn 1: (77 tokens / 3.0 s) / (77 tokens / 3.64 s)
@@ -72,8 +76,10 @@ def test_slices_of_hand_made_records_are_exact():
         "0-31": (1, 3.5), "32-63": (1, 1.0), "64-127": (1, 2.0)}
     assert list(sl["context_tokens"]) == ["0-31", "32-63", "64-127"]  # by lower edge, not by string
     # 0-31: 8 + 16 + 31 steps committing 33 + 32 + 31 tokens; 32-63: 2 + 4 + 9 steps committing 2 + 8 + 9.
-    assert sl["output_position"] == {"0-31": {"records": 3, "steps": 55, "committed": 96, "accept_length": 1.7455},
-                                     "32-63": {"records": 3, "steps": 15, "committed": 19, "accept_length": 1.2667}}
+    assert {k: {f: v[f] for f in ("records", "steps", "committed", "accept_length")}
+            for k, v in sl["output_position"].items()} == {
+        "0-31": {"records": 3, "steps": 55, "committed": 96, "accept_length": 1.7455},
+        "32-63": {"records": 3, "steps": 15, "committed": 19, "accept_length": 1.2667}}
     # Every slicing's steps-weighted accept length is the whole run's: 115 tokens in 70 steps.
     for name in ("category", "turn", "context_tokens", "output_position"):
         rows = sl[name].values()
@@ -175,6 +181,67 @@ def test_compare_marks_exactly_the_slices_that_got_worse(tmp_path):
     assert "| 2 | 5 | 5 | 2.00 | 1.00 | -50.0% | 1.50x | 1.00x | -33.3% | **worse** (accept length, speedup) |" in text
     assert "| 64-127 | - | 4 | - | 0.50 | - | - | 0.50x | - |  |" in text
     assert "| slice | steps A | steps B |" in text  # output position counts steps
+
+
+def test_slice_standard_errors_match_the_spread_of_repeated_runs():
+    """The standard errors of a slice's accept length and speedup are what the figures spread by between runs of the
+    same kind: 400 simulated runs of 30 records (steps, tokens per step and timings drawn per record), the spread of
+    each figure across runs against the mean of its estimated error (a wrong influence term, e.g. ignoring the plain
+    side's time or the records' lengths, misses by far more than the 15% allowed)."""
+    import random
+    import statistics
+
+    from draftlab.eval.slices import _record_slice
+
+    rng = random.Random(0)
+    acc, acc_se, sp, sp_se = [], [], [], []
+    for _ in range(400):
+        recs = []
+        for _ in range(30):
+            steps = rng.randint(5, 60)
+            committed = sum(1 + min(rng.expovariate(0.6), 6) // 1 for _ in range(steps))
+            wall = steps * rng.uniform(0.008, 0.012) + rng.uniform(0.0, 0.05)
+            plain_wall = committed * rng.uniform(0.004, 0.006)
+            recs.append({"steps": steps, "committed": int(committed), "new_tokens": int(committed) + 1,
+                         "wall_time": wall, "plain_new_tokens": int(committed) + 1, "plain_wall_time": plain_wall})
+        row = _record_slice(recs)
+        acc.append(row["accept_length"]), acc_se.append(row["accept_length_se"])
+        sp.append(row["speedup"]), sp_se.append(row["speedup_se"])
+    assert statistics.stdev(acc) == pytest.approx(statistics.mean(acc_se), rel=0.15)
+    assert statistics.stdev(sp) == pytest.approx(statistics.mean(sp_se), rel=0.15)
+
+
+def test_compare_tells_a_drop_from_noise_where_the_runs_give_errors(tmp_path):
+    """With standard errors in both summaries, a drop past the threshold is marked worse only beyond `noise` errors of
+    the difference; within them it reads as within noise. (It was marked whatever the slice's size.)"""
+    from draftlab.eval.compare import format_comparison
+    from draftlab.eval.mt_bench import load_summary
+
+    row = lambda n, acc, se, sp=None, sp_se=None: {"records": n, "accept_length": acc, "accept_length_se": se,
+                                                   "speedup": sp, "speedup_se": sp_se}
+    slices = lambda cat, allr: {"category_field": "category", "category": cat, "turn": {}, "context_tokens": {},
+                                "output_position": {}, "all_records": allr}
+    a = _summary(tmp_path, "a", {"turns": 40, "accept_length": 2.0, "tokens_per_s": 10.0, "speedup": 1.5},
+                 slices({"small": row(3, 2.0, 0.3, 1.5, 0.2), "large": row(37, 2.0, 0.02, 1.5, 0.01),
+                         "lone": row(1, 2.0, None, 1.5, None)}, row(40, 2.0, 0.02, 1.5, 0.01)))
+    b = _summary(tmp_path, "b", {"turns": 40, "accept_length": 1.8, "tokens_per_s": 10.0, "speedup": 1.5},
+                 slices({"small": row(3, 1.6, 0.3, 1.2, 0.2), "large": row(37, 1.8, 0.02, 1.5, 0.01),
+                         "lone": row(1, 1.6, None, 1.5, None)}, row(40, 1.8, 0.02, 1.5, 0.01)))
+    A, B = load_summary(a), load_summary(b)
+    cmp = compare_slices(A, B, threshold=0.05)
+    # small: -20% accept length, 0.4 against 2 x sqrt(0.3^2 + 0.3^2) = 0.85; speedup -20%, 0.3 against 0.57.
+    # large: -10%, 0.2 against 0.057. lone: one record, no error: the threshold alone.
+    assert cmp["worse"] == [{"slicing": "overall", "slice": "all", "worse": ["accept_length"]},
+                            {"slicing": "category", "slice": "large", "worse": ["accept_length"]},
+                            {"slicing": "category", "slice": "lone", "worse": ["accept_length"]}]
+    rows = {r["slice"]: r for r in cmp["slicings"]["category"]}
+    assert rows["small"]["worse"] == [] and rows["small"]["within_noise"] == ["accept_length", "speedup"]
+    text = format_comparison(cmp, a, b)
+    assert "| small | 3 | 3 | 2.00 ± 0.30 | 1.60 ± 0.30 | -20.0% | 1.50x ± 0.20 | 1.20x ± 0.20 | -20.0% | " \
+           "within noise (accept length, speedup) |" in text
+    # noise 0: the threshold alone, as before.
+    assert {(w["slicing"], w["slice"]) for w in compare_slices(A, B, threshold=0.05, noise=0)["worse"]} == {
+        ("overall", "all"), ("category", "small"), ("category", "large"), ("category", "lone")}
 
 
 def test_compare_cli(tmp_path, capsys):

@@ -58,11 +58,16 @@ def add_eval_args(sub) -> None:
     c = sub.add_parser("compare", help="side-by-side table of eval runs; with two, their slices and what got worse",
                        description="Compare `draftlab eval mt-bench` runs (Medusa vs Hydra vs Hydra++, or two trees). "
                                    "With exactly two runs A B, also each slicing's slices side by side, marking those "
-                                   "whose accept length or speedup is lower in B by more than --threshold. The exit "
-                                   "code is 0 whether or not a slice got worse.")
+                                   "whose accept length or speedup is lower in B by more than --threshold and by "
+                                   "more than --noise standard errors of the difference. The exit code is 0 whether "
+                                   "or not a slice got worse.")
     c.add_argument("runs", nargs="+", help="run directories holding summary.json, or summary.json files")
     c.add_argument("--threshold", type=float, default=0.05,
                    help="relative drop that marks a slice as worse (default 0.05: 5%%)")
+    c.add_argument("--noise", type=float, default=2.0,
+                   help="a drop must also exceed this many standard errors of the difference, where both runs give "
+                        "them (slices of two records or more); smaller drops read 'within noise' (default 2; 0: the "
+                        "threshold alone)")
     c.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
@@ -70,6 +75,8 @@ def eval_command(a) -> int:
     if a.eval_cmd == "compare":
         if not 0 <= a.threshold < 1:
             raise EvalError(f"--threshold {a.threshold}: a relative drop, from 0 to below 1 (0.05 = 5%)")
+        if not a.noise >= 0:
+            raise EvalError(f"--noise {a.noise}: a number of standard errors, 0 or more (0: the threshold alone)")
         table, runs = compare_runs(a.runs)
         differ = held_fixed(runs)
         cmp = None
@@ -77,7 +84,7 @@ def eval_command(a) -> int:
         if len(a.runs) == 2:
             sa, sb = load_summary(a.runs[0]), load_summary(a.runs[1])
             older = [r["dir"] for r in (sa, sb) if "slices" not in r]
-            cmp = None if older else compare_slices(sa, sb, a.threshold)
+            cmp = None if older else compare_slices(sa, sb, a.threshold, a.noise)
         if a.json:
             obj = {"runs": [{"dir": r["dir"], "head": r["head"], "tree_size": r["tree_size"], "overall": r["overall"],
                              "categories": r["categories"]} for r in runs]}

@@ -1,7 +1,11 @@
 """`draftlab eval compare A B`: two runs' slices side by side, marking the slices that got worse.
 
 A slice got worse when B's accept length, or B's speedup, is lower than A's by more than `threshold`
-(relative: (B - A) / A < -threshold). Slices present in one run only, and figures one run lacks (speedup of a
+(relative: (B - A) / A < -threshold) and, where both runs give the figure's standard error (slices of two records or
+more, in summaries made since 2026-12-02), by more than `noise` standard errors of the difference,
+sqrt(se_A^2 + se_B^2). A drop past the threshold but within that is shown as within noise, not marked. The two runs'
+errors are treated as independent; on the same questions they are positively correlated, so the test is
+conservative: it misses some real drops in small slices rather than flagging noise. Slices present in one run only, and figures one run lacks (speedup of a
 --no-baseline run, any figure of an output-position slice but accept length), are shown and never marked.
 Each row carries the slice's size in both runs (records, or verification steps for output position), so a
 drop in a slice of two records reads as what it is.
@@ -14,6 +18,7 @@ above the tables (`not_comparable` with --json); the export, tree, compiling and
 from __future__ import annotations
 
 import json
+import math
 
 from .mt_bench import EvalError
 from .slices import SLICINGS, bucket_key
@@ -36,16 +41,25 @@ def _change(a, b):
     return None if a is None or b is None or not a else round((b - a) / a, 4)
 
 
-def compare_slices(a: dict, b: dict, threshold: float = 0.05) -> dict:
-    """Per slicing, rows {slice, a, b, accept_change, speedup_change, worse} for the union of both runs' slices;
-    `worse` names the figures that dropped by more than `threshold` (relative)."""
+def _noise(x: dict, y: dict, f: str, z: float) -> float | None:
+    """z standard errors of B - A for figure f, or None where a run gives no error (or z is 0)."""
+    se = (x.get(f + "_se"), y.get(f + "_se"))
+    return None if not z or None in se else z * math.hypot(*se)
+
+
+def compare_slices(a: dict, b: dict, threshold: float = 0.05, noise: float = 2.0) -> dict:
+    """Per slicing, rows {slice, a, b, accept_change, speedup_change, worse, within_noise} for the union of both
+    runs' slices; `worse` names the figures that dropped by more than `threshold` (relative) and by more than
+    `noise` standard errors of the difference where both runs give one, `within_noise` those that dropped past
+    the threshold only."""
     for r in (a, b):
         if "slices" not in r:
             raise EvalError(f"{r['dir']}: the summary has no per-slice section (made by an older draftlab); run "
                             "`draftlab eval mt-bench` again with the same --out: answers are kept, the summary is "
                             "rewritten")
-    out = {"threshold": threshold, "slicings": {}, "worse": []}
-    whole = lambda r: {"all": {**r["overall"], "records": r["overall"]["turns"]}}  # the run as one slice
+    out = {"threshold": threshold, "noise": noise, "slicings": {}, "worse": []}
+    errors = lambda r: {k: v for k, v in r["slices"].get("all_records", {}).items() if k.endswith("_se")}
+    whole = lambda r: {"all": {**r["overall"], "records": r["overall"]["turns"], **errors(r)}}  # the run, one slice
     for name in ("overall",) + SLICINGS:
         sa = whole(a) if name == "overall" else a["slices"].get(name) or {}
         sb = whole(b) if name == "overall" else b["slices"].get(name) or {}
@@ -53,12 +67,16 @@ def compare_slices(a: dict, b: dict, threshold: float = 0.05) -> dict:
         rows = []
         for k in sorted(set(sa) | set(sb), key=bucket_key):
             x, y = sa.get(k, {}), sb.get(k, {})
-            row = {"slice": k, "size": size, "a": {f: x.get(f) for f in (size, "accept_length", "speedup")},
-                   "b": {f: y.get(f) for f in (size, "accept_length", "speedup")},
+            figures = (size, "accept_length", "accept_length_se", "speedup", "speedup_se")
+            row = {"slice": k, "size": size, "a": {f: x.get(f) for f in figures},
+                   "b": {f: y.get(f) for f in figures},
                    "accept_change": _change(x.get("accept_length"), y.get("accept_length")),
-                   "speedup_change": _change(x.get("speedup"), y.get("speedup"))}
-            row["worse"] = [f for f, c in (("accept_length", row["accept_change"]), ("speedup", row["speedup_change"]))
-                            if c is not None and c < -threshold]
+                   "speedup_change": _change(x.get("speedup"), y.get("speedup")),
+                   "worse": [], "within_noise": []}
+            for f, c in (("accept_length", row["accept_change"]), ("speedup", row["speedup_change"])):
+                if c is not None and c < -threshold:
+                    bound = _noise(x, y, f, noise)
+                    row["worse" if bound is None or x[f] - y[f] > bound else "within_noise"].append(f)
             if row["worse"]:
                 out["worse"].append({"slicing": name, "slice": k, "worse": row["worse"]})
             rows.append(row)
@@ -70,8 +88,12 @@ def format_comparison(cmp: dict, a: str, b: str) -> str:
     """Markdown tables, one per slicing, of a compare_slices result."""
     f2 = lambda v, suf="": "-" if v is None else f"{v:.2f}{suf}"
     pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"
+    z = cmp.get("noise")
     lines = [f"A = {a}", f"B = {b}",
-             f"worse: accept length or speedup lower in B by more than {100 * cmp['threshold']:.1f}% (relative)"]
+             f"worse: accept length or speedup lower in B by more than {100 * cmp['threshold']:.1f}% (relative)" +
+             (f" and by more than {z:g} standard errors of the difference where both runs give them (± below)"
+              if z else "")]
+    err = lambda v, se: "" if se is None or not z else f" ± {se:.2f}"
     for name, rows in cmp["slicings"].items():
         if not rows:
             continue
@@ -81,10 +103,15 @@ def format_comparison(cmp: dict, a: str, b: str) -> str:
                   "|---" * 10 + "|"]
         for r in rows:
             x, y = r["a"], r["b"]
-            mark = "**worse** (" + ", ".join(w.replace("_", " ") for w in r["worse"]) + ")" if r["worse"] else ""
+            names = lambda fs: ", ".join(f.replace("_", " ") for f in fs)
+            mark = " ".join(([f"**worse** ({names(r['worse'])})"] if r["worse"] else []) +
+                            ([f"within noise ({names(r['within_noise'])})"] if r.get("within_noise") else []))
             cells = [r["slice"], str(x[size] if x[size] is not None else "-"), str(y[size] if y[size] is not None else "-"),
-                     f2(x["accept_length"]), f2(y["accept_length"]), pct(r["accept_change"]),
-                     f2(x["speedup"], "x"), f2(y["speedup"], "x"), pct(r["speedup_change"]), mark]
+                     f2(x["accept_length"]) + err(x["accept_length"], x.get("accept_length_se")),
+                     f2(y["accept_length"]) + err(y["accept_length"], y.get("accept_length_se")),
+                     pct(r["accept_change"]),
+                     f2(x["speedup"], "x") + err(x["speedup"], x.get("speedup_se")),
+                     f2(y["speedup"], "x") + err(y["speedup"], y.get("speedup_se")), pct(r["speedup_change"]), mark]
             lines.append("| " + " | ".join(cells) + " |")
     n = len(cmp["worse"])
     lines += ["", f"{n} slice{'s' if n != 1 else ''} got worse" + (":" if n else "") +

@@ -16,6 +16,10 @@ Slicings:
   where the draft was made, and every step is counted exactly once. Position 0 is the token the prefill
   emits (the base's first token, no verification step), so the first step starts at position 1.
 
+Per slice, a standard error beside accept length and speedup (`accept_length_se`, `speedup_se`): the delta method
+over the slice's records (a record's steps are not independent of each other, its turns' texts are), None below two
+records. `eval compare` reads them to tell a drop from noise.
+
 Per slice: `records` (turns that have at least one step in the slice), `steps`, `committed` (tokens committed by
 those steps, bonus tokens included; the prefill's first token of each turn is no step's, as in the overall
 figure), `accept_length` = committed / steps (so the steps-weighted mean over a slicing's slices is the overall
@@ -89,16 +93,36 @@ def turn_records(questions: list[dict], d_ans: dict, b_ans: dict, field: str = "
     return recs
 
 
+def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
+    """Standard error of a figure made of sums over records, prod(sum of up columns) / prod(sum of the others):
+    rows hold one record's terms, the first `up` of them in the numerator. The delta method on its logarithm (each
+    record's influence, sum of its share of each numerator sum less its share of each denominator sum), records
+    independent; None with fewer than two records or an empty sum."""
+    n = len(rows)
+    if n < 2:
+        return None
+    totals = [sum(col) for col in zip(*rows)]
+    if not all(totals):
+        return None
+    value = math.prod(totals[:up]) / math.prod(totals[up:])
+    infl = [sum(x / t for x, t in zip(r[:up], totals[:up])) - sum(x / t for x, t in zip(r[up:], totals[up:]))
+            for r in rows]
+    return round(abs(value) * math.sqrt(n / (n - 1) * sum(z * z for z in infl)), 4)
+
+
 def _record_slice(recs: list[dict]) -> dict:
     steps, committed = sum(r["steps"] for r in recs), sum(r["committed"] for r in recs)
     new, wall = sum(r["new_tokens"] for r in recs), sum(r["wall_time"] for r in recs)
     row = {"records": len(recs), "steps": steps, "committed": committed, "new_tokens": new,
            "accept_length": round(committed / steps, 4) if steps else 0.0,
+           "accept_length_se": ratio_se([(r["committed"], r["steps"]) for r in recs]),
            "tokens_per_s": round(new / wall, 2) if wall else 0.0}
     if recs and all("plain_wall_time" in r for r in recs):
         pnew, pwall = sum(r["plain_new_tokens"] for r in recs), sum(r["plain_wall_time"] for r in recs)
         row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
+        row["speedup_se"] = ratio_se([(r["new_tokens"], r["plain_wall_time"], r["wall_time"], r["plain_new_tokens"])
+                                      for r in recs], up=2)
     if recs and all("compiled_plain_wall_time" in r for r in recs):
         cnew = sum(r["compiled_plain_new_tokens"] for r in recs)
         cwall = sum(r["compiled_plain_wall_time"] for r in recs)
@@ -118,21 +142,24 @@ def _group(recs: list[dict], key) -> dict:
 
 def position_slices(recs: list[dict]) -> dict:
     """Steps and tokens committed per output-position bucket (a step goes to the bucket where it starts)."""
-    acc: dict = {}
+    acc: dict = {}  # bucket -> [[committed, steps] of each record with steps there]
     for r in recs:
         if r["step_committed"] is None:
             continue
-        seen = set()
+        mine: dict = {}
         start = r["new_tokens"] - sum(r["step_committed"])  # the prefill's token (or none for an empty answer)
         for pos, c in zip(step_positions(r["step_committed"], start), r["step_committed"]):
-            b = acc.setdefault(bucket(pos), {"records": 0, "steps": 0, "committed": 0})
-            b["steps"] += 1
-            b["committed"] += c
-            if bucket(pos) not in seen:
-                seen.add(bucket(pos))
-                b["records"] += 1
-    return {k: {**acc[k], "accept_length": round(acc[k]["committed"] / acc[k]["steps"], 4)}
-            for k in sorted(acc, key=bucket_key)}
+            part = mine.setdefault(bucket(pos), [0, 0])
+            part[0] += c
+            part[1] += 1
+        for k, part in mine.items():
+            acc.setdefault(k, []).append(part)
+    out = {}
+    for k in sorted(acc, key=bucket_key):
+        committed, steps = sum(c for c, _ in acc[k]), sum(n for _, n in acc[k])
+        out[k] = {"records": len(acc[k]), "steps": steps, "committed": committed,
+                  "accept_length": round(committed / steps, 4), "accept_length_se": ratio_se(acc[k])}
+    return out
 
 
 def slice_report(recs: list[dict], field: str = "category") -> dict:
@@ -142,7 +169,8 @@ def slice_report(recs: list[dict], field: str = "category") -> dict:
             "category": _group(recs, lambda r: r["category"]),
             "turn": _group(recs, lambda r: str(r["turn"])),
             "context_tokens": _group(recs, lambda r: None if r["context_tokens"] is None else bucket(r["context_tokens"])),
-            "output_position": position_slices(recs)}
+            "output_position": position_slices(recs),
+            "all_records": _record_slice(recs) if recs else {}}  # (the run as one slice: its standard errors)
 
 
 def slice_tables(sl: dict) -> list[str]:
