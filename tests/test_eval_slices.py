@@ -256,6 +256,8 @@ def test_compare_cli(tmp_path, capsys):
     assert "0 slices got worse" in out and "### output position" in out and "**worse**" not in out
     assert main(["eval", "compare", a, b, "--threshold", "1.5"]) == 2
     assert "--threshold 1.5" in capsys.readouterr().err
+    assert main(["eval", "compare", a, b, "--noise", "-1"]) == 2
+    assert "--noise -1" in capsys.readouterr().err
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "summary.json").write_text(json.dumps({"head": "hydra", "tree_size": 5, "categories": {},
                                                                 "overall": {"turns": 2, "accept_length": 1.5,
