@@ -2,6 +2,7 @@
 it writes, and `search-tree --batch-sizes` end to end on a tiny export."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,22 @@ def test_sglang_settings_follow_the_tree_and_a_chain_has_one_more_draft_token_th
                      "--speculative-num-draft-tokens": "2"}
     assert parse_sglang_flags(sglang_text(entries[2], "STANDALONE", "draft", cutoff=4)) == {}
     assert is_chain([[0], [0, 0]]) and not is_chain([[0], [1]]) and not is_chain([[0], [0, 0], [0, 1]])
+
+
+def test_dflash_exports_get_sglang_flags_for_the_best_chain(tmp_path):
+    """SGLang serves DFlash drafts (--speculative-algorithm DFLASH, one chain a step, steps and top-k fixed at 1):
+    the flags give the best chain by the estimate as --speculative-num-draft-tokens = its length + 1, even where
+    the estimate's tree is wider (search-tree wrote no SGLang file for DFlash exports before)."""
+    sched = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)
+    entries = sched["entries"]
+    assert sglang_settings(entries[0])["eagle_topk"] == 3 and entries[0]["chain_length"] == 3
+    assert parse_sglang_flags(sglang_text(entries[0], "DFLASH", "draft", cutoff=4)) == {
+        "--speculative-algorithm": "DFLASH", "--speculative-draft-model-path": "draft",
+        "--speculative-num-draft-tokens": "4"}
+    assert parse_sglang_flags(sglang_text(entries[2], "DFLASH", "draft", cutoff=4)) == {}  # plain beats every chain
+    files = write_schedule(tmp_path / "d.json", sched, {}, "dflash", "exp")
+    assert parse_sglang_flags(Path(files["sglang"]).read_text())["--speculative-num-draft-tokens"] == "4"
+    assert json.loads(Path(files["vllm"]).read_text())["method"] == "dflash"
 
 
 def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp_path):

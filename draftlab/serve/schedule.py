@@ -19,7 +19,8 @@ Three outputs (docs/decoding.md, "Schedules per batch size"):
 - a vLLM `--speculative-config` JSON: vLLM drafts chains only, so the best chain length per batch-size range, in
   `num_speculative_tokens_per_batch_size` ([start, end, K], K = 0: no drafting in that range);
 - SGLang flags (`--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens`) for the
-  smallest batch size's tree: SGLang mainline has no per-batch-size switch.
+  smallest batch size's tree: SGLang mainline has no per-batch-size switch. Its DFLASH algorithm verifies chains
+  only (steps and top-k fixed at 1): `--speculative-num-draft-tokens` = the best chain's length + 1.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .scheduled import (ScheduledDecoder, decoder_for_batch, drafter_for_batch, 
 # The engine's name for a draftlab export kind (notes: vLLM SpeculativeConfig.method, SGLang
 # --speculative-algorithm). Kinds missing here have no drafter of their kind in that engine.
 VLLM_METHOD = {"medusa": "medusa", "ssm": "draft_model", "dflash": "dflash", "eagle3": "eagle3"}
-SGLANG_ALGORITHM = {"ssm": "STANDALONE", "eagle3": "EAGLE3"}
+SGLANG_ALGORITHM = {"ssm": "STANDALONE", "eagle3": "EAGLE3", "dflash": "DFLASH"}
 PLAIN = "plain"
 SCHEDULE_BY = ("estimate", "timed")
 TIMED_FINALISTS = 3  # --schedule-by timed: the candidates with the highest estimates that the timings decide among
@@ -189,21 +190,47 @@ def sglang_settings(entry: dict) -> dict | None:
 
 def sglang_text(entry: dict, algorithm: str, model: str, cutoff) -> str:
     """The SGLang flags file: comments saying what it is for, then one line of flags (none if plain wins)."""
+    if algorithm == "DFLASH":
+        return _sglang_dflash_text(entry, model, cutoff)
     s, est = sglang_settings(entry), _estimate(entry)
     lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']} (its tree by the "
              f"estimate: {est['tree']}, {len(est['paths']) + 1} nodes, expected accept length {est['accept_length']})",
-             "# SGLang mainline has no per-batch-size switch (--speculative-adaptive follows the accept length, "
-             "not the batch size): these settings hold at every batch size."]
-    if cutoff == 0:
-        lines.append("# Speculation did not pay at any batch size measured: serve without --speculative-* flags.")
-    elif cutoff is not None:
-        lines.append(f"# Speculation stopped paying above batch size {cutoff} on the machine measured.")
+             *_sglang_batch_notes(cutoff)]
     if s is None:
         lines.append("# Plain decoding was faster at this batch size: no flags.")
         return "\n".join(lines) + "\n"
     lines.append(f"--speculative-algorithm {algorithm} --speculative-draft-model-path {model} "
                  f"--speculative-num-steps {s['num_steps']} --speculative-eagle-topk {s['eagle_topk']} "
                  f"--speculative-num-draft-tokens {s['num_draft_tokens']}")
+    return "\n".join(lines) + "\n"
+
+
+def _sglang_batch_notes(cutoff) -> list[str]:
+    lines = ["# SGLang mainline has no per-batch-size switch (--speculative-adaptive follows the accept length, "
+             "not the batch size): these settings hold at every batch size."]
+    if cutoff == 0:
+        lines.append("# Speculation did not pay at any batch size measured: serve without --speculative-* flags.")
+    elif cutoff is not None:
+        lines.append(f"# Speculation stopped paying above batch size {cutoff} on the machine measured.")
+    return lines
+
+
+def _sglang_dflash_text(entry: dict, model: str, cutoff) -> str:
+    """SGLang's DFLASH verifies one chain per step (it sets steps and top-k to 1): the flags give the best chain by
+    the estimate at the smallest batch size, as --speculative-num-draft-tokens = its length + 1 (the block's first
+    position is the last committed token)."""
+    k = entry.get("chain_length", 0)
+    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']}: DFLASH verifies chains "
+             f"only; the best chain by the estimate drafts {k} token(s) a step",
+             *_sglang_batch_notes(cutoff)]
+    if not k:
+        lines.append("# Plain decoding was faster than every chain at this batch size: no flags.")
+        return "\n".join(lines) + "\n"
+    lines += ["# A chain shorter than the draft's block (config.json `block_size`) needs an SGLang whose DFLASH takes a "
+              "verify width narrower than the block; one that requires --speculative-num-draft-tokens to equal "
+              "block_size refuses it: pass block_size there.",
+              f"--speculative-algorithm DFLASH --speculative-draft-model-path {model} "
+              f"--speculative-num-draft-tokens {k + 1}"]
     return "\n".join(lines) + "\n"
 
 
