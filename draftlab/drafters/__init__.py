@@ -34,6 +34,9 @@ class DraftKind:
     # the rank of the true x_{t+d+2} among the draft's candidates at depth d+1 when the path above it is
     # the true one; V where the text has no such token. The tree search's statistics.
     ranks: Callable
+    # (module, out_dir, tokenizer) -> None: what the export needs of the training tokenizer beyond draftlab.json's
+    # fingerprint (an SSM directory loads on its own with it; DFlash names its mask token for SGLang)
+    with_tokenizer: Callable = lambda module, out, tokenizer: None
 
 
 # --- heads: draft.safetensors holds the heads module ------------------------------------------------
@@ -143,7 +146,8 @@ def _ssm_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
 
 SSM_DEFAULT_CHAIN = 4
 SSM = DraftKind(_build_ssm, _save_ssm, _load_ssm, _ssm_drafter, lambda m: Tree.chain(SSM_DEFAULT_CHAIN),
-                ("config.json", "model.safetensors"), _ssm_ranks)
+                ("config.json", "model.safetensors"), _ssm_ranks,
+                lambda module, out, tokenizer: tokenizer.save_pretrained(out))
 
 # --- eagle3: the EAGLE-3 checkpoint layout (model.safetensors + config.json that vLLM / SGLang read) --------
 
@@ -271,8 +275,15 @@ def _dflash_ranks(module, base, ids: torch.Tensor, depth: int) -> torch.Tensor:
     return ranks
 
 
+def _dflash_tokenizer(module, out: Path, tokenizer) -> None:
+    from .dflash import name_mask_token
+
+    name_mask_token(out, tokenizer)
+
+
 DFLASH = DraftKind(_build_dflash, _save_engine_layout, _load_dflash, _dflash_drafter, lambda m: Tree.chain(m.block_size - 1),
-                   ("config.json", "model.safetensors"), _dflash_ranks)
+                   ("config.json", "model.safetensors"), _dflash_ranks,
+                   _dflash_tokenizer)
 
 # --- lookup: prompt lookup / datastore retrieval, no weights ------------------------------------------
 
@@ -377,6 +388,11 @@ def _save_ensemble(module, out: Path) -> list[str]:
     return files
 
 
+def _ensemble_tokenizer(module, out: Path, tokenizer) -> None:
+    for name, member in zip(module.names, module.members):
+        kind_of(member.kind).with_tokenizer(member, out / name, tokenizer)
+
+
 def _load_ensemble(head: dict, export_dir: Path, base):
     from .base import ExportError
 
@@ -408,7 +424,7 @@ def _ensemble_drafter(module, tree: Tree | None, **decode) -> Drafter:
 
 
 ENSEMBLE = DraftKind(lambda head, base: None, _save_ensemble, _load_ensemble, _ensemble_drafter,
-                     lambda m: None, (), _no_ranks)
+                     lambda m: None, (), _no_ranks, _ensemble_tokenizer)
 
 KINDS: dict[str, DraftKind] = {"medusa": HEADS, "hydra": HEADS, "ssm": SSM, "eagle3": EAGLE3, "dflash": DFLASH,
                                "lookup": LOOKUP, "ensemble": ENSEMBLE}

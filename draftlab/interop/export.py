@@ -17,7 +17,6 @@ import torch
 
 from ..base import base_identity
 from ..drafters import KINDS, kind_of
-from ..drafters.dflash import name_mask_token
 from ..drafters.base import ExportError, read_safetensors  # noqa: F401 (part of the contract, re-exported)
 
 FORMAT_VERSION = 1
@@ -53,18 +52,12 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
     (out / META).unlink(missing_ok=True)
     kind = kind_of(draft.kind)
     files = kind.save(draft, out)
-    if tokenizer is not None:  # SSM directories load on their own, tokenizer included
-        ssm_dirs = [out] if draft.kind == "ssm" else [out / n for n, m in zip(getattr(draft, "names", []),
-                                                                                 getattr(draft, "members", []))
-                                                        if m.kind == "ssm"]
-        for d in ssm_dirs:
-            tokenizer.save_pretrained(d)
+    if tokenizer is not None:
+        kind.with_tokenizer(draft, out, tokenizer)
     meta = {"format_version": FORMAT_VERSION, "head": draft.config(), "base": base_identity(base, base_name),
             "default_tree": default_tree, "files": files, **(extra or {})}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer_fingerprint(tokenizer)
-        if draft.kind == "dflash":
-            name_mask_token(out, tokenizer)
     if chat_template is not None:
         (out / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
         meta["chat_template"] = CHAT_TEMPLATE
