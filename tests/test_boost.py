@@ -154,6 +154,41 @@ def test_generation_scores_are_spec_infers_test_batched():
         boost._greedy = real
 
 
+def test_coverage_scores_with_a_memo_run_only_the_new_member():
+    """Coverage (the share of supervised positions where some member's top-1 is the base's): with a memo, boost's
+    calls with one member more run neither the base nor the earlier members again, only the new member on the
+    examples not covered everywhere, and give the scores of a call without it (each call ran the base and every
+    member on every example before)."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+    from draftlab.train import boost
+
+    base = tiny_llama(seed=0)
+    members = [SimpleNamespace(lm=tiny_llama(seed=s)) for s in (1, 2)] + [SimpleNamespace(lm=base)]
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(3, 64, (n,), generator=g).tolist(), "loss_mask": [0] * 2 + [1] * (n - 2)}
+                for n in (9, 4, 14, 7, 11)]
+    rows, real = {}, boost._argmax
+    boost._argmax = lambda h, w: rows.update({id(w): rows.get(id(w), 0) + h.shape[0]}) or real(h, w)
+    try:
+        memo = {}
+        for k in (1, 2, 3):
+            rows.clear()
+            got = boost.coverage_scores(base, members[:k], examples, 0, batch_size=2, memo=memo)
+            ran = dict(rows)
+            assert got == boost.coverage_scores(base, members[:k], examples, 0, batch_size=2), k
+            new = members[k - 1].lm.lm_head.weight
+            if k == 1:
+                assert ran == {id(base.lm_head.weight): 5, id(new): 5} and all(v < 1 for v in got.values())
+            else:  # only the new member, on the examples not covered everywhere before
+                assert ran == {id(new): sum(v < 1 for v in before.values())}
+            before = got
+        assert got == {i: 1.0 for i in range(5)}  # the base itself is a member now: every position covered
+    finally:
+        boost._argmax = real
+
+
 def test_a_stage_drops_the_covered_examples_and_says_which(tiny_base_dir, data_file, tmp_path):
     """Examples scoring at least the threshold are dropped (or kept at the downweight rate); examples.json lists
     the dropped ones and the test that dropped them."""

@@ -53,28 +53,48 @@ def _argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk: int = 512) -> tor
 
 @torch.no_grad()
 def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batch_size: int = 8,
-                    indices: list[int] | None = None) -> dict[int, float]:
+                    indices: list[int] | None = None, memo: dict | None = None) -> dict[int, float]:
     """Per example index: the share of its supervised positions (predicting token t+1 at position t) where some
-    member's top-1 equals the base's top-1."""
+    member's top-1 equals the base's top-1.
+
+    memo: as generation_scores' (kept while the members only grow): the base's top-1 at every position (int32) and
+    the positions some member already hits (bool), about 5 bytes a token. A call with one member more runs the base
+    on nothing and only the new member, on the examples not covered at every supervised position."""
     from ..base import base_hidden
     from ..data import collate
 
     dev = next(base.parameters()).device
     w_base = base.get_output_embeddings().weight
     idx = list(range(len(examples))) if indices is None else indices
-    scores = {}
-    for s in range(0, len(idx), batch_size):
-        part = idx[s:s + batch_size]
-        b = {k: v.to(dev) for k, v in collate([examples[i] for i in part], pad_id).items()}
-        target = _argmax(base_hidden(base, b["input_ids"], b["attention_mask"]), w_base)  # [B, S]
-        hit = torch.zeros_like(target, dtype=torch.bool)
-        for m in members:
-            h = m.lm.base_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
-            hit |= _argmax(h.to(w_base.dtype), m.lm.get_output_embeddings().weight) == target
-        sup = b["loss_mask"][:, 1:].bool()  # position t is supervised when token t+1 is
-        covered = (hit[:, :-1] & sup).sum(-1).float() / sup.sum(-1).clamp(min=1).float()
-        scores.update(zip(part, covered.tolist()))
-    return scores
+    memo = {} if memo is None else memo
+    seen = memo.get("members", [])
+    if seen != [id(m) for m in members[: len(seen)]]:
+        memo.clear()
+        seen = []
+    target, hit = memo.setdefault("target", {}), memo.setdefault("hit", {})
+    sup = lambda i: torch.tensor(examples[i]["loss_mask"][1:], dtype=torch.bool)  # t supervised when t+1 is
+    fresh = [i for i in idx if i not in target]  # the base and every member run on these
+    grown = [i for i in idx if i in target and not bool(hit[i][:-1][sup(i)].all())]  # the new members on these
+    for todo, run in ((fresh, members), (grown, members[len(seen):])):
+        for s in range(0, len(todo) if run else 0, batch_size):
+            part = todo[s:s + batch_size]
+            b = {k: v.to(dev) for k, v in collate([examples[i] for i in part], pad_id).items()}
+            lengths = [len(examples[i]["input_ids"]) for i in part]
+            if todo is fresh:
+                top = _argmax(base_hidden(base, b["input_ids"], b["attention_mask"]), w_base)  # [B, S]
+                for r, (i, n) in enumerate(zip(part, lengths)):
+                    target[i], hit[i] = top[r, :n].to("cpu", torch.int32), torch.zeros(n, dtype=torch.bool)
+            for m in run:
+                h = m.lm.base_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+                mine = _argmax(h.to(w_base.dtype), m.lm.get_output_embeddings().weight).cpu()
+                for r, (i, n) in enumerate(zip(part, lengths)):
+                    hit[i] |= mine[r, :n] == target[i]
+    memo["members"] = [id(m) for m in members]
+    out = {}
+    for i in idx:
+        ok = sup(i)
+        out[i] = float((hit[i][:-1] & ok).sum()) / max(int(ok.sum()), 1)
+    return out
 
 
 def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
@@ -151,11 +171,12 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
 
 def example_scores(e, base, members: list, examples: list[dict], tok, batch_size: int,
                    indices: list[int] | None = None, memo: dict | None = None) -> dict[int, float]:
-    """The scores of ensemble.score (generation or coverage) for the examples at indices (memo: generation_scores')."""
+    """The scores of ensemble.score (generation or coverage) for the examples at indices (memo: see
+    generation_scores and coverage_scores)."""
     if e.score == "generation":
         return generation_scores(base, members, examples, tok.pad_token_id, stop_token_ids(base, tok), e.match_tokens,
                                  batch_size, indices, memo)
-    return coverage_scores(base, members, examples, tok.pad_token_id, batch_size, indices)
+    return coverage_scores(base, members, examples, tok.pad_token_id, batch_size, indices, memo)
 
 
 def _gather(scores: dict, world: int) -> dict:
@@ -278,7 +299,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
 def _scores(recipe: Recipe, members: list, base, tok, train_ex: list, state, cache: dict) -> dict:
     """Every training example's score under members, scored in shards across processes; the same member set is
     scored once (a stage's record and the next stage's selection share it), and a set with one member more runs
-    only that member (generation_scores' memo; a resumed run starts it afresh)."""
+    only that member (the scores' memo; a resumed run starts it afresh)."""
     if len(members) not in cache:
         dev = next(base.parameters()).device
         for m in members:
