@@ -282,15 +282,47 @@ def dflash_dir(base_dir, tmp_path_factory):
                        tokenizer=load_tokenizer(str(base_dir)))  # (as training saves it: the mask token named)
 
 
-def test_a_correct_dflash_export_drafts_the_same_blocks_read_sglangs_way(dflash_dir):
+def test_a_correct_dflash_export_drafts_the_same_blocks_read_both_engines_ways(dflash_dir):
     rep = check_export(dflash_dir)
     c = by_name(rep)
     assert rep["ok"] and c["proposals"]["ok"] is True, rep
     assert c["aux-layer-ids"]["ok"] is True and "hidden_states[id + 1]" in c["aux-layer-ids"]["message"]
+    assert "vLLM captures hidden_states" in c["aux-layer-ids"]["message"]
     msg = c["proposals"]["message"]
-    assert msg.startswith("SGLang: the same 3-token chains at all") or "; SGLang: the same 3-token chains at" in msg
-    assert "vLLM: its DFlash reading is not modelled: not compared" in msg
-    assert by_name(check_export(dflash_dir, engine="vllm"))["proposals"]["ok"] is None
+    assert msg.startswith("vLLM: the same 3-token chains at all") and "; SGLang: the same 3-token chains at" in msg
+    assert "given num_speculative_tokens 3, block_size - 1" in msg  # (vLLM reads no block_size; it was not modelled)
+    assert by_name(check_export(dflash_dir, engine="vllm"))["proposals"]["ok"] is True
+
+
+def test_what_vllm_reads_otherwise_in_a_dflash_export(base_dir, dflash_dir, tmp_path):
+    """vLLM concatenates the base layers in ascending order (z-lab and SGLang: in the order given), reads a top-level
+    eagle_aux_hidden_state_layer_ids before dflash_config's ids, and takes the last decoder layer's output before the
+    base's final norm (draftlab trains on it after): the check fails each for vLLM, with the fix, and its proposals
+    differ where the features do."""
+    from draftlab.base import load_base
+
+    base = load_base(str(base_dir), "float32")[0]
+    L = base.config.num_hidden_layers
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="ascending"):
+        d = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 2, "layers": [3, 1]}}, base)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    out = save_export(d.eval(), base, tmp_path / "desc", str(base_dir))
+    c = by_name(check_export(out, engine="vllm"))
+    assert c["aux-layer-ids"]["ok"] is False and "in ascending order" in c["aux-layer-ids"]["message"]
+    assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt" in c["proposals"]["message"]
+    assert by_name(check_export(out, engine="sglang"))["proposals"]["ok"] is True  # (the order given)
+    top = variant(dflash_dir, tmp_path / "top", cfg=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
+    msg = by_name(check_export(top, engine="vllm"))["aux-layer-ids"]["message"]
+    assert "from eagle_aux_hidden_state_layer_ids" in msg and "no top-level eagle_aux_hidden_state_layer_ids" in msg
+    with pytest.warns(UserWarning, match="final norm"):
+        last = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 2, "layers": [1, L]}}, base)
+    out = save_export(last.eval(), base, tmp_path / "last", str(base_dir))
+    c = by_name(check_export(out, engine="vllm"))
+    assert c["aux-layer-ids"]["ok"] is False and "before the base's final norm" in c["aux-layer-ids"]["message"]
+    assert c["proposals"]["ok"] is False and "before the base's final norm" in c["proposals"]["message"]
 
 
 def test_a_dflash_draft_without_qk_norms_is_not_served_as_trained(base_dir, tmp_path):

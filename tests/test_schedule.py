@@ -74,20 +74,25 @@ def test_sglang_settings_follow_the_tree_and_a_chain_has_one_more_draft_token_th
     assert is_chain([[0], [0, 0]]) and not is_chain([[0], [1]]) and not is_chain([[0], [0, 0], [0, 1]])
 
 
-def test_dflash_exports_get_sglang_flags_for_the_best_chain(tmp_path):
+def test_dflash_exports_get_engine_chains_of_whole_blocks(tmp_path):
     """SGLang serves DFlash drafts (--speculative-algorithm DFLASH, one chain a step, steps and top-k fixed at 1):
-    the flags give the best chain by the estimate as --speculative-num-draft-tokens = its length + 1, even where
-    the estimate's tree is wider (search-tree wrote no SGLang file for DFlash exports before)."""
+    the flags give --speculative-num-draft-tokens = the chain + 1 (search-tree wrote no SGLang file for DFlash
+    exports before). The engines draft a block num_speculative_tokens + 1 long, and a shorter block drafts other
+    tokens than the trained block's first positions (which draftlab measured): the engines' chains are whole blocks
+    (engine_chains), or none where plain decoding beats them."""
     sched = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S)
-    entries = sched["entries"]
-    assert sglang_settings(entries[0])["eagle_topk"] == 3 and entries[0]["chain_length"] == 3
-    assert parse_sglang_flags(sglang_text(entries[0], "DFLASH", "draft", cutoff=4)) == {
+    assert [e["chain_length"] for e in sched["entries"]] == [3, 1, 0]  # any chain: the best by the estimate
+    whole = choose_schedule([1, 4, 16], CANDIDATES, STEP_S, PLAIN_S, engine_chains={3})
+    assert [e["chain_length"] for e in whole["entries"]] == [3, 3, 0]  # batch 4: chain-3 beats plain, not chain-1
+    assert [e["tree"] for e in whole["entries"]] == [e["tree"] for e in sched["entries"]]  # draftlab's own: as before
+    assert parse_sglang_flags(sglang_text(whole["entries"][0], "DFLASH", "draft", cutoff=4)) == {
         "--speculative-algorithm": "DFLASH", "--speculative-draft-model-path": "draft",
         "--speculative-num-draft-tokens": "4"}
-    assert parse_sglang_flags(sglang_text(entries[2], "DFLASH", "draft", cutoff=4)) == {}  # plain beats every chain
-    files = write_schedule(tmp_path / "d.json", sched, {}, "dflash", "exp")
+    assert parse_sglang_flags(sglang_text(whole["entries"][2], "DFLASH", "draft", cutoff=4)) == {}
+    files = write_schedule(tmp_path / "d.json", whole, {}, "dflash", "exp")
     assert parse_sglang_flags(Path(files["sglang"]).read_text())["--speculative-num-draft-tokens"] == "4"
-    assert json.loads(Path(files["vllm"]).read_text())["method"] == "dflash"
+    cfg = json.loads(Path(files["vllm"]).read_text())
+    assert cfg["method"] == "dflash" and cfg["num_speculative_tokens_per_batch_size"] == [[1, 15, 3], [16, 16, 0]]
 
 
 def test_the_schedule_file_is_a_tree_file_and_gives_each_batch_size_its_tree(tmp_path):

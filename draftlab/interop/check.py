@@ -18,6 +18,10 @@ Engine rules (the loaders' code; sources in docs/interop.md):
   convention); its Llama, Qwen2 and Qwen3 models (0.5.23) add 1 always.
 - Both capture each layer once, in layer order, whatever the order of the ids; target id = draft id + d2t[id]
   (a missing d2t is all zeros: the first draft_vocab_size ids, no error); t2d is not read.
+- DFlash: z-lab's code and SGLang read `dflash_config.target_layer_ids` as hidden_states[id + 1], in the order
+  given. vLLM (0.33.0) reads a top-level `eagle_aux_hidden_state_layer_ids` first (as they are), then
+  `dflash_config.target_layer_ids` (+ 1), in ascending order; it takes the last decoder layer's output before the
+  base's final norm, and drafts blocks of num_speculative_tokens + 1 (no block_size); only the mask id, no name.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
 from ..drafters.dflash import SGLANG_MASK_TOKEN
-from .engine_read import EngineDFlash, EngineEagle3, vllm_medusa_logits
+from .engine_read import EngineDFlash, EngineEagle3, vllm_dflash_layers, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
 
 ENGINES = ("vllm", "sglang")
@@ -76,18 +80,7 @@ def engine_reads(cfg: dict, engine: str, n: int, base_type: str = "") -> list[tu
 def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str = "") -> Check:
     head = meta["head"]
     if head["type"] == "dflash":
-        ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-        want = [i - 1 for i in head["layers"]]
-        if len(set(want)) != len(want):  # (exports trained before 2026-12-01 on a base too shallow for their layers)
-            return Check("aux-layer-ids", False, f"draftlab.json layers {head['layers']} are not distinct: engines "
-                         "capture each layer once, so the draft's fc would read other features; retrain with distinct "
-                         "layers (head.dflash.layers, or fewer head.dflash.num_layers)")
-        ok = ids == want
-        return Check("aux-layer-ids", ok, f"dflash_config.target_layer_ids {ids} " + (
-            f"= the layers draftlab trained on {head['layers']} read as hidden_states[id + 1] (z-lab's DFlash code, "
-            "which SGLang's DFlash model follows)"
-            if ok else f"should be {want}: draftlab trained on hidden_states {head['layers']} and DFlash reads "
-                       "hidden_states[id + 1]; fix config.json") + "; vLLM's DFlash reading is not modelled")
+        return _check_dflash_layers(cfg, head["layers"], engines, n)
     if head["type"] != "eagle3":
         return Check("aux-layer-ids", None, f"not applicable to {head['type']} (it reads no auxiliary layers)")
     layers, problems, notes = [int(i) for i in head["layers"]], [], []
@@ -122,6 +115,42 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str 
     if problems:
         return Check("aux-layer-ids", False, "; ".join(problems + [f"({x})" for x in notes]))
     return Check("aux-layer-ids", True, f"draftlab.json layers {layers} (hidden_states indices): " + "; ".join(notes))
+
+
+def _check_dflash_layers(cfg: dict, layers: list[int], engines: list[str], n: int) -> Check:
+    """dflash_config.target_layer_ids against the hidden_states draftlab trained on (draftlab.json's layers), as
+    z-lab's code and SGLang read them (id + 1, in the order given) and as vLLM does (vllm_dflash_layers)."""
+    want = [i - 1 for i in layers]
+    if len(set(want)) != len(want):  # (exports trained before 2026-12-01 on a base too shallow for their layers)
+        return Check("aux-layer-ids", False, f"draftlab.json layers {layers} are not distinct: engines capture each "
+                     "layer once, so the draft's fc would read other features; retrain with distinct layers "
+                     "(head.dflash.layers, or fewer head.dflash.num_layers)")
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    problems, notes = [], []
+    if "sglang" in engines:
+        if ids == want:
+            notes.append(f"dflash_config.target_layer_ids {ids} = the layers draftlab trained on {layers} read as "
+                         "hidden_states[id + 1] (z-lab's DFlash code, which SGLang's DFlash model follows)")
+        else:
+            problems.append(f"dflash_config.target_layer_ids {ids} should be {want}: draftlab trained on hidden_states "
+                            f"{layers} and DFlash reads hidden_states[id + 1]; fix config.json")
+    if "vllm" in engines:
+        got, key = vllm_dflash_layers(cfg, n)
+        if got == layers and n not in layers:
+            notes.append(f"vLLM captures hidden_states {got} (from {key}, in ascending order)")
+        if got != layers:
+            fix = ("retrain with head.dflash.layers in ascending order (vLLM concatenates the layers in layer order, "
+                   "whatever the order given)" if got == sorted(layers) and key == "dflash_config.target_layer_ids"
+                   else f"give dflash_config.target_layer_ids {want} and no top-level eagle_aux_hidden_state_layer_ids "
+                        "or target_layer_ids (vLLM reads those first)")
+            problems.append(f"vLLM captures hidden_states {got} (from {key}, in ascending order), draftlab trained on "
+                            f"{layers}; {fix}")
+        if n in layers:
+            problems.append(f"vLLM captures the last decoder layer's output (hidden_states {n}) before the base's final "
+                            f"norm, and draftlab trained on it after the norm; retrain with head.dflash.layers below {n}")
+    if problems:
+        return Check("aux-layer-ids", False, "; ".join(problems + [f"({x})" for x in notes]))
+    return Check("aux-layer-ids", True, "; ".join(notes) or f"draftlab.json layers {layers}")
 
 
 def check_vocab(cfg: dict, tensors: dict, meta: dict, V_base: int, tok, engines: list[str]) -> Check:
@@ -459,8 +488,7 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
         return Check("proposals", ok, "no engine loads hydra drafts (vLLM and SGLang implement no Hydra heads): not an "
                      "engine check; draftlab's decode compared with draftlab's own second reading of the export's files "
                      f"(float32, uncached): {msg}")
-    skip = {("medusa", "sglang"): "SGLang serves no Medusa heads: not compared",
-            ("dflash", "vllm"): "vLLM: its DFlash reading is not modelled: not compared"}
+    skip = {("medusa", "sglang"): "SGLang serves no Medusa heads: not compared"}
     compared = [e for e in engines if (kind, e) not in skip]
     make = {"eagle3": lambda: Eagle3Drafter(module, 4, 1, 5),
             "medusa": lambda: make_drafter(module, Tree.chain(module.num_heads)),
@@ -479,7 +507,7 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
                 reads = engine_reads(cfg, engine, base.config.num_hidden_layers, base.config.model_type)
                 eng = EngineEagle3(tensors, cfg, base, reads[0][1])  # (vLLM 0.33 and SGLang read EAGLE-3.1's switches)
             elif kind == "dflash":
-                eng = EngineDFlash(tensors, cfg, base)
+                eng = EngineDFlash(tensors, cfg, base, engine)
         except (ValueError, KeyError) as e:
             msgs.append(f"{name}: {e}")
             oks.append(False)
@@ -492,6 +520,9 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
             ctx = [eng.context(r[2]) for r in runs]
             ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: eng.block_logits(
                 ctx[i][:c], int(runs[i][1][c])), at="block position")
+            if engine == "vllm":  # vLLM reads no block_size: its block is num_speculative_tokens + 1 long
+                msg += (f" (given num_speculative_tokens {eng.block - 1}, block_size - 1, as docs/interop.md's command "
+                        "does: vLLM reads no block_size, and another number drafts other blocks)")
         else:
             ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: vllm_medusa_logits(
                 tensors, cfg, runs[i][2][-1][0, c - 1].float()))

@@ -20,7 +20,8 @@ Three outputs (docs/decoding.md, "Schedules per batch size"):
   `num_speculative_tokens_per_batch_size` ([start, end, K], K = 0: no drafting in that range);
 - SGLang flags (`--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens`) for the
   smallest batch size's tree: SGLang mainline has no per-batch-size switch. Its DFLASH algorithm verifies chains
-  only (steps and top-k fixed at 1): `--speculative-num-draft-tokens` = the best chain's length + 1.
+  only (steps and top-k fixed at 1): `--speculative-num-draft-tokens` = the chain's length + 1, the block size
+  (DFlash's engine chains are whole blocks: see choose_schedule's engine_chains).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def cutoff_of(entries: list[dict], key: str = "speculate"):
 
 def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict[int, dict[str, float]],
                     plain_step_s: dict[int, float], by: str = "estimate",
-                    tokens_per_s: dict[int, dict[str, float]] | None = None, finalists: int = TIMED_FINALISTS) -> dict:
+                    tokens_per_s: dict[int, dict[str, float]] | None = None, finalists: int = TIMED_FINALISTS,
+                    engine_chains: set[int] | None = None) -> dict:
     """Per batch size, the candidate to decode with, and the cut-off batch size. Pure.
 
     candidates: {"name", "paths", "accept_length"} each (accept length from the statistics); step_s[B][name] and
@@ -88,7 +90,9 @@ def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict
     estimate}. Each entry names the chosen tree (`tree`, `paths`; "plain" and [] where plain decoding wins), the
     estimate's choice (`estimate_tree`, `estimate_paths`: what SGLang gets) and the best chain by the estimate (its
     length `chain_length`, 0 when plain decoding beats every chain: what vLLM gets); the engines' choices follow
-    the estimate whatever `by` is."""
+    the estimate whatever `by` is. engine_chains: the chain lengths an engine runs as draftlab measured them (None:
+    any); DFlash's is the whole block only, since the engines draft a block num_speculative_tokens + 1 long and a
+    shorter block, attending both ways, drafts other tokens than the first positions of the trained one."""
     if by not in SCHEDULE_BY:
         raise ValueError(f"--schedule-by {by!r}: expected one of {', '.join(SCHEDULE_BY)}")
     if by == "timed" and tokens_per_s is None:
@@ -103,7 +107,8 @@ def choose_schedule(batch_sizes: list[int], candidates: list[dict], step_s: dict
         scored = [(B * c["accept_length"] / step_s[B][c["name"]], c) for c in candidates if c["name"] in step_s[B]]
         scored.sort(key=lambda x: -x[0])  # stable: ties keep the candidates' order
         best_tps, best = scored[0] if scored else (0.0, None)
-        chains = [(t, c) for t, c in scored if c["paths"] and is_chain(c["paths"])]
+        chains = [(t, c) for t, c in scored if c["paths"] and is_chain(c["paths"])
+                  and (engine_chains is None or len(c["paths"]) in engine_chains)]
         chain_tps, chain = chains[0] if chains else (0.0, None)
         estimate_wins = best is not None and best_tps > plain
         extra = {}
@@ -216,21 +221,16 @@ def _sglang_batch_notes(cutoff) -> list[str]:
 
 
 def _sglang_dflash_text(entry: dict, model: str, cutoff) -> str:
-    """SGLang's DFLASH verifies one chain per step (it sets steps and top-k to 1): the flags give the best chain by
-    the estimate at the smallest batch size, as --speculative-num-draft-tokens = its length + 1 (the block's first
-    position is the last committed token)."""
+    """SGLang's DFLASH verifies one chain per step (it sets steps and top-k to 1): the flags give the chain the
+    estimate chose at the smallest batch size (a whole block), as --speculative-num-draft-tokens = its length + 1."""
     k = entry.get("chain_length", 0)
-    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']}: DFLASH verifies chains "
-             f"only; the best chain by the estimate drafts {k} token(s) a step",
-             *_sglang_batch_notes(cutoff)]
+    lines = [f"# SGLang flags from draftlab search-tree, for batch size {entry['batch_size']}: DFLASH drafts whole "
+             "blocks and verifies them as one chain", *_sglang_batch_notes(cutoff)]
     if not k:
-        lines.append("# Plain decoding was faster than every chain at this batch size: no flags.")
+        lines.append("# Plain decoding was faster than drafting whole blocks at this batch size: no flags.")
         return "\n".join(lines) + "\n"
-    lines += ["# A chain shorter than the draft's block (config.json `block_size`) needs an SGLang whose DFLASH takes a "
-              "verify width narrower than the block; one that requires --speculative-num-draft-tokens to equal "
-              "block_size refuses it: pass block_size there.",
-              f"--speculative-algorithm DFLASH --speculative-draft-model-path {model} "
-              f"--speculative-num-draft-tokens {k + 1}"]
+    lines.append(f"--speculative-algorithm DFLASH --speculative-draft-model-path {model} "
+                 f"--speculative-num-draft-tokens {k + 1}")
     return "\n".join(lines) + "\n"
 
 
@@ -343,7 +343,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
               f"({', '.join(eager)}); the schedule compares them as timed and says compiled: false", file=sys.stderr)
     compiled = bool(compile) and not eager
     timed_tps = {B: {n: m["tokens_per_s"] for n, m in measured[B].items()} for B in batch_sizes}
-    schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s, by=schedule_by, tokens_per_s=timed_tps)
+    schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s, by=schedule_by, tokens_per_s=timed_tps,
+                               engine_chains={draft.block_size - 1} if draft.kind == "dflash" else None)
     for e in schedule["entries"]:  # what the decoder did in the timing runs, beside the estimate
         m = measured[e["batch_size"]]
         e["tokens_per_s"] = round(m[e["tree"]]["tokens_per_s"], 2)
