@@ -150,6 +150,11 @@ def test_generation_scores_are_spec_infers_test_batched():
             else:  # nothing for the base and the earlier members; the new one only where no match was whole
                 assert rows[id(base)] == rows[id(other.lm)] == rows[id(twin.lm)] * (len(members) == 3) == 0
                 assert rows[id(members[-1].lm)] == (sum(v < 1 for v in want.values()) if len(members) == 2 else 0)
+        memo = {}  # a member added on some examples only: the next call runs it on the others
+        generation_scores(base, [other], examples, 0, [], 6, 3, memo=memo)
+        generation_scores(base, [other, third], examples, 0, [], 6, 3, indices=[0, 1], memo=memo)
+        assert generation_scores(base, [other, third], examples, 0, [], 6, 3, indices=[2, 3, 4], memo=memo) == {
+            i: v for i, v in generation_scores(base, [other, third], examples, 0, [], 6, 3).items() if i > 1}
     finally:
         boost._greedy = real
 
@@ -185,6 +190,12 @@ def test_coverage_scores_with_a_memo_run_only_the_new_member():
                 assert ran == {id(new): sum(v < 1 for v in before.values())}
             before = got
         assert got == {i: 1.0 for i in range(5)}  # the base itself is a member now: every position covered
+        # Calls on other examples than the last (a member added on some only) run what each example has not seen.
+        memo = {}
+        boost.coverage_scores(base, members[:1], examples, 0, batch_size=2, memo=memo)
+        boost.coverage_scores(base, members[:2], examples, 0, batch_size=2, indices=[0, 1], memo=memo)
+        assert boost.coverage_scores(base, members[:2], examples, 0, batch_size=2, indices=[2, 3, 4], memo=memo) == {
+            i: v for i, v in boost.coverage_scores(base, members[:2], examples, 0, batch_size=2).items() if i > 1}
     finally:
         boost._argmax = real
 

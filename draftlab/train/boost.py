@@ -51,6 +51,18 @@ def _argmax(hidden: torch.Tensor, weight: torch.Tensor, chunk: int = 512) -> tor
     return out.reshape(hidden.shape[:-1])
 
 
+def _memo_for(memo: dict | None, members: list) -> dict:
+    """The scores' memo for these members: kept while the members only grow from call to call (boost's stages),
+    cleared otherwise; per example it holds `upto`, how many of the members have been run on it."""
+    memo = {} if memo is None else memo
+    seen, now = memo.get("members", []), [id(m) for m in members]
+    if len(now) < len(seen) or now[: len(seen)] != seen:
+        memo.clear()
+    memo["members"] = now
+    memo.setdefault("upto", {})
+    return memo
+
+
 @torch.no_grad()
 def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batch_size: int = 8,
                     indices: list[int] | None = None, memo: dict | None = None) -> dict[int, float]:
@@ -66,30 +78,29 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
     dev = next(base.parameters()).device
     w_base = base.get_output_embeddings().weight
     idx = list(range(len(examples))) if indices is None else indices
-    memo = {} if memo is None else memo
-    seen = memo.get("members", [])
-    if seen != [id(m) for m in members[: len(seen)]]:
-        memo.clear()
-        seen = []
-    target, hit = memo.setdefault("target", {}), memo.setdefault("hit", {})
+    memo = _memo_for(memo, members)
+    target, hit, upto = memo.setdefault("target", {}), memo.setdefault("hit", {}), memo["upto"]
     sup = lambda i: torch.tensor(examples[i]["loss_mask"][1:], dtype=torch.bool)  # t supervised when t+1 is
-    fresh = [i for i in idx if i not in target]  # the base and every member run on these
-    grown = [i for i in idx if i in target and not bool(hit[i][:-1][sup(i)].all())]  # the new members on these
-    for todo, run in ((fresh, members), (grown, members[len(seen):])):
-        for s in range(0, len(todo) if run else 0, batch_size):
-            part = todo[s:s + batch_size]
-            b = {k: v.to(dev) for k, v in collate([examples[i] for i in part], pad_id).items()}
-            lengths = [len(examples[i]["input_ids"]) for i in part]
-            if todo is fresh:
-                top = _argmax(base_hidden(base, b["input_ids"], b["attention_mask"]), w_base)  # [B, S]
-                for r, (i, n) in enumerate(zip(part, lengths)):
-                    target[i], hit[i] = top[r, :n].to("cpu", torch.int32), torch.zeros(n, dtype=torch.bool)
-            for m in run:
-                h = m.lm.base_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    todo = [i for i in idx if i not in target or (upto[i] < len(members) and not bool(hit[i][:-1][sup(i)].all()))]
+    for s in range(0, len(todo), batch_size):
+        part = todo[s:s + batch_size]
+        b = {k: v.to(dev) for k, v in collate([examples[i] for i in part], pad_id).items()}
+        ids, att, lengths = b["input_ids"], b["attention_mask"], [len(examples[i]["input_ids"]) for i in part]
+        fresh = [r for r, i in enumerate(part) if i not in target]
+        if fresh:
+            top = _argmax(base_hidden(base, ids[fresh], att[fresh]), w_base)  # [len(fresh), S]
+            for r, row in zip(fresh, top):
+                i, n = part[r], lengths[r]
+                target[i], hit[i], upto[i] = row[:n].to("cpu", torch.int32), torch.zeros(n, dtype=torch.bool), 0
+        for k, m in enumerate(members):
+            rows = [r for r, i in enumerate(part) if upto[i] <= k]
+            if rows:
+                h = m.lm.base_model(input_ids=ids[rows], attention_mask=att[rows]).last_hidden_state
                 mine = _argmax(h.to(w_base.dtype), m.lm.get_output_embeddings().weight).cpu()
-                for r, (i, n) in enumerate(zip(part, lengths)):
-                    hit[i] |= mine[r, :n] == target[i]
-    memo["members"] = [id(m) for m in members]
+                for r, row in zip(rows, mine):
+                    i = part[r]
+                    hit[i] |= row[:lengths[r]] == target[i]
+        upto.update((i, len(members)) for i in part)
     out = {}
     for i in idx:
         ok = sup(i)
@@ -124,17 +135,14 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
     memo: a dict kept from call to call while the members only grow (boost's stages: the members so far, then one
     more). It keeps the base's greedy output and each example's best match, so a call with one member more runs
     the base on nothing and only the new member, on the examples the earlier ones do not match whole: over 5 stages
-    the base generates once, not 5 times, and the members 5 times, not 15. Other members start it afresh."""
+    the base generates once, not 5 times, and the members 5 times, not 15. Other members start it afresh; calls on
+    other examples than the last (indices) run on them whatever members they have not seen."""
     dev = next(base.parameters()).device
     idx = list(range(len(examples))) if indices is None else indices
-    memo = {} if memo is None else memo
-    seen = memo.get("members", [])
-    if seen != [id(m) for m in members[: len(seen)]]:
-        memo.clear()
-        seen = []
-    ref, length, best = memo.setdefault("ref", {}), memo.setdefault("length", {}), memo.setdefault("best", {})
-    grown = len(members) > len(seen)
-    todo = [i for i in idx if i not in ref or (grown and best[i] < length[i])]
+    memo = _memo_for(memo, members)
+    ref, length, best, upto = memo.setdefault("ref", {}), memo.setdefault("length", {}), memo.setdefault("best", {}), \
+        memo["upto"]
+    todo = [i for i in idx if i not in ref or (upto[i] < len(members) and best[i] < length[i])]
     eos = set(eos_ids or [])
     for s in range(0, len(todo), batch_size):
         part = todo[s:s + batch_size]
@@ -146,13 +154,13 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
         for r, (i, p) in enumerate(zip(part, plen)):  # left-padded, so every row's next token is at the end
             ids[r, P - p:] = torch.tensor(examples[i]["input_ids"][:p], device=dev)
             att[r, P - p:] = 1
-        new = [r for r, i in enumerate(part) if i not in ref]  # rows every member is run on
+        new = [r for r, i in enumerate(part) if i not in ref]  # rows the base runs on
         if new:
             for r, out in zip(new, _greedy(base, ids[new], att[new], n).tolist()):
                 out = out[: want[r]]
                 i = part[r]
                 # the base's output ends at its EOS (included)
-                ref[i], best[i] = out, 0
+                ref[i], best[i], upto[i] = out, 0, 0
                 length[i] = next((k + 1 for k, t in enumerate(out) if t in eos), len(out))
         target = torch.full((len(part), n), -1, dtype=torch.long, device=dev)
         for r, i in enumerate(part):
@@ -160,12 +168,12 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
         cap = torch.tensor([length[i] for i in part], device=dev)
         held = torch.tensor([best[i] for i in part], device=dev)
         for k, m in enumerate(members):
-            rows = list(range(len(part))) if k >= len(seen) else new
+            rows = [r for r, i in enumerate(part) if upto[i] <= k]  # the members not yet run on the example
             if rows:
                 same = (_greedy(m.lm, ids[rows], att[rows], n) == target[rows]).int().cumprod(-1).sum(-1)
                 held[rows] = torch.maximum(held[rows], torch.minimum(same, cap[rows]))  # matching prefix
         best.update(zip(part, held.tolist()))
-    memo["members"] = [id(m) for m in members]
+        upto.update((i, len(members)) for i in part)
     return {i: best[i] / max(length[i], 1) for i in idx}
 
 
