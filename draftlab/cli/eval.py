@@ -66,7 +66,7 @@ def add_eval_args(sub) -> None:
                    help="relative drop that marks a slice as worse (default 0.05: 5%%)")
     c.add_argument("--noise", type=float, default=2.0,
                    help="a drop must also exceed this many standard errors of the difference, where both runs give "
-                        "them (slices of two records or more); smaller drops read 'within noise' (default 2; 0: the "
+                        "them (slices of two questions or more); smaller drops read 'within noise' (default 2; 0: the "
                         "threshold alone)")
     c.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 

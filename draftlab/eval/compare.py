@@ -1,7 +1,7 @@
 """`draftlab eval compare A B`: two runs' slices side by side, marking the slices that got worse.
 
 A slice got worse when B's accept length, or B's speedup, is lower than A's by more than `threshold`
-(relative: (B - A) / A < -threshold) and, where both runs give the figure's standard error (slices of two records or
+(relative: (B - A) / A < -threshold) and, where both runs give the figure's standard error (slices of two questions or
 more, in summaries made since 2026-12-02), by more than `noise` standard errors of the difference,
 sqrt(se_A^2 + se_B^2). A drop past the threshold but within that is shown as within noise, not marked. The two runs'
 errors are treated as independent; on the same questions they are positively correlated, so the test is

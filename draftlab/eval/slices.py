@@ -17,8 +17,9 @@ Slicings:
   emits (the base's first token, no verification step), so the first step starts at position 1.
 
 Per slice, a standard error beside accept length and speedup (`accept_length_se`, `speedup_se`): the delta method
-over the slice's records (a record's steps are not independent of each other, its turns' texts are), None below two
-records. `eval compare` reads them to tell a drop from noise.
+over the slice's questions (a turn's steps are not independent of each other, and a question's turns share its
+text, so each question's turns in the slice count as one sample), None below two questions. `eval compare` reads
+them to tell a drop from noise.
 
 Per slice: `records` (turns that have at least one step in the slice), `steps`, `committed` (tokens committed by
 those steps, bonus tokens included; the prefill's first token of each turn is no step's, as in the overall
@@ -94,10 +95,10 @@ def turn_records(questions: list[dict], d_ans: dict, b_ans: dict, field: str = "
 
 
 def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
-    """Standard error of a figure made of sums over records, prod(sum of up columns) / prod(sum of the others):
-    rows hold one record's terms, the first `up` of them in the numerator. The delta method on its logarithm (each
-    record's influence, sum of its share of each numerator sum less its share of each denominator sum), records
-    independent; None with fewer than two records or an empty sum."""
+    """Standard error of a figure made of sums over samples, prod(sum of up columns) / prod(sum of the others):
+    rows hold one sample's terms, the first `up` of them in the numerator. The delta method on its logarithm (each
+    sample's influence: its share of each numerator sum less its share of each denominator sum, centred), samples
+    independent; None with fewer than two samples or an empty sum."""
     n = len(rows)
     if n < 2:
         return None
@@ -107,7 +108,16 @@ def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
     value = math.prod(totals[:up]) / math.prod(totals[up:])
     infl = [sum(x / t for x, t in zip(r[:up], totals[:up])) - sum(x / t for x, t in zip(r[up:], totals[up:]))
             for r in rows]
-    return round(abs(value) * math.sqrt(n / (n - 1) * sum(z * z for z in infl)), 4)
+    mean = sum(infl) / n  # (0 when the numerator and denominator have as many sums)
+    return round(abs(value) * math.sqrt(n / (n - 1) * sum((z - mean) ** 2 for z in infl)), 4)
+
+
+def _by_question(parts) -> list[tuple]:
+    """(question_id, terms) pairs -> the terms summed per question: one sample per question."""
+    out: dict = {}
+    for q, terms in parts:
+        out[q] = [a + b for a, b in zip(out[q], terms)] if q in out else list(terms)
+    return [tuple(t) for t in out.values()]
 
 
 def _record_slice(recs: list[dict]) -> dict:
@@ -115,14 +125,15 @@ def _record_slice(recs: list[dict]) -> dict:
     new, wall = sum(r["new_tokens"] for r in recs), sum(r["wall_time"] for r in recs)
     row = {"records": len(recs), "steps": steps, "committed": committed, "new_tokens": new,
            "accept_length": round(committed / steps, 4) if steps else 0.0,
-           "accept_length_se": ratio_se([(r["committed"], r["steps"]) for r in recs]),
+           "accept_length_se": ratio_se(_by_question((r["question_id"], (r["committed"], r["steps"])) for r in recs)),
            "tokens_per_s": round(new / wall, 2) if wall else 0.0}
     if recs and all("plain_wall_time" in r for r in recs):
         pnew, pwall = sum(r["plain_new_tokens"] for r in recs), sum(r["plain_wall_time"] for r in recs)
         row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
-        row["speedup_se"] = ratio_se([(r["new_tokens"], r["plain_wall_time"], r["wall_time"], r["plain_new_tokens"])
-                                      for r in recs], up=2)
+        row["speedup_se"] = ratio_se(_by_question(
+            (r["question_id"], (r["new_tokens"], r["plain_wall_time"], r["wall_time"], r["plain_new_tokens"]))
+            for r in recs), up=2)
     if recs and all("compiled_plain_wall_time" in r for r in recs):
         cnew = sum(r["compiled_plain_new_tokens"] for r in recs)
         cwall = sum(r["compiled_plain_wall_time"] for r in recs)
@@ -142,7 +153,7 @@ def _group(recs: list[dict], key) -> dict:
 
 def position_slices(recs: list[dict]) -> dict:
     """Steps and tokens committed per output-position bucket (a step goes to the bucket where it starts)."""
-    acc: dict = {}  # bucket -> [[committed, steps] of each record with steps there]
+    acc: dict = {}  # bucket -> [(question_id, [committed, steps]) of each record with steps there]
     for r in recs:
         if r["step_committed"] is None:
             continue
@@ -153,12 +164,12 @@ def position_slices(recs: list[dict]) -> dict:
             part[0] += c
             part[1] += 1
         for k, part in mine.items():
-            acc.setdefault(k, []).append(part)
+            acc.setdefault(k, []).append((r["question_id"], part))
     out = {}
     for k in sorted(acc, key=bucket_key):
-        committed, steps = sum(c for c, _ in acc[k]), sum(n for _, n in acc[k])
+        committed, steps = sum(c for _, (c, _) in acc[k]), sum(n for _, (_, n) in acc[k])
         out[k] = {"records": len(acc[k]), "steps": steps, "committed": committed,
-                  "accept_length": round(committed / steps, 4), "accept_length_se": ratio_se(acc[k])}
+                  "accept_length": round(committed / steps, 4), "accept_length_se": ratio_se(_by_question(acc[k]))}
     return out
 
 
