@@ -90,7 +90,9 @@ def test_dflash_exports_get_engine_chains_of_whole_blocks(tmp_path):
         "--speculative-num-draft-tokens": "4"}
     assert parse_sglang_flags(sglang_text(whole["entries"][2], "DFLASH", "draft", cutoff=4)) == {}
     files = write_schedule(tmp_path / "d.json", whole, {}, "dflash", "exp")
-    assert parse_sglang_flags(Path(files["sglang"]).read_text())["--speculative-num-draft-tokens"] == "4"
+    text = Path(files["sglang"]).read_text()
+    assert parse_sglang_flags(text)["--speculative-num-draft-tokens"] == "4"
+    assert "stopped paying above batch size 4" in text  # (the whole block's cutoff, not the best tree's)
     cfg = json.loads(Path(files["vllm"]).read_text())
     assert cfg["method"] == "dflash" and cfg["num_speculative_tokens_per_batch_size"] == [[1, 15, 3], [16, 16, 0]]
 
@@ -198,6 +200,19 @@ def test_every_timed_batch_has_exactly_batch_size_rows(tiny_base_dir, tmp_path, 
     assert {B for B, _ in timed} == {2, 3} and all(rows == B for B, rows in timed), timed
     assert Tree.load(tmp_path / "s.json").metadata["timed_rows"] == {"2": 4, "3": 3}
     assert [e["batch_size"] for e in rep["schedule"]] == [2, 3]
+
+
+def test_a_dflash_schedule_times_the_whole_block_for_the_engines(tiny_base_dir, tmp_path):
+    """DFlash's engine chain is its whole block: timed even where --max-nodes is below it, so the engines' files
+    are decided by its figures (without it they said "no drafting" at every batch size)."""
+    from draftlab.serve.schedule import search_schedule
+
+    exp, data = search_inputs(tiny_base_dir, tmp_path, "dflash")  # blocks of 4: a chain of 3
+    rep = search_schedule(str(exp), str(data), str(tmp_path / "s.json"), [1], max_nodes=2, max_rank=10_000,
+                          calibration_prompts=6, timing_prompts=2, max_new_tokens=4, timing_rounds=1)
+    assert max(c["tree_size"] for c in rep["candidates"]) == 4  # the chain of 3 beside those of --max-nodes 2
+    sched = json.loads((tmp_path / "s.json").read_text())["schedule"]
+    assert sched[0]["chain_length"] in (0, 3) and sched[0]["estimated_chain_tokens_per_s"] is not None
 
 
 def test_plain_batch_sizes_decode_plain_steps_with_an_ssm_drafter(tiny_base_dir, tmp_path):

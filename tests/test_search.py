@@ -201,14 +201,15 @@ def test_proposal_trees_are_nested_and_prefix_closed():
 
 
 def search_inputs(tiny_base_dir, tmp_path, kind: str = "hydra"):
-    """An untrained export of `kind` (hydra or ssm) of the tiny base and 8 calibration texts: (export, data)."""
+    """An untrained export of `kind` (hydra, eagle3, ssm or dflash) of the tiny base and 8 calibration texts: (export, data)."""
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
     from draftlab.interop.export import save_export
 
     base, tok = load_base(str(tiny_base_dir), "float32")
     head = {"hydra": {"type": "hydra", "num_heads": 2, "num_layers": 1}, "eagle3": {"type": "eagle3"},
-            "ssm": {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}}}[kind]
+            "ssm": {"type": "ssm", "ssm": {"num_layers": 1, "init": "truncate"}},
+            "dflash": {"type": "dflash", "dflash": {"block_size": 4, "num_layers": 1}}}[kind]
     save_export(build_draft(head, base), base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n" for i in range(8)))

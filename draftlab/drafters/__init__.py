@@ -289,20 +289,24 @@ DFLASH = DraftKind(_build_dflash, _save_engine_layout, _load_dflash, _dflash_dra
 
 class LookupDraft(torch.nn.Module):
     """The retrieval drafter's settings and optional datastore, as a (weightless) draft module. The datastore is
-    kept as its sequences' tokens end to end (int32) and their lengths (int64): `datastore` takes those two arrays
-    or a list of token lists."""
+    kept as its sequences' tokens end to end (int32) and their lengths (int64): `datastore` takes those two numpy
+    arrays as a tuple, or the sequences (lists of token ids)."""
 
     kind = "lookup"
     num_heads = 1
 
     def __init__(self, num_tokens: int = 5, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
                  datastore=None):
+        import numpy as np
+
         from .retrieval import flatten
 
         super().__init__()
         self.settings = {"num_tokens": num_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
                          "max_matches": max_matches}
-        if isinstance(datastore, list):
+        if isinstance(datastore, tuple) and len(datastore) == 2 and isinstance(datastore[0], np.ndarray):
+            datastore = (datastore[0].astype(np.int32, copy=False), np.asarray(datastore[1], dtype=np.int64))
+        elif datastore is not None:
             datastore = flatten(datastore)
         self.datastore = datastore
 

@@ -67,10 +67,9 @@ def _distinct(continuations, limit: int) -> list[list[int]]:
 
 def flatten(seqs) -> tuple[np.ndarray, np.ndarray]:
     """Token sequences as one int32 array of their tokens end to end and an int64 array of their lengths."""
-    seqs = list(seqs)
-    lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
-    tokens = np.fromiter((t for q in seqs for t in q), dtype=np.int32, count=int(lengths.sum()))
-    return tokens, lengths
+    parts = [np.asarray(q, dtype=np.int32).reshape(-1) for q in seqs]
+    lengths = np.array([len(q) for q in parts], dtype=np.int64)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), lengths
 
 
 _P, _MASK = 0x100000001B3, (1 << 64) - 1  # n-gram keys: a polynomial hash of the tokens (+1) modulo 2**64

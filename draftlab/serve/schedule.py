@@ -273,9 +273,9 @@ def write_schedule(out: str | Path, schedule: dict, metadata: dict, kind: str, e
     else:
         written["vllm"] = f"not written: vLLM has no {kind} drafter"
     if kind in SGLANG_ALGORITHM:
-        replace_text(sglang_path, sglang_text(first, SGLANG_ALGORITHM[kind], engine_model,
-                                              schedule.get("estimate_no_speculation_above",
-                                                           schedule["no_speculation_above"])))
+        cutoff = (cutoff_of(entries, "chain_length") if kind == "dflash"  # (its flags hold a chain, not a tree)
+                  else schedule.get("estimate_no_speculation_above", schedule["no_speculation_above"]))
+        replace_text(sglang_path, sglang_text(first, SGLANG_ALGORITHM[kind], engine_model, cutoff))
         written["sglang"] = str(sglang_path)
     else:
         written["sglang"] = f"not written: SGLang's steps / top-k / draft-token settings have no {kind} drafter"
@@ -317,6 +317,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     stats, per_text, trees = rank_statistics(ctx.base, draft, ctx.calib, max_new_tokens, ctx.eos, depth, max_rank,
                                              max_nodes)
     candidates = candidate_trees(trees, sizes, range(1, min(depth, 16) + 1), max_nodes)
+    if draft.kind == "dflash" and Tree.chain(depth).paths not in {t.paths for t in candidates}:
+        candidates.append(Tree.chain(depth))  # the engines' chain (a whole block), whatever --max-nodes says
     timing = ctx.timing
     if not timing:
         raise ValueError("--batch-sizes needs timing prompts: the data has none beyond the calibration prompts "
