@@ -206,7 +206,9 @@ def rank_statistics(base, draft, calib: list[list[int]], max_new_tokens: int, eo
     prompts' greedy continuations."""
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
     per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
-    stats = RankStats(torch.cat(per_text), max_rank)
+    # Rank V (the vocabulary's size) marks a token with no rank: a --max-rank above V would count it as a candidate
+    # (and draft a node no top-k has)
+    stats = RankStats(torch.cat(per_text), min(max_rank, base.get_output_embeddings().weight.shape[0]))
     trees = proposal_trees(stats, max_nodes)
     if not trees:
         raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
