@@ -286,7 +286,7 @@ def test_a_correct_dflash_export_drafts_the_same_blocks_read_both_engines_ways(d
     rep = check_export(dflash_dir)
     c = by_name(rep)
     assert rep["ok"] and c["proposals"]["ok"] is True, rep
-    assert c["aux-layer-ids"]["ok"] is True and "hidden_states[id + 1]" in c["aux-layer-ids"]["message"]
+    assert c["aux-layer-ids"]["ok"] is True and "SGLang captures hidden_states" in c["aux-layer-ids"]["message"]
     assert "vLLM captures hidden_states" in c["aux-layer-ids"]["message"]
     msg = c["proposals"]["message"]
     assert msg.startswith("vLLM: the same 3-token chains at all") and "; SGLang: the same 3-token chains at" in msg
@@ -294,11 +294,11 @@ def test_a_correct_dflash_export_drafts_the_same_blocks_read_both_engines_ways(d
     assert by_name(check_export(dflash_dir, engine="vllm"))["proposals"]["ok"] is True
 
 
-def test_what_vllm_reads_otherwise_in_a_dflash_export(base_dir, dflash_dir, tmp_path):
-    """vLLM concatenates the base layers in ascending order (z-lab and SGLang: in the order given), reads a top-level
-    eagle_aux_hidden_state_layer_ids before dflash_config's ids, and takes the last decoder layer's output before the
-    base's final norm (draftlab trains on it after): the check fails each for vLLM, with the fix, and its proposals
-    differ where the features do."""
+def test_layer_choices_the_engines_read_otherwise_in_a_dflash_export(base_dir, dflash_dir, tmp_path):
+    """Both engines capture the base layers in layer order (z-lab's reference code: in the order given), vLLM reads a
+    top-level eagle_aux_hidden_state_layer_ids before dflash_config's ids, and neither gives the last layer's output
+    after the base's final norm (vLLM takes it before, SGLang not at all): the check fails each, with the fix, and
+    the proposals differ or are refused where the features do."""
     from draftlab.base import load_base
 
     base = load_base(str(base_dir), "float32")[0]
@@ -310,19 +310,22 @@ def test_what_vllm_reads_otherwise_in_a_dflash_export(base_dir, dflash_dir, tmp_
         for p in d.parameters():
             p.add_(0.3 * torch.randn_like(p))
     out = save_export(d.eval(), base, tmp_path / "desc", str(base_dir))
-    c = by_name(check_export(out, engine="vllm"))
-    assert c["aux-layer-ids"]["ok"] is False and "in ascending order" in c["aux-layer-ids"]["message"]
-    assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt" in c["proposals"]["message"]
-    assert by_name(check_export(out, engine="sglang"))["proposals"]["ok"] is True  # (the order given)
+    c = by_name(check_export(out))
+    assert c["aux-layer-ids"]["ok"] is False and c["aux-layer-ids"]["message"].count("in layer order") == 2
+    msg = c["proposals"]["message"]
+    assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt" in msg and "SGLang: first diff" in msg
     top = variant(dflash_dir, tmp_path / "top", cfg=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2]))
-    msg = by_name(check_export(top, engine="vllm"))["aux-layer-ids"]["message"]
-    assert "from eagle_aux_hidden_state_layer_ids" in msg and "no top-level eagle_aux_hidden_state_layer_ids" in msg
+    c = by_name(check_export(top))["aux-layer-ids"]
+    assert "vLLM captures hidden_states [1, 2] (from eagle_aux_hidden_state_layer_ids" in c["message"]
+    assert "no top-level eagle_aux_hidden_state_layer_ids" in c["message"] and "SGLang captures" in c["message"]
     with pytest.warns(UserWarning, match="final norm"):
         last = build_draft({"type": "dflash", "dflash": {"block_size": 4, "num_layers": 2, "layers": [1, L]}}, base)
     out = save_export(last.eval(), base, tmp_path / "last", str(base_dir))
-    c = by_name(check_export(out, engine="vllm"))
-    assert c["aux-layer-ids"]["ok"] is False and "before the base's final norm" in c["aux-layer-ids"]["message"]
-    assert c["proposals"]["ok"] is False and "before the base's final norm" in c["proposals"]["message"]
+    c = by_name(check_export(out))
+    for part in (f"vLLM: hidden_states {L}, the last decoder layer's output, is read before the base's final norm",
+                 f"SGLang: hidden_states {L} is never captured"):
+        assert c["aux-layer-ids"]["ok"] is False and part in c["aux-layer-ids"]["message"]
+        assert c["proposals"]["ok"] is False and part in c["proposals"]["message"]
 
 
 def test_a_dflash_draft_without_qk_norms_is_not_served_as_trained(base_dir, tmp_path):

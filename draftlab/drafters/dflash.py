@@ -220,13 +220,14 @@ class DFlashDraft(ReadsBase, nn.Module):
                 "draft, but vLLM and SGLang capture each layer once and cannot serve it (check says so); "
                 f"give head.dflash.num_layers at most {max(L - 1, 1)}, or distinct head.dflash.layers", stacklevel=2)
         elif list(layers) != sorted(layers):
-            warnings.warn(f"head.dflash.layers {list(layers)} are not in ascending order: z-lab's code and SGLang "
-                          "concatenate them in the order given, vLLM in layer order, so vLLM would draft from other "
-                          "features (check says so); give them in ascending order", stacklevel=2)
+            warnings.warn(f"head.dflash.layers {list(layers)} are not in ascending order: vLLM and SGLang capture "
+                          "them in layer order, so served drafts would read other features (check says so); give them "
+                          "in ascending order", stacklevel=2)
         if L in layers:
             warnings.warn(f"head.dflash.layers {list(layers)} read hidden_states {L}, the base's last layer after its "
-                          "final norm; vLLM captures that layer's output before the norm, so it would draft from other "
-                          f"features (check says so); give layers below {L}", stacklevel=2)
+                          "final norm: vLLM reads that layer's output before the norm and SGLang does not capture it, "
+                          f"so no engine serves the draft as trained (check says so); give layers below {L}",
+                          stacklevel=2)
         bs = e.get("block_size", 16)
         V = base.get_output_embeddings().weight.shape[0]
         mask = e.get("mask_token_id")

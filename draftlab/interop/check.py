@@ -18,10 +18,11 @@ Engine rules (the loaders' code; sources in docs/interop.md):
   convention); its Llama, Qwen2 and Qwen3 models (0.5.23) add 1 always.
 - Both capture each layer once, in layer order, whatever the order of the ids; target id = draft id + d2t[id]
   (a missing d2t is all zeros: the first draft_vocab_size ids, no error); t2d is not read.
-- DFlash: z-lab's code and SGLang read `dflash_config.target_layer_ids` as hidden_states[id + 1], in the order
-  given. vLLM (0.33.0) reads a top-level `eagle_aux_hidden_state_layer_ids` first (as they are), then
-  `dflash_config.target_layer_ids` (+ 1), in ascending order; it takes the last decoder layer's output before the
-  base's final norm, and drafts blocks of num_speculative_tokens + 1 (no block_size); only the mask id, no name.
+- DFlash: both read `dflash_config.target_layer_ids` as hidden_states[id + 1] (a layer's output), captured in layer
+  order whatever the order given (z-lab's reference code keeps the order given). vLLM (0.33.0) reads a top-level
+  `eagle_aux_hidden_state_layer_ids` first (as they are), takes the last decoder layer's output before the base's
+  final norm, drafts blocks of num_speculative_tokens + 1 (no block_size) and reads only the mask id; SGLang never
+  captures the last layer's output and resolves `dflash_config.mask_token` in the tokenizer.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
 from ..drafters.dflash import SGLANG_MASK_TOKEN
-from .engine_read import EngineDFlash, EngineEagle3, vllm_dflash_layers, vllm_medusa_logits
+from .engine_read import EngineDFlash, EngineEagle3, dflash_layers, last_layer_problem, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
 
 ENGINES = ("vllm", "sglang")
@@ -118,36 +119,33 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str 
 
 
 def _check_dflash_layers(cfg: dict, layers: list[int], engines: list[str], n: int) -> Check:
-    """dflash_config.target_layer_ids against the hidden_states draftlab trained on (draftlab.json's layers), as
-    z-lab's code and SGLang read them (id + 1, in the order given) and as vLLM does (vllm_dflash_layers)."""
-    want = [i - 1 for i in layers]
-    if len(set(want)) != len(want):  # (exports trained before 2026-12-01 on a base too shallow for their layers)
+    """The hidden_states each engine captures for a DFlash draft (engine_read.dflash_layers: the ids as layer
+    outputs, in layer order) against those draftlab trained on (draftlab.json's layers, in their order)."""
+    if len(set(layers)) != len(layers):  # (exports trained before 2026-12-01 on a base too shallow for their layers)
         return Check("aux-layer-ids", False, f"draftlab.json layers {layers} are not distinct: engines capture each "
                      "layer once, so the draft's fc would read other features; retrain with distinct layers "
                      "(head.dflash.layers, or fewer head.dflash.num_layers)")
-    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    want = [i - 1 for i in layers]
     problems, notes = [], []
-    if "sglang" in engines:
-        if ids == want:
-            notes.append(f"dflash_config.target_layer_ids {ids} = the layers draftlab trained on {layers} read as "
-                         "hidden_states[id + 1] (z-lab's DFlash code, which SGLang's DFlash model follows)")
+    for engine in engines:
+        name = NAMES[engine]
+        try:
+            got, key = dflash_layers(cfg, n, engine)
+        except ValueError as e:
+            problems.append(f"{name}: {e}")
+            continue
+        if got == layers:
+            notes.append(f"{name} captures hidden_states {got} (the layer outputs of {key} {want})")
+        elif got == sorted(layers) and key == "dflash_config.target_layer_ids":
+            problems.append(f"{name} captures hidden_states {got}, in layer order, and draftlab trained on them in the "
+                            f"order {layers}: fc reads other features; retrain with head.dflash.layers in ascending "
+                            "order")
         else:
-            problems.append(f"dflash_config.target_layer_ids {ids} should be {want}: draftlab trained on hidden_states "
-                            f"{layers} and DFlash reads hidden_states[id + 1]; fix config.json")
-    if "vllm" in engines:
-        got, key = vllm_dflash_layers(cfg, n)
-        if got == layers and n not in layers:
-            notes.append(f"vLLM captures hidden_states {got} (from {key}, in ascending order)")
-        if got != layers:
-            fix = ("retrain with head.dflash.layers in ascending order (vLLM concatenates the layers in layer order, "
-                   "whatever the order given)" if got == sorted(layers) and key == "dflash_config.target_layer_ids"
-                   else f"give dflash_config.target_layer_ids {want} and no top-level eagle_aux_hidden_state_layer_ids "
-                        "or target_layer_ids (vLLM reads those first)")
-            problems.append(f"vLLM captures hidden_states {got} (from {key}, in ascending order), draftlab trained on "
-                            f"{layers}; {fix}")
+            top = " and no top-level eagle_aux_hidden_state_layer_ids or target_layer_ids (vLLM reads those first)"
+            problems.append(f"{name} captures hidden_states {got} (from {key}, as layer outputs), draftlab trained on "
+                            f"{layers}; give dflash_config.target_layer_ids {want}" + (top if engine == "vllm" else ""))
         if n in layers:
-            problems.append(f"vLLM captures the last decoder layer's output (hidden_states {n}) before the base's final "
-                            f"norm, and draftlab trained on it after the norm; retrain with head.dflash.layers below {n}")
+            problems.append(f"{name}: {last_layer_problem(engine, n)}; retrain with head.dflash.layers below {n}")
     if problems:
         return Check("aux-layer-ids", False, "; ".join(problems + [f"({x})" for x in notes]))
     return Check("aux-layer-ids", True, "; ".join(notes) or f"draftlab.json layers {layers}")

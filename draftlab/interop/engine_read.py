@@ -1,6 +1,6 @@
 """The engines' readings of a draft's served files, written from the files alone (config.json + safetensors), not
 with draftlab's drafter modules: vLLM's Medusa heads, the EAGLE-3 draft layer as vLLM and SGLang compute it, and
-DFlash's block as z-lab's model (which SGLang's follows) and vLLM's (0.33.0, qwen3_dflash.py) compute it. `draftlab check` (check.py) compares
+DFlash's block as SGLang's and vLLM's (0.33.0, qwen3_dflash.py) DFlash models compute it. `draftlab check` (check.py) compares
 draftlab's proposals with these; the loader rules they follow are listed there and in docs/interop.md."""
 
 from __future__ import annotations
@@ -99,61 +99,65 @@ class EngineEagle3:
         return s @ self.t["lm_head.weight"].t()
 
 
-def vllm_dflash_layers(cfg: dict, n: int) -> tuple[list[int], str]:
-    """The hidden_states indices vLLM (0.33.0) feeds a DFlash draft of an n-layer base, and the key it took them
-    from: a top-level eagle_aux_hidden_state_layer_ids as it is, else dflash_config.target_layer_ids, else a top-level
-    target_layer_ids, each id + 1 (a layer's output), else its default (2, n // 2, n - 3); captured once each, in
-    ascending order whatever the order given (the features are concatenated in layer order)."""
+def dflash_layers(cfg: dict, n: int, engine: str) -> tuple[list[int], str]:
+    """The hidden_states indices an engine feeds a DFlash draft of an n-layer base, and the key it took them from.
+    Both capture each layer once, in layer order, whatever the order given (their models append the captured states
+    as their layer loop passes them), reading dflash_config.target_layer_ids as layer outputs (id + 1). vLLM (0.33.0)
+    reads a top-level eagle_aux_hidden_state_layer_ids first (as they are), and after dflash_config's a top-level
+    target_layer_ids, else its default (2, n // 2, n - 3); SGLang refuses to start without dflash_config's
+    (ValueError here)."""
     dc = cfg.get("dflash_config") or {}
-    if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+    if engine == "vllm" and cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
         ids, key = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]], "eagle_aux_hidden_state_layer_ids"
     elif dc.get("target_layer_ids") is not None:
         ids, key = [int(i) + 1 for i in dc["target_layer_ids"]], "dflash_config.target_layer_ids"
-    elif cfg.get("target_layer_ids") is not None:
+    elif engine == "vllm" and cfg.get("target_layer_ids") is not None:
         ids, key = [int(i) + 1 for i in cfg["target_layer_ids"]], "target_layer_ids"
-    else:
+    elif engine == "vllm":
         ids, key = [2, n // 2, n - 3], "its default (no layer ids in config.json)"
+    else:
+        raise ValueError("config.json has no dflash_config.target_layer_ids: SGLang refuses to start a DFlash draft "
+                         "without them; export again")
     return sorted(set(ids)), key
 
 
+def last_layer_problem(engine: str, n: int) -> str:
+    """Why an engine does not give a DFlash draft hidden_states[n] (the last decoder layer's output after the base's
+    final norm, as draftlab and Hugging Face read it)."""
+    if engine == "vllm":
+        return (f"hidden_states {n}, the last decoder layer's output, is read before the base's final norm, where "
+                f"draftlab reads it after (Hugging Face's hidden_states[{n}])")
+    return (f"hidden_states {n} is never captured: SGLang's models take the state before each decoder layer "
+            f"(0..{n - 1}), and none after the last")
+
+
 class EngineDFlash:
-    """A DFlash draft computed from config.json + model.safetensors the way an engine reads them. engine "sglang":
-    z-lab's DFlash model, which SGLang's follows: hidden_states[id + 1] for each dflash_config.target_layer_ids
-    entry, in the order given, concatenated, through fc and hidden_norm: the context, which every layer takes as
-    extra keys / values; the block [root, mask_token_id x (block_size - 1)] embedded with the base's embeddings,
-    attending to the context and to all of itself; RoPE from the draft's own config; logits through the base's
-    lm_head. engine "vllm" (0.33.0): the same layers and block, but the base layers as vllm_dflash_layers gives them
-    (ascending), the last decoder layer's output taken before the base's final norm (refused here: draftlab trains on
-    it after the norm), and the block num_speculative_tokens + 1 long (vLLM reads no block_size; the check passes
-    block_size - 1, as docs/interop.md's command does). Written from the files alone: draftlab's module is not used."""
+    """A DFlash draft computed from config.json + model.safetensors the way an engine reads them: the base layers as
+    dflash_layers gives them (layer outputs, ascending; z-lab's reference code keeps the order given, the engines
+    do not), concatenated, through fc and hidden_norm: the context, which every layer takes as extra keys / values;
+    the block [root, mask_token_id x (block_size - 1)] embedded with the base's embeddings, attending to the context
+    and to all of itself; RoPE from the draft's own config; logits through the base's lm_head. vLLM (0.33.0) drafts
+    a block num_speculative_tokens + 1 long (it reads no block_size; the check passes block_size - 1, as
+    docs/interop.md's command does). hidden_states[n] (the last layer, after the final norm) is refused: neither
+    engine gives it (last_layer_problem). Written from the files alone: draftlab's DFlash module is not used."""
 
     def __init__(self, tensors: dict, cfg: dict, base, engine: str = "sglang"):
         dc = cfg.get("dflash_config") or {}
-        missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in dc]
-        if engine == "vllm":  # (it reads the ids elsewhere too, and a top-level mask_token_id)
-            missing = [] if "mask_token_id" in dc or "mask_token_id" in cfg else ["mask_token_id"]
-        if missing:
-            raise ValueError(f"config.json has no dflash_config.{', dflash_config.'.join(missing)}: the engine cannot "
-                             "build the draft; export again")
+        mask = dc.get("mask_token_id", cfg.get("mask_token_id") if engine == "vllm" else None)
+        if mask is None:
+            raise ValueError("config.json has no dflash_config.mask_token_id: the engine cannot build the draft; "
+                             "export again")
         self.t = {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
         self.cfg, self.base, self.eps = cfg, base, cfg["rms_norm_eps"]
         n, H = base.config.num_hidden_layers, base.config.hidden_size
-        if engine == "vllm":
-            self.layers, key = vllm_dflash_layers(cfg, n)
-            if any(not 0 <= i <= n for i in self.layers):
-                raise ValueError(f"{key} gives hidden_states {self.layers}, outside the base's 0..{n}: vLLM would fail "
-                                 "to capture them")
-            if n in self.layers:
-                raise ValueError(f"hidden_states {n}, the last decoder layer's output, is read before the base's "
-                                 f"final norm, where draftlab reads it after (Hugging Face's hidden_states[{n}]): no "
-                                 "draftlab draft is served as trained with it (retrain with head.dflash.layers below "
-                                 f"{n}, or fix the layer ids if aux-layer-ids says they are wrong)")
-        else:
-            ids = [int(i) for i in dc["target_layer_ids"]]
-            if any(not 0 <= i < n for i in ids):
-                raise ValueError(f"dflash_config.target_layer_ids {ids} leave the base's layers 0..{n - 1}: the engine "
-                                 "would fail to capture them")
-            self.layers = [i + 1 for i in ids]  # the output of layer i is hidden_states[i + 1]
+        self.layers, key = dflash_layers(cfg, n, engine)
+        if any(not 0 <= i <= n for i in self.layers):
+            raise ValueError(f"{key} gives hidden_states {self.layers}, outside the base's 0..{n}: the engine would fail "
+                             "to capture them")
+        if n in self.layers:
+            raise ValueError(last_layer_problem(engine, n) + ": no draftlab draft is served as trained with it "
+                             f"(retrain with head.dflash.layers below {n}, or fix the layer ids if aux-layer-ids says "
+                             "they are wrong)")
         if any(f"layers.{i}.self_attn.q_norm.weight" not in self.t for i in range(cfg["num_hidden_layers"])):
             raise ValueError("the draft's layers have no q/k norms, which the engines' DFlash layers always apply "
                              "(vLLM and SGLang load unit weights in their place, so every block would be drafted "
@@ -162,8 +166,7 @@ class EngineDFlash:
         if self.t["fc.weight"].shape[1] != len(self.layers) * H:
             raise ValueError(f"fc reads {self.t['fc.weight'].shape[1] // H} base layers and the engine captures "
                              f"{len(self.layers)} (hidden_states {self.layers}): it would fail to run the draft")
-        self.block = int(cfg.get("block_size") or dc["block_size"])
-        self.mask = int(dc.get("mask_token_id", cfg.get("mask_token_id")))
+        self.block, self.mask = int(cfg.get("block_size") or dc["block_size"]), int(mask)
         self.rotary = _rotary(cfg)
 
     def context(self, hidden_states: tuple) -> torch.Tensor:
