@@ -82,8 +82,11 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     from draftlab.interop.export import read_meta
 
     card = model_card(read_meta(export), "vllm-medusa", str(out), "other")
-    assert f"--questions {MT} --limit 3 --max-new-tokens 24 --temperature 0.0` on " in card and ", 3 answers:" in card
-    assert f"- {o['speedup']}x draftlab's eager plain decoding" in card and "compiled" not in card
+    assert f"--questions {MT} --limit 3 --max-new-tokens 24 --temperature 0.0` on " in card
+    assert ", 3 answers (± a standard error over the questions):" in card
+    se = s["slices"]["all_records"]  # (3 questions: the errors of eval compare, beside the figures)
+    assert f"- accept length {o['accept_length']} ± {se['accept_length_se']} (tokens" in card
+    assert f"- {o['speedup']}x ± {se['speedup_se']} draftlab's eager plain decoding" in card and "compiled" not in card
 
     # The second turn sees the first answer through the chat template: replay the plain turn 2 by hand.
     base, tok = load_base(str(stories_dir), "float32")
@@ -276,7 +279,7 @@ def test_compiled_turns_that_compile_are_timed_again(export, tmp_path, monkeypat
 
     card = model_card(read_meta(export), "vllm-medusa", str(tmp_path / "run"), "other")
     assert f"`draftlab eval mt-bench {export} --questions {MT} --limit 1 --max-new-tokens 8 " in card
-    assert "--compile`" in card and ", 1 answer:" in card and s["limit"] == 1 and s["category"] is None
+    assert "--compile`" in card and ", 1 answer:" in card and s["limit"] == 1 and s["category"] is None  # (no ±)
     assert f"; {o['speedup_vs_compiled_plain']}x its compiled plain decoding" in card
 
 

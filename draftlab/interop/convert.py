@@ -296,12 +296,15 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
     if summary is not None and summary.is_file():
         s = json.loads(summary.read_text())
         o = s["overall"]
+        se = (s.get("slices") or {}).get("all_records") or {}  # standard errors over the questions (eval/slices.py)
+        pm = lambda f: f" ± {se[f + '_se']}" if se.get(f + "_se") is not None else ""
         lines += [f"`{eval_command(s)}` on {s['hardware']}, {o['answers']} answer"
-                  f"{'s' if o['answers'] != 1 else ''}:", "",
-                  f"- accept length {o['accept_length']} (tokens per verification forward, bonus included), "
-                  f"{o['tokens_per_s']} tokens/s, tree of {s['tree_size']} tokens, batch size 1"]
+                  f"{'s' if o['answers'] != 1 else ''}" + (" (± a standard error over the questions)" if pm(
+                      "accept_length") else "") + ":", "",
+                  f"- accept length {o['accept_length']}{pm('accept_length')} (tokens per verification forward, bonus "
+                  f"included), {o['tokens_per_s']} tokens/s, tree of {s['tree_size']} tokens, batch size 1"]
         if "speedup" in o:
-            lines.append(f"- {o['speedup']}x draftlab's eager plain decoding of the same base in the same run"
+            lines.append(f"- {o['speedup']}x{pm('speedup')} draftlab's eager plain decoding of the same base in the same run"
                          + (f"; {o['speedup_vs_compiled_plain']}x its compiled plain decoding (the fastest plain "
                             "decoding measured)" if "speedup_vs_compiled_plain" in o else ""))
         if "identical_share" in o:
