@@ -67,9 +67,13 @@ def _distinct(continuations, limit: int) -> list[list[int]]:
 
 def flatten(seqs) -> tuple[np.ndarray, np.ndarray]:
     """Token sequences as one int32 array of their tokens end to end and an int64 array of their lengths."""
-    parts = [np.asarray(q, dtype=np.int32).reshape(-1) for q in seqs]
-    lengths = np.array([len(q) for q in parts], dtype=np.int64)
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), lengths
+    return _flat(seqs, np.int32)
+
+
+def _flat(seqs, dtype) -> tuple[np.ndarray, np.ndarray]:
+    seqs = list(seqs)  # (one pass over the tokens into the array: no per-sequence arrays at the build's peak)
+    lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
+    return np.fromiter((t for q in seqs for t in q), dtype=dtype, count=int(lengths.sum())), lengths
 
 
 _P, _MASK = 0x100000001B3, (1 << 64) - 1  # n-gram keys: a polynomial hash of the tokens (+1) modulo 2**64
@@ -89,12 +93,13 @@ class Datastore:
 
     @staticmethod
     def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
-        return Datastore.from_flat(*flatten(seqs), min_n, max_n, per_key)
+        return Datastore.from_flat(*_flat(seqs, np.int64), min_n, max_n, per_key)
 
     @staticmethod
     def from_flat(tokens, lengths, min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
         """From the sequences laid end to end (tokens) and their lengths, as `flatten` gives them."""
-        tokens, lengths = np.asarray(tokens, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        given = np.asarray(tokens)
+        tokens, lengths = given.astype(np.int64, copy=False), np.asarray(lengths, dtype=np.int64)
         total = int(lengths.sum())
         if total != len(tokens):
             raise ValueError(f"datastore: the lengths add up to {total} tokens, the sequences hold {len(tokens)}")
@@ -111,7 +116,8 @@ class Datastore:
                     ends = np.flatnonzero(offset >= n - 1)
                     order = np.argsort(key[ends], kind="stable")
                     by_n[n] = (key[ends][order], ends[order].astype(pos_type))
-        return Datastore(tokens.astype(np.int32), starts, by_n, min_n, max_n, per_key)
+        kept = given if given.dtype == np.int32 else tokens.astype(np.int32)  # (an export's array is kept as it is)
+        return Datastore(kept, starts, by_n, min_n, max_n, per_key)
 
     def continuations(self, context: list[int], length: int, limit: int, exclude: int | None = None) -> list[list[int]]:
         """As NgramIndex.continuations (exclude does not apply: the datastore holds no text being decoded)."""
