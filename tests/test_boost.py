@@ -222,7 +222,8 @@ def test_ensemble_export_decodes_exactly(tiny_base_dir, data_file, tmp_path, cap
     out = tmp_path / "e"
     train(ensemble_recipe(tiny_base_dir, data_file, out, members=2, lookup=True, boost=False, architectures=[]))
     assert not (out / "stages" / "member2" / "examples.json").exists()  # independent: every member on all data
-    assert (out / "export" / "lookup" / "datastore.safetensors").is_file() and (out / "export" / "member1" / "tokenizer.json").is_file()
+    assert (out / "export" / "lookup" / "datastore.safetensors").is_file()
+    assert (out / "export" / "member1" / "tokenizer.json").is_file()
     for opts in ([], ["--ensemble-mode", "vote", "--length", "3"], ["--ensemble-mode", "vote", "--adaptive"],
                  ["--node-budget", "4"]):
         assert main(["generate", str(out / "export"), "--prompt", "Once upon", "--max-new-tokens", "12", "--compare",

@@ -201,7 +201,8 @@ def test_proposal_trees_are_nested_and_prefix_closed():
 
 
 def search_inputs(tiny_base_dir, tmp_path, kind: str = "hydra"):
-    """An untrained export of `kind` (hydra, eagle3, ssm or dflash) of the tiny base and 8 calibration texts: (export, data)."""
+    """An untrained export of `kind` (hydra, eagle3, ssm or dflash) of the tiny base and 8 calibration texts:
+    (export, data)."""
     from draftlab.base import load_base
     from draftlab.drafters import build_draft
     from draftlab.interop.export import save_export

@@ -1,14 +1,14 @@
 """`draftlab eval compare A B`: two runs' slices side by side, marking the slices that got worse.
 
-A slice got worse when B's accept length, or B's speedup, is lower than A's by more than `threshold`
-(relative: (B - A) / A < -threshold) and, where both runs give the figure's standard error (slices of two questions or
-more, in summaries made since 2026-12-02), by more than `noise` standard errors of the difference,
-sqrt(se_A^2 + se_B^2). A drop past the threshold but within that is shown as within noise, not marked. The two runs'
-errors are treated as independent; on the same questions they are positively correlated, so the test is
-conservative: it misses some real drops in small slices rather than flagging noise. Slices present in one run only, and figures one run lacks (speedup of a
---no-baseline run, any figure of an output-position slice but accept length), are shown and never marked.
-Each row carries the slice's size in both runs (records, or verification steps for output position), so a
-drop in a slice of two records reads as what it is.
+A slice got worse when B's accept length, or B's speedup, is lower than A's by more than `threshold` (relative:
+(B-A)/A < -threshold) and, where both runs give the figure's standard error (slices of two questions or more, in
+summaries made since 2026-12-02), by more than `noise` standard errors of the difference, sqrt(se_A^2 + se_B^2). A
+drop past the threshold but within that is shown as within noise, not marked. The two runs' errors are treated as
+independent; on the same questions they are positively correlated, so the test is conservative: it misses some real
+drops in small slices rather than flagging noise. Slices present in one run only, and figures one run lacks (speedup
+of a --no-baseline run, any figure of an output-position slice but accept length), are shown and never marked. Each
+row carries the slice's size in both runs (records, or verification steps for output position), so a drop in a slice
+of two records reads as what it is.
 
 Runs are compared for what a comparison holds fixed (`held_fixed`): the base, the questions, which of them and how
 many turns were answered, the field the slices follow, the sampling, the length limit, the dtype and the hardware. Where they differ the command says so

@@ -304,7 +304,8 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> s
                   f"- accept length {o['accept_length']}{pm('accept_length')} (tokens per verification forward, bonus "
                   f"included), {o['tokens_per_s']} tokens/s, tree of {s['tree_size']} tokens, batch size 1"]
         if "speedup" in o:
-            lines.append(f"- {o['speedup']}x{pm('speedup')} draftlab's eager plain decoding of the same base in the same run"
+            lines.append(f"- {o['speedup']}x{pm('speedup')} draftlab's eager plain decoding of the same base in the "
+                         "same run"
                          + (f"; {o['speedup_vs_compiled_plain']}x its compiled plain decoding (the fastest plain "
                             "decoding measured)" if "speedup_vs_compiled_plain" in o else ""))
         if "identical_share" in o:

@@ -1,7 +1,7 @@
-"""The engines' readings of a draft's served files, written from the files alone (config.json + safetensors), not
-with draftlab's drafter modules: vLLM's Medusa heads, the EAGLE-3 draft layer as vLLM and SGLang compute it, and
-DFlash's block as SGLang's and vLLM's (0.33.0, qwen3_dflash.py) DFlash models compute it. `draftlab check` (check.py) compares
-draftlab's proposals with these; the loader rules they follow are listed there and in docs/interop.md."""
+"""The engines' readings of a draft's served files, written from the files alone (config.json + safetensors), not with
+draftlab's drafter modules: vLLM's Medusa heads, the EAGLE-3 draft layer as vLLM and SGLang compute it, and DFlash's
+block as SGLang's and vLLM's (0.33.0, qwen3_dflash.py) DFlash models compute it. `draftlab check` (check.py)
+compares draftlab's proposals with these; the loader rules they follow are listed there and in docs/interop.md."""
 
 from __future__ import annotations
 
@@ -152,8 +152,8 @@ class EngineDFlash:
         n, H = base.config.num_hidden_layers, base.config.hidden_size
         self.layers, key = dflash_layers(cfg, n, engine)
         if any(not 0 <= i <= n for i in self.layers):
-            raise ValueError(f"{key} gives hidden_states {self.layers}, outside the base's 0..{n}: the engine would fail "
-                             "to capture them")
+            raise ValueError(f"{key} gives hidden_states {self.layers}, outside the base's 0..{n}: the engine "
+                             "would fail to capture them")
         if n in self.layers:
             raise ValueError(last_layer_problem(engine, n) + ": no draftlab draft is served as trained with it "
                              f"(retrain with head.dflash.layers below {n}, or fix the layer ids if aux-layer-ids says "
