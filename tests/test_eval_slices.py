@@ -116,6 +116,9 @@ def test_compiled_runs_slice_the_speedup_over_compiled_plain_too():
     assert sl["category"]["writing"]["speedup"] == 1.75  # (the eager baseline's, unchanged)
     text = "\n".join(slice_tables(sl))
     assert "| speedup | vs compiled plain |" in text and "| 0.38x |" in text
+    # Standard errors where a slice holds two questions or more (turn 1 here; writing is one question's two turns)
+    assert "| 1 | 2 | 50 | 1.50 ± 0.80 |" in text and "| 1.21x ± 0.52 |" in text
+    assert "| writing | 2 | 30 | 2.50 |" in text
     assert "vs compiled plain" not in "\n".join(slice_tables(slice_report(turn_records(*hand_made()))))
 
 
