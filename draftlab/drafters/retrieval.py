@@ -65,12 +65,8 @@ def _distinct(continuations, limit: int) -> list[list[int]]:
     return found
 
 
-def flatten(seqs) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences as one int32 array of their tokens end to end and an int64 array of their lengths."""
-    return _flat(seqs, np.int32)
-
-
-def _flat(seqs, dtype) -> tuple[np.ndarray, np.ndarray]:
+def flatten(seqs, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences as one array of their tokens end to end (dtype) and an int64 array of their lengths."""
     seqs = list(seqs)  # (one pass over the tokens into the array: no per-sequence arrays at the build's peak)
     lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
     return np.fromiter((t for q in seqs for t in q), dtype=dtype, count=int(lengths.sum())), lengths
@@ -93,7 +89,7 @@ class Datastore:
 
     @staticmethod
     def from_sequences(seqs: list[list[int]], min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":
-        return Datastore.from_flat(*_flat(seqs, np.int64), min_n, max_n, per_key)
+        return Datastore.from_flat(*flatten(seqs, np.int64), min_n, max_n, per_key)
 
     @staticmethod
     def from_flat(tokens, lengths, min_n: int = 2, max_n: int = 4, per_key: int = 8) -> "Datastore":

@@ -21,7 +21,7 @@ import json
 import math
 
 from .mt_bench import EvalError
-from .slices import SLICINGS, bucket_key
+from .slices import SLICINGS, bucket_key, plus_minus
 
 
 HELD_FIXED = ("base", "questions", "questions_answered", "slice_field", "max_new_tokens", "temperature", "top_p",
@@ -93,7 +93,7 @@ def format_comparison(cmp: dict, a: str, b: str) -> str:
              f"worse: accept length or speedup lower in B by more than {100 * cmp['threshold']:.1f}% (relative)" +
              (f" and by more than {z:g} standard errors of the difference where both runs give them (± below)"
               if z else "")]
-    err = lambda v, se: "" if se is None or not z else f" ± {se:.2f}"
+    err = lambda row, f: plus_minus(row, f) if z else ""
     for name, rows in cmp["slicings"].items():
         if not rows:
             continue
@@ -107,11 +107,11 @@ def format_comparison(cmp: dict, a: str, b: str) -> str:
             mark = " ".join(([f"**worse** ({names(r['worse'])})"] if r["worse"] else []) +
                             ([f"within noise ({names(r['within_noise'])})"] if r.get("within_noise") else []))
             cells = [r["slice"], str(x[size] if x[size] is not None else "-"), str(y[size] if y[size] is not None else "-"),
-                     f2(x["accept_length"]) + err(x["accept_length"], x.get("accept_length_se")),
-                     f2(y["accept_length"]) + err(y["accept_length"], y.get("accept_length_se")),
+                     f2(x["accept_length"]) + err(x, "accept_length"),
+                     f2(y["accept_length"]) + err(y, "accept_length"),
                      pct(r["accept_change"]),
-                     f2(x["speedup"], "x") + err(x["speedup"], x.get("speedup_se")),
-                     f2(y["speedup"], "x") + err(y["speedup"], y.get("speedup_se")), pct(r["speedup_change"]), mark]
+                     f2(x["speedup"], "x") + err(x, "speedup"),
+                     f2(y["speedup"], "x") + err(y, "speedup"), pct(r["speedup_change"]), mark]
             lines.append("| " + " | ".join(cells) + " |")
     n = len(cmp["worse"])
     lines += ["", f"{n} slice{'s' if n != 1 else ''} got worse" + (":" if n else "") +

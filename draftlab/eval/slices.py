@@ -120,6 +120,12 @@ def _by_question(parts) -> list[tuple]:
     return [tuple(t) for t in out.values()]
 
 
+def plus_minus(row: dict, figure: str) -> str:
+    """" ± se" of a slice's figure (its standard error, two decimals), or "" where it has none."""
+    se = row.get(figure + "_se")
+    return "" if se is None else f" ± {se:.2f}"
+
+
 def _record_slice(recs: list[dict]) -> dict:
     steps, committed = sum(r["steps"] for r in recs), sum(r["committed"] for r in recs)
     new, wall = sum(r["new_tokens"] for r in recs), sum(r["wall_time"] for r in recs)
@@ -197,13 +203,12 @@ def slice_tables(sl: dict) -> list[str]:
         head = [label.replace("_", " "), "records", "steps", "accept length"] + (
             ["tokens/s", "plain tokens/s", "speedup"] if timed else []) + (["vs compiled plain"] if fast else [])
         lines += ["", f"### by {label.replace('_', ' ')}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-        pm = lambda r, f: f" ± {r[f + '_se']:.2f}" if r.get(f + "_se") is not None else ""  # (two questions or more)
         for k, r in rows.items():
-            cells = [k, str(r["records"]), str(r["steps"]), f"{r['accept_length']:.2f}{pm(r, 'accept_length')}"]
+            cells = [k, str(r["records"]), str(r["steps"]), f"{r['accept_length']:.2f}{plus_minus(r, 'accept_length')}"]
             if timed:
                 cells += [f"{r['tokens_per_s']:.1f}",
                           f"{r['plain_tokens_per_s']:.1f}" if "plain_tokens_per_s" in r else "-",
-                          f"{r['speedup']:.2f}x{pm(r, 'speedup')}" if "speedup" in r else "-"]
+                          f"{r['speedup']:.2f}x{plus_minus(r, 'speedup')}" if "speedup" in r else "-"]
             cells += [f"{r['speedup_vs_compiled_plain']:.2f}x"] if fast else []
             lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -317,8 +317,9 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     stats, per_text, trees = rank_statistics(ctx.base, draft, ctx.calib, max_new_tokens, ctx.eos, depth, max_rank,
                                              max_nodes)
     candidates = candidate_trees(trees, sizes, range(1, min(depth, 16) + 1), max_nodes)
-    if draft.kind == "dflash" and Tree.chain(depth).paths not in {t.paths for t in candidates}:
-        candidates.append(Tree.chain(depth))  # the engines' chain (a whole block), whatever --max-nodes says
+    engine_chains = {depth} if draft.kind == "dflash" else None  # DFlash: the whole block (depth = block_size - 1)
+    if engine_chains and Tree.chain(depth).paths not in {t.paths for t in candidates}:
+        candidates.append(Tree.chain(depth))  # timed whatever --max-nodes says
     timing = ctx.timing
     if not timing:
         raise ValueError("--batch-sizes needs timing prompts: the data has none beyond the calibration prompts "
@@ -346,7 +347,7 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
     compiled = bool(compile) and not eager
     timed_tps = {B: {n: m["tokens_per_s"] for n, m in measured[B].items()} for B in batch_sizes}
     schedule = choose_schedule(batch_sizes, rows, step_s, plain_step_s, by=schedule_by, tokens_per_s=timed_tps,
-                               engine_chains={draft.block_size - 1} if draft.kind == "dflash" else None)
+                               engine_chains=engine_chains)
     for e in schedule["entries"]:  # what the decoder did in the timing runs, beside the estimate
         m = measured[e["batch_size"]]
         e["tokens_per_s"] = round(m[e["tree"]]["tokens_per_s"], 2)

@@ -80,8 +80,8 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
     idx = list(range(len(examples))) if indices is None else indices
     memo = _memo_for(memo, members)
     target, hit, upto = memo.setdefault("target", {}), memo.setdefault("hit", {}), memo["upto"]
-    sup = lambda i: torch.tensor(examples[i]["loss_mask"][1:], dtype=torch.bool)  # t supervised when t+1 is
-    todo = [i for i in idx if i not in target or (upto[i] < len(members) and not bool(hit[i][:-1][sup(i)].all()))]
+    sup = {i: torch.tensor(examples[i]["loss_mask"][1:], dtype=torch.bool) for i in idx}  # t: when t+1 is
+    todo = [i for i in idx if i not in target or (upto[i] < len(members) and not bool(hit[i][:-1][sup[i]].all()))]
     for s in range(0, len(todo), batch_size):
         part = todo[s:s + batch_size]
         b = {k: v.to(dev) for k, v in collate([examples[i] for i in part], pad_id).items()}
@@ -101,11 +101,7 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
                     i = part[r]
                     hit[i] |= row[:lengths[r]] == target[i]
         upto.update((i, len(members)) for i in part)
-    out = {}
-    for i in idx:
-        ok = sup(i)
-        out[i] = float((hit[i][:-1] & ok).sum()) / max(int(ok.sum()), 1)
-    return out
+    return {i: float((hit[i][:-1] & sup[i]).sum()) / max(int(sup[i].sum()), 1) for i in idx}
 
 
 def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
@@ -140,8 +136,7 @@ def generation_scores(base, members: list, examples: list[dict], pad_id: int | N
     dev = next(base.parameters()).device
     idx = list(range(len(examples))) if indices is None else indices
     memo = _memo_for(memo, members)
-    ref, length, best, upto = memo.setdefault("ref", {}), memo.setdefault("length", {}), memo.setdefault("best", {}), \
-        memo["upto"]
+    ref, length, best, upto = (memo.setdefault(k, {}) for k in ("ref", "length", "best", "upto"))
     todo = [i for i in idx if i not in ref or (upto[i] < len(members) and best[i] < length[i])]
     eos = set(eos_ids or [])
     for s in range(0, len(todo), batch_size):
