@@ -63,10 +63,12 @@ def test_slices_of_hand_made_records_are_exact():
     # Standard errors: none for one question (writing's two records are question 1's two turns)
     assert cat["writing"] == {"records": 2, "steps": 30, "committed": 75, "new_tokens": 77, "accept_length": 2.5,
                               "accept_length_se": None, "tokens_per_s": 38.5, "plain_tokens_per_s": 22.0,
-                              "speedup": 1.75, "speedup_se": None}
+                              "speedup": 1.75, "speedup_se": None,
+                              "by_question": {"accept_length": {"1": [75, 30]}, "speedup": {"1": [77, 3.5, 2.0, 77]}}}
     assert cat["math"] == {"records": 1, "steps": 40, "committed": 40, "new_tokens": 41, "accept_length": 1.0,
                            "accept_length_se": None, "tokens_per_s": 20.5, "plain_tokens_per_s": 25.0,
-                           "speedup": 0.82, "speedup_se": None}
+                           "speedup": 0.82, "speedup_se": None,
+                           "by_question": {"accept_length": {"2": [40, 40]}, "speedup": {"2": [41, 1.64, 2.0, 41]}}}
     assert {k: (v["records"], v["steps"], v["accept_length"]) for k, v in sl["turn"].items()} == {
         "1": (2, 50, 1.5), "2": (1, 20, 2.0)}
     # speedup of turn 1: (77 tokens / 3.0 s) / (77 tokens / 3.64 s)
@@ -250,8 +252,10 @@ def test_compare_tells_a_drop_from_noise_where_the_runs_give_errors(tmp_path):
     rows = {r["slice"]: r for r in cmp["slicings"]["category"]}
     assert rows["small"]["worse"] == [] and rows["small"]["within_noise"] == ["accept_length", "speedup"]
     text = format_comparison(cmp, a, b)
-    assert "| small | 3 | 3 | 2.00 ± 0.30 | 1.60 ± 0.30 | -20.0% | 1.50x ± 0.20 | 1.20x ± 0.20 | -20.0% | " \
-           "within noise (accept length, speedup) |" in text
+    # (± beside a change: the difference's error, here sqrt(0.3^2 + 0.3^2) / 2.00 and sqrt(0.2^2 + 0.2^2) / 1.50)
+    assert "| small | 3 | 3 | 2.00 ± 0.30 | 1.60 ± 0.30 | -20.0% ± 21.2% | 1.50x ± 0.20 | 1.20x ± 0.20 | " \
+           "-20.0% ± 18.9% | within noise (accept length, speedup) |" in text
+    assert "the runs taken as independent" in text
     # noise 0: the threshold alone, as before.
     assert {(w["slicing"], w["slice"]) for w in compare_slices(A, B, threshold=0.05, noise=0)["worse"]} == {
         ("overall", "all"), ("category", "small"), ("category", "large"), ("category", "lone")}
@@ -350,3 +354,84 @@ def test_run_writes_slices_that_add_up(export, tmp_path, capsys):  # noqa: F811
     assert main(["eval", "mt-bench", export, "--questions", str(MT), "--slice-field", "length", "--limit", "1",
                  "--out", str(tmp_path / "r2"), "--json"]) == 2
     assert "--slice-field length" in capsys.readouterr().err
+
+
+def _paired_runs(rng, questions: int, drop: float = 0.0):
+    """Records of two runs over the same questions: each question has its own accept length and speed (shared by the
+    runs, as the same prompts give), each run draws its steps, tokens and timings around them; B's accept length is
+    `drop` lower."""
+    runs = ([], [])
+    for q in range(questions):
+        acc, step_s = rng.uniform(1.2, 4.0), rng.uniform(0.008, 0.02)
+        for recs, scale in zip(runs, (1.0, 1.0 - drop)):
+            steps = rng.randint(20, 60)
+            committed = round(steps * acc * scale * rng.uniform(0.93, 1.07))
+            recs.append({"question_id": q, "category": "all", "turn": 1, "context_tokens": 40, "steps": steps,
+                         "committed": committed, "new_tokens": committed + 1, "step_committed": None,
+                         "wall_time": steps * step_s * rng.uniform(0.95, 1.05),
+                         "plain_new_tokens": committed + 1, "plain_wall_time": (committed + 1) * step_s / 2.2})
+    return runs
+
+
+def test_paired_errors_match_the_spread_of_the_difference():
+    """The paired error of B - A (two runs over the same questions) is what the difference spreads by between
+    repeated pairs of runs, for accept length and speedup; the independent one is several times wider, since the
+    questions' own difficulty, shared by both runs, is most of each run's error."""
+    import random
+    import statistics
+
+    from draftlab.eval.compare import diff_se
+    from draftlab.eval.slices import _record_slice
+
+    rng = random.Random(1)
+    diffs = {"accept_length": [], "speedup": []}
+    paired = {"accept_length": [], "speedup": []}
+    apart = {"accept_length": [], "speedup": []}
+    for _ in range(300):
+        a, b = (_record_slice(r) for r in _paired_runs(rng, 30))
+        for f in diffs:
+            diffs[f].append(b[f] - a[f])
+            se, is_paired = diff_se(a, b, f)
+            assert is_paired
+            paired[f].append(se)
+            strip = lambda r: {k: v for k, v in r.items() if k != "by_question"}
+            se, is_paired = diff_se(strip(a), strip(b), f)
+            assert not is_paired
+            apart[f].append(se)
+    for f in diffs:
+        assert statistics.stdev(diffs[f]) == pytest.approx(statistics.mean(paired[f]), rel=0.15), f
+        assert statistics.mean(apart[f]) > 3 * statistics.mean(paired[f]), f
+
+
+def test_compare_pairs_questions_and_finds_a_drop_the_independent_margin_misses(tmp_path):
+    """A 10% drop in accept length (and so in speedup) over 30 questions of very different difficulty: paired by
+    question it is far outside the noise and marked worse; the runs taken as independent (summaries without
+    per-question terms), the questions' spread hides it (within noise)."""
+    import random
+
+    from draftlab.eval.compare import compare_slices, format_comparison
+    from draftlab.eval.slices import slice_report
+
+    ra, rb = _paired_runs(random.Random(2), 30, drop=0.1)
+    runs = []
+    for name, recs in (("a", ra), ("b", rb)):
+        sl = slice_report(recs)
+        runs.append({"dir": name, "overall": {**{k: sl["all_records"][k] for k in ("accept_length", "speedup")},
+                                               "turns": len(recs)}, "slices": sl})
+    cmp = compare_slices(*runs, threshold=0.05)
+    row = cmp["slicings"]["category"][0]
+    assert row["diff_se"]["accept_length"]["paired"] and row["worse"] == ["accept_length", "speedup"]
+    assert {"slicing": "overall", "slice": "all", "worse": ["accept_length", "speedup"]} in cmp["worse"]
+    assert "paired by question" in format_comparison(cmp, "a", "b")
+
+    def without_terms(r):
+        sl = {k: ({s: {f: v for f, v in row.items() if f != "by_question"} for s, row in v.items()}
+                  if k in ("category", "turn", "context_tokens", "output_position") else v)
+              for k, v in r["slices"].items()}
+        sl["all_records"] = {f: v for f, v in sl["all_records"].items() if f != "by_question"}
+        return {**r, "slices": sl}
+
+    cmp = compare_slices(*map(without_terms, runs), threshold=0.05)
+    row = cmp["slicings"]["category"][0]
+    assert not row["diff_se"]["accept_length"]["paired"] and row["worse"] == []
+    assert row["within_noise"] == ["accept_length", "speedup"]

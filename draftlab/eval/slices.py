@@ -94,11 +94,11 @@ def turn_records(questions: list[dict], d_ans: dict, b_ans: dict, field: str = "
     return recs
 
 
-def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
-    """Standard error of a figure made of sums over samples, prod(sum of up columns) / prod(sum of the others):
-    rows hold one sample's terms, the first `up` of them in the numerator. The delta method on its logarithm (each
-    sample's influence: its share of each numerator sum less its share of each denominator sum, centred), samples
-    independent; None with fewer than two samples or an empty sum."""
+def influences(rows: list[tuple], up: int = 1) -> tuple[float, list[float]] | None:
+    """A figure made of sums over samples, prod(sum of up columns) / prod(sum of the others) (rows hold one sample's
+    terms, the first `up` of them in the numerator), and each sample's influence on its logarithm by the delta
+    method (its share of each numerator sum less its share of each denominator sum, centred); None with fewer than
+    two samples or an empty sum."""
     n = len(rows)
     if n < 2:
         return None
@@ -109,15 +109,37 @@ def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
     infl = [sum(x / t for x, t in zip(r[:up], totals[:up])) - sum(x / t for x, t in zip(r[up:], totals[up:]))
             for r in rows]
     mean = sum(infl) / n  # (0 when the numerator and denominator have as many sums)
-    return round(abs(value) * math.sqrt(n / (n - 1) * sum((z - mean) ** 2 for z in infl)), 4)
+    return value, [z - mean for z in infl]
 
 
-def _by_question(parts) -> list[tuple]:
-    """(question_id, terms) pairs -> the terms summed per question: one sample per question."""
+def spread(terms: list[float]) -> float:
+    """Standard error of a sum of n independent samples' centred influence terms: sqrt(n / (n - 1) sum z^2)."""
+    n = len(terms)
+    return math.sqrt(n / (n - 1) * sum(z * z for z in terms))
+
+
+def ratio_se(rows: list[tuple], up: int = 1) -> float | None:
+    """Standard error of a figure made of sums over samples (see influences), samples independent; None with fewer
+    than two samples or an empty sum."""
+    got = influences(rows, up)
+    return None if got is None else round(abs(got[0]) * spread(got[1]), 4)
+
+
+def _by_question(parts) -> dict:
+    """(question_id, terms) pairs -> the terms summed per question (one sample per question), by question id (a
+    string, as JSON keeps it)."""
     out: dict = {}
     for q, terms in parts:
+        q = str(q)
         out[q] = [a + b for a, b in zip(out[q], terms)] if q in out else list(terms)
-    return [tuple(t) for t in out.values()]
+    return out
+
+
+def _with_error(row: dict, figure: str, samples: dict, up: int = 1) -> None:
+    """A slice's figure's standard error over its questions, and the per-question terms it came from (`by_question`:
+    eval compare pairs two runs' questions with them)."""
+    row[figure + "_se"] = ratio_se(list(samples.values()), up)
+    row.setdefault("by_question", {})[figure] = samples
 
 
 def plus_minus(row: dict, figure: str) -> str:
@@ -131,13 +153,13 @@ def _record_slice(recs: list[dict]) -> dict:
     new, wall = sum(r["new_tokens"] for r in recs), sum(r["wall_time"] for r in recs)
     row = {"records": len(recs), "steps": steps, "committed": committed, "new_tokens": new,
            "accept_length": round(committed / steps, 4) if steps else 0.0,
-           "accept_length_se": ratio_se(_by_question((r["question_id"], (r["committed"], r["steps"])) for r in recs)),
            "tokens_per_s": round(new / wall, 2) if wall else 0.0}
+    _with_error(row, "accept_length", _by_question((r["question_id"], (r["committed"], r["steps"])) for r in recs))
     if recs and all("plain_wall_time" in r for r in recs):
         pnew, pwall = sum(r["plain_new_tokens"] for r in recs), sum(r["plain_wall_time"] for r in recs)
         row["plain_tokens_per_s"] = round(pnew / pwall, 2) if pwall else 0.0
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
-        row["speedup_se"] = ratio_se(_by_question(
+        _with_error(row, "speedup", _by_question(
             (r["question_id"], (r["new_tokens"], r["plain_wall_time"], r["wall_time"], r["plain_new_tokens"]))
             for r in recs), up=2)
     if recs and all("compiled_plain_wall_time" in r for r in recs):
@@ -175,7 +197,8 @@ def position_slices(recs: list[dict]) -> dict:
     for k in sorted(acc, key=bucket_key):
         committed, steps = sum(c for _, (c, _) in acc[k]), sum(n for _, (_, n) in acc[k])
         out[k] = {"records": len(acc[k]), "steps": steps, "committed": committed,
-                  "accept_length": round(committed / steps, 4), "accept_length_se": ratio_se(_by_question(acc[k]))}
+                  "accept_length": round(committed / steps, 4)}
+        _with_error(out[k], "accept_length", _by_question(acc[k]))
     return out
 
 
