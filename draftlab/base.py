@@ -59,7 +59,8 @@ def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> Non
     if looks_like_path(name_or_path) and not p.is_dir():
         what = ("a file: give the directory that holds the model's (or tokenizer's) files" if p.is_file() else
                 f"no such directory (from {os.getcwd()}; a hub id looks like org/name)")
-        hint = (" An export names its base in its draftlab.json: give another with --base. For a llama2.c checkpoint "
+        hint = (" (A recipe names its base here; an export names it in its draftlab.json, and the commands that read "
+                "an export, e.g. generate, eval and check, take another with --base.) For a llama2.c checkpoint "
                 "run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`"
                 if field == "base.name_or_path" else "")
         raise BaseModelError(f"{field}={name_or_path!r}: {what}.{hint}")
@@ -230,13 +231,20 @@ def base_states(model, input_ids, attention_mask=None, layers: tuple[int, ...] =
 
     Indexing follows Hugging Face's `output_hidden_states`: layer id i is hidden_states[i], the input of decoder
     layer i (0 = the token embeddings), which is what vLLM and SGLang hand an EAGLE-3 drafter for its layer ids.
-    Captured with forward pre-hooks, so only these layers are kept, not all of them."""
+    Id L (the number of decoder layers) is hidden_states[L], the last layer's output after the final norm, as
+    decoding reads it from the base's forward. Captured with forward pre-hooks, so only these layers are kept, not
+    all of them."""
     blocks = model.base_model.layers
+    L = len(blocks)
     caught: dict[int, torch.Tensor] = {}
     hooks = []
     for i in layers:
-        if not 0 <= i < len(blocks):
-            raise BaseModelError(f"base layer id {i}: the base has decoder layers 0..{len(blocks) - 1}")
+        if not 0 <= i <= L:
+            raise BaseModelError(f"base layer id {i}: this base's ids (Hugging Face's hidden_states indexing, id i the "
+                                 f"input of decoder layer i) are 0..{L}, {L} being the last layer's output after the "
+                                 "final norm")
+        if i == L:
+            continue
         hooks.append(blocks[i].register_forward_pre_hook(
             lambda mod, args, kwargs, i=i: caught.__setitem__(i, kwargs.get("hidden_states", args[0] if args else None)),
             with_kwargs=True))
@@ -245,7 +253,7 @@ def base_states(model, input_ids, attention_mask=None, layers: tuple[int, ...] =
     finally:
         for h in hooks:
             h.remove()
-    return torch.stack([caught[i] for i in layers] + [final], dim=2)
+    return torch.stack([final if i == L else caught[i] for i in layers] + [final], dim=2)
 
 
 def set_seed(seed: int) -> None:

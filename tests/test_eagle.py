@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_llama
 from test_decoder import _joint_first_two, _sample_joint, chi_square, plain_greedy
-from draftlab.base import base_states
+from draftlab.base import BaseModelError, base_states
 from draftlab.config import LossSection
 from draftlab.decode.acceptance import Sampling
 from draftlab.decode.decoder import SpeculativeDecoder
@@ -41,6 +41,12 @@ def test_layer_ids_follow_output_hidden_states():
     for j, i in enumerate((0, 1, 3)):
         torch.testing.assert_close(st[:, :, j], out.hidden_states[i], rtol=0, atol=0)
     torch.testing.assert_close(st[:, :, 3], out.hidden_states[-1], rtol=0, atol=0)  # the final, normalised state
+    # Id L (4 here) is hidden_states[L], the final normalised state, as decoding reads it: a DFlash recipe that warns
+    # it reads it trained no further (base_states refused the id, review)
+    st = base_states(base, ids, torch.ones_like(ids), (2, 4))
+    torch.testing.assert_close(st[:, :, 1], out.hidden_states[4], rtol=0, atol=0)
+    with pytest.raises(BaseModelError, match=r"base layer id 5: .* are 0..4"):
+        base_states(base, ids, torch.ones_like(ids), (2, 5))
     # EAGLE-3's default (vLLM, SGLang and the EAGLE code agree): 2, L // 2, L - 3.
     assert default_layers(32) == [2, 16, 29] and default_layers(80) == [2, 40, 77]
     assert default_layers(5) == [1, 2, 4] and len(default_layers(1)) == 3

@@ -289,7 +289,7 @@ def test_an_export_finds_its_base_from_any_working_directory(base, tiny_base_dir
     decoder, _, _ = load_decoder(str(tmp_path / "runs" / "exp"), device="cpu")
     assert decoder.generate([[1, 5, 7]], max_new_tokens=3).new_tokens == 3
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(BaseModelError, match=r"'runs/elsewhere': no such directory .*give another with --base"):
+    with pytest.raises(BaseModelError, match=r"'runs/elsewhere': no such directory .*take another with --base"):
         load_base("runs/elsewhere", "float32")
 
 

@@ -155,13 +155,13 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused(tmp_path):
     saved by 1 process is not resumed by 2 (found by review: it went on, skipping data and changing the schedule)."""
     from types import SimpleNamespace
 
-    from draftlab.train.run_dir import resume_step
+    from draftlab.train.run_dir import RunDirError, resume_step
 
     ckpt = tmp_path / "checkpoints" / "step_4"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "total_steps": 20, "processes": 1}))
     acc = SimpleNamespace(is_main_process=True, num_processes=2, load_state=lambda d: None)
-    with pytest.raises(RuntimeError, match="1 processes"):
+    with pytest.raises(RunDirError, match="1 processes"):  # a user's error: the CLI says it in one line, exit 2
         resume_step(acc, tmp_path, 10)
     acc.num_processes = 1
     assert resume_step(acc, tmp_path, 20) == 4
