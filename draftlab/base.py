@@ -121,7 +121,16 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
         tok.chat_template = chat_template_text(chat_template)
     elif not getattr(tok, "chat_template", None):
         tok.chat_template = SIMPLE_CHAT_TEMPLATE
+        tok.draftlab_fallback_template = True  # see template_to_ship
     return tok
+
+
+def template_to_ship(tok, chosen) -> str | None:
+    """The chat template an export keeps beside it (chat_template.jinja, which draftlab serves with and an engine is
+    given with --chat-template): the recipe's base.chat_template where it set one (`chosen`), or draftlab's simple
+    one where the tokenizer had none (training rendered conversations with it, and the base's own files hold no
+    template a server could read); else None, the tokenizer's own template serving as it is."""
+    return tok.chat_template if chosen or getattr(tok, "draftlab_fallback_template", False) else None
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -39,8 +39,8 @@ class BaseSection(_Section):
     chat_template: str | None = Field(
         None, description="the chat template conversations are rendered with, in place of the tokenizer's: a "
         "built-in name (vicuna: FastChat's vicuna_v1.1, for Vicuna bases, which ship none; simple: User:/Assistant:), "
-        "a .jinja file, or Jinja text; unset: the tokenizer's own (simple when it has none). The export keeps it "
-        "(chat_template.jinja), and draftlab serves with it",
+        "a .jinja file, or Jinja text; unset: the tokenizer's own (simple when it has none, with a warning). The export "
+        "keeps it, and the simple fallback, as chat_template.jinja, and draftlab serves with it",
         examples=["vicuna", "templates/my_chat.jinja"])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -323,6 +324,11 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     end of turn, except an answer marked `truncated` (a length limit cut it, so its end of turn is the template's,
     not the model's), which is masked up to its text's end."""
     plain = plain_messages(messages)
+    if getattr(tokenizer, "draftlab_fallback_template", False):
+        warnings.warn("the tokenizer has no chat template: conversations are rendered with draftlab's simple one "
+                      "(User: / Assistant:), which the export keeps as chat_template.jinja for serving; set "
+                      "base.chat_template (a built-in name, a file or Jinja text) for the format your base was "
+                      "tuned on", stacklevel=2)
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     full = render(plain, False)
     spans = []

@@ -239,6 +239,33 @@ def test_a_template_edited_in_place_since_training_is_seen(base_dir, tmp_path):
     assert c["ok"] is False and "differs from the one used in training in chat_template" in c["message"]
 
 
+def test_a_base_without_a_chat_template_ships_the_one_training_used(base_dir, tmp_path):
+    """A tokenizer with no chat template: training renders conversations with draftlab's simple one and says so, the
+    export keeps it (chat_template.jinja) and check passes the base it was trained on, served with that file. (It
+    kept none, and check failed the very base it was trained on, advising a retrain: walk-through.)"""
+    from test_interop import random_heads
+
+    from draftlab.base import load_base, template_to_ship
+    from draftlab.data import tokenize_chat
+
+    bare = tmp_path / "bare"
+    shutil.copytree(base_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    base, tok = load_base(str(bare), "float32")
+    with pytest.warns(UserWarning, match="has no chat template: conversations are rendered with draftlab's simple"):
+        tokenize_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok, 64)
+    export = save_export(random_heads(base, K=2, L=1), base, tmp_path / "m", str(bare), tokenizer=tok,
+                         chat_template=template_to_ship(tok, None))
+    assert (export / "chat_template.jinja").read_text() == tok.chat_template
+    c = by_name(check_export(export))["tokenizer"]
+    assert c["ok"] is True and "which the engine must be given" in c["message"], c
+    # A tokenizer with its own template ships none: it serves as it is.
+    assert template_to_ship(load_base(str(base_dir), "float32")[1], None) is None
+
+
 def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     from test_interop import random_heads
 

@@ -303,19 +303,24 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
         trained = (recipe.get("base") or {}).get("name_or_path") or meta["base"]["name_or_path"]
         where = "the recipe's base" if recipe else "draftlab.json's base"
     recorded = meta.get("tokenizer")
+    shipped = export_dir / meta["chat_template"] if meta.get("chat_template") else None
     if recorded:  # the fingerprint save_export took of the tokenizer used in training: edits in place show too
         try:
-            now = tokenizer_fingerprint(_tok_raw(served))
+            tok = _tok_raw(served)
         except (OSError, ValueError) as e:
             return Check("tokenizer", False, f"cannot load the served tokenizer {served} ({e})")
+        if shipped is not None:  # served with --chat-template that file, as the export says to
+            tok.chat_template = shipped.read_text(encoding="utf-8")
+        now = tokenizer_fingerprint(tok)
         diff = [k for k in recorded if recorded[k] != now.get(k)]
         if not diff:
             return Check("tokenizer", True, f"served tokenizer {served} matches the fingerprint draftlab.json took "
-                                            "in training (vocabulary, special ids, chat template)")
+                                            "in training (vocabulary, special ids, chat template" +
+                         (f": the export's {shipped}, which the engine must be given, vLLM and SGLang with "
+                          "--chat-template)" if shipped is not None else ")"))
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
-        kept = ("; training rendered with the recipe's base.chat_template, kept in "
-                f"{export_dir / meta['chat_template']} (vLLM, SGLang: --chat-template that file)"
-                if meta.get("chat_template") else "")
+        kept = (f"; training rendered with the chat template kept in {shipped}, compared as served with it (vLLM, "
+                "SGLang: --chat-template that file)" if shipped is not None else "")
         return Check("tokenizer", False, f"served tokenizer {served} differs from the one used in training in "
                      f"{', '.join(names.get(k, k) for k in diff)} (draftlab.json's tokenizer fingerprint); serve "
                      "with the training tokenizer and template, or retrain" + kept)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import stop_token_ids
+from ..base import stop_token_ids, template_to_ship
 from ..config import Recipe, build_recipe
 from ..data import prompt_length  # noqa: F401 (also read from here)
 from .run_dir import resume_records, write_run_config
@@ -293,7 +293,7 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
         ensemble = EnsembleDraft(members, names, {"mode": e.mode, "node_budget": e.node_budget})
         summary["export"] = str(save_export(ensemble, base, out / "export", b.name_or_path, tokenizer=tok, extra={
             "training": {"stages": records, "recipe": recipe.model_dump(mode="json")}},
-            chat_template=tok.chat_template if b.chat_template else None))
+            chat_template=template_to_ship(tok, b.chat_template)))
         summary["stages"] = records
     state.wait_for_everyone()
     return summary

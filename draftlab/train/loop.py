@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..base import load_recipe_base, logit_transforms, set_seed
+from ..base import load_recipe_base, logit_transforms, set_seed, template_to_ship
 from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
@@ -498,7 +498,7 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
                                                  **({"default_tree": tree_info} if tree_info else {})}},
                              tokenizer=run.tok,
                              adapter=run.base if recipe.lora is not None else None,
-                             chat_template=run.tok.chat_template if recipe.base.chat_template else None)
+                             chat_template=template_to_ship(run.tok, recipe.base.chat_template))
         summary["export"] = str(export)
     summary["eval"], summary["last_eval"] = exported_eval, last_eval
     summary["export_step"] = chosen["step"]
