@@ -212,7 +212,23 @@ def base_identity(model, name_or_path: str | None = None) -> dict:
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
         "num_hidden_layers": int(getattr(cfg, "num_hidden_layers", 0)),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "embedding_sha256": embedding_fingerprint(model),
     }
+
+
+def embedding_fingerprint(model, rows: int = 16) -> str | None:
+    """A hash of the first rows of the base's input embedding, rounded to bfloat16 (so a float32 and a bfloat16
+    load of one checkpoint agree): tells two bases of the same shape apart. None where the weights are not at hand
+    (a meta-device or sharded embedding)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    w = model.get_input_embeddings().weight
+    if isinstance(w, DTensor) or w.device.type == "meta":
+        return None
+    part = w[:rows].detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16)
+    return hashlib.sha256(part.numpy().tobytes()).hexdigest()[:16]
 
 
 def base_hidden(model, input_ids, attention_mask=None, **kwargs):

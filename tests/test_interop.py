@@ -295,3 +295,33 @@ def test_an_export_finds_its_base_from_any_working_directory(base, tiny_base_dir
 
 def read_meta_base(d):
     return json.loads((d / "draftlab.json").read_text())["base"]["name_or_path"]
+
+
+def test_a_draft_that_reads_only_tokens_serves_any_base_of_its_vocabulary():
+    """An SSM (or lookup, or an ensemble of them) reads nothing of the base but its tokens: a base of another shape
+    with the same vocabulary serves it, as a small draft model serves a family of bases (it was refused for any other
+    hidden size or depth). Heads still need the base's shape, and a base of their shape with other weights is a
+    warning (it was accepted silently, acceptance then collapsing: walk-through)."""
+    import warnings
+
+    from conftest import tiny_llama
+
+    from draftlab.base import base_identity
+    from draftlab.interop.export import ExportError, check_base
+
+    trained = tiny_llama(vocab=64, hidden=32, layers=2, seed=0, dtype=torch.float32)
+    meta = lambda head: {"head": head, "base": base_identity(trained, "runs/trained")}
+    ssm, heads = {"type": "ssm"}, {"type": "medusa"}
+    ensemble = {"type": "ensemble", "members": [{"head": ssm}, {"head": {"type": "lookup"}}]}
+    deeper = tiny_llama(vocab=64, hidden=48, layers=4, seed=1, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_base(meta(ssm), deeper)
+        check_base(meta(ensemble), deeper)
+        check_base(meta(heads), trained.to(torch.bfloat16))  # the same weights in another dtype: no warning
+    with pytest.raises(ExportError, match="hidden_size: export has 32, base has 48; num_hidden_layers"):
+        check_base(meta(heads), deeper)
+    with pytest.raises(ExportError, match="vocab_size: export has 64, base has 80"):
+        check_base(meta(ensemble), tiny_llama(vocab=80, seed=1, dtype=torch.float32))
+    with pytest.warns(UserWarning, match="has its shape but other weights"):
+        check_base(meta(heads), tiny_llama(vocab=64, hidden=32, layers=2, seed=7, dtype=torch.float32))

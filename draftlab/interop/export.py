@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -146,14 +147,34 @@ def merge_into_shards(base, adapter_dir: Path):
     return base.eval()
 
 
+VOCABULARY_ONLY = ("ssm", "lookup")  # drafts that read nothing of the base but its tokens
+
+
+def _kinds(head: dict) -> list[str]:
+    """The draft kinds of an export's head (an ensemble's members', recursively)."""
+    if head["type"] != "ensemble":
+        return [head["type"]]
+    return [k for m in head["members"] for k in _kinds(m["head"])]
+
+
 def check_base(meta: dict, base, where: str = "export") -> None:
-    """Refuse a base whose shape differs from the one the draft was trained on; say what differs."""
+    """Refuse a base whose shape differs from the one the draft was trained on, saying what differs: its vocabulary
+    for a draft that reads only the base's tokens (an SSM, lookup, an ensemble of them: one small draft serves a
+    family of bases that share a tokenizer), its shape too for one that reads the base's states or embeddings. A
+    base of the same shape with other weights (its embedding's fingerprint differs) is a warning."""
     want, have = meta["base"], base_identity(base)
-    diffs = [f"{k}: export has {want.get(k)!r}, base has {have[k]!r}"
-             for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers") if want.get(k) != have[k]]
+    shape = ("vocab_size",) if all(k in VOCABULARY_ONLY for k in _kinds(meta["head"])) else (
+        "model_type", "hidden_size", "vocab_size", "num_hidden_layers")
+    diffs = [f"{k}: export has {want.get(k)!r}, base has {have[k]!r}" for k in shape if want.get(k) != have[k]]
     if diffs:
         raise ExportError(f"{where} was trained for base {want.get('name_or_path')!r}, which differs from the "
                           "base given: " + "; ".join(diffs) + ". Pass the base the draft was trained on.")
+    if shape != ("vocab_size",) and None not in (want.get("embedding_sha256"), have["embedding_sha256"]) and \
+            want["embedding_sha256"] != have["embedding_sha256"]:
+        warnings.warn(f"{where} was trained for base {want.get('name_or_path')!r}; the base given has its shape but "
+                      "other weights (its input embedding differs): the draft reads this base's states as if they "
+                      "were that one's, and will be accepted little. Pass the base the draft was trained on.",
+                      stacklevel=2)
 
 
 def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dtype | None = None):
