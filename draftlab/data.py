@@ -458,7 +458,11 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
         try:
             if fmt == "text":
                 if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                    raise DataError("text records need a string 'text' field")
+                    seen = detect_format(rec)
+                    raise DataError("text records need a string 'text' field" + (
+                        f"; this one reads as {seen} (data.format={data_cfg.format} was given: data.format=auto "
+                        "tells each record's format)" if data_cfg.format == "text" and seen not in ("text", "unknown")
+                        else ""))
                 texts.append((rec["text"], rec.get("truncated") is True))
                 stats.truncated += rec.get("truncated") is True
             elif fmt == "unknown":

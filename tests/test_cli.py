@@ -60,6 +60,9 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
                  "--top-p", "0.9", "--json"]) == 0
     assert main(["generate", str(tmp_path), "--prompt", "x", "--json"]) == 2
     assert "not a draftlab export" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    # --stream prints one text: with two prompts the rows' tokens interleaved in one stream (walk-through)
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "a", "--prompt", "b", "--stream"]) == 2
+    assert "--stream prints one text as it is committed: give one --prompt (got 2)" in capsys.readouterr().err
 
 
 def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):

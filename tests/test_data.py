@@ -73,6 +73,10 @@ def test_malformed_record_names_file_and_record(tmp_path, tok):
         load_examples(DataSection(path=str(f)), tok)
     msg = str(e.value)
     assert f"{f} record 1: turn 1 has unknown role 'robot'" in msg and "data.on_malformed=skip" in msg
+    # A text recipe pointed at chat data says which format the records read as, and how to read them so
+    with pytest.raises(DataError, match=r"record 0: text records need a string 'text' field; this one reads as "
+                                        r"sharegpt \(data.format=text was given: data.format=auto"):
+        load_examples(DataSection(path=str(f), format="text"), tok)
 
 
 def test_malformed_records_skipped_and_counted_when_asked(tmp_path, tok):

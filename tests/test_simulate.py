@@ -205,6 +205,10 @@ def test_simulate_command(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert png.is_file() and rep["inputs"]["lookahead"] == 2 and rep["sp_sufficient"]
     assert rep["monte_carlo"]["total"]["dsi"] == pytest.approx(rep["total"]["dsi"], rel=0.1)
+    # Without --json the simulated runs are printed too (they were computed and dropped: walk-through)
+    assert main(["simulate", "--target-ms", "30", "--drafter-ratio", "0.1", "--acceptance", "0.8", "--sp", "7",
+                 "--monte-carlo", "20"]) == 0
+    assert "simulated event by event, mean of 20 runs: total ms non-SI" in capsys.readouterr().out
     # The default lookahead is the one of least expected latency (waits included); --lookahead-rule no-wait keeps
     # the smallest with which no task waits (15 here, slower than SI).
     for rule, k in (("expected", 1), ("no-wait", 15)):

@@ -52,6 +52,9 @@ def add_generate_args(p) -> None:
 
 def generate_command(a) -> int:
     sampling = sampling_from_args(a)  # before loading anything: a bad flag fails fast
+    if a.stream and len(a.prompt) > 1:  # (the rows' text would interleave in one stream)
+        raise ValueError(f"--stream prints one text as it is committed: give one --prompt (got {len(a.prompt)}), "
+                         "or leave --stream out to print each row's text at the end")
     options = {}
     for item in a.ensemble_option:
         name, eq, value = item.partition("=")

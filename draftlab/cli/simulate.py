@@ -73,4 +73,11 @@ def simulate_command(a) -> int:
               f"{rep['exact_total'][m]:.4g} |")
     sp = rep["speedup"]
     print(f"\nDSI vs SI {sp['dsi_vs_si']:.2f}x, DSI vs non-SI {sp['dsi_vs_non_si']:.2f}x, SI vs non-SI {sp['si_vs_non_si']:.2f}x")
+    if a.monte_carlo:
+        mc = rep["monte_carlo"]
+        print(f"\nsimulated event by event, mean of {a.monte_carlo} runs: total ms non-SI {mc['total']['non_si']:.4g}, "
+              f"SI {mc['total']['si']:.4g}, DSI {mc['total']['dsi']:.4g} (DSI's tasks waited for a server "
+              f"{mc['dsi_wait']:.3g} ms a run)")
+    if a.heatmap:
+        print(f"heatmaps: {rep['heatmap']}")
     return 0
