@@ -405,8 +405,8 @@ def name_mask_token(out: Path, tokenizer) -> None:
 
 
 def _default_mask_token(base, V: int) -> int:
-    """The mask token when the recipe names none: the tokenizer's pad / unk token, else the last id. Its embedding
-    only marks 'to be drafted' (block positions past the first are always masks), so any fixed id works."""
+    """The mask token when the recipe names none: the base config's pad / unk token id, else the last id. Its
+    embedding only marks 'to be drafted' (block positions past the first are always masks), so any fixed id works."""
     c = base.config
     for name in ("pad_token_id", "unk_token_id"):
         t = getattr(c, name, None)
