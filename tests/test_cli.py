@@ -123,3 +123,24 @@ def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, t
     assert main(args) == 0
     assert main(args) == 2 and "holds files; export --to writes over them: pass --force" in capsys.readouterr().err
     assert main(args + ["--force"]) == 0
+
+
+def test_draftlabs_warnings_read_as_one_line_of_the_command():
+    """A CLI user reads draftlab's warnings as `draftlab COMMAND: warning: ...`, not Python's `file.py:61:
+    UserWarning:` with the source line (walk-through); other libraries' keep Python's format, and main puts the
+    format back when it returns."""
+    import warnings
+
+    from draftlab.cli import say_warnings
+
+    before = warnings.formatwarning
+    previous = say_warnings("generate")
+    try:
+        assert warnings.formatwarning("tree chosen elsewhere", UserWarning, "/x/draftlab/cli/generate.py", 61) == \
+            "draftlab generate: warning: tree chosen elsewhere\n"
+        other = warnings.formatwarning("deprecated", FutureWarning, "/x/transformers/utils.py", 3)
+        assert "FutureWarning: deprecated" in other and other.startswith("/x/transformers/utils.py:3")
+    finally:
+        warnings.formatwarning = previous
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--acceptance", "0.8", "--json"]) == 0
+    assert warnings.formatwarning is before

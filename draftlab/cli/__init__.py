@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .args import apply_compile_cache, positive_int
@@ -306,6 +307,21 @@ def _with_defaults(parser: argparse.ArgumentParser) -> None:
                 _with_defaults(child)
 
 
+def say_warnings(command: str):
+    """draftlab's own warnings as one line a user reads, `draftlab COMMAND: warning: ...`, rather than Python's
+    `path/to/file.py:61: UserWarning: ...` and the source line; other libraries' keep Python's format. (The format,
+    not the display: warnings recorded by catch_warnings are untouched.) Returns the previous format, to restore."""
+    previous = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):
+        if "draftlab" not in Path(filename).parts:
+            return previous(message, category, filename, lineno, line)
+        return f"draftlab {command}: warning: {message}\n"
+
+    warnings.formatwarning = fmt
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..base import BaseModelError
     from ..config import ConfigError
@@ -316,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     quiet_libraries()  # other libraries' bars only on a terminal; their noise never
+    formatted = say_warnings(args.command)
     if getattr(args, "tp", False) and int(os.environ.get("RANK", "0")) != 0:
         sys.stdout = open(os.devnull, "w")  # tensor-parallel ranks other than 0 decode silently
     try:
@@ -326,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             _print_json({"error": str(e)})
         print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = formatted
 
 
 if __name__ == "__main__":
