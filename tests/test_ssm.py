@@ -343,8 +343,11 @@ def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ssm.lm(ids).logits)
     again, _ = load_export(exp, base=base)
-    with pytest.raises(ExportError, match="hidden_size: export has 32, base has 48"):
-        load_export(exp, base=tiny_llama(vocab=base.config.vocab_size, hidden=48, dtype=torch.float32))
+    # An SSM reads only the base's tokens: a base of another width with its vocabulary serves it; another vocabulary
+    # does not.
+    load_export(exp, base=tiny_llama(vocab=base.config.vocab_size, hidden=48, dtype=torch.float32))
+    with pytest.raises(ExportError, match=f"vocab_size: export has {base.config.vocab_size}, base has"):
+        load_export(exp, base=tiny_llama(vocab=base.config.vocab_size + 8, dtype=torch.float32))
     for tree in ("default", "chain:2", "expansion:2,1"):
         assert main(["generate", str(exp), "--prompt", "Once upon", "--max-new-tokens", "10", "--tree", tree,
                      "--compare", "--json"]) == 0
