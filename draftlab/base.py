@@ -212,23 +212,27 @@ def base_identity(model, name_or_path: str | None = None) -> dict:
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
         "num_hidden_layers": int(getattr(cfg, "num_hidden_layers", 0)),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "embedding_sha256": embedding_fingerprint(model),
+        "embedding_sample": embedding_sample(model),
     }
 
 
-def embedding_fingerprint(model, rows: int = 16) -> str | None:
-    """A hash of the first rows of the base's input embedding, rounded to bfloat16 (so a float32 and a bfloat16
-    load of one checkpoint agree): tells two bases of the same shape apart. None where the weights are not at hand
-    (a meta-device or sharded embedding)."""
-    import hashlib
-
-    from torch.distributed.tensor import DTensor
-
+def embedding_sample(model, rows: int = 8, cols: int = 4) -> list[float] | None:
+    """A few values of the base's input embedding (the first `cols` of `rows` rows spread over the vocabulary), to
+    tell two bases of the same shape apart (same_embedding). None where the weights are not at hand (a meta-device
+    or sharded embedding)."""
     w = model.get_input_embeddings().weight
-    if isinstance(w, DTensor) or w.device.type == "meta":
+    if type(w).__name__ == "DTensor" or w.device.type == "meta":
         return None
-    part = w[:rows].detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16)
-    return hashlib.sha256(part.numpy().tobytes()).hexdigest()[:16]
+    at = torch.linspace(0, w.shape[0] - 1, rows).long().to(w.device)
+    return [float(f"{v:.5g}") for v in w[at, :cols].detach().float().flatten().tolist()]
+
+
+def same_embedding(a: list[float], b: list[float]) -> bool:
+    """Two embedding samples of one checkpoint, however it was loaded (float32, bfloat16, float16: each rounds a
+    value by at most 2^-8 of it), agree within 1% of each value (or of the sample's scale for values near zero);
+    another model's differ far beyond."""
+    scale = max(max(map(abs, a), default=0.0), 1e-12)
+    return len(a) == len(b) and all(abs(x - y) <= 0.01 * max(abs(x), abs(y)) + 1e-3 * scale for x, y in zip(a, b))
 
 
 def base_hidden(model, input_ids, attention_mask=None, **kwargs):

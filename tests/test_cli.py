@@ -131,15 +131,19 @@ def test_draftlabs_warnings_read_as_one_line_of_the_command():
     format back when it returns."""
     import warnings
 
+    import draftlab.cli
     from draftlab.cli import say_warnings
 
-    before = warnings.formatwarning
+    before, ours = warnings.formatwarning, draftlab.cli.__file__
     previous = say_warnings("generate")
     try:
-        assert warnings.formatwarning("tree chosen elsewhere", UserWarning, "/x/draftlab/cli/generate.py", 61) == \
+        assert warnings.formatwarning("tree chosen elsewhere", UserWarning, ours, 61) == \
             "draftlab generate: warning: tree chosen elsewhere\n"
         other = warnings.formatwarning("deprecated", FutureWarning, "/x/transformers/utils.py", 3)
         assert "FutureWarning: deprecated" in other and other.startswith("/x/transformers/utils.py:3")
+        # another library's warning pointed at draftlab's line (stacklevel), or a folder that is only named draftlab
+        assert "FutureWarning" in warnings.formatwarning("deprecated", FutureWarning, ours, 3)
+        assert "UserWarning" in warnings.formatwarning("x", UserWarning, "/home/u/draftlab/.venv/lib/x.py", 3)
     finally:
         warnings.formatwarning = previous
     assert main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--acceptance", "0.8", "--json"]) == 0

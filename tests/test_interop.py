@@ -318,10 +318,40 @@ def test_a_draft_that_reads_only_tokens_serves_any_base_of_its_vocabulary():
         warnings.simplefilter("error")
         check_base(meta(ssm), deeper)
         check_base(meta(ensemble), deeper)
-        check_base(meta(heads), trained.to(torch.bfloat16))  # the same weights in another dtype: no warning
+        for dtype in (torch.bfloat16, torch.float16):  # the same weights in another dtype: no warning
+            check_base(meta(heads), tiny_llama(vocab=64, hidden=32, layers=2, seed=0, dtype=torch.float32).to(dtype))
     with pytest.raises(ExportError, match="hidden_size: export has 32, base has 48; num_hidden_layers"):
         check_base(meta(heads), deeper)
     with pytest.raises(ExportError, match="vocab_size: export has 64, base has 80"):
         check_base(meta(ensemble), tiny_llama(vocab=80, seed=1, dtype=torch.float32))
     with pytest.warns(UserWarning, match="has its shape but other weights"):
         check_base(meta(heads), tiny_llama(vocab=64, hidden=32, layers=2, seed=7, dtype=torch.float32))
+
+
+def test_a_token_only_draft_on_a_base_of_another_tokenizer_of_its_size_is_warned():
+    """An SSM is loaded on any base of its vocabulary size, so a tokenizer of that size mapping ids otherwise (Llama-2's
+    and Mistral's 32,000) is caught by the training tokenizer's fingerprint: a warning (review)."""
+    import warnings
+
+    from draftlab.interop.export import check_tokens, tokenizer_fingerprint
+
+    class Tok:
+        bos_token_id, eos_token_id, pad_token_id, chat_template, name_or_path = 1, 2, 0, None, "other"
+
+        def __init__(self, words):
+            self.vocab = {w: i for i, w in enumerate(words)}
+
+        def get_vocab(self):
+            return self.vocab
+
+        def __len__(self):
+            return len(self.vocab)
+
+    mine, theirs = Tok(["<unk>", "<s>", "</s>", "a", "b"]), Tok(["<unk>", "<s>", "</s>", "b", "a"])
+    meta = {"head": {"type": "ssm"}, "tokenizer": tokenizer_fingerprint(mine)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_tokens(meta, mine)
+        check_tokens({**meta, "head": {"type": "medusa"}}, theirs)  # heads: the base's shape and embedding tell
+    with pytest.warns(UserWarning, match="trained with another tokenizer than the base's"):
+        check_tokens(meta, theirs)

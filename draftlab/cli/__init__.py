@@ -311,10 +311,10 @@ def say_warnings(command: str):
     """draftlab's own warnings as one line a user reads, `draftlab COMMAND: warning: ...`, rather than Python's
     `path/to/file.py:61: UserWarning: ...` and the source line; other libraries' keep Python's format. (The format,
     not the display: warnings recorded by catch_warnings are untouched.) Returns the previous format, to restore."""
-    previous = warnings.formatwarning
+    previous, package = warnings.formatwarning, Path(__file__).resolve().parents[1]
 
     def fmt(message, category, filename, lineno, line=None):
-        if "draftlab" not in Path(filename).parts:
+        if category is not UserWarning or not Path(filename).resolve().is_relative_to(package):
             return previous(message, category, filename, lineno, line)
         return f"draftlab {command}: warning: {message}\n"
 

@@ -304,6 +304,9 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
         where = "the recipe's base" if recipe else "draftlab.json's base"
     recorded = meta.get("tokenizer")
     shipped = export_dir / meta["chat_template"] if meta.get("chat_template") else None
+    if shipped is not None and not shipped.is_file():
+        return Check("tokenizer", False, f"draftlab.json names the chat template {shipped}, which is missing: training "
+                                         "rendered conversations with it; export the run again")
     if recorded:  # the fingerprint save_export took of the tokenizer used in training: edits in place show too
         try:
             tok = _tok_raw(served)

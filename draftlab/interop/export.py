@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import base_identity
+from ..base import base_identity, same_embedding
 from ..drafters import KINDS, kind_of
 from ..drafters.base import ExportError, read_safetensors  # noqa: F401 (part of the contract, re-exported)
 
@@ -161,7 +161,7 @@ def check_base(meta: dict, base, where: str = "export") -> None:
     """Refuse a base whose shape differs from the one the draft was trained on, saying what differs: its vocabulary
     for a draft that reads only the base's tokens (an SSM, lookup, an ensemble of them: one small draft serves a
     family of bases that share a tokenizer), its shape too for one that reads the base's states or embeddings. A
-    base of the same shape with other weights (its embedding's fingerprint differs) is a warning."""
+    base of the same shape with other weights (its embedding's sample differs) is a warning."""
     want, have = meta["base"], base_identity(base)
     shape = ("vocab_size",) if all(k in VOCABULARY_ONLY for k in _kinds(meta["head"])) else (
         "model_type", "hidden_size", "vocab_size", "num_hidden_layers")
@@ -169,12 +169,27 @@ def check_base(meta: dict, base, where: str = "export") -> None:
     if diffs:
         raise ExportError(f"{where} was trained for base {want.get('name_or_path')!r}, which differs from the "
                           "base given: " + "; ".join(diffs) + ". Pass the base the draft was trained on.")
-    if shape != ("vocab_size",) and None not in (want.get("embedding_sha256"), have["embedding_sha256"]) and \
-            want["embedding_sha256"] != have["embedding_sha256"]:
+    if shape != ("vocab_size",) and None not in (want.get("embedding_sample"), have["embedding_sample"]) and \
+            not same_embedding(want["embedding_sample"], have["embedding_sample"]):
         warnings.warn(f"{where} was trained for base {want.get('name_or_path')!r}; the base given has its shape but "
                       "other weights (its input embedding differs): the draft reads this base's states as if they "
                       "were that one's, and will be accepted little. Pass the base the draft was trained on.",
                       stacklevel=2)
+
+
+def check_tokens(meta: dict, tokenizer, where: str = "export") -> None:
+    """A draft that reads only the base's tokens (check_base compares no more of the base than its vocabulary size):
+    a warning where the base's tokenizer maps ids otherwise than the training tokenizer (draftlab.json's
+    fingerprint), as two families' tokenizers of one size do (Llama-2's and Mistral's 32,000). Decoding stays
+    lossless; the drafts would be other tokens and rarely accepted."""
+    recorded = (meta.get("tokenizer") or {}).get("vocab_sha256")
+    if recorded is None or not all(k in VOCABULARY_ONLY for k in _kinds(meta["head"])):
+        return
+    if tokenizer_fingerprint(tokenizer)["vocab_sha256"] != recorded:
+        warnings.warn(f"{where} was trained with another tokenizer than the base's "
+                      f"({getattr(tokenizer, 'name_or_path', '?')}): their vocabularies differ (draftlab.json's "
+                      "tokenizer fingerprint), so its drafts would be other tokens and rarely accepted. Pass a base "
+                      "of the draft's tokenizer (draftlab check --base says what differs).", stacklevel=2)
 
 
 def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dtype | None = None):

@@ -80,7 +80,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
     from ..base import base_identity
     from ..drafters import LookupDraft, make_drafter
-    from ..interop.export import apply_adapter, load_export, read_meta, use_chat_template
+    from ..interop.export import apply_adapter, check_tokens, load_export, read_meta, use_chat_template
     from ..decode.tensor_parallel import RankSync, check_launch
     from .scheduled import ScheduledDecoder, is_schedule
 
@@ -99,6 +99,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     tok = use_chat_template(tok, export_dir, meta)  # the template training rendered with, where the recipe set one
     model = apply_adapter(model, export_dir, meta)  # Medusa-2: decode (and compare with) the adapted base
     device = decoder_device(model)
+    check_tokens(meta, tok, str(export_dir))
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
     note = searched_elsewhere(tree, export_dir, compile)
