@@ -261,6 +261,7 @@ def test_one_document_holds_out_its_last_blocks(tmp_path, tok):
         DataSection(path=str(f), max_len=16, eval_size=0), tok)[0]]  # the blocks in order, the last ones held out
 
 
+@pytest.mark.slow  # 26 s on 2 cores (worker processes start and import); CI runs the slow set too
 def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, monkeypatch):
     """data.num_proc tokenizes the conversations in that many processes (found by review: it was read by nothing),
     giving the same examples in the same order, and a record the chat template refuses is named or skipped as in

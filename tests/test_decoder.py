@@ -373,6 +373,7 @@ def test_the_drafter_draws_from_a_stream_of_its_own():
     assert not torch.equal(torch.rand(4, generator=got[0]), first)  # not a copy of the verifier's stream
 
 
+@pytest.mark.slow  # 14 s: the check's own power; the law tests themselves run by default
 def test_end_to_end_check_catches_a_biased_acceptance(monkeypatch):
     """The same check fails when acceptance ignores p (accepting every drafted child with p(x) > 0)."""
     import draftlab.decode.decoder as decoder_mod

@@ -358,7 +358,8 @@ def test_heads_tree_sampling_keeps_the_law_over_several_steps(kind):
     assert_rejects(law_statistic(x, conditional_laws(base, prompts(600), x, Sampling(1.2, top_k=5))))
 
 
-@pytest.mark.parametrize("kind,compile", [("ssm", None), ("ssm", "eager"), ("dflash", None), ("dflash", "eager")])
+@pytest.mark.parametrize("kind,compile", [("ssm", None), ("dflash", None)] + [  # the static path: slow set
+    pytest.param(k, "eager", marks=pytest.mark.slow) for k in ("ssm", "dflash")])
 def test_sampled_siblings_are_independent_draws_from_the_q_they_hand_in(kind, compile):
     """The rule accepts a sampled sibling by p / q after the others' rejection, which keeps the law only if siblings
     are independent draws from q. A drafter whose siblings shared one uniform (copies of one draw, still handed in as
