@@ -157,19 +157,24 @@ def _kinds(head: dict) -> list[str]:
     return [k for m in head["members"] for k in _kinds(m["head"])]
 
 
+def reads_only_tokens(head: dict) -> bool:
+    """Whether a draft reads nothing of the base but its tokens (an SSM, lookup, an ensemble of them)."""
+    return all(k in VOCABULARY_ONLY for k in _kinds(head))
+
+
 def check_base(meta: dict, base, where: str = "export") -> None:
     """Refuse a base whose shape differs from the one the draft was trained on, saying what differs: its vocabulary
     for a draft that reads only the base's tokens (an SSM, lookup, an ensemble of them: one small draft serves a
     family of bases that share a tokenizer), its shape too for one that reads the base's states or embeddings. A
     base of the same shape with other weights (its embedding's sample differs) is a warning."""
     want, have = meta["base"], base_identity(base)
-    shape = ("vocab_size",) if all(k in VOCABULARY_ONLY for k in _kinds(meta["head"])) else (
-        "model_type", "hidden_size", "vocab_size", "num_hidden_layers")
+    tokens_only = reads_only_tokens(meta["head"])
+    shape = ("vocab_size",) if tokens_only else ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")
     diffs = [f"{k}: export has {want.get(k)!r}, base has {have[k]!r}" for k in shape if want.get(k) != have[k]]
     if diffs:
         raise ExportError(f"{where} was trained for base {want.get('name_or_path')!r}, which differs from the "
                           "base given: " + "; ".join(diffs) + ". Pass the base the draft was trained on.")
-    if shape != ("vocab_size",) and None not in (want.get("embedding_sample"), have["embedding_sample"]) and \
+    if not tokens_only and None not in (want.get("embedding_sample"), have["embedding_sample"]) and \
             not same_embedding(want["embedding_sample"], have["embedding_sample"]):
         warnings.warn(f"{where} was trained for base {want.get('name_or_path')!r}; the base given has its shape but "
                       "other weights (its input embedding differs): the draft reads this base's states as if they "
@@ -183,7 +188,7 @@ def check_tokens(meta: dict, tokenizer, where: str = "export") -> None:
     fingerprint), as two families' tokenizers of one size do (Llama-2's and Mistral's 32,000). Decoding stays
     lossless; the drafts would be other tokens and rarely accepted."""
     recorded = (meta.get("tokenizer") or {}).get("vocab_sha256")
-    if recorded is None or not all(k in VOCABULARY_ONLY for k in _kinds(meta["head"])):
+    if recorded is None or not reads_only_tokens(meta["head"]):
         return
     if tokenizer_fingerprint(tokenizer)["vocab_sha256"] != recorded:
         warnings.warn(f"{where} was trained with another tokenizer than the base's "
