@@ -97,7 +97,8 @@ class DFlashSection(_Section):
         "head.eagle.layers: id i = the output of decoder layer i - 1); unset: DFlash's, one per draft layer spread "
         "evenly from the output of layer 1 to that of layer L - 3", examples=[[2, 10, 18, 26, 34]])
     mask_token_id: int | None = Field(None, ge=0, description="the token id whose (base) embedding fills the block "
-                                      "past its first position; unset: the base config's pad_token_id, else its unk_token_id, else the last id")
+                                      "past its first position; unset: the base config's pad_token_id, else its "
+                                      "unk_token_id, else the last id")
     num_anchors: int = Field(512, ge=1, description="training: blocks per sequence, at random anchor positions")
     qk_norm: bool = Field(True, description="RMS norms on each head's queries and keys in the draft's attention, as "
                           "Qwen3 layers and the engines' DFlash models (z-lab, SGLang, vLLM) always have; false only "

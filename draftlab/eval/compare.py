@@ -24,7 +24,7 @@ import json
 import math
 
 from .mt_bench import EvalError
-from .slices import SLICINGS, bucket_key, influences, plus_minus, spread
+from .slices import NUMERATOR_SUMS, SLICINGS, bucket_key, influences, plus_minus, spread
 
 
 HELD_FIXED = ("base", "questions", "questions_answered", "slice_field", "max_new_tokens", "temperature", "top_p",
@@ -54,7 +54,7 @@ def diff_se(x: dict, y: dict, f: str) -> tuple[float | None, bool]:
     if None not in terms:
         psi: dict = {}
         for samples, sign in zip(terms, (-1, 1)):
-            got = influences(list(samples.values()), 2 if f == "speedup" else 1)
+            got = influences(list(samples.values()), NUMERATOR_SUMS[f])
             if got is None:
                 break
             for q, z in zip(samples, got[1]):
@@ -76,9 +76,10 @@ def compare_slices(a: dict, b: dict, threshold: float = 0.05, noise: float = 2.0
                             "`draftlab eval mt-bench` again with the same --out: answers are kept, the summary is "
                             "rewritten")
     out = {"threshold": threshold, "noise": noise, "slicings": {}, "worse": []}
-    errors = lambda r: {k: v for k, v in r["slices"].get("all_records", {}).items()
-                        if k.endswith("_se") or k == "by_question"}
-    whole = lambda r: {"all": {**r["overall"], "records": r["overall"]["turns"], **errors(r)}}  # the run, one slice
+    error_terms = lambda r: {k: v for k, v in r["slices"].get("all_records", {}).items()
+                             if k.endswith("_se") or k == "by_question"}
+    # the run as one slice
+    whole = lambda r: {"all": {**r["overall"], "records": r["overall"]["turns"], **error_terms(r)}}
     for name in ("overall",) + SLICINGS:
         sa = whole(a) if name == "overall" else a["slices"].get(name) or {}
         sb = whole(b) if name == "overall" else b["slices"].get(name) or {}

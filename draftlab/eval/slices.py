@@ -135,10 +135,13 @@ def _by_question(parts) -> dict:
     return out
 
 
-def _with_error(row: dict, figure: str, samples: dict, up: int = 1) -> None:
+NUMERATOR_SUMS = {"accept_length": 1, "speedup": 2}  # committed / steps; new x plain wall / (wall x plain new)
+
+
+def _with_error(row: dict, figure: str, samples: dict) -> None:
     """A slice's figure's standard error over its questions, and the per-question terms it came from (`by_question`:
     eval compare pairs two runs' questions with them)."""
-    row[figure + "_se"] = ratio_se(list(samples.values()), up)
+    row[figure + "_se"] = ratio_se(list(samples.values()), NUMERATOR_SUMS[figure])
     row.setdefault("by_question", {})[figure] = samples
 
 
@@ -161,7 +164,7 @@ def _record_slice(recs: list[dict]) -> dict:
         row["speedup"] = round(new * pwall / (wall * pnew), 4) if wall and pnew else 0.0
         _with_error(row, "speedup", _by_question(
             (r["question_id"], (r["new_tokens"], r["plain_wall_time"], r["wall_time"], r["plain_new_tokens"]))
-            for r in recs), up=2)
+            for r in recs))
     if recs and all("compiled_plain_wall_time" in r for r in recs):
         cnew = sum(r["compiled_plain_new_tokens"] for r in recs)
         cwall = sum(r["compiled_plain_wall_time"] for r in recs)

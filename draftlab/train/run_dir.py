@@ -148,10 +148,10 @@ def resume_step(accelerator, out_dir: Path, total_steps: int, reseed=None) -> in
     made = state.get("processes")  # (checkpoints before 2026-11-30 do not say)
     if made is not None and made != accelerator.num_processes:
         raise RunDirError(f"{ckpt} was saved by a run of {made} processes, and this one has "
-                           f"{accelerator.num_processes}: each process's share of the data, the steps per epoch and "
-                           f"the learning-rate schedule follow the number of processes, so resuming would not "
-                           f"continue that run. Resume it with {made} processes, or start again in another "
-                           "output_dir (or with --overwrite).")
+                          f"{accelerator.num_processes}: each process's share of the data, the steps per epoch and "
+                          f"the learning-rate schedule follow the number of processes, so resuming would not "
+                          f"continue that run. Resume it with {made} processes, or start again in another "
+                          "output_dir (or with --overwrite).")
     accelerator.load_state(str(ckpt))
     step = state["step"]
     shared = accelerator.num_processes > 1 and not state.get("rank_streams") and reseed is not None
