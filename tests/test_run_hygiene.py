@@ -102,7 +102,7 @@ def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_fi
     assert steps == sorted(set(steps)), "records after the resumed checkpoint must not be duplicated"
 
 
-@pytest.mark.parametrize("how", ["sigterm", pytest.param("stop_file", marks=pytest.mark.slow)])  # (one stop path by default)
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("stop_file", marks=pytest.mark.slow)])  # one by default
 def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straight, tmp_path, how):
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1000, eval_every_steps=STEPS)
