@@ -239,6 +239,37 @@ def test_a_template_edited_in_place_since_training_is_seen(base_dir, tmp_path):
     assert c["ok"] is False and "differs from the one used in training in chat_template" in c["message"]
 
 
+def test_the_chat_template_the_engine_is_given_is_the_one_compared(base_dir, tmp_path, capsys):
+    """check --chat-template FILE: the template an engine is started with (vLLM / SGLang --chat-template) replaces the
+    tokenizer's own in the comparison, both ways: training's template given back passes a tokenizer edited since,
+    another one fails the very tokenizer training used."""
+    from test_interop import random_heads
+    from transformers import AutoTokenizer
+
+    from draftlab.base import load_base
+    from draftlab.cli import main
+
+    moved = tmp_path / "base"
+    shutil.copytree(base_dir, moved)
+    base, tok = load_base(str(moved), "float32")
+    export = save_export(random_heads(base, K=2, L=1), base, tmp_path / "m", str(moved), tokenizer=tok)
+    trained = tmp_path / "trained.jinja"
+    trained.write_text(AutoTokenizer.from_pretrained(str(moved)).chat_template)
+    edit_chat_template(moved)
+    assert by_name(check_export(export))["tokenizer"]["ok"] is False
+    c = by_name(check_export(export, chat_template=str(trained)))["tokenizer"]
+    assert c["ok"] is True and f"served with --chat-template {trained}" in c["message"], c
+    other = tmp_path / "other.jinja"
+    other.write_text(trained.read_text().replace("Assistant", "Model"))
+    assert other.read_text() != trained.read_text()
+    c = by_name(check_export(export, chat_template=str(other)))["tokenizer"]
+    assert c["ok"] is False and "in chat_template" in c["message"], c
+    # The CLI takes it, and a missing file is one line, exit 2.
+    assert main(["check", str(export), "--engine", "vllm", "--chat-template", str(trained)]) == 0
+    assert main(["check", str(export), "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+
+
 def test_a_base_without_a_chat_template_ships_the_one_training_used(base_dir, tmp_path):
     """A tokenizer with no chat template: training renders conversations with draftlab's simple one and says so, the
     export keeps it (chat_template.jinja) and check passes the base it was trained on, served with that file. (It

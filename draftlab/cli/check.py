@@ -16,6 +16,10 @@ def add_check_args(p) -> None:
                    help="check the reading of this engine only (default: both)")
     p.add_argument("--base", default=None, help="the base served with it (default: the one draftlab.json names)")
     p.add_argument("--tokenizer", default=None, help="the tokenizer served (default: the base's)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the chat template the engine is given (vLLM / SGLang --chat-template), compared with "
+                        "training's (default: the export's chat_template.jinja where it ships one, else the "
+                        "tokenizer's own)")
     p.add_argument("--served", default=None, metavar="DIR",
                    help="the files the engine is given when they are not EXPORT itself (a `draftlab export --to "
                         "vllm-medusa` directory; default for Medusa: that layout converted in memory)")
@@ -33,7 +37,8 @@ def check_command(a) -> int:
         prompts = [l for l in Path(a.prompts).read_text().splitlines() if l.strip()]
         if not prompts:
             raise ValueError(f"--prompts {a.prompts}: no non-empty line")
-    rep = check_export(a.export, a.engine, a.base, a.tokenizer, prompts, a.served, a.max_new_tokens)
+    rep = check_export(a.export, a.engine, a.base, a.tokenizer, prompts, a.served, a.max_new_tokens,
+                       a.chat_template)
     if a.json:
         print(json.dumps(rep))
     else:

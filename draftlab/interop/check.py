@@ -295,7 +295,10 @@ def _tok_raw(src: str):
     return AutoTokenizer.from_pretrained(src)
 
 
-def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
+def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | None = None) -> Check:
+    """The served tokenizer against training's. `template` is the chat-template file the engine is given (vLLM,
+    SGLang: --chat-template); without it, the export's shipped template where it keeps one (as it says to serve),
+    else the served tokenizer's own."""
     recipe = (meta.get("training") or {}).get("recipe") or {}
     if (export_dir / "tokenizer_config.json").is_file():
         trained, where = str(export_dir), "the export's tokenizer files"
@@ -307,33 +310,40 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
     if shipped is not None and not shipped.is_file():
         return Check("tokenizer", False, f"draftlab.json names the chat template {shipped}, which is missing: training "
                                          "rendered conversations with it; export the run again")
+    given = Path(template) if template else shipped
+    given_note = f" (served with --chat-template {template})" if template else ""
     if recorded:  # the fingerprint save_export took of the tokenizer used in training: edits in place show too
         try:
             tok = _tok_raw(served)
         except (OSError, ValueError) as e:
             return Check("tokenizer", False, f"cannot load the served tokenizer {served} ({e})")
-        if shipped is not None:  # served with --chat-template that file, as the export says to
-            tok.chat_template = shipped.read_text(encoding="utf-8")
+        if given is not None:  # served with --chat-template that file (the export's, as it says to, by default)
+            tok.chat_template = given.read_text(encoding="utf-8")
         now = tokenizer_fingerprint(tok)
         diff = [k for k in recorded if recorded[k] != now.get(k)]
         if not diff:
-            return Check("tokenizer", True, f"served tokenizer {served} matches the fingerprint draftlab.json took "
-                                            "in training (vocabulary, special ids, chat template" +
+            return Check("tokenizer", True, f"served tokenizer {served}{given_note} matches the fingerprint "
+                                            "draftlab.json took in training (vocabulary, special ids, chat template" +
                          (f": the export's {shipped}, which the engine must be given, vLLM and SGLang with "
-                          "--chat-template)" if shipped is not None else ")"))
+                          "--chat-template)" if shipped is not None and not template else ")"))
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
-        kept = (f"; training rendered with the chat template kept in {shipped}, compared as served with it (vLLM, "
-                "SGLang: --chat-template that file)" if shipped is not None else "")
-        return Check("tokenizer", False, f"served tokenizer {served} differs from the one used in training in "
+        kept = (f"; training rendered with the chat template kept in {shipped}" + (
+            ", compared as served with it (vLLM, SGLang: --chat-template that file)" if not template else "")
+            if shipped is not None else "")
+        return Check("tokenizer", False, f"served tokenizer {served}{given_note} differs from the one used in "
+                                         "training in "
                      f"{', '.join(names.get(k, k) for k in diff)} (draftlab.json's tokenizer fingerprint); serve "
                      "with the training tokenizer and template, or retrain" + kept)
-    if Path(trained).resolve() == Path(served).resolve() if Path(trained).exists() else trained == served:
+    same = Path(trained).resolve() == Path(served).resolve() if Path(trained).exists() else trained == served
+    if same and not template:
         return Check("tokenizer", True, f"served tokenizer {served} is {where} used in training (this export "
                                         "records no tokenizer fingerprint: a template edited in place since is not seen)")
     try:
         a, b = _tok_raw(trained), _tok_raw(served)
     except (OSError, ValueError) as e:
         return Check("tokenizer", False, f"cannot load {trained} ({where}) or {served} to compare ({e})")
+    if template:
+        b.chat_template = Path(template).read_text(encoding="utf-8")
     msgs = []
     va, vb = a.get_vocab(), b.get_vocab()
     if va != vb:
@@ -347,8 +357,10 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str) -> Check:
         msgs.append("chat_template differs from training's" + (" (training read plain text: it applies only to "
                     "chat prompts)" if text else "") + f"; serve with {where}'s template ({trained}) or retrain")
     if msgs:
-        return Check("tokenizer", False, f"served tokenizer {served} vs {where} {trained}: " + "; ".join(msgs))
-    return Check("tokenizer", True, f"served tokenizer {served} = {where} {trained} (vocabulary, special ids, chat template)")
+        return Check("tokenizer", False, f"served tokenizer {served}{given_note} vs {where} {trained}: " +
+                     "; ".join(msgs))
+    return Check("tokenizer", True, f"served tokenizer {served}{given_note} = {where} {trained} (vocabulary, special "
+                                    "ids, chat template)")
 
 
 class _Recorder(Drafter):
@@ -559,14 +571,18 @@ def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, 
 
 def check_export(export_dir: str | Path, engine: str | None = None, base: str | None = None,
                  tokenizer: str | None = None, prompts: list[str] | None = None, served: str | None = None,
-                 max_new_tokens: int = 16) -> dict:
-    """Run every check on an export; {"export", "kind", "base", "engines", "served", "ok", "checks": [...]}."""
+                 max_new_tokens: int = 16, chat_template: str | None = None) -> dict:
+    """Run every check on an export; {"export", "kind", "base", "engines", "served", "ok", "checks": [...]}.
+    `chat_template`: the template file the engine is given (--chat-template), compared with training's."""
     from transformers import AutoConfig
 
     from ..base import load_base, load_tokenizer
 
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise FileNotFoundError(f"--chat-template {chat_template}: no such file (the Jinja template the engine is "
+                                "given)")
     d = Path(export_dir)
     try:
         meta = read_meta(d)
@@ -587,7 +603,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"], base_cfg.get("model_type", "")),
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok, engines),
               check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
-              check_tokenizer(d, meta, tok_src)]
+              check_tokenizer(d, meta, tok_src, chat_template)]
     model = load_base(base_name, "float32")[0] if kind != "lookup" else None
     checks.append(check_proposals(d, meta, cfg, tensors, engines, model, tok, list(prompts or DEFAULT_PROMPTS),
                                   max_new_tokens, served))
