@@ -324,11 +324,7 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     end of turn, except an answer marked `truncated` (a length limit cut it, so its end of turn is the template's,
     not the model's), which is masked up to its text's end."""
     plain = plain_messages(messages)
-    if getattr(tokenizer, "draftlab_fallback_template", False):
-        warnings.warn("the tokenizer has no chat template: conversations are rendered with draftlab's simple one "
-                      "(User: / Assistant:), which the export keeps as chat_template.jinja for serving; set "
-                      "base.chat_template (a built-in name, a file or Jinja text) for the format your base was "
-                      "tuned on", stacklevel=2)
+    _warn_fallback(tokenizer)
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     full = render(plain, False)
     spans = []
@@ -360,6 +356,16 @@ def tokenize_chat(messages: list[dict], tokenizer, max_len: int) -> tuple[list[i
     return ids, mask
 
 
+FALLBACK_WARNING = ("the tokenizer has no chat template: conversations are rendered with draftlab's simple one "
+                    "(User: / Assistant:), which the export keeps as chat_template.jinja for serving; set "
+                    "base.chat_template (a built-in name, a file or Jinja text) for the format your base was tuned on")
+
+
+def _warn_fallback(tokenizer) -> None:
+    if getattr(tokenizer, "draftlab_fallback_template", False):
+        warnings.warn(FALLBACK_WARNING, stacklevel=3)
+
+
 PARALLEL_MIN = 2000  # conversations below which num_proc is not worth starting processes for
 
 
@@ -376,6 +382,7 @@ def tokenize_all(conversations: list[list[dict]], tokenizer, max_len: int, num_p
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
+    _warn_fallback(tokenizer)  # here, once, and not in each worker (which ignore it)
     n = -(-len(conversations) // (4 * num_proc))  # 4 chunks a process: an uneven chunk does not hold up the rest
     chunks = [conversations[i:i + n] for i in range(0, len(conversations), n)]
     try:
@@ -393,6 +400,7 @@ _WORKER: dict = {}  # in a tokenizing process: its tokenizer and max_len
 
 def _tokenizer_worker(worker_init, tokenizer, max_len: int) -> None:
     worker_init()
+    warnings.filterwarnings("ignore", message=FALLBACK_WARNING[:40])  # the parent said it once
     _WORKER.update(tokenizer=tokenizer, max_len=max_len)
 
 

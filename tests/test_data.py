@@ -262,10 +262,11 @@ def test_one_document_holds_out_its_last_blocks(tmp_path, tok):
 
 
 @pytest.mark.slow  # 26 s on 2 cores (worker processes start and import); CI runs the slow set too
-def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, monkeypatch):
+def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, monkeypatch, capfd):
     """data.num_proc tokenizes the conversations in that many processes (found by review: it was read by nothing),
     giving the same examples in the same order, and a record the chat template refuses is named or skipped as in
-    one process."""
+    one process. A tokenizer on draftlab's fallback template is warned about once, by this process, not in raw
+    format by every worker (walk-through)."""
     import copy
 
     import draftlab.data as data
@@ -288,8 +289,13 @@ def test_num_proc_tokenizes_in_processes_to_the_same_examples(tmp_path, tok, mon
             calls.append(a[0])
             super().__init__(*a, **k)
     monkeypatch.setattr(futures, "ProcessPoolExecutor", Counted)
-    two = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip", num_proc=2), t,
-                        worker_init=die_with_parent)
+    t.draftlab_fallback_template = True
+    capfd.readouterr()
+    with pytest.warns(UserWarning, match="has no chat template") as said:
+        two = load_examples(DataSection(path=str(f), eval_size=0.25, on_malformed="skip", num_proc=2), t,
+                            worker_init=die_with_parent)
+    assert len([w for w in said if "has no chat template" in str(w.message)]) == 1
+    assert "has no chat template" not in capfd.readouterr().err  # (the workers' stderr is this process's)
     assert calls == [2]  # (the tokenizing ran in two processes)
     assert one[0] == two[0] and one[1] == two[1] and one[2].skipped == two[2].skipped and sum(two[2].skipped.values())
     with pytest.raises(DataError, match=f"{f} record 5: the chat template"):
