@@ -101,6 +101,12 @@ def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "e"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "draft.safetensors: damaged or truncated" in err and "Export again" in err and "Traceback" not in err
+    save_export(build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base), base,
+                tmp_path / "s", str(tiny_base_dir))
+    weights = tmp_path / "s" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])  # (an SSM's file: safetensors' own error, a traceback before)
+    assert main(["generate", str(tmp_path / "s"), "--prompt", "x"]) == 2
+    assert "the SSM's Hugging Face files do not load" in (err := capsys.readouterr().err) and "Traceback" not in err
     assert main(["generate", str(tmp_path / "e"), "--prompt", "x", "--base", str(tmp_path / "nope")]) == 2
     assert "no such directory (from " in (err := capsys.readouterr().err) and "a hub id looks like org/name" in err
     with pytest.raises(SystemExit) as e:
@@ -131,6 +137,19 @@ def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_
         make_drafter(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), DynamicTree(3, 8, 25))
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--tree", "dynamic:3,8,25"]) == 2
     assert "dynamic trees are built by eagle3 drafters" in capsys.readouterr().err
+    # A rank past the vocabulary, ensemble options on another kind, and lookup given a tree or a bad length are one
+    # line each, exit 2 (walk-through: torch's index error, a TypeError, silence, and int()'s message).
+    vocab = base.get_output_embeddings().weight.shape[0]
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--tree", f"[[0], [{vocab}]]"]) == 2
+    assert f"rank {vocab} asks for the draft's token of that rank, but it ranks {vocab}" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--ensemble-mode", "vote", "--length",
+                 "3"]) == 2
+    assert "--ensemble-mode, --length: options of ensemble exports; a medusa export takes none" in \
+        capsys.readouterr().err
+    assert main(["generate", "lookup", "--base", str(tiny_base_dir), "--prompt", "Once", "--tree", "chain:2"]) == 2
+    assert "--tree chain:2: prompt lookup drafts one continuation" in capsys.readouterr().err
+    assert main(["generate", "lookup:abc", "--base", str(tiny_base_dir), "--prompt", "Once"]) == 2
+    assert "lookup:N takes the tokens per continuation, a positive integer" in capsys.readouterr().err
 
 
 def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, tmp_path, capsys):

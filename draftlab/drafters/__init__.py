@@ -115,6 +115,7 @@ def _save_ssm(module, out: Path) -> list[str]:
 
 
 def _load_ssm(head: dict, export_dir: Path, base):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from .base import ExportError
@@ -122,7 +123,7 @@ def _load_ssm(head: dict, export_dir: Path, base):
 
     try:
         lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-    except (OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"{export_dir}: the SSM's Hugging Face files do not load ({e}); re-export the run") from None
     if base is not None:
         check_vocab(lm, base, str(export_dir))
@@ -445,11 +446,25 @@ def build_draft(head: dict, base):
     return kind_of(head["type"]).build(head, base)
 
 
+OPTION_FLAGS = {"mode": "--ensemble-mode", "node_budget": "--node-budget", "length": "--length",
+                "adaptive": "--adaptive", "options": "--ensemble-option"}  # the drafter options generate / eval take
+
+
+def check_drafter_options(kind: str, options: dict) -> None:
+    """Refuse drafter options given to a kind that takes none (only ensembles take them), naming them as the
+    command line does; they were a TypeError from deep inside (walk-through)."""
+    given = [k for k, v in options.items() if v is not None]
+    if given and kind != "ensemble":
+        raise ValueError(f"{', '.join(OPTION_FLAGS.get(k, k) for k in given)}: options of ensemble exports; a {kind} "
+                         "export takes none (its drafting is set by --tree)")
+
+
 def make_drafter(module, tree: Tree | None = None, **options) -> Drafter:
     """The drafter that decodes with a draft module (its kind's default tree unless one is given); options go to
     kinds that take them (ensembles: mode, node_budget, length, adaptive, scheduler)."""
     from ..decode.tree import DynamicTree, TreeError
 
+    check_drafter_options(module.kind, options)
     kind = kind_of(module.kind)
     tree = tree if tree is not None else kind.default_tree(module)
     if isinstance(tree, DynamicTree) and module.kind != "eagle3":

@@ -315,7 +315,7 @@ class SSMDrafter(Drafter):
         """Draft this tree from the next step on (the KV cache is unaffected; an adaptive ensemble changes chain
         lengths between steps)."""
         if tree.depth == 0:
-            raise ValueError("an SSM needs a tree of depth >= 1 (e.g. --tree chain or --expansion 2,1)")
+            raise ValueError("an SSM needs a tree of depth >= 1 (e.g. --tree chain or --tree expansion:2,1)")
         key = tree.paths
         if key not in self.shapes:
             self.shapes[key] = self._shape(tree)

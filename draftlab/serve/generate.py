@@ -79,7 +79,7 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     compile: the static-shape, compiled decode path (SpeculativeDecoder's compile).
     drafter_options go to drafters that take them (ensembles: mode, node_budget, length, adaptive)."""
     from ..base import base_identity
-    from ..drafters import LookupDraft, make_drafter
+    from ..drafters import LookupDraft, check_drafter_options, make_drafter
     from ..interop.export import apply_adapter, check_tokens, load_export, read_meta, use_chat_template
     from ..decode.tensor_parallel import RankSync, check_launch
     from .scheduled import ScheduledDecoder, is_schedule
@@ -89,8 +89,15 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     if export_dir.split(":")[0] == "lookup":
         if not base:
             raise ValueError("the lookup drafter needs --base (the model to decode)")
+        _, _, arg = export_dir.partition(":")
+        if arg and not (arg.isdigit() and int(arg) > 0):
+            raise ValueError(f"{export_dir}: lookup:N takes the tokens per continuation, a positive integer (lookup:5)")
+        if tree:
+            raise ValueError(f"--tree {tree}: prompt lookup drafts one continuation found in the text; its length is "
+                             "lookup:N's N, and it takes no tree")
+        check_drafter_options("lookup", drafter_options)
         model, tok = load_placed(base, dtype or "float32", device, tp, device_map)
-        n = int(export_dir.split(":")[1]) if ":" in export_dir else 5
+        n = int(arg) if arg else 5
         meta = {"head": {"type": "lookup", "num_tokens": n}, "base": base_identity(model, base)}
         return SpeculativeDecoder(model, make_drafter(LookupDraft(num_tokens=n)), sync=sync, compile=compile), tok, meta
     meta = read_meta(export_dir)
@@ -102,13 +109,25 @@ def load_decoder(export_dir: str, base: str | None = None, tree: str | None = No
     check_tokens(meta, tok, str(export_dir))
     draft, meta = load_export(export_dir, base=model, device=device, dtype=model.get_input_embeddings().weight.dtype)
     options = {k: v for k, v in drafter_options.items() if v is not None}
+    check_drafter_options(meta["head"]["type"], options)
     note = searched_elsewhere(tree, export_dir, compile)
     if note:
         warnings.warn(note, stacklevel=2)
     if tree and is_schedule(tree):  # search-tree --batch-sizes: the tree follows each call's batch size
         return ScheduledDecoder(model, draft, tree, options, sync=sync, compile=compile), tok, meta
-    drafter = make_drafter(draft, resolve_tree(tree, meta), **options)
+    resolved = resolve_tree(tree, meta)
+    check_ranks(resolved, meta["head"].get("draft_vocab_size") or model.get_output_embeddings().weight.shape[0], tree)
+    drafter = make_drafter(draft, resolved, **options)
     return SpeculativeDecoder(model, drafter, sync=sync, compile=compile), tok, meta
+
+
+def check_ranks(tree, vocab: int, spec: str | None) -> None:
+    """A static tree's ranks index the draft's top tokens: one at or past its vocabulary has no token (it was
+    torch's 'selected index k out of range' from inside the first step: walk-through)."""
+    top = max((r for p in getattr(tree, "paths", ()) for r in p), default=-1)
+    if top >= vocab:
+        raise TreeError(f"--tree {spec}: rank {top} asks for the draft's token of that rank, but it ranks {vocab} "
+                        f"tokens (ranks 0..{vocab - 1}); search-tree chooses ranks from the draft's statistics")
 
 
 def searched_elsewhere(tree: str | None, export_dir: str, compile: bool) -> str | None:
