@@ -165,6 +165,15 @@ def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, t
     assert main(args) == 0
     assert main(args) == 2 and "holds files; export --to writes over them: pass --force" in capsys.readouterr().err
     assert main(args + ["--force"]) == 0
+    (tmp_path / "f").write_text("x")  # a file: one line, not a FileExistsError traceback (walk-through)
+    assert main(args[:-1] + [str(tmp_path / "f"), "--force"]) == 2
+    assert f"--out {tmp_path / 'f'} is a file" in capsys.readouterr().err
+    # import-medusa into an export wrote its files over the export's, which then said medusa (walk-through).
+    imported = ["import-medusa", str(tmp_path / "v"), "--base", str(tiny_base_dir), "--out", str(tmp_path / "exp")]
+    before = (tmp_path / "exp" / "draftlab.json").read_text()
+    assert main(imported) == 2 and "holds files; import-medusa writes over them" in capsys.readouterr().err
+    assert (tmp_path / "exp" / "draftlab.json").read_text() == before
+    assert main(imported[:-1] + [str(tmp_path / "imp")]) == 0
 
 
 def test_draftlabs_warnings_read_as_one_line_of_the_command():

@@ -73,9 +73,20 @@ def cmd_import(a) -> int:
     return 0
 
 
+def writable_out(out: str, force: bool, what: str) -> None:
+    """Refuse an --out that is a file, or a directory holding files unless --force (its files are written over)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; {what} writes a directory: give a directory's path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and holds files; {what} writes over them: pass --force, or another "
+                         "--out")
+
+
 def cmd_import_medusa(a) -> int:
     from ..interop.convert import import_medusa
 
+    writable_out(a.out, a.force, "import-medusa")  # (an export there lost its kind: walk-through)
     rep = import_medusa(a.checkpoint, a.out, a.base, a.dtype)
     if a.json:
         _print_json(rep)
@@ -90,10 +101,7 @@ def cmd_import_medusa(a) -> int:
 def cmd_export(a) -> int:
     from ..interop.convert import export_to
 
-    out = Path(a.out)
-    if out.is_dir() and any(out.iterdir()) and not a.force:
-        raise ValueError(f"--out {out} exists and holds files; export --to writes over them: pass --force, or another "
-                         "--out")
+    writable_out(a.out, a.force, "export --to")
     rep = export_to(a.export, a.to, a.out, a.eval, a.license)
     if a.json:
         _print_json(rep)
@@ -167,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", help="a directory or a weights file")
     s.add_argument("--base", default=None, help="the base model (default: the checkpoint's base_model_name_or_path; "
                                                "a Medusa-2 checkpoint is its own base)")
-    s.add_argument("--out", required=True, help="export directory to write")
+    s.add_argument("--out", required=True, help="export directory to write (refused if it holds files, unless --force)")
+    s.add_argument("--force", action="store_true", help="write over the files --out holds")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the base is loaded in to check shapes")
     s.add_argument("--json", action="store_true")
