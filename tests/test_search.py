@@ -252,6 +252,16 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
     assert searched_elsewhere(str(out), exp, compile=False) is None and searched_elsewhere("chain:2", exp, True) is None
     note = searched_elsewhere(str(out), str(tmp_path / "other"), compile=True)
     assert "for the export" in note and "timed eagerly (this run is compiled)" in note
+    # --base: the export's base found at another path (another machine), as generate takes it (walk-through: the
+    # missing-base error pointed to a --base that search-tree did not have).
+    import shutil
+
+    from draftlab.serve.tree_search import load_search
+
+    moved = shutil.copytree(tiny_base_dir, tmp_path / "moved")
+    assert load_search(exp, str(data), 2, 1, base_name=str(moved)).base.name_or_path == str(moved)
+    assert main(["search-tree", exp, "--data", str(data), "--out", str(out), "--base", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
 
 
 def test_the_dynamic_grid_holds_small_trees_and_only_settings_that_fill_their_trees():

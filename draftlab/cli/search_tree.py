@@ -27,6 +27,8 @@ def add_search_args(p) -> None:
     p.add_argument("export")
     p.add_argument("--data", required=True, help="calibration text: .txt / JSON(L) of text, ShareGPT or Alpaca records")
     p.add_argument("--out", required=True, help="tree file to write (.json)")
+    p.add_argument("--base", default=None, help="the base to search with (default: the one the export names; another "
+                   "path to it, e.g. on another machine)")
     p.add_argument("--max-nodes", type=positive_int, default=64, help="largest tree (non-root nodes) to consider")
     p.add_argument("--batch-size", type=positive_int, default=1, help="batch size the tree is tuned for")
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
@@ -73,7 +75,7 @@ def schedule_command(a) -> int:
     rep = search_schedule(a.export, a.data, a.out, a.batch_sizes, a.max_nodes, a.max_rank, a.calibration_prompts,
                           a.timing_prompts, a.max_new_tokens, sizes=a.sizes, max_depth=a.max_depth, tp=a.tp,
                           device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,
-                          engine_model=a.engine_draft, schedule_by=a.schedule_by)
+                          engine_model=a.engine_draft, schedule_by=a.schedule_by, base_name=a.base)
     if a.json:
         print(json.dumps(rep))
         return 0
@@ -103,7 +105,7 @@ def search_command(a) -> int:
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
                       tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,
-                      time_budget_s=None if a.time_budget is None else a.time_budget * 60)
+                      time_budget_s=None if a.time_budget is None else a.time_budget * 60, base_name=a.base)
     if a.json:
         print(json.dumps(rep))
         return 0

@@ -287,7 +287,8 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
                     max_new_tokens: int = 128, chat: bool = False, prompt_chars: int = 64,
                     sizes: list[int] | None = None, max_depth: int = 8, tp: bool = False,
                     device_map: str | None = None, compile: bool = False, timing_rounds: int = 3,
-                    engine_model: str | None = None, schedule_by: str = "estimate") -> dict:
+                    engine_model: str | None = None, schedule_by: str = "estimate",
+                    base_name: str | None = None) -> dict:
     """search-tree --batch-sizes: statistics once, then at every batch size the candidate trees, chains of every
     length and plain decoding timed (interleaved rounds, fastest kept); writes the schedule and returns a report.
     schedule_by: "estimate" (B x accept length / step time: a full batch) or "timed" (the tokens/s the timing runs
@@ -305,7 +306,7 @@ def search_schedule(export: str, data: str, out: str, batch_sizes: list[int], ma
         raise ValueError(f"--schedule-by {schedule_by!r}: expected one of {', '.join(SCHEDULE_BY)}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {batch_sizes}: batch sizes must be positive integers, e.g. 1,2,4,8,16")
-    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map)
+    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map, base_name)
     draft = ctx.draft
     if draft.kind == "eagle3":
         raise ValueError(f"{export}: --batch-sizes schedules static trees and chains; an eagle3 export's dynamic trees "

@@ -167,18 +167,20 @@ class SearchInputs:
 
 
 def load_search(export: str, data: str, calibration_prompts: int, timing_prompts: int, chat: bool = False,
-                prompt_chars: int = 64, tp: bool = False, device_map: str | None = None) -> SearchInputs:
-    """Load an export with its base and read the prompts: the first calibration_prompts calibrate, the next
-    timing_prompts (or, with too few records, the first ones) are timed."""
+                prompt_chars: int = 64, tp: bool = False, device_map: str | None = None,
+                base_name: str | None = None) -> SearchInputs:
+    """Load an export with its base (base_name, else the one the export names) and read the prompts: the first
+    calibration_prompts calibrate, the next timing_prompts (or, with too few records, the first ones) are timed."""
     from ..data import detect_format, prompt_turns, read_records, to_messages
-    from ..interop.export import apply_adapter, load_export, read_meta, use_chat_template
+    from ..interop.export import apply_adapter, check_tokens, load_export, read_meta, use_chat_template
     from .generate import decoder_device, encode_prompt, load_placed
     from ..decode.tensor_parallel import RankSync, check_launch
 
     check_launch(tp)
     meta = read_meta(export)
-    base, tok = load_placed(meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
+    base, tok = load_placed(base_name or meta["base"]["name_or_path"], meta["base"]["dtype"], None, tp, device_map)
     tok = use_chat_template(tok, export, meta)
+    check_tokens(meta, tok, str(export))
     base = apply_adapter(base, export, meta)
     device = decoder_device(base)
     draft, meta = load_export(export, base=base, device=device, dtype=base.get_input_embeddings().weight.dtype)
@@ -238,8 +240,9 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
                 calibration_prompts: int = 64, timing_prompts: int = 8, max_new_tokens: int = 128, chat: bool = False,
                 prompt_chars: int = 64, sizes: list[int] | None = None, plot: bool = False,
                 max_depth: int = 8, tp: bool = False, device_map: str | None = None, compile: bool = False,
-                timing_rounds: int = 3, time_budget_s: float | None = None) -> dict:
-    """The whole search; writes the tree file (and PNGs with plot) and returns a report.
+                timing_rounds: int = 3, time_budget_s: float | None = None, base_name: str | None = None) -> dict:
+    """The whole search; writes the tree file (and PNGs with plot) and returns a report. base_name: the base to
+    search with (default: the one the export names).
 
     Heads: trees up to one level per head. An SSM drafts to any depth (up to max_depth), and its cost
     grows with depth (one forward per level) rather than with width, so chains of several lengths are
@@ -252,7 +255,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     from ..decode.tensor_parallel import is_main
     from ..drafters import make_drafter
 
-    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map)
+    ctx = load_search(export, data, calibration_prompts, timing_prompts, chat, prompt_chars, tp, device_map, base_name)
     base, draft, sync, eos, calib, timing = ctx.base, ctx.draft, ctx.sync, ctx.eos, ctx.calib, ctx.timing
     if not is_main():  # tensor-parallel ranks time the same trees; rank 0 writes the tree file
         out, plot = str(Path(tempfile.mkdtemp(prefix="draftlab-search-rank")) / Path(out).name), False
