@@ -165,6 +165,8 @@ def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, t
     assert main(args) == 0
     assert main(args) == 2 and "holds files; export --to writes over them: pass --force" in capsys.readouterr().err
     assert main(args + ["--force"]) == 0
+    assert main(args + ["--force", "--eval", str(tmp_path / "nope")]) == 2  # (was a card saying "not measured")
+    assert f"--eval {tmp_path / 'nope'}: no summary.json there" in capsys.readouterr().err
     (tmp_path / "f").write_text("x")  # a file: one line, not a FileExistsError traceback (walk-through)
     assert main(args[:-1] + [str(tmp_path / "f"), "--force"]) == 2
     assert f"--out {tmp_path / 'f'} is a file" in capsys.readouterr().err

@@ -340,6 +340,9 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
 
     if fmt not in FORMATS:
         raise ConvertError(f"--to {fmt!r}: use one of {', '.join(FORMATS)}")
+    if eval_dir is not None and not (Path(eval_dir) / "summary.json").is_file():  # (was a card saying "not measured")
+        raise ConvertError(f"--eval {eval_dir}: no summary.json there; give the run directory `draftlab eval mt-bench "
+                           "... --out DIR` wrote, or leave --eval out")
     meta = read_meta(export_dir)
     kind = meta["head"]["type"]
     if kind == "hydra":
