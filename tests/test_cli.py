@@ -56,6 +56,10 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     assert rep["identical_to_baseline"] is True and rep["new_tokens"] == 12
     assert rep["new_tokens"] == 1 + round(rep["steps"] * rep["accept_length"])  # the prefill's token, then the steps'
     assert rep["speedup"] == pytest.approx(rep["tokens_per_s"] / rep["baseline_tokens_per_s"], rel=1e-2)
+    # Typical acceptance at temperature 0 is greedy's rule, exact as documented: compared like greedy (walk-through).
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "12", "--typical",
+                 "--compare", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["identical_to_baseline"] is True
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "x", "--tree", "chain", "--temperature", "0.7",
                  "--top-p", "0.9", "--json"]) == 0
     assert main(["generate", str(tmp_path), "--prompt", "x", "--json"]) == 2
@@ -150,6 +154,17 @@ def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_
     assert "--tree chain:2: prompt lookup drafts one continuation" in capsys.readouterr().err
     assert main(["generate", "lookup:abc", "--base", str(tiny_base_dir), "--prompt", "Once"]) == 2
     assert "lookup:N takes the tokens per continuation, a positive integer" in capsys.readouterr().err
+    # Flags that cannot apply together, or at all, were taken in silence (walk-through).
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--stream", "--json"]) == 2
+    assert "--stream prints the text as it is committed, --json one object at the end" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--temperature", "-1"])
+    assert e.value.code == 2 and "-1.0 is not >= 0" in capsys.readouterr().err
+    data = tmp_path / "d.txt"
+    data.write_text("Once upon a time.\nThe dog ran.\n")
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(tmp_path / "t.json"),
+                 "--schedule-by", "timed"]) == 2
+    assert "--schedule-by timed: settings of a schedule; add --batch-sizes" in capsys.readouterr().err
 
 
 def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, tmp_path, capsys):

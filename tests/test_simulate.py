@@ -219,3 +219,10 @@ def test_simulate_command(tmp_path, capsys):
         assert (rep["exact_total"]["dsi"] < rep["exact_total"]["si"]) == (rule == "expected")
     assert main(["simulate", "--target-ms", "30", "--acceptance", "0.8"]) == 2
     assert "--drafter-ms" in capsys.readouterr().err
+    # Negative latencies printed negative latencies, and a failed run's report was a KeyError (walk-through).
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--target-ms", "-30", "--drafter-ms", "3", "--acceptance", "0.8"])
+    assert e.value.code == 2 and "-30.0 is not > 0" in capsys.readouterr().err
+    (tmp_path / "err.json").write_text(json.dumps({"error": "x: not a draftlab export"}) + "\n")
+    assert main(["simulate", "--from-report", str(tmp_path / "err.json")]) == 2
+    assert "the run it holds failed (x: not a draftlab export)" in capsys.readouterr().err

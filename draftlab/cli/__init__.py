@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .args import apply_compile_cache, positive_int
+from .args import apply_compile_cache, non_negative_float, positive_int
 
 
 def _print_json(obj: dict) -> None:
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retries", type=int, default=5, help="tries per request after the first, rotating endpoints")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     s.add_argument("--max-new-tokens", type=positive_int, default=512, help="the longest answer the base writes")
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--temperature", type=non_negative_float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--max-records", type=int, default=None)

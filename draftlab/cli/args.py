@@ -47,6 +47,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0 (a temperature: 0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
 def add_typical_args(p) -> None:
     """--typical and its threshold min(epsilon, alpha * exp(-H(p))), defaults as Medusa's (epsilon 0.09, alpha
     sqrt(epsilon)); setting --typical-epsilon alone sweeps epsilon the way Hydra does (alpha follows)."""

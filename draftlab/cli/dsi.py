@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import add_compile_cache_arg, positive_int
+from .args import add_compile_cache_arg, non_negative_float, positive_int
 
 
 def add_dsi_args(p) -> None:
@@ -32,7 +32,7 @@ def add_dsi_args(p) -> None:
                    help="also run SI and non-SI with the same latencies (greedy), and check the tokens against HF "
                         "generate's")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text also ends at EOS")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample (lossless) instead of greedy decoding")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="sample (lossless) instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..eval.compare import compare_slices, format_comparison, held_fixed
 from ..eval.mt_bench import EvalError, compare_runs, load_summary, run_mt_bench
 from ..shipped import mt_bench_questions
-from .args import add_compile_cache_arg, add_placement_args, add_typical_args, positive_int, sampling_from_args
+from .args import (add_compile_cache_arg, add_placement_args, add_typical_args, non_negative_float, positive_int,
+                   sampling_from_args)
 
 
 def add_eval_args(sub) -> None:
@@ -27,7 +28,7 @@ def add_eval_args(sub) -> None:
                    help="'default', 'kind', 'chain', 'chain:N', 'expansion:K1,K2,...', 'dynamic:DEPTH,TOP_K,TOTAL' "
                         "(eagle3 "
                         "exports), a tree file (JSON/YAML), FILE.py:NAME or inline paths, as generate --tree")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     add_typical_args(p)

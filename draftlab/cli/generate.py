@@ -6,7 +6,8 @@ import json
 import sys
 
 from ..serve.generate import load_decoder, run_generate
-from .args import add_compile_cache_arg, add_placement_args, add_typical_args, positive_int, sampling_from_args
+from .args import (add_compile_cache_arg, add_placement_args, add_typical_args, non_negative_float, positive_int,
+                   sampling_from_args)
 
 
 def add_generate_args(p) -> None:
@@ -22,7 +23,7 @@ def add_generate_args(p) -> None:
     p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     add_typical_args(p)
@@ -52,6 +53,8 @@ def add_generate_args(p) -> None:
 
 def generate_command(a) -> int:
     sampling = sampling_from_args(a)  # before loading anything: a bad flag fails fast
+    if a.stream and a.json:
+        raise ValueError("--stream prints the text as it is committed, --json one object at the end: pick one")
     if a.stream and len(a.prompt) > 1:  # (the rows' text would interleave in one stream)
         raise ValueError(f"--stream prints one text as it is committed: give one --prompt (got {len(a.prompt)}), "
                          "or leave --stream out to print each row's text at the end")

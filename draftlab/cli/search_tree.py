@@ -102,6 +102,10 @@ def search_command(a) -> int:
         raise ValueError("--time-budget takes minutes >= 0 and applies to the search of one tree, not --batch-sizes")
     if a.batch_sizes:
         return schedule_command(a)
+    given = [f for f, v in (("--schedule-by timed", a.schedule_by != "estimate"), ("--engine-draft", a.engine_draft))
+             if v]
+    if given:
+        raise ValueError(f"{', '.join(given)}: settings of a schedule; add --batch-sizes B1,B2,...")
     rep = search_tree(a.export, a.data, a.out, a.max_nodes, a.batch_size, a.max_rank, a.calibration_prompts,
                       a.timing_prompts, a.max_new_tokens, sizes=a.sizes, plot=a.plot, max_depth=a.max_depth,
                       tp=a.tp, device_map=a.device_map, compile=a.compile, timing_rounds=a.timing_rounds,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .args import positive_int
+from .args import non_negative_float, positive_float, positive_int
 
 
 def add_simulate_args(p) -> None:
-    p.add_argument("--target-ms", type=float, default=None, help="one target forward, ms")
-    p.add_argument("--drafter-ms", type=float, default=None, help="one drafter forward, ms")
-    p.add_argument("--drafter-ratio", type=float, default=None, help="drafter latency as a fraction of the target's")
+    p.add_argument("--target-ms", type=positive_float, default=None, help="one target forward, ms")
+    p.add_argument("--drafter-ms", type=positive_float, default=None, help="one drafter forward, ms")
+    p.add_argument("--drafter-ratio", type=positive_float, default=None, help="drafter latency as a fraction of the target's")
     p.add_argument("--acceptance", type=float, default=None, help="probability a drafted token is accepted (i.i.d.)")
     p.add_argument("--from-report", default=None,
                    help="a `draftlab generate --json` output file: latencies and acceptance measured on your pair")
@@ -24,7 +24,7 @@ def add_simulate_args(p) -> None:
     p.add_argument("--sp", type=positive_int, default=7, help="DSI target servers (SP degree; an 8-GPU node with one "
                    "GPU drafting: 7)")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens generated")
-    p.add_argument("--prefill-ms", type=float, default=None, help="TTFT (default: one target forward)")
+    p.add_argument("--prefill-ms", type=non_negative_float, default=None, help="TTFT (default: one target forward)")
     p.add_argument("--monte-carlo", type=int, default=0, metavar="RUNS",
                    help="also simulate RUNS runs event by event (finite server pool)")
     p.add_argument("--heatmap", default=None, metavar="PNG", help="draw the three pairwise speedup heatmaps")
@@ -39,7 +39,11 @@ def simulate_command(a) -> int:
         lines = [l for l in Path(a.from_report).read_text().splitlines() if l.strip().startswith("{")]
         if not lines:
             raise ValueError(f"--from-report {a.from_report}: no JSON object (write `draftlab generate --json` to it)")
-        src = from_generate(json.loads(lines[-1]))
+        report = json.loads(lines[-1])
+        if "error" in report and "steps" not in report:  # (a failed run's report: a KeyError before, walk-through)
+            raise ValueError(f"--from-report {a.from_report}: the run it holds failed ({report['error']}); nothing "
+                             "to simulate from")
+        src = from_generate(report)
         src["t_target"], src["t_draft"] = 1000 * src["t_target"], 1000 * src["t_draft"]
     t_target = a.target_ms if a.target_ms is not None else src.get("t_target")
     t_draft = a.drafter_ms if a.drafter_ms is not None else (

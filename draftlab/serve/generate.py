@@ -303,7 +303,7 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
         n_base = sum(len(t) for t in base_tokens)
         report["baseline_tokens_per_s"] = round(n_base / base_t, 2)
         report["speedup"] = round(report["tokens_per_s"] / report["baseline_tokens_per_s"], 4)
-        if sampling.temperature <= 0 and not sampling.typical:
+        if sampling.temperature <= 0:  # (typical acceptance too: at temperature 0 it is greedy's rule, exact)
             same = [a == b[: len(a)] if stops else a == b for a, b in zip(res.tokens, base_tokens)]
             report["identical_to_baseline"] = all(same)
         if decoder.forward is not None:  # the fair baseline: plain decoding on the same compiled path
