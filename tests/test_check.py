@@ -313,6 +313,10 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     variant(tmp_path / "v", tmp_path / "nobias", cfg=lambda c: c.update(medusa_fc_bias=False))
     c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))
     assert c["proposals"]["ok"] is False and "vLLM: first difference at prompt 0" in c["proposals"]["message"]
+    assert "config.json has no `medusa_fc_bias: true`, so vLLM builds the blocks without biases and drops the 3" in \
+        c["proposals"]["message"]  # (the cause named, not only the difference: walk-through)
+    with pytest.raises(FileNotFoundError, match="--served .*nope: no such directory"):
+        check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nope"))
     assert check_export(tmp_path / "m")["checks"][-1]["message"].endswith("SGLang serves no Medusa heads: not compared")
     # With SGLang alone nothing is compared, and the command does not say "all checks passed" (found by a new user).
     from draftlab.cli import main

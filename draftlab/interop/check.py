@@ -286,7 +286,8 @@ def check_quant(cfg: dict, base_cfg: dict, engines: list[str]) -> Check:
         notes.append("vLLM quantizes the draft only by its own config" + (f" (the base's {bq} is not applied)" if bq else ""))
     if msgs:
         return Check("quantization", False, "; ".join(msgs))
-    return Check("quantization", True, "no quantization_config in the draft's config.json; " + "; ".join(notes))
+    where = "the draft's config.json" if cfg else "the draft's files (they hold no config.json)"
+    return Check("quantization", True, f"no quantization_config in {where}; " + "; ".join(notes))
 
 
 def _tok_raw(src: str):
@@ -544,6 +545,11 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
         else:
             ok, msg = _compare(name, runs, prompts, tok, lambda i, c, chain: vllm_medusa_logits(
                 tensors, cfg, runs[i][2][-1][0, c - 1].float()))
+            dropped = [k for k, v in tensors.items() if k.endswith(".bias") and bool(v.any())]
+            if dropped and not cfg.get("medusa_fc_bias"):  # the cause, where it is this field (walk-through)
+                msg += (f"; config.json has no `medusa_fc_bias: true`, so vLLM builds the blocks without biases and "
+                        f"drops the {len(dropped)} nonzero bias tensors the file holds: set it (export --to "
+                        "vllm-medusa writes it)")
         oks.append(ok)
         msgs.append(msg)
     return Check("proposals", all(oks) if oks else None, "; ".join(msgs))
@@ -560,6 +566,8 @@ def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, 
         state, cfg = vllm_medusa_state(load_export(d)[0])
         return cfg, state, "the vllm-medusa layout `draftlab export --to vllm-medusa` writes (--served DIR: your files)"
     src = Path(served) if served else d
+    if served and not src.is_dir():
+        raise FileNotFoundError(f"--served {src}: no such directory (the files the engine is given)")
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
     if kind == "medusa" and served and "hidden_size" not in cfg:
         raise ValueError(f"--served {src}: its config.json has no hidden_size, so it is not the layout vLLM's Medusa "
