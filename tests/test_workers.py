@@ -104,6 +104,29 @@ def test_a_message_that_cannot_be_read_and_a_worker_never_started_are_reported_n
     stop_workers([never], queues=(q,))  # no AssertionError ("can only join a started process")
 
 
+def test_a_poll_that_finds_no_message_checks_the_workers_are_alive():
+    """poll (DSI's drafter, between drafts) raises for a dead worker, as receive does, instead of returning None until
+    the caller blocks (a killed server was noticed tens of seconds late: walk-through); with the workers alive it
+    returns None."""
+    import multiprocessing as mp
+
+    import pytest
+
+    from draftlab.parallel.workers import WorkerError, poll
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    alive, dead = ctx.Process(target=time.sleep, args=(60,), daemon=True), ctx.Process(target=time.sleep, args=(0,))
+    alive.start(), dead.start()
+    try:
+        dead.join(60)
+        assert poll(q, [alive], 0.0, "test") is None
+        with pytest.raises(WorkerError, match=f"test: worker {dead.name} \\(exit code 0\\) died without a report"):
+            poll(q, [alive, dead], 0.0, "test")
+    finally:
+        alive.kill()
+
+
 TORN = textwrap.dedent("""
     import multiprocessing as mp, time
     from draftlab.parallel.workers import WorkerError, reading_end_only, receive, start_workers

@@ -114,10 +114,15 @@ def _dead(procs: list, wait_s: float = 0.0) -> list[str]:
 
 
 def poll(q, procs: list, wait_s: float, what: str, loads=None):
-    """The next message within wait_s seconds, or None: as receive, for a caller that does not wait for one."""
+    """The next message within wait_s seconds, or None: as receive, for a caller that does not wait for one. A worker
+    found dead when none came raises WorkerError here too (DSI's drafter polls between drafts: a killed server was
+    noticed only once it had drafted to its cap and blocked, tens of seconds later: walk-through)."""
     try:
         return _get(q, wait_s, procs, what, loads)
     except queue.Empty:
+        dead = _dead(procs)
+        if dead:
+            raise WorkerError(f"{what}: worker {dead[0]} died without a report") from None
         return None
 
 
