@@ -160,6 +160,9 @@ def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_
     with pytest.raises(SystemExit) as e:
         main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--temperature", "-1"])
     assert e.value.code == 2 and "-1.0 is not >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # (DSI emulated negative latencies and printed them)
+        main(["dsi", str(tmp_path / "exp"), "--prompt", "Once", "--target-latency-ms", "-5"])
+    assert e.value.code == 2 and "-5.0 is not >= 0" in capsys.readouterr().err
     data = tmp_path / "d.txt"
     data.write_text("Once upon a time.\nThe dog ran.\n")
     assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(tmp_path / "t.json"),

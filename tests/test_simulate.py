@@ -223,6 +223,11 @@ def test_simulate_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--target-ms", "-30", "--drafter-ms", "3", "--acceptance", "0.8"])
     assert e.value.code == 2 and "-30.0 is not > 0" in capsys.readouterr().err
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "40", "--acceptance", "0.9"]) == 2
+    assert "drafter 40 ms > target 30 ms: this model (the DSI paper's) has a drafter no slower" in \
+        capsys.readouterr().err
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "30", "--acceptance", "0.9"]) == 0  # (the grid's end)
+    capsys.readouterr()
     (tmp_path / "err.json").write_text(json.dumps({"error": "x: not a draftlab export"}) + "\n")
     assert main(["simulate", "--from-report", str(tmp_path / "err.json")]) == 2
     assert "the run it holds failed (x: not a draftlab export)" in capsys.readouterr().err

@@ -72,7 +72,8 @@ def test_bad_recipe_fails_before_launch(tmp_path):
     bad.write_text("head: {num_heads: 0}\n")
     env = fake_tools(tmp_path, "")
     p = subprocess.run(["bash", str(SCRIPT), str(bad)], env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode != 0 and "head.num_heads" in p.stderr and not (tmp_path / "calls.log").exists()
+    assert p.returncode == 2 and "head.num_heads" in p.stderr and not (tmp_path / "calls.log").exists()
+    assert "Traceback" not in p.stderr  # (the validation error, then a KeyError of the script's: walk-through)
     p = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "usage: sbatch slurm/train.sbatch" in p.stderr
 

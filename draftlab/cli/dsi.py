@@ -24,10 +24,10 @@ def add_dsi_args(p) -> None:
                         "no-wait): least expected latency, tasks' waits for a server included; no-wait: the smallest "
                         "with which no task waits for a server")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens decoded per prompt")
-    p.add_argument("--target-latency-ms", type=float, default=0.0,
+    p.add_argument("--target-latency-ms", type=non_negative_float, default=0.0,
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
                         "emulate a multi-GPU node)")
-    p.add_argument("--draft-latency-ms", type=float, default=0.0, help="emulate the drafter's forward time")
+    p.add_argument("--draft-latency-ms", type=non_negative_float, default=0.0, help="emulate the drafter's forward time")
     p.add_argument("--compare", action="store_true",
                    help="also run SI and non-SI with the same latencies (greedy), and check the tokens against HF "
                         "generate's")

@@ -53,6 +53,11 @@ def simulate_command(a) -> int:
         raise ValueError("give --target-ms, --drafter-ms (or --drafter-ratio) and --acceptance, or --from-report")
     if not 0 <= acc <= 1:
         raise ValueError(f"--acceptance {acc}: a probability in [0, 1]")
+    if t_draft > t_target:  # (the model's tasks always wait for their drafts: walk-through, 0.77x here, 0.92x run)
+        raise ValueError(f"drafter {t_draft:.3g} ms > target {t_target:.3g} ms: this model (the DSI paper's) has a "
+                         "drafter no slower than the target; with a slower one draftlab's DSI commits the target's own "
+                         "token whenever a server returns before the next draft, which the model does not describe, "
+                         "and no speculation pays")
     k = a.lookahead or dsi_lookahead(a.lookahead_rule, acc, t_draft, t_target, a.sp, a.tokens, a.prefill_ms)
     c = Config(t_target, t_draft, acc, k, a.sp, a.tokens, a.prefill_ms)
     rule = "given" if a.lookahead else a.lookahead_rule
