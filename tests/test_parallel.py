@@ -182,7 +182,8 @@ def test_launch_mistakes_are_named(monkeypatch):
         check_launch(False)
     check_launch(True)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ValueError, match="--tp splits the base over the processes of `torchrun"):
+    with pytest.raises(ValueError, match="--tp splits the base over the processes of `torchrun.*Without GPUs, "
+                                         "accelerate starts N processes only with --multi_gpu"):
         check_launch(True)
 
 
@@ -257,10 +258,12 @@ def test_tp_settings_that_cannot_work_are_refused_and_a_synced_proposal_keeps_it
     from draftlab.drafters.ssm import SSMDrafter
 
     LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1).save_pretrained(tmp_path / "mqa")
-    with pytest.raises(ValueError, match="4 attention heads and 1 key/value heads.* use 1 processes, or --device-map"):
-        check_heads_divide(str(tmp_path / "mqa"), 2)
+    with pytest.raises(ValueError, match="4 attention heads and 1 key/value heads.* processes; use --device-map"):
+        check_heads_divide(str(tmp_path / "mqa"), 2)  # (it said "use 1 processes", which --tp refuses: walk-through)
     LlamaConfig(hidden_size=32, num_attention_heads=8, num_key_value_heads=4).save_pretrained(tmp_path / "gqa")
     check_heads_divide(str(tmp_path / "gqa"), 4)
+    with pytest.raises(ValueError, match="processes; use 2, 4 processes, or --device-map"):
+        check_heads_divide(str(tmp_path / "gqa"), 3)
 
     base = tiny_llama(seed=0)
     ssm = lambda: SSMDrafter(tiny_llama(seed=0), Tree.chain(3))

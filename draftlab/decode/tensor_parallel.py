@@ -61,7 +61,8 @@ def check_launch(tp: bool) -> None:
                          "one process (use --device-map auto to spread layers over GPUs)")
     if tp and n == 1:
         raise ValueError("--tp splits the base over the processes of `torchrun --nproc-per-node N` or `accelerate "
-                         "launch --num_processes N`; this is one process (WORLD_SIZE is unset or 1)")
+                         "launch --num_processes N`; this is one process (WORLD_SIZE is unset or 1). Without GPUs, "
+                         "accelerate starts N processes only with --multi_gpu as well; torchrun starts them anywhere")
 
 
 class RankSync:
@@ -137,10 +138,11 @@ def check_heads_divide(name_or_path: str, n: int, revision=None, trust_remote_co
     if heads and (heads % n or kv % n):
         import math
 
-        ok = [d for d in range(1, math.gcd(heads, kv) + 1) if math.gcd(heads, kv) % d == 0]
+        ok = [d for d in range(2, math.gcd(heads, kv) + 1) if math.gcd(heads, kv) % d == 0]  # (--tp needs 2 or more)
         raise ValueError(f"--tp over {n} processes: the base has {heads} attention heads and {kv} key/value heads, "
-                         f"which must both divide by the number of processes; use {', '.join(map(str, ok))} "
-                         "processes, or --device-map auto (layer-wise placement, one process)")
+                         "which must both divide by the number of processes; " +
+                         (f"use {', '.join(map(str, ok))} processes, or " if ok else "use ") +
+                         "--device-map auto (layer-wise placement, one process)")
 
 
 def load_tp_base(name_or_path: str, dtype: str, revision: str | None = None, trust_remote_code: bool = False):
