@@ -169,6 +169,7 @@ def test_a_system_message_opens_every_conversation(export, stories_dir, tmp_path
     for path in s["answers"].values():
         assert lines(path)[0]["choices"][0]["context_tokens"][0] == want
     assert s["system"] == system and s["overall"]["identical_share"] == 1.0
+    assert "Plots: none (--no-plots)." in open(s["report"]).read()  # (it listed PNGs never drawn: walk-through)
     with pytest.raises(EvalError, match="other settings .*system: 'Once upon"):
         run_mt_bench(export, str(MT), str(tmp_path / "r"), limit=1, max_new_tokens=8, progress=False, plots=False)
 

@@ -329,7 +329,7 @@ def summarize(questions: list[dict], d_ans: dict, b_ans: dict, settings: dict, s
             "slices": slice_report(turn_records(qs, d_ans, b_ans, slice_field), slice_field)}
 
 
-def write_report(out: Path, s: dict) -> Path:
+def write_report(out: Path, s: dict, plots: bool = True) -> Path:
     """report.md: settings, overall and per-category table, differences from plain decoding."""
     fast = "speedup_vs_compiled_plain" in s["overall"]  # --compile: compiled plain decoding measured too
     cols = ["accept length", "tokens/s", "plain tokens/s", "speedup"] + (
@@ -387,7 +387,8 @@ def write_report(out: Path, s: dict) -> Path:
         lines += ["", "## Slices", "", "Accept length = tokens committed / verification steps within the slice; "
                   "buckets are powers of two, and an output-position step counts where it starts."]
         lines += slice_tables(s["slices"])
-    lines += ["", "Plots: `speedup_per_category.png`, `accept_length_hist.png`, `slices_<slicing>.png`."]
+    lines += ["", "Plots: `speedup_per_category.png`, `accept_length_hist.png`, `slices_<slicing>.png`." if plots else
+              "Plots: none (--no-plots)."]
     p = out / "report.md"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -533,7 +534,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     summary["answers"] = {"draftlab": str(d_path), **({"plain": str(b_path)} if baseline else {})}
     if compile:  # this process's compiles (a resumed run's earlier ones are not in it)
         summary["compile_cache"] = compile_cache_report()
-    summary["report"] = str(write_report(outp, summary))
+    summary["report"] = str(write_report(outp, summary, plots))
     if plots:
         summary["plots"] = plot_summary(outp, summary) + plot_slices(outp, summary["slices"], model_id)
     (outp / "summary.json").write_text(json.dumps(summary, indent=2))
