@@ -196,6 +196,18 @@ def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, t
     assert main(imported[:-1] + [str(tmp_path / "imp")]) == 0
 
 
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback (walk-through, `draftlab dsi`); now one line, the shell's 130."""
+    import draftlab.cli.simulate as sim
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim, "simulate_command", interrupted)
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--acceptance", "0.8"]) == 130
+    assert capsys.readouterr().err == "draftlab simulate: interrupted\n"
+
+
 def test_draftlabs_warnings_read_as_one_line_of_the_command():
     """A CLI user reads draftlab's warnings as `draftlab COMMAND: warning: ...`, not Python's `file.py:61:
     UserWarning:` with the source line (walk-through); other libraries' keep Python's format, and main puts the

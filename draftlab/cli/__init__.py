@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             _print_json({"error": str(e)})
         print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status, not a traceback; workers end with us)
+        print(f"draftlab {args.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         warnings.formatwarning = formatted
 
