@@ -217,14 +217,19 @@ def test_export_hf_for_ssms_and_refusals(base, tiny_base_dir, tmp_path):
 
 
 def test_trees_in_the_formats_medusa_and_eagle_write(tmp_path):
+    from draftlab.decode.tree import TreeError
+
     (tmp_path / "choices.py").write_text("mc_sim_7b_63 = [(0,), (1,), (0, 0), (0, 1)]\nother = [[0]]\n")
     assert Tree.parse(f"{tmp_path / 'choices.py'}:mc_sim_7b_63").paths == ((0,), (1,), (0, 0), (0, 1))
     assert Tree.parse("[(0,), (0, 0)]").paths == ((0,), (0, 0))
     assert Tree.parse("[[0], [1]]").size == 3
+    # A tree file's mapping given inline (it was looked up as a file name: walk-through)
+    assert Tree.parse('{"paths": [[0], [0, 0]]}').paths == ((0,), (0, 0))
+    assert Tree.parse("{dynamic: 'dynamic:3,2,8'}").total_tokens == 8
+    with pytest.raises(TreeError, match="a mapping needs a 'paths'"):
+        Tree.parse('{"a": 1}')
     (tmp_path / "t.txt").write_text("[(0,), (1,), (1, 0)]")
     assert Tree.load(tmp_path / "t.txt").size == 4
-    from draftlab.decode.tree import TreeError
-
     with pytest.raises(TreeError, match="no list named 'missing'.*mc_sim_7b_63, other"):
         Tree.parse(f"{tmp_path / 'choices.py'}:missing")
     with pytest.raises(TreeError, match="not a list of paths"):

@@ -96,6 +96,14 @@ class Tree:
         text = spec.strip()
         if text.startswith(("[", "(")):
             return Tree.from_paths(_literal(text, "--tree"), {"name": "inline"}, source="--tree (inline)")
+        if text.startswith("{"):  # a tree file's mapping, inline (it was looked up as a file name: walk-through)
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise TreeError(f"--tree {spec}: not a valid inline mapping ({e})") from None
+            return Tree._from_data(data, "--tree (inline)")
         if ".py:" in text:
             path, name = text.rsplit(":", 1)
             return Tree._from_python(Path(path), name)
@@ -136,16 +144,22 @@ class Tree:
             return Tree.from_paths(_literal(text, str(p)), {"name": p.stem}, source=str(p))
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-            if isinstance(data, dict) and "dynamic" in data:
-                return DynamicTree.parse(str(data["dynamic"]).partition(":")[2])
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise TreeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+        return Tree._from_data(data, str(p))
+
+    @staticmethod
+    def _from_data(data, source: str) -> "Tree":
+        """A tree file's contents: a list of paths, or {'paths' | 'choices': [...], 'metadata': {...}}, or
+        {'dynamic': 'dynamic:DEPTH,TOP_K,TOTAL'} (a DynamicTree)."""
+        if isinstance(data, dict) and "dynamic" in data:
+            return DynamicTree.parse(str(data["dynamic"]).partition(":")[2])
         if isinstance(data, dict):
             paths = data.get("paths", data.get("choices"))
             if paths is None:
-                raise TreeError(f"{p}: a mapping needs a 'paths' (or 'choices') list")
-            return Tree.from_paths(paths, data.get("metadata"), source=str(p))
-        return Tree.from_paths(data, source=str(p))
+                raise TreeError(f"{source}: a mapping needs a 'paths' (or 'choices') list")
+            return Tree.from_paths(paths, data.get("metadata"), source=source)
+        return Tree.from_paths(data, source=source)
 
     def save(self, path: str | Path) -> None:
         """Write the tree file (JSON) with its metadata, creating its folder."""
