@@ -27,12 +27,14 @@ def add_dsi_args(p) -> None:
     p.add_argument("--target-latency-ms", type=non_negative_float, default=0.0,
                    help="emulate a slower target: each server forward lasts at least this long (as the DSI authors "
                         "emulate a multi-GPU node)")
-    p.add_argument("--draft-latency-ms", type=non_negative_float, default=0.0, help="emulate the drafter's forward time")
+    p.add_argument("--draft-latency-ms", type=non_negative_float, default=0.0,
+                   help="emulate the drafter's forward time")
     p.add_argument("--compare", action="store_true",
                    help="also run SI and non-SI with the same latencies (greedy), and check the tokens against HF "
                         "generate's")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text also ends at EOS")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="sample (lossless) instead of greedy decoding")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sample (lossless) instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,8 @@ from .args import non_negative_float, positive_float, positive_int
 def add_simulate_args(p) -> None:
     p.add_argument("--target-ms", type=positive_float, default=None, help="one target forward, ms")
     p.add_argument("--drafter-ms", type=positive_float, default=None, help="one drafter forward, ms")
-    p.add_argument("--drafter-ratio", type=positive_float, default=None, help="drafter latency as a fraction of the target's")
+    p.add_argument("--drafter-ratio", type=positive_float, default=None,
+                   help="drafter latency as a fraction of the target's")
     p.add_argument("--acceptance", type=float, default=None, help="probability a drafted token is accepted (i.i.d.)")
     p.add_argument("--from-report", default=None,
                    help="a `draftlab generate --json` output file: latencies and acceptance measured on your pair")
