@@ -153,7 +153,11 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _read_file(path: Path) -> list:
+class Malformed(str):
+    """A line of a JSONL file that is not JSON, read leniently (data.on_malformed=skip): why, in place of a record."""
+
+
+def _read_file(path: Path, lenient: bool = False) -> list:
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8", errors="replace")
         docs = text.split(TEXT_SEPARATOR) if TEXT_SEPARATOR in text else [text]
@@ -166,6 +170,9 @@ def _read_file(path: Path) -> list:
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError as e:
+                if lenient:  # (skipped and counted like any malformed record: walk-through)
+                    out.append(Malformed("a JSONL line that is not valid JSON"))  # (one reason: counted together)
+                    continue
                 raise DataError(f"{path} line {i + 1}: not valid JSON ({e.msg}); each line must be one record") from None
         return out
     try:
@@ -185,14 +192,15 @@ def _read_file(path: Path) -> list:
 
 
 def read_records(path: str, split: str = "train", max_records: int | None = None,
-                 field: str = "data.path") -> list[tuple[str, int, object]]:
+                 field: str = "data.path", lenient: bool = False) -> list[tuple[str, int, object]]:
     """(source, index, raw record) for a local file/folder or a hub dataset id; `field` names the path in errors
-    (the recipe's data.path, or a command's option)."""
+    (the recipe's data.path, or a command's option). lenient: a JSONL line that is not JSON is a Malformed record
+    (its reason) instead of an error."""
     p = Path(path)
     out: list[tuple[str, int, object]] = []
     if p.exists():
         for f in _files(p):
-            out += [(str(f), i, r) for i, r in enumerate(_read_file(f))]
+            out += [(str(f), i, r) for i, r in enumerate(_read_file(f, lenient))]
             if max_records and len(out) >= max_records:
                 break
     else:
@@ -456,7 +464,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
     """Records of the recipe's data section -> (train, eval) Examples ({'input_ids', 'loss_mask'}). worker_init: what
     processes that tokenize (data.num_proc) call first (see tokenize_all)."""
     stats = DataStats()
-    rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records)
+    rows = read_records(data_cfg.path, data_cfg.split, data_cfg.max_records, lenient=data_cfg.on_malformed == "skip")
     stats.records = len(rows)
     if not rows:
         raise DataError(f"data.path={data_cfg.path!r}: no records")
@@ -464,6 +472,8 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
     for source, idx, rec in rows:
         fmt = data_cfg.format if data_cfg.format != "auto" else detect_format(rec)
         try:
+            if isinstance(rec, Malformed):
+                raise DataError(str(rec))
             if fmt == "text":
                 if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                     seen = detect_format(rec)

@@ -92,6 +92,10 @@ def test_bad_json_line_is_named(tmp_path, tok):
     f.write_text('{"text": "a"}\n{oops\n')
     with pytest.raises(DataError, match=r"x.jsonl line 2: not valid JSON"):
         load_examples(DataSection(path=str(f)), tok)
+    # data.on_malformed=skip drops and counts such lines too (it stopped on them: walk-through)
+    f.write_text('{"text": "a b c"}\n{oops\n{"text": "d e f"}\n[1,\n')
+    train, _, stats = load_examples(DataSection(path=str(f), on_malformed="skip", eval_size=0), tok)
+    assert stats.records == 4 and stats.skipped == {"a JSONL line that is not valid JSON": 2} and train
 
 
 def test_plain_text_is_packed_with_loss_everywhere(tmp_path, tok):
