@@ -356,6 +356,7 @@ class Recipe(_Section):
                 raise ValueError("lora: ZeRO-3 would partition the adapter inside the base, which the accept "
                                  "estimate and the export read outside the engine's forward; use "
                                  "distributed.zero_stage: 2")
+        self._unread_settings()
         if self.head.type in ("eagle3", "dflash") and self.distributed.strategy == "fsdp":
             raise ValueError(f"head.type {self.head.type} reads the base's token embeddings and rotary table outside the base's "
                              "forward, which an FSDP-sharded base does not allow: use distributed.strategy ddp or "
@@ -373,6 +374,31 @@ class Recipe(_Section):
             except ValidationError as e:
                 raise ValueError(f"ensemble.architectures[{i}] = {arch!r}: {e.errors()[0]['msg']}") from None
         return self
+
+
+    def _unread_settings(self) -> None:
+        """Settings that the head type reads nothing of, given other than their defaults: refused, naming what the
+        kind reads instead (they were trained past in silence: walk-through). Defaults pass, so a dumped recipe,
+        which holds every field, validates again."""
+        kind, unread = self.head.type, {}
+        if kind in ("ssm", "eagle3", "dflash"):
+            where = {"ssm": "head.ssm", "eagle3": "head.eagle (ttt_steps: the unrolled steps)",
+                     "dflash": "head.dflash (block_size, num_layers)"}[kind]
+            for f in ("num_heads", "num_layers"):
+                unread[f"head.{f}"] = (self.head, f, f"Medusa / Hydra settings; a {kind} draft is shaped by {where}")
+        if kind == "eagle3":
+            unread["loss.distill_weight"] = (self.loss, "distill_weight", "an eagle3 draft always trains towards the "
+                                             "base's distribution, as EAGLE-3 does")
+            unread["loss.head_decay"] = (self.loss, "head_decay", "an eagle3 draft weighs its steps by "
+                                         "head.eagle.step_decay")
+        if kind == "dflash":
+            unread["loss.head_decay"] = (self.loss, "head_decay", "a dflash draft weighs block positions by "
+                                         "head.dflash.loss_decay_gamma")
+        for key, (section, f, why) in unread.items():
+            value, default = getattr(section, f), type(section).model_fields[f].default
+            if value != default:
+                raise ValueError(f"{key}={value}: {why}; this setting is not read (leave it at its default, "
+                                 f"{default})")
 
 
 def accept_settings(recipe: Recipe) -> tuple[int, int]:

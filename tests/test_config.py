@@ -1,8 +1,9 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from draftlab.config import ConfigError, build_recipe, diff_recipes, load_recipe, parse_overrides
+from draftlab.config import ConfigError, build_recipe, diff_recipes, dump_recipe, load_recipe, parse_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 MIN = {"base": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
@@ -59,6 +60,21 @@ def test_cross_field_rule_names_the_fix():
     with pytest.raises(ConfigError) as e:
         build_recipe(MIN, ["head.prefix_attention=true"])
     assert "head.prefix_attention=true needs head.type=hydra" in str(e.value)
+
+
+@pytest.mark.parametrize("kind, setting, reads", [
+    ("dflash", "head.num_layers=2", "shaped by head.dflash"), ("ssm", "head.num_heads=3", "shaped by head.ssm"),
+    ("eagle3", "loss.distill_weight=0.5", "always trains towards the base's distribution"),
+    ("eagle3", "loss.head_decay=0.5", "head.eagle.step_decay"), ("dflash", "loss.head_decay=0.5", "loss_decay_gamma")])
+def test_a_setting_the_head_type_does_not_read_is_refused(kind, setting, reads):
+    """Settings a kind reads nothing of were trained past in silence (walk-through: EAGLE-3's loss identical at
+    distill_weight 0 and 0.5); given other than their default they are refused, naming what the kind reads. A
+    recipe dumped whole (every field at its default) validates again."""
+    with pytest.raises(ConfigError, match=f"{setting}: .*{reads}.*this setting is not read"):
+        build_recipe(MIN, [f"head.type={kind}", setting])
+    ok = build_recipe(MIN, [f"head.type={kind}"])
+    assert build_recipe(yaml.safe_load(dump_recipe(ok))) == ok
+    assert build_recipe(MIN, ["head.type=medusa", setting.replace("head_decay=0.5", "head_decay=0.7")])
 
 
 @pytest.mark.parametrize("layers", ["[16, 2, 29]", "[2, 2, 2]"])

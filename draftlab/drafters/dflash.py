@@ -24,7 +24,7 @@ a..a+block_size-1, its queries see the context features at positions < a (what d
 base's newest token) and the whole block. Block position k
 predicts x_{a+k} with weight exp(-(k - 1) / loss_decay_gamma), the loss normalised by the summed weights
 (SpecForge's); the target is the data token (SpecForge), the base's distribution at position a+k-1 (speculators),
-or a mix (loss.distill_weight), as for every other kind.
+or a mix (loss.distill_weight), as for the heads and SSMs (EAGLE-3 always distils).
 
 Decoding: the drafter keeps, per draft layer, the projected keys / values of the context at every committed
 position (from the base's true features when a step is committed). Each step drafts the block below the root in
