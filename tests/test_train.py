@@ -84,6 +84,30 @@ def test_metrics_config_and_eval_are_written(tiny_base_dir, data_file, tmp_path)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
+def test_tokens_per_s_leaves_evaluations_out(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """The first log record after an evaluation counted the evaluation's time in tokens_per_s (walk-through: 3178,
+    then 119.8 right after an eval, then 3048). A clock that jumps 1000 s in each evaluation must not show."""
+    import time
+    from types import SimpleNamespace
+
+    import draftlab.train.loop as loop
+
+    jump = [0.0]
+    clock = SimpleNamespace(perf_counter=lambda: time.perf_counter() + jump[0], time=time.time)
+    real = loop.evaluate_run
+
+    def slow_eval(run, step):
+        jump[0] += 1000.0
+        return real(run, step)
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "evaluate_run", slow_eval)
+    out = tmp_path / "run"
+    train(recipe(tiny_base_dir, data_file, out, log_every_steps=1))
+    rates = [json.loads(l).get("tokens_per_s") for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r for r in rates if r is not None]
+    assert len(rates) == 4 and jump[0] == 2000.0 and min(rates) > 1.0, rates  # (a step is at most 128 tokens)
+
+
 def test_run_dir_refuses_a_different_recipe(tiny_base_dir, data_file, tmp_path):
     out = tmp_path / "run"
     train(recipe(tiny_base_dir, data_file, out, max_steps=2))

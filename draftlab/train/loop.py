@@ -408,6 +408,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
             postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.set_postfix(postfix)
             window = Window()
+        paused = time.perf_counter()  # evaluations and checkpoints stay out of the next record's tokens/s
         if run.eval_ex and (step % t.eval_every_steps == 0 or step == run.total_steps):
             last_eval = evaluate_run(run, step)
             metrics.log({"step": step, "event": "eval", **last_eval})
@@ -418,6 +419,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
         stopped = step < end_step and stopper.requested()
         if step % t.save_every_steps == 0 or step == end_step or stopped:
             save_checkpoint(accelerator, run.out_dir, step, run.total_steps, t.keep_checkpoints)
+        window.t0 += time.perf_counter() - paused  # (the first record after one counted it: walk-through)
         if stopped:
             metrics.log({"step": step, "event": "stopped", "reason": "stop requested (signal or STOP file)"})
             if run.is_main:
