@@ -196,6 +196,15 @@ def test_export_to_refuses_a_directory_with_files_unless_forced(tiny_base_dir, t
     assert main(imported[:-1] + [str(tmp_path / "imp")]) == 0
 
 
+def test_a_reader_that_goes_away_ends_a_command_quietly():
+    """`draftlab recipes list --json | head` ended in a BrokenPipeError traceback (walk-through)."""
+    p = subprocess.Popen([sys.executable, "-m", "draftlab.cli", "recipes", "list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO)
+    p.stdout.close()  # (before the command has imported, let alone written)
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys):
     """Ctrl-C printed a KeyboardInterrupt traceback (walk-through, `draftlab dsi`); now one line, the shell's 130."""
     import draftlab.cli.simulate as sim

@@ -66,6 +66,8 @@ def test_recipes_list_and_copy(tmp_path, capsys, monkeypatch):
     assert main(["recipes", "copy", "stories260k-medusa", "--force"]) == 0
     assert main(["recipes", "copy", "vicuna7b-hydra", "sub/mine.yaml"]) == 0
     assert (tmp_path / "sub" / "mine.yaml").read_text() == (REPO / "recipes" / "vicuna7b-hydra.yaml").read_text()
+    assert main(["recipes", "copy", "vicuna7b-hydra", "new/"]) == 0  # a folder to make (it wrote a file `new`)
+    assert (tmp_path / "new" / "vicuna7b-hydra.yaml").is_file()
     capsys.readouterr()
     assert main(["recipes", "copy", "stories260k-medusa3"]) == 2
     assert "no shipped recipe 'stories260k-medusa3'; did you mean 'stories260k-medusa'?" in capsys.readouterr().err

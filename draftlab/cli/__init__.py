@@ -346,14 +346,21 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # tensor-parallel ranks other than 0 decode silently
     try:
         apply_compile_cache(args)  # before anything compiles (--compile-cache DIR)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # (here, where a closed pipe is caught below, not at the interpreter's exit)
+        return rc
     except (ConfigError, DataError, ExportError, BaseModelError, ValueError, FileNotFoundError) as e:
         if getattr(args, "json", False):
             _print_json({"error": str(e)})
         print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status, not a traceback; workers end with us)
-        print(f"draftlab {args.command}: interrupted", file=sys.stderr)
+        hint = ("; no checkpoint was saved now: the run resumes from its last one. To stop with a checkpoint of the "
+                "current step, `touch OUTPUT_DIR/STOP` or `kill -TERM` the process" if args.command == "train" else "")
+        print(f"draftlab {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
     finally:
         warnings.formatwarning = formatted

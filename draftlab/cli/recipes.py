@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def recipes_command(a) -> int:
         rows = [{"name": n, "path": str(recipe_path(n)), "summary": recipe_summary(recipe_path(n))}
                 for n in recipe_names()]
         if a.json:
-            print(json.dumps(rows))
+            print(json.dumps(rows), flush=True)
             return 0
         width = max(len(r["name"]) for r in rows)
         for r in rows:
@@ -59,7 +60,7 @@ def recipes_command(a) -> int:
         return 0
     src = recipe_path(a.name)
     dest = Path(a.dest)
-    if dest.is_dir():
+    if dest.is_dir() or a.dest.endswith(("/", os.sep)):  # (a new folder named with its slash: walk-through)
         dest = dest / src.name
     if dest.exists() and not a.force:
         raise ValueError(f"{dest} exists; pass --force to overwrite it")
