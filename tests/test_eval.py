@@ -147,9 +147,29 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     from draftlab.eval.mt_bench import _settings_file
 
     assert (tmp_path / "m" / "summary.json").is_file() and (tmp_path / "m" / "report.md").is_file()
+    (tmp_path / "m" / "accept_length_hist.png").write_bytes(b"old")
     _settings_file(tmp_path / "m", settings, overwrite=True)
     assert not (tmp_path / "m" / "summary.json").exists() and not (tmp_path / "m" / "report.md").exists()
+    assert not list((tmp_path / "m").glob("*.png"))  # (the old plots, beside a --no-plots report: walk-through)
 
+
+
+def test_a_run_refused_before_answering_leaves_its_folder_usable(export, tmp_path):
+    """A --max-new-tokens past the base's context failed after run.json was written, and the corrected rerun into
+    the same folder was refused as 'other settings' though it held no answer (walk-through: the default 1024 fails on
+    stories260K's 512-token context, spoiling the default folder). --no-baseline's report shows '-' for what was not
+    measured, not 0% identical."""
+    out = tmp_path / "r"
+    with pytest.raises(EvalError, match="--max-new-tokens 1024 leaves .* prompt tokens"):
+        run_mt_bench(export, str(MT), str(out), limit=1, max_new_tokens=1024, progress=False, plots=False)
+    assert not (out / "run.json").exists()
+    (out / "answers").mkdir(parents=True)  # (a run killed before its first answer: its settings bind nothing)
+    (out / "run.json").write_text(json.dumps({"max_new_tokens": 99}))
+    s = run_mt_bench(export, str(MT), str(out), limit=1, max_new_tokens=8, progress=False, plots=False,
+                     baseline=False)
+    assert s["overall"]["answers"] == 1
+    row = next(l for l in open(s["report"]).read().splitlines() if l.startswith("| writing |"))
+    assert row.endswith("| - | - | - |") and "0%" not in row, row
 
 
 def test_a_system_message_opens_every_conversation(export, stories_dir, tmp_path):

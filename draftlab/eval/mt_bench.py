@@ -344,13 +344,15 @@ def write_report(out: Path, s: dict, plots: bool = True) -> Path:
              f", max {s['max_new_tokens']} new tokens, questions `{s['questions']}`, {s['hardware']}", "",
              "| category | answers | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
 
+    compared = s.get("baseline", True)  # (--no-baseline: nothing measured to compare; it read 0.0, 0.00x, 0%)
+
     def row(name, r):
-        cells = [f"{r['accept_length']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r.get('baseline_tokens_per_s', 0):.1f}",
-                 f"{r.get('speedup', 0):.2f}x"]
+        cells = [f"{r['accept_length']:.2f}", f"{r['tokens_per_s']:.1f}"] + (
+            [f"{r.get('baseline_tokens_per_s', 0):.1f}", f"{r.get('speedup', 0):.2f}x"] if compared else ["-", "-"])
         if fast:
             cells += [f"{r['compiled_plain_tokens_per_s']:.1f}", f"{r['speedup_vs_compiled_plain']:.2f}x"]
         if s["greedy"]:
-            cells.append(f"{100 * r.get('identical_share', 0):.0f}%")
+            cells.append(f"{100 * r.get('identical_share', 0):.0f}%" if compared else "-")
         return f"| {name} | {r['answers']} | " + " | ".join(cells) + " |"
     lines += [row(c, r) for c, r in s["categories"].items()] + [row("**overall**", s["overall"])]
     if s["overall"].get("turns_compiled"):
@@ -429,7 +431,8 @@ def plot_summary(out: Path, s: dict) -> list[str]:
 def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
     """Refuse to mix answers made under other settings into one run directory."""
     f = out / "run.json"
-    if f.is_file() and not overwrite:
+    answered = any(p.stat().st_size for p in (out / "answers").glob("*.jsonl")) if (out / "answers").is_dir() else False
+    if f.is_file() and not overwrite and answered:  # (a run that failed before answering holds nothing to mix)
         old = json.loads(f.read_text())
         diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
         diff += [k for k in RUN_KEYS_SINCE_1201 if k in old and old[k] != settings.get(k)]
@@ -440,6 +443,8 @@ def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
         shutil.rmtree(out / "answers", ignore_errors=True)
         for name in ("summary.json", "report.md"):
             (out / name).unlink(missing_ok=True)
+        for png in out.glob("*.png"):  # (the old run's plots stayed beside a --no-plots report: walk-through)
+            png.unlink()
     out.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(settings, indent=2))
 
@@ -484,6 +489,7 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "system": system, "limit": limit, "category": categories, "export_files": files_fingerprint(export),
                 "base_files": files_fingerprint(base_name), "hardware": hardware()}
     outp = Path(out)
+    budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)  # (before run.json is written)
     _settings_file(outp, settings, overwrite)
     ans_dir = outp / "answers"
     ans_dir.mkdir(exist_ok=True)
@@ -498,7 +504,6 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
             rewrite_lines(path, [json.dumps(r) for r in ans.values()])
     done = agree(done)  # the ranks of a tensor-parallel run answer the same questions
     todo = [q for q in qs if q["question_id"] not in done]
-    budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)
     # --compile: draftlab's own plain decoding on the compiled path too, so a speedup is speculation's and not
     # compilation's (HF's eager generate stays the first baseline). Its static cache is one more sequence's KV.
     plain_compiled = SpeculativeDecoder(decoder.base, NoDraft(), sync=getattr(decoder, "sync", None),
