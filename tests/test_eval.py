@@ -47,6 +47,12 @@ def test_questions_formats_and_errors(tmp_path):
                      '{"question_id": 1, "category": "b", "turns": ["yo"]}\n')
     with pytest.raises(EvalError, match="twice.jsonl:2: question_id 1 again"):
         load_questions(str(twice))
+    scalar = tmp_path / "scalar.jsonl"  # (a TypeError, and datasets' offline traceback: walk-through)
+    scalar.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n5\n')
+    with pytest.raises(EvalError, match="scalar.jsonl:2: a question record is a JSON object .*not int"):
+        load_questions(str(scalar))
+    with pytest.raises(EvalError, match="'nobody/no-such-questions': no such file here, and the hub dataset does not"):
+        load_questions("nobody/no-such-questions")
 
 
 def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path):
@@ -399,6 +405,12 @@ def test_sampling_run_and_compare(export, tmp_path):
     assert any(line.startswith("questions_answered:") for line in held_fixed(runs))
     with pytest.raises(EvalError, match="no summary.json"):
         compare_runs([str(tmp_path)])
+    (tmp_path / "bad.json").write_text("{")  # (json's message without the file, and a KeyError: walk-through)
+    (tmp_path / "other.json").write_text('{"overall": {}}')
+    with pytest.raises(EvalError, match="bad.json: not valid JSON"):
+        compare_runs([str(tmp_path / "bad.json"), str(tmp_path / "b")])
+    with pytest.raises(EvalError, match="other.json: not an `eval mt-bench` summary \\(no categories\\)"):
+        compare_runs([str(tmp_path / "other.json"), str(tmp_path / "b")])
 
 
 def test_eval_cli_json(export, tmp_path, capsys):

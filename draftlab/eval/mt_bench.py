@@ -80,10 +80,17 @@ def load_questions(src: str, categories: list[str] | None = None, limit: int | N
             raise EvalError(f"--questions {src!r}: no such file, and not a hub dataset id (owner/name)")
         from datasets import load_dataset
 
-        ds = load_dataset(src, split="train")
+        try:
+            ds = load_dataset(src, split="train")
+        except Exception as e:  # (offline, a typo of a local path, no such dataset: datasets' own traceback before)
+            raise EvalError(f"--questions {src!r}: no such file here, and the hub dataset does not load "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         rows = [(f"{src}[{i}]", dict(r)) for i, r in enumerate(ds)]
     out, seen = [], set()
     for where, r in rows:
+        if not isinstance(r, dict):  # (a line such as `5` was a TypeError: walk-through)
+            raise EvalError(f"{where}: a question record is a JSON object (FastChat's {{question_id, category, "
+                            f"turns}}), not {type(r).__name__}")
         missing = [k for k in ("question_id", "category", "turns") if k not in r]
         if missing:
             raise EvalError(f"{where}: question record lacks {', '.join(missing)} "
@@ -557,8 +564,17 @@ def summary_path(src: str) -> Path:
 
 
 def load_summary(src: str) -> dict:
-    """A run's summary.json, with `dir` set to what the user named."""
-    return {"dir": src, **json.loads(summary_path(src).read_text())}
+    """A run's summary.json, with `dir` set to what the user named; one that is not JSON or lacks a run's figures
+    is named (it was a KeyError traceback, or json's message without the file: walk-through)."""
+    path = summary_path(src)
+    try:
+        s = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EvalError(f"{path}: not valid JSON ({e.msg}); give an `eval mt-bench` run directory") from None
+    missing = [k for k in ("overall", "categories") if not isinstance(s, dict) or k not in s]
+    if missing:
+        raise EvalError(f"{path}: not an `eval mt-bench` summary (no {', '.join(missing)})")
+    return {"dir": src, **s}
 
 
 def compare_runs(dirs: list[str]) -> tuple[str, list[dict]]:
