@@ -160,7 +160,7 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
 
 
 
-def test_a_run_refused_before_answering_leaves_its_folder_usable(export, tmp_path):
+def test_a_run_refused_before_answering_leaves_its_folder_usable(export, tmp_path, monkeypatch):
     """A --max-new-tokens past the base's context failed after run.json was written, and the corrected rerun into
     the same folder was refused as 'other settings' though it held no answer (walk-through: the default 1024 fails on
     stories260K's 512-token context, spoiling the default folder). --no-baseline's report shows '-' for what was not
@@ -176,6 +176,12 @@ def test_a_run_refused_before_answering_leaves_its_folder_usable(export, tmp_pat
     assert s["overall"]["answers"] == 1
     row = next(l for l in open(s["report"]).read().splitlines() if l.startswith("| writing |"))
     assert row.endswith("| - | - | - |") and "0%" not in row, row
+
+    # The same questions named relatively and --tree default resume that run (they were refused as other settings)
+    monkeypatch.chdir(MT.parent)
+    again = run_mt_bench(export, MT.name, str(out), limit=1, max_new_tokens=8, progress=False, plots=False,
+                         baseline=False, tree="default")
+    assert again["overall"]["answers"] == 1 and again["questions"] == str(MT.resolve())
 
 
 def test_a_system_message_opens_every_conversation(export, stories_dir, tmp_path):

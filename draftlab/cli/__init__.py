@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .args import apply_compile_cache, non_negative_float, positive_int
+from .args import apply_compile_cache, non_negative_float, positive_float, positive_int
 
 
 def _print_json(obj: dict) -> None:
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("quickstart", help="build a small base, train Medusa, Hydra and Hydra++ heads and a 1-layer "
                                           "SSM, export and decode (CPU, offline)")
     s.add_argument("--out", default="runs/quickstart", help="where the base, data, runs and exports go")
-    s.add_argument("--minutes", type=float, default=3.0, help="time budget for pretraining the small base")
+    s.add_argument("--minutes", type=positive_float, default=3.0, help="time budget for pretraining the small base")
     s.add_argument("--seed", type=int, default=0, help="seed of the base's and the drafts' training")
     s.add_argument("--compile", action="store_true", help="decode on the compiled, static-shape path (each draft and "
                    "draftlab's plain decoding compiled and warmed up on every prompt first, a few minutes on a CPU)")

@@ -485,7 +485,12 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     base_name = base or meta["base"]["name_or_path"]
     short = Path(base_name.rstrip("/")).name
     model_id = model_id or f"{short}-draftlab-{meta['head']['type']}"
-    settings = {"export": str(export), "base": base_name, "questions": str(questions), "tree": tree,
+    # The questions file by its absolute path and `--tree default` as no --tree: the same run either way (a resume
+    # was refused for `data/...` against the default's absolute path, and for default -> None: walk-through).
+    q_path = Path(questions).expanduser()
+    settings = {"export": str(export), "base": base_name,
+                "questions": str(q_path.resolve()) if q_path.exists() else str(questions),
+                "tree": None if tree in (None, "", "default") else tree,
                 "tree_size": decoder.drafter.max_nodes, "head": meta["head"]["type"], "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "typical": typical,
                 "typical_epsilon": sampling.posterior_threshold if typical else None,
