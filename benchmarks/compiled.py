@@ -46,6 +46,7 @@ def load_exports(exports: list[str], tree: str | None = None, options: dict | No
         lookup = path.split(":")[0] == "lookup"
         if lookup and first is None:
             raise ValueError("prompt lookup (lookup) decodes the first export's base: name another export first")
+        own = None if lookup and own == tree else own  # (the global --tree is the exports'; lookup takes no tree)
         d, tok, m = load_decoder(path, tree=own, **({"base": first[1]["base"]["name_or_path"]} if lookup else {}),
                                  **(options or {}).get(label, {}))
         if base is None:

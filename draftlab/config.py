@@ -175,7 +175,7 @@ class DataSection(_Section):
     max_len: int = Field(2048, ge=8, description="tokens per example after the chat template")
     eval_size: float = Field(
         0.05, ge=0, description="held-out records: a fraction if < 1, else a count (of records, before a .txt's "
-                               "documents are cut into blocks)"
+                               "documents are cut into blocks; of blocks for a single document)"
     )
     eval_pick: Literal["random", "tail"] = Field(
         "random", description="held-out records: a seeded random subset, or the last ones in file order"

@@ -144,6 +144,9 @@ def test_a_device_this_machine_lacks_and_a_dynamic_tree_on_heads_are_named(tiny_
     # A rank past the vocabulary, ensemble options on another kind, and lookup given a tree or a bad length are one
     # line each, exit 2 (walk-through: torch's index error, a TypeError, silence, and int()'s message).
     vocab = base.get_output_embeddings().weight.shape[0]
+    long = "{paths: [" + ", ".join(["[0]", "[1]"] + [f"[0, {i}]" for i in range(60)]) + "]}"  # (past 255 chars:
+    assert len(long) > 255  # a file-name check raised ENAMETOOLONG, a traceback: review)
+    assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--max-new-tokens", "4", "--tree", long]) == 0
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--tree", f"[[0], [{vocab}]]"]) == 2
     assert f"rank {vocab} asks for the draft's token of that rank, but it ranks {vocab}" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--ensemble-mode", "vote", "--length",
@@ -203,6 +206,14 @@ def test_a_reader_that_goes_away_ends_a_command_quietly():
     p.stdout.close()  # (before the command has imported, let alone written)
     err = p.stderr.read().decode()
     assert p.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+    # Another pipe that broke inside a command is an error like any other, not a quiet 141 (review)
+    code = ("import sys, draftlab.cli.simulate as s\n"
+            "def broken(a): raise BrokenPipeError(32, 'a socket')\n"
+            "s.simulate_command = broken\n"
+            "from draftlab.cli import main\n"
+            "sys.exit(main(['simulate', '--target-ms', '30', '--drafter-ms', '3', '--acceptance', '0.8']))")
+    q = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert q.returncode == 1 and "BrokenPipeError: [Errno 32] a socket" in q.stderr, q.stderr
 
 
 def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys):

@@ -182,6 +182,12 @@ def test_a_run_refused_before_answering_leaves_its_folder_usable(export, tmp_pat
     again = run_mt_bench(export, MT.name, str(out), limit=1, max_new_tokens=8, progress=False, plots=False,
                          baseline=False, tree="default")
     assert again["overall"]["answers"] == 1 and again["questions"] == str(MT.resolve())
+    # A run.json written before (questions as given, tree "default") resumes with the same command (review)
+    from draftlab.eval.mt_bench import _settings_file
+
+    settings = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**settings, "questions": MT.name, "tree": "default"}))
+    _settings_file(out, settings, overwrite=False)
 
 
 def test_a_system_message_opens_every_conversation(export, stories_dir, tmp_path):

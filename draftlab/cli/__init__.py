@@ -331,6 +331,21 @@ def say_warnings(command: str):
     return previous
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on its writing end)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # (captured output: no descriptor)
+        return False
+    if not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..base import BaseModelError
     from ..config import ConfigError
@@ -355,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
+        if not _stdout_closed():  # (another pipe or socket that broke is an error like any other)
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status, not a traceback; workers end with us)

@@ -132,7 +132,11 @@ class Tree:
         import difflib
 
         p = Path(path)
-        if not p.is_file():
+        try:
+            found = p.is_file()
+        except OSError:  # (a name longer than the file system takes: ENAMETOOLONG)
+            found = False
+        if not found:
             names = ["default", "kind", "chain", "chain:N", "expansion:K1,K2,...", "dynamic:DEPTH,TOP_K,TOTAL_TOKENS"]
             close = difflib.get_close_matches(str(path).split(":")[0],
                                               ["default", "kind", "chain", "expansion", "dynamic"], n=1, cutoff=0.6)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 
-from .mt_bench import EvalError
+from .mt_bench import EvalError, same_run_value
 from .slices import NUMERATOR_SUMS, SLICINGS, bucket_key, influences, plus_minus, spread
 
 
@@ -34,7 +34,7 @@ HELD_FIXED = ("base", "questions", "questions_answered", "slice_field", "max_new
 def held_fixed(runs: list[dict]) -> list[str]:
     """What differs between runs' summaries among the settings a fair comparison holds fixed (HELD_FIXED, and the
     number of turns answered), one line each with every run's value in order; empty: comparable."""
-    values = {k: [r.get(k) for r in runs] for k in HELD_FIXED}
+    values = {k: [same_run_value(k, r.get(k)) for r in runs] for k in HELD_FIXED}
     values["turns answered"] = [r["overall"].get("turns") for r in runs]
     return [f"{k}: {' / '.join(repr(v) for v in vals)}" for k, vals in values.items()
             if len({json.dumps(v, sort_keys=True) for v in vals}) > 1]

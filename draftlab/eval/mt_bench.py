@@ -435,12 +435,23 @@ def plot_summary(out: Path, s: dict) -> list[str]:
     return [str(p1), str(p2)]
 
 
+def same_run_value(key: str, value):
+    """A run setting as runs compare it: the questions file by its absolute path, `--tree default` as no --tree
+    (run.json files before 2026-12-02 hold them as given; naming either another way is the same run)."""
+    if key == "questions" and isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    if key == "tree" and value in (None, "", "default"):
+        return None
+    return value
+
+
 def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
     """Refuse to mix answers made under other settings into one run directory."""
     f = out / "run.json"
     answered = any(p.stat().st_size for p in (out / "answers").glob("*.jsonl")) if (out / "answers").is_dir() else False
     if f.is_file() and not overwrite and answered:  # (a run that failed before answering holds nothing to mix)
         old = json.loads(f.read_text())
+        old = {k: same_run_value(k, v) for k, v in old.items()}
         diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
         diff += [k for k in RUN_KEYS_SINCE_1201 if k in old and old[k] != settings.get(k)]
         if diff:
@@ -487,10 +498,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
     model_id = model_id or f"{short}-draftlab-{meta['head']['type']}"
     # The questions file by its absolute path and `--tree default` as no --tree: the same run either way (a resume
     # was refused for `data/...` against the default's absolute path, and for default -> None: walk-through).
-    q_path = Path(questions).expanduser()
-    settings = {"export": str(export), "base": base_name,
-                "questions": str(q_path.resolve()) if q_path.exists() else str(questions),
-                "tree": None if tree in (None, "", "default") else tree,
+    settings = {"export": str(export), "base": base_name, "questions": same_run_value("questions", str(questions)),
+                "tree": same_run_value("tree", tree),
                 "tree_size": decoder.drafter.max_nodes, "head": meta["head"]["type"], "temperature": temperature,
                 "top_p": top_p, "top_k": top_k, "typical": typical,
                 "typical_epsilon": sampling.posterior_threshold if typical else None,

@@ -343,8 +343,10 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
         a, b = _tok_raw(trained), _tok_raw(served)
     except (OSError, ValueError) as e:
         return Check("tokenizer", False, f"cannot load {trained} ({where}) or {served} to compare ({e})")
-    if template:
-        b.chat_template = Path(template).read_text(encoding="utf-8")
+    if shipped is not None:  # training rendered with the export's template; served with it unless told otherwise
+        a.chat_template = shipped.read_text(encoding="utf-8")
+    if given is not None:
+        b.chat_template = given.read_text(encoding="utf-8")
     msgs = []
     va, vb = a.get_vocab(), b.get_vocab()
     if va != vb:

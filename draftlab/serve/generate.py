@@ -137,7 +137,10 @@ def searched_elsewhere(tree: str | None, export_dir: str, compile: bool) -> str 
     import json
     from pathlib import Path
 
-    if not tree or not Path(tree).is_file():
+    try:
+        if not tree or not Path(tree).is_file():
+            return None
+    except OSError:  # (inline paths longer than a file name may be: ENAMETOOLONG, a traceback before: review)
         return None
     try:
         m = json.loads(Path(tree).read_text()).get("metadata") or {}

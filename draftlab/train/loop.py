@@ -408,18 +408,25 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
             postfix.update(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             bar.set_postfix(postfix)
             window = Window()
-        paused = time.perf_counter()  # evaluations and checkpoints stay out of the next record's tokens/s
-        if run.eval_ex and (step % t.eval_every_steps == 0 or step == run.total_steps):
+        # Evaluations and checkpoints stay out of the next record's tokens/s (the first record after one counted it:
+        # walk-through); the stop check between them stays in (its all-reduce waits for the step's kernels).
+        evaluating = run.eval_ex and (step % t.eval_every_steps == 0 or step == run.total_steps)
+        if evaluating and accelerator.device.type == "cuda":
+            torch.cuda.synchronize(accelerator.device)  # (the step's queued kernels are the step's time)
+        t_eval = time.perf_counter()
+        if evaluating:
             last_eval = evaluate_run(run, step)
             metrics.log({"step": step, "event": "eval", **last_eval})
             accept = selection_value(last_eval)  # what the export would decode at (None: not measured here)
             if accept is not None:
                 postfix["accept"] = f"{accept:.2f}"
                 bar.set_postfix(postfix)
+        paused = time.perf_counter() - t_eval
         stopped = step < end_step and stopper.requested()
+        t_save = time.perf_counter()  # (after the stop check's all-reduce, which waited for the step's kernels)
         if step % t.save_every_steps == 0 or step == end_step or stopped:
             save_checkpoint(accelerator, run.out_dir, step, run.total_steps, t.keep_checkpoints)
-        window.t0 += time.perf_counter() - paused  # (the first record after one counted it: walk-through)
+        window.t0 += paused + time.perf_counter() - t_save
         if stopped:
             metrics.log({"step": step, "event": "stopped", "reason": "stop requested (signal or STOP file)"})
             if run.is_main:
