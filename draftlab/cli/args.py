@@ -25,37 +25,30 @@ def add_placement_args(p) -> None:
                    help="layer-wise placement of the base over the visible devices, e.g. 'auto' (one process)")
 
 
-def probability(text: str) -> float:
-    """argparse type: a number in (0, 1]."""
+def _number(text: str, ok, rule: str) -> float:
+    """A float argument that satisfies ok(value), else argparse's error saying the rule it breaks."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{value} is not {rule}")
     return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    return _number(text, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not > 0")
-    return value
+    return _number(text, lambda v: v > 0, "> 0")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a number >= 0 (a temperature: 0 is greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
-    return value
+    return _number(text, lambda v: v >= 0, ">= 0")
 
 
 def add_typical_args(p) -> None:
