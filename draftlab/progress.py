@@ -34,11 +34,6 @@ LIBRARY_NOISE = (
 
 # Python warnings of the same kind: (category, the start of the message, literally).
 LIBRARY_WARNINGS = (
-    # transformers 5.x renamed the cache argument of its models' forward (`cache`); draftlab still passes the old
-    # name, which the warning says goes in 5.40.0. The rename is draftlab's to make, not the user's, yet the
-    # warning landed in the quickstart's log and every decoding command's output. (Tests still see it: pytest
-    # records warnings per test.)
-    (FutureWarning, "`past_key_values` is deprecated and will be removed"),
     # peft (0.21) reads transformers' renamed `is_gradient_checkpointing` when it wraps a base for Medusa-2's adapter:
     # peft's rename to make, not the user's (walk-through: it landed in Medusa-2 training's output).
     (FutureWarning, "`is_gradient_checkpointing` is deprecated and will be removed"),

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from draftlab.decode.cache import cache_arg
 from draftlab.decode.acceptance import Sampling, accept_sampling, draw, sample, warp
 from draftlab.decode.decoder import SpeculativeDecoder
 from draftlab.decode.search import default_tree
@@ -162,7 +163,7 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
     committed = prompt + prop.tokens[0, paths[0]].tolist()
     assert target.cache.get_seq_length() == len(committed)
     nxt = bonus[None]
-    step = base(nxt, past_key_values=target.cache, use_cache=True).logits[0, -1]
+    step = base(nxt, **cache_arg(base, target.cache), use_cache=True).logits[0, -1]
     fresh = base(torch.tensor([committed + [int(bonus)]])).logits[0, -1]
     torch.testing.assert_close(step, fresh)
     assert committed[len(prompt):] + [int(bonus)] == seq[len(prompt): len(committed) + 1]

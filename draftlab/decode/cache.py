@@ -182,8 +182,8 @@ class SlotCache:
         its own tokens only. hidden: the hidden_states indices the caller reads (hidden_states_arg); last: the
         logits of the last position only. (bucket: StaticSlotCache's; the eager path runs every width as it comes.)"""
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=hidden_states_arg(hidden),
+        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=pos,
+                         **cache_arg(self.model, self.cache), use_cache=True, output_hidden_states=hidden_states_arg(hidden),
                          **last_logits(self.model, last))
         self.valid, self.next_pos = valid.bool(), valid.sum(-1)
         return out, pos
@@ -198,7 +198,7 @@ class SlotCache:
         pos = self.next_pos[:, None] + depth
         far = distances(self.valid, pos, allowed.shape[2]) if self.spans else None
         return self.model(input_ids=tokens, attention_mask=span_masks(full, far, pos, self.spans, self.dtype),
-                          position_ids=pos, past_key_values=self.cache, use_cache=True,
+                          position_ids=pos, **cache_arg(self.model, self.cache), use_cache=True,
                           output_hidden_states=hidden_states_arg(hidden))
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
@@ -242,7 +242,7 @@ def check_tree_support(model) -> None:
     try:
         ref = model(input_ids=torch.cat([ids, sib[:, 1:]], 1)).logits[0, -1].float()
         cache = full_layers(DynamicCache(config=model.config))  # (as the decoder's: a sliding layer keeps one window)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_arg(model, cache), use_cache=True)
         # Two siblings at the same position: the second must not see the first.
         seen = torch.ones(1, 2, 6, dtype=torch.bool, device=dev)
         seen[0, 1, 4] = False
@@ -250,7 +250,7 @@ def check_tree_support(model) -> None:
         mask = span_masks(seen, torch.zeros(1, 2, 6, dtype=torch.int32, device=dev),
                           torch.tensor([[4, 4]], device=dev), layer_spans(model), dtype)
         got = model(input_ids=sib, attention_mask=mask, position_ids=torch.tensor([[4, 4]], device=dev),
-                    past_key_values=cache, use_cache=True).logits[0, 1].float()
+                    **cache_arg(model, cache), use_cache=True).logits[0, 1].float()
         cache_layers(cache)
     except UnsupportedBaseError:
         raise
@@ -527,7 +527,7 @@ class StaticSlotCache:
         self._check_room(N)
         self.tentative += N
         self._set_window(self.n + self.tentative)
-        return dict(**_inputs(tokens), past_key_values=self.cache, use_cache=True,
+        return dict(**_inputs(tokens), **cache_arg(self.model, self.cache), use_cache=True,
                     output_hidden_states=hidden_states_arg(hidden))
 
     def keep(self, start: int, keep: torch.Tensor, keep_valid: torch.Tensor, in_place: bool = False) -> None:
@@ -656,17 +656,34 @@ def last_logits(model, last: bool) -> dict:
     """The model's keyword argument for logits at the last position only (`logits_to_keep`, where its forward has
     it): a prefill whose caller reads the next token only leaves out [B, L, V] logits (8 GB in bfloat16 for a
     128k vocabulary at batch 8 x 4,096 tokens)."""
-    if not last:
-        return {}
-    forward = type(model).forward
-    if forward not in _KEEPS_LOGITS:
+    return {"logits_to_keep": 1} if last and "logits_to_keep" in _forward_params(model) else {}
+
+
+def cache_arg(model, cache) -> dict:
+    """The model's keyword argument for its KV cache. transformers 5.x renamed `past_key_values` to `cache`: the
+    old name warns and goes in 5.40, after which a decoder layer would take it into its **kwargs and run without
+    the cache, silently. A model written for an older transformers (remote code, or transformers before the rename)
+    takes `past_key_values`, the name to fall back on where the forward names neither."""
+    return {cache_name(model): cache}
+
+
+def cache_name(model) -> str:
+    """cache_arg's keyword, for a caller that builds the call inside a compiled function (resolved beforehand)."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
+
+
+def _forward_params(model) -> frozenset:
+    """The names model's forward takes (the wrapped model's, for a peft wrapper or a torch.compile'd module)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    forward = type(getattr(inner, "_orig_mod", inner)).forward
+    if forward not in _FORWARD_PARAMS:
         import inspect
 
-        _KEEPS_LOGITS[forward] = "logits_to_keep" in inspect.signature(forward).parameters
-    return {"logits_to_keep": 1} if _KEEPS_LOGITS[forward] else {}
+        _FORWARD_PARAMS[forward] = frozenset(inspect.signature(forward).parameters)
+    return _FORWARD_PARAMS[forward]
 
 
-_KEEPS_LOGITS: dict = {}
+_FORWARD_PARAMS: dict = {}
 
 
 def _inputs(x: torch.Tensor) -> dict:

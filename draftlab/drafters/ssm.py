@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..decode.acceptance import Sampling, draw, uniforms, warp
-from ..decode.cache import causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask, slot_cache
+from ..decode.cache import (cache_name, causal_allowed, check_tree_support, mark_valid, move_kept, reserved_mask,
+                            slot_cache)
 from ..decode.compiled import Fixed, compiled_method
 from ..decode.tree import Tree, TreeView
 from .base import Drafter, PromptState, Proposal, StepResult, rank_of, static_view
@@ -303,6 +304,7 @@ class SSMDrafter(Drafter):
         self.lm = lm
         self.device = next(lm.parameters()).device
         check_tree_support(lm)
+        self.cache_kw = cache_name(lm)  # (resolved here: _forward runs inside a compiled function)
         self.shapes: dict = {}
         self.feed_width = 2  # static path: tokens fed per step (see propose)
         self.set_tree(tree)
@@ -473,7 +475,7 @@ class SSMDrafter(Drafter):
         the committed valid slots and the tentative ones allowed [B or 1, N, T] marks. Tensor operations only."""
         pos = next_pos[:, None] + depth
         mask = reserved_mask(allowed, slots, n, window, next(self.lm.parameters()).dtype, pos, self.target.spans)
-        return self.lm(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.target.cache,
+        return self.lm(input_ids=ids, attention_mask=mask, position_ids=pos, **{self.cache_kw: self.target.cache},
                        use_cache=True).logits
 
     def _draft(self, ids, ok, tokens, slots, n, next_pos, window: int, paths, us=None, sampling=None):

@@ -59,7 +59,7 @@ class CachedGreedy:
         import torch
         from transformers import DynamicCache
 
-        from ..decode.cache import full_layers
+        from ..decode.cache import cache_arg, full_layers
 
         seq = list(prefix) + list(drafts)
         keep = self._reusable(seq, len(prefix))
@@ -68,8 +68,8 @@ class CachedGreedy:
         else:
             self.cache.crop(keep - len(self.tokens))  # transformers' crop takes minus the tokens to drop
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([seq[keep:]], device=self.device), past_key_values=self.cache,
-                             use_cache=True)
+            out = self.model(input_ids=torch.tensor([seq[keep:]], device=self.device),
+                             **cache_arg(self.model, self.cache), use_cache=True)
         self.tokens, self.computed = seq, self.computed + len(seq) - keep
         return out.logits[0, len(prefix) - 1 - keep:]
 

@@ -31,6 +31,7 @@ import torch
 
 from ..base import stop_token_ids
 from ..data import prompt_length
+from ..decode.cache import cache_arg
 from ..decode.search import replay_counts
 from ..decode.tree import Tree
 from ..drafters import kind_of, make_drafter, text_ranks
@@ -48,11 +49,12 @@ def greedy_continuation(base, prompt: list[int], max_new_tokens: int, eos: set) 
 
     dev = base.get_output_embeddings().weight.device
     cache = DynamicCache(config=base.config)
-    out = base(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = base(input_ids=torch.tensor([prompt], device=dev), **cache_arg(base, cache), use_cache=True,
+               logits_to_keep=1)
     tok = out.logits[:, -1].argmax(-1)  # [1]
     new = [int(tok)]
     for _ in range(max_new_tokens - 1):
-        out = base(input_ids=tok[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = base(input_ids=tok[:, None], **cache_arg(base, cache), use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1].argmax(-1)
         new.append(int(tok))
     cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))

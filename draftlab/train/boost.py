@@ -107,14 +107,18 @@ def coverage_scores(base, members: list, examples: list[dict], pad_id: int, batc
 def _greedy(lm, ids: torch.Tensor, att: torch.Tensor, n: int) -> torch.Tensor:
     """n greedy tokens [B, n] after left-padded prompts ids / att [B, P], batched, with the model's KV cache."""
     head = lm.get_output_embeddings()
+    from transformers import DynamicCache
+
+    from ..decode.cache import cache_arg
+
     pos = (att.long().cumsum(-1) - 1).clamp(min=0)  # each row counts its own tokens only
-    out = lm.base_model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True)
+    kv = cache_arg(lm.base_model, DynamicCache(config=lm.config))
+    out = lm.base_model(input_ids=ids, attention_mask=att, position_ids=pos, **kv, use_cache=True)
     tok = head(out.last_hidden_state[:, -1]).argmax(-1)  # [B]: logits at the last position only
     toks, last = [tok], pos[:, -1:]
     for _ in range(n - 1):
         att, last = torch.cat([att, att.new_ones(att.shape[0], 1)], 1), last + 1
-        out = lm.base_model(input_ids=tok[:, None], attention_mask=att, position_ids=last,
-                            past_key_values=out.past_key_values, use_cache=True)
+        out = lm.base_model(input_ids=tok[:, None], attention_mask=att, position_ids=last, **kv, use_cache=True)
         tok = head(out.last_hidden_state[:, -1]).argmax(-1)
         toks.append(tok)
     return torch.stack(toks, 1)

@@ -131,7 +131,7 @@ class HeadsDrafter(Drafter):
         mask = reserved_mask(causal_allowed(valid), slots, n, window, self.static.dtype)
         pos = next_pos[:, None] + (valid.long().cumsum(-1) - 1).clamp(min=0)
         h = self._prefix_model(inputs_embeds=states, attention_mask=mask, position_ids=pos,
-                               past_key_values=self.static.cache, use_cache=True).last_hidden_state
+                               cache=self.static.cache, use_cache=True).last_hidden_state
         mark_valid(slots, valid, n)
         hidden = h[torch.arange(h.shape[0], device=h.device), last]
         return self.fill(root, hidden), hidden, next_pos + valid.sum(-1)

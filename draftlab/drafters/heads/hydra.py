@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...decode.cache import causal_allowed
+from ...decode.cache import cache_arg, cache_name, causal_allowed
 from ..base import rope_args
 from .medusa import ResBlock
 
@@ -115,8 +115,9 @@ class HydraHeads(nn.Module):
         mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         rot = self.base.base_model.rotary_emb(x, position_ids, *self._rope_args)
-        out = self.prefix_layer(x, attention_mask=mask[:, None], position_ids=position_ids, past_key_values=cache,
-                                use_cache=cache is not None, position_embeddings=rot)
+        out = self.prefix_layer(x, attention_mask=mask[:, None], position_ids=position_ids,
+                                **cache_arg(self.prefix_layer, cache), use_cache=cache is not None,
+                                position_embeddings=rot)
         return out[0] if isinstance(out, tuple) else out
 
     def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,13 +167,14 @@ class PrefixModel(nn.Module):
         self.config = cfg
         self.layer = heads.prefix_layer
         self.rotary, self.rope_args = heads.base.base_model.rotary_emb, heads._rope_args
+        self.cache_kw = cache_name(self.layer)  # (resolved here: the decoder may compile forward)
 
-    def forward(self, inputs_embeds, attention_mask, position_ids, past_key_values=None, use_cache=True,
+    def forward(self, inputs_embeds, attention_mask, position_ids, cache=None, use_cache=True,
                 output_hidden_states=False):
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         x = inputs_embeds.to(self.layer.self_attn.q_proj.weight.dtype)
-        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, **{self.cache_kw: cache},
                          use_cache=use_cache, position_embeddings=self.rotary(x, position_ids, *self.rope_args))
         return BaseModelOutputWithPast(last_hidden_state=out[0] if isinstance(out, tuple) else out)
 
