@@ -55,8 +55,7 @@ def main() -> None:
     ap.add_argument("--divergences", nargs="*", default=["fkl", "tvd"], help="the first is the main SSM")
     ap.add_argument("--calibration-prompts", type=int, default=64)
     a = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
+    from draftlab.base import pretrained_lm
     from draftlab.decode.decoder import SpeculativeDecoder
     from draftlab.serve.generate import encode_prompt, load_decoder
     from draftlab.decode.tree import Tree
@@ -81,8 +80,8 @@ def main() -> None:
     base, eos, N = decoder.base, tok.eos_token_id, a.max_new_tokens
     # The export is an HF model directory. HF assisted generation reads its settings from the *assistant's*
     # generation_config: one copy keeps HF's defaults, one drafts a fixed chain like draftlab's.
-    ssm_hf = AutoModelForCausalLM.from_pretrained(main_exp, dtype=base.dtype).eval()
-    ssm_fixed = AutoModelForCausalLM.from_pretrained(main_exp, dtype=base.dtype).eval()
+    ssm_hf = pretrained_lm(main_exp, dtype=base.dtype).eval()
+    ssm_fixed = pretrained_lm(main_exp, dtype=base.dtype).eval()
     ssm_fixed.generation_config.update(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
                                        assistant_confidence_threshold=0.0)
     gc = ssm_hf.generation_config

@@ -159,14 +159,21 @@ def logit_transforms(config, head=None) -> list[str]:
     return found
 
 
+def pretrained_lm(name_or_path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained with transformers' torch layers. From 5.25 transformers swaps layers for
+    Hub kernels by default (`use_kernels`): fetched from the Hub as the model loads, so an offline node fails, and
+    rounding otherwise than the layers draftlab trains, checks and compiles. draftlab asks for none."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, use_kernels=False, **kwargs)
+
+
 def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.device | None = None,
               revision: str | None = None, trust_remote_code: bool = False,
               attn_implementation: str | None = None, chat_template: str | None = None, **placement):
     """Frozen base causal LM in eval mode, and its tokenizer (with `chat_template`: see load_tokenizer).
     placement: `distributed_config` (tensor parallel over a torchrun launch) or `device_map` (layer-wise placement),
     passed to from_pretrained; `device` is then unused."""
-    from transformers import AutoModelForCausalLM
-
     if dtype not in DTYPES:
         raise BaseModelError(f"base.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
     check_model_path(name_or_path)
@@ -179,7 +186,7 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
     placement = {k: v for k, v in placement.items() if v is not None}
     kwargs.update(placement)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        model = pretrained_lm(name_or_path, **kwargs)
     except OSError as e:
         raise BaseModelError(
             f"base.name_or_path={name_or_path!r}: cannot load a causal LM ({e}). For a llama2.c "

@@ -321,6 +321,29 @@ def test_a_draft_model_whose_logits_are_not_its_lm_head_s_product_is_refused(tin
     assert logit_transforms(ssm.lm.config, ssm.lm.get_output_embeddings()) == []
 
 
+def test_every_pretrained_load_asks_for_transformers_torch_layers(tiny_base_dir, tmp_path, monkeypatch):
+    """From 5.25 transformers swaps layers for Hub kernels unless from_pretrained is told use_kernels=False: fetched
+    from the Hub as the model loads (an offline node fails) and rounding otherwise than the layers draftlab trains
+    and checks. The base, a pretrained SSM and an SSM export all load with transformers' torch layers."""
+    from transformers import AutoModelForCausalLM
+
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import load_export, save_export
+
+    asked, load = [], AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("use_kernels"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    base, tok = load_base(str(tiny_base_dir), "float32")
+    ssm = build_draft({"type": "ssm", "ssm": {"name_or_path": str(tiny_base_dir)}}, base)
+    load_export(save_export(ssm, base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok), base=base)
+    assert asked == [False, False, False]
+
+
 def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys):
     import json
 

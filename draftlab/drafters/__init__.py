@@ -116,13 +116,12 @@ def _save_ssm(module, out: Path) -> list[str]:
 
 def _load_ssm(head: dict, export_dir: Path, base):
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
+    from ..base import pretrained_lm
     from .base import ExportError
     from .ssm import SSMDraft, check_vocab
 
     try:
-        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        lm = pretrained_lm(export_dir, dtype=torch.float32)
     except (SafetensorError, OSError, ValueError) as e:
         raise ExportError(f"{export_dir}: the SSM's Hugging Face files do not load ({e}); re-export the run") from None
     if base is not None:

@@ -147,11 +147,13 @@ def build_ssm(head: dict, base) -> SSMDraft:
     base's config class, checked against the base's vocabulary, initialised as head.ssm.init says."""
     from transformers import AutoModelForCausalLM
 
+    from ..base import pretrained_lm
+
     c = dict(head.get("ssm") or {})
     if c.get("name_or_path"):
         try:
-            lm = AutoModelForCausalLM.from_pretrained(c["name_or_path"], dtype=torch.float32,
-                                                      trust_remote_code=c.get("trust_remote_code", False))
+            lm = pretrained_lm(c["name_or_path"], dtype=torch.float32,
+                               trust_remote_code=c.get("trust_remote_code", False))
         except OSError as e:
             raise SSMError(f"head.ssm.name_or_path={c['name_or_path']!r}: cannot load a causal LM ({e})") from None
         check_vocab(lm, base, f"head.ssm.name_or_path={c['name_or_path']!r}")

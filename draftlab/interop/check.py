@@ -444,13 +444,12 @@ def _check_hf(module, src: Path, decode, prompts: list[str], tok) -> tuple[bool,
     """An SSM's chains against the Hugging Face causal LM loaded from its files with transformers (a draft model is
     what vLLM and SGLang load as a plain causal LM), greedy-drafting the same chain: one forward over the text up
     to the root followed by draftlab's chain."""
-    from transformers import AutoModelForCausalLM
-
+    from ..base import pretrained_lm
     from ..decode.tree import Tree
     from ..drafters import SSM_DEFAULT_CHAIN, make_drafter
 
     try:
-        lm = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        lm = pretrained_lm(src, dtype=torch.float32).eval()
     except (OSError, ValueError) as e:
         return False, f"transformers does not load {src} as a causal LM ({e}): neither would an engine"
     runs = decode(lambda: make_drafter(module, Tree.chain(SSM_DEFAULT_CHAIN)))
