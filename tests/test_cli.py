@@ -38,6 +38,11 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "note: not here (paths are relative to where you run draftlab): data.path = d.jsonl" in err
     assert "base.name_or_path" not in err
+    # The accept settings whose defaults follow the strategy stay unset (null) in the dump; the note resolves them.
+    assert ("note: unset, so under distributed.strategy ddp: train.accept_prompts = 8, "
+            "train.measure_accept_every = 4") in err
+    assert main(["validate", str(r), "train.accept_prompts=3", "distributed.strategy=fsdp"]) == 0
+    assert "under distributed.strategy fsdp: train.measure_accept_every = 0\n" in capsys.readouterr().err
 
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):

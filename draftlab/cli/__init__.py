@@ -18,7 +18,7 @@ def _print_json(obj: dict) -> None:
 
 
 def cmd_validate(a) -> int:
-    from ..config import dump_recipe, load_recipe
+    from ..config import accept_settings, dump_recipe, load_recipe
 
     from .recipes import missing_paths
 
@@ -29,6 +29,11 @@ def cmd_validate(a) -> int:
         print(dump_recipe(recipe), end="")
     for m in missing_paths(recipe.model_dump(mode="json"), Path.cwd()):  # (valid, but training would stop there)
         print(f"note: not here (paths are relative to where you run draftlab): {m}", file=sys.stderr)
+    unset = [f"train.{k} = {v}" for k, v in zip(("accept_prompts", "measure_accept_every"), accept_settings(recipe))
+             if getattr(recipe.train, k) is None]  # (kept unset in the dump: their defaults follow the strategy)
+    if unset:
+        print(f"note: unset, so under distributed.strategy {recipe.distributed.strategy}: {', '.join(unset)}",
+              file=sys.stderr)
     return 0
 
 
