@@ -280,6 +280,10 @@ def test_distilling_from_a_base_that_transforms_its_logits_is_refused(tiny_base_
     with pytest.raises(ValueError, match="final_logit_softcapping 30.0.*loss.distill_weight: 0"):
         train(distill)
     assert not (tmp_path / "r").exists() and train(r)["finished"]  # (the refused recipe made no run directory)
+    # EAGLE-3 always distils (at distill_weight 0 too): it trained on a Gemma-2 base silently (walk-through)
+    eagle = build_recipe({**r.model_dump(mode="json"), "head": {"type": "eagle3"}, "output_dir": str(tmp_path / "e")})
+    with pytest.raises(ValueError, match="final_logit_softcapping 30.0.*EAGLE-3 always distils"):
+        train(eagle)
 
 
 def test_a_recipe_s_chat_template_trains_exports_and_serves(tiny_base_dir, data_file, tmp_path):

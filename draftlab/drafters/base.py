@@ -106,6 +106,36 @@ def flat_rope(params: dict | None, table: str | None = None) -> dict:
     return p
 
 
+def partial_rotary(base) -> bool:
+    """Whether the base rotates part of each head only (partial_rotary_factor < 1: Phi-2, Phi-4-mini, StableLM, GLM-4,
+    Qwen3-Next). A draft layer that reads the base rotates its whole head (Llama's layer, as the engines build it)."""
+    c = base.config.get_text_config(decoder=True)
+    f = flat_rope(getattr(c, "rope_parameters", None), rope_table(base)).get("partial_rotary_factor")
+    f = getattr(c, "partial_rotary_factor", None) if f is None else f
+    return f is not None and float(f) < 1
+
+
+def draft_rope(base) -> dict:
+    """The RoPE parameters of a draft layer that reads the base (its config.json's, as engines read them): the base's
+    theta and scaling over the whole head, without the base's partial_rotary_factor."""
+    return {k: v for k, v in base_rope(base).items() if k != "partial_rotary_factor"}
+
+
+def own_rotary(cfg: dict):
+    """The rotary table a draft layer's config dict gives (rope_parameters, else rope_theta / rope_scaling), the way
+    engines build a draft's attention: from its own config.json, not the base's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
+            {"rope_theta": cfg.get("rope_theta", 10000.0),
+             **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
+    return LlamaRotaryEmbedding(config=LlamaConfig(
+        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
+
+
 def base_rope(base) -> dict:
     """The base's RoPE parameters for a draft layer that rotates positions as the base does: the table rope_table
     names where the base has one per layer type."""
@@ -121,9 +151,13 @@ class ReadsBase:
     _base = None
     _rope_args: tuple = ()
 
+    _own_rotary: list = []
+
     def attach_base(self, base) -> None:
         self._base = [base]  # a list: not a submodule
         self._rope_args = rope_args(base)
+        # A base that rotates part of each head: the draft's layer rotates its whole head from its own table.
+        self._own_rotary = [own_rotary(self.cfg)] if partial_rotary(base) else []
 
     @property
     def base(self):
@@ -138,7 +172,11 @@ class ReadsBase:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         """The base's rotary (cos, sin) at positions, in x's dtype, over the whole head (Llama's rotate-half layout):
-        a base whose table covers half a head (gpt-oss rotates each half by the same angles) has it repeated."""
+        a base whose table covers half a head (gpt-oss rotates each half by the same angles) has it repeated. A base
+        that rotates part of each head only gives its theta and scaling to a table of the draft's own (own_rotary)."""
+        if self._own_rotary:
+            cos, sin = self._own_rotary[0](x, positions)
+            return cos.to(x.dtype), sin.to(x.dtype)
         cos, sin = self.base.base_model.rotary_emb(x, positions, *self._rope_args)
         if 2 * cos.shape[-1] == self.cfg["head_dim"]:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)

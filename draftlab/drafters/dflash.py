@@ -48,7 +48,7 @@ from ..decode.acceptance import Sampling, sample, warp
 from ..decode.cache import attention_window
 from ..decode.compiled import compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import (Drafter, PromptState, Proposal, ReadsBase, StepResult, base_rope, empty_fixed, gather_kept,
+from .base import (Drafter, PromptState, Proposal, ReadsBase, StepResult, draft_rope, empty_fixed, gather_kept,
                    rank_tree_tokens, static_view)
 from .eagle import RMSNorm
 
@@ -240,7 +240,7 @@ class DFlashDraft(ReadsBase, nn.Module):
                 "qk_norm": e.get("qk_norm", True), "num_layers": n, "layers": list(layers), "block_size": bs,
                 "mask_token_id": int(mask), "num_anchors": e.get("num_anchors", 512),
                 "loss_decay_gamma": e.get("loss_decay_gamma") or default_gamma(bs),
-                "rope_parameters": base_rope(base),
+                "rope_parameters": draft_rope(base),
                 "max_position_embeddings": getattr(c, "max_position_embeddings", 4096),
                 "model_type": getattr(c, "model_type", "llama"), "num_target_layers": c.num_hidden_layers}
 

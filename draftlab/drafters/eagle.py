@@ -40,7 +40,7 @@ from torch import nn
 from ..data import Examples
 from ..decode.compiled import compiled_method
 from ..decode.tree import TreeView
-from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, base_rope, empty_fixed, gather_kept
+from .base import Drafter, PromptState, Proposal, ReadsBase, StepResult, draft_rope, empty_fixed, gather_kept
 
 
 class RMSNorm(nn.Module):
@@ -102,9 +102,10 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def default_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low, middle and high layer ids for a base of num_layers decoder layers: (2, L // 2, L - 3), what
-    the EAGLE-3 code, vLLM and SGLang use. Below six layers those are not distinct and (1, L // 2, L - 1) is used."""
+    the EAGLE-3 code, vLLM and SGLang use. Below seven layers those are not distinct (six gives 2, 3, 3) and
+    (1, L // 2, L - 1) is used."""
     L = num_layers
-    if L >= 6:
+    if L >= 7:
         return [2, L // 2, L - 3]
     return [min(1, L - 1), L // 2, L - 1]
 
@@ -148,9 +149,10 @@ class Eagle3Draft(ReadsBase, nn.Module):
                              f"hidden_states ids 0..{L - 1}")
         if len(set(layers)) != 3:
             warnings.warn(
-                f"EAGLE-3 on this {L}-layer base reads layers {list(layers)}, which repeat (three distinct ones need 4 "
-                "layers): draftlab decodes such a draft, but vLLM and SGLang capture each layer once and cannot serve "
-                "it (check says so)", stacklevel=2)
+                f"EAGLE-3 on this {L}-layer base reads layers {list(layers)}, which repeat: draftlab decodes such a "
+                "draft, but vLLM and SGLang capture each layer once and cannot serve it (check says so); "
+                + ("give head.eagle.layers three distinct ids" if L >= 3 else "three distinct ones need 3 layers"),
+                stacklevel=2)
         V = base.get_output_embeddings().weight.shape[0]
         return {"hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(c, "num_key_value_heads", heads) or heads,
@@ -159,7 +161,7 @@ class Eagle3Draft(ReadsBase, nn.Module):
                 "draft_vocab_size": min(e.get("draft_vocab_size") or V, V), "layers": list(layers),
                 "ttt_steps": e.get("ttt_steps", 7), "step_decay": e.get("step_decay", 0.8),
                 "fc_norm": bool(e.get("fc_norm", False)), "norm_output": bool(e.get("norm_output", False)),
-                "rope_parameters": base_rope(base),
+                "rope_parameters": draft_rope(base),
                 "max_position_embeddings": getattr(c, "max_position_embeddings", 4096)}
 
     def engine_config(self) -> dict:

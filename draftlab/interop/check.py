@@ -233,10 +233,12 @@ def _mask_token_problems(dc: dict, V_base: int, tok) -> list[str]:
 
 
 def _rope(c: dict) -> tuple[float, dict]:
-    """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling."""
+    """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling. A
+    base's partial_rotary_factor is left out: a draft layer rotates its whole head (drafters.base.draft_rope)."""
     p = flat_rope(c.get("rope_parameters"), table_of(c.get("layer_types")))  # (a table per layer type: drafts')
     theta = p.get("rope_theta", c.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in (p or c.get("rope_scaling") or {}).items() if k != "rope_theta"}
+    scaling = {k: v for k, v in (p or c.get("rope_scaling") or {}).items()
+               if k not in ("rope_theta", "partial_rotary_factor")}
     return float(theta), {} if scaling.get("rope_type", scaling.get("type", "default")) == "default" else scaling
 
 

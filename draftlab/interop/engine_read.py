@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..drafters.base import own_rotary  # (from the draft's own config.json, not the base's: a changed theta shows)
+
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -24,20 +26,6 @@ def vllm_medusa_logits(state: dict, cfg: dict, h: torch.Tensor) -> torch.Tensor:
             x = x + F.silu(F.linear(x, state[f"blocks.{k}.layers.{l}.weight"], b))
         out.append(F.linear(x, state[f"lm_heads.{k}.weight"]))
     return torch.stack(out, -2)
-
-
-def _rotary(cfg: dict):
-    """The rotary table a draft's attention gets from its own config.json (not the base's: a changed theta shows)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = ({"rope_parameters": cfg["rope_parameters"]} if cfg.get("rope_parameters") else
-            {"rope_theta": cfg.get("rope_theta", 10000.0),
-             **({"rope_scaling": cfg["rope_scaling"]} if cfg.get("rope_scaling") else {})})
-    return LlamaRotaryEmbedding(config=LlamaConfig(
-        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096), **rope))
 
 
 class EngineEagle3:
@@ -61,7 +49,7 @@ class EngineEagle3:
         if len(self.layers) != n_in:
             raise ValueError(f"fc reads {n_in} base layers and the engine captures {len(self.layers)} "
                              f"{self.layers}: it would fail to run the draft")
-        self.rotary = _rotary(cfg)
+        self.rotary = own_rotary(cfg)
         Vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
         self.targets = torch.arange(Vd) + self.t.get("d2t", torch.zeros(Vd, dtype=torch.long)).long()
         self.eps = cfg["rms_norm_eps"]
@@ -167,7 +155,7 @@ class EngineDFlash:
             raise ValueError(f"fc reads {self.t['fc.weight'].shape[1] // H} base layers and the engine captures "
                              f"{len(self.layers)} (hidden_states {self.layers}): it would fail to run the draft")
         self.block, self.mask = int(cfg.get("block_size") or dc["block_size"]), int(mask)
-        self.rotary = _rotary(cfg)
+        self.rotary = own_rotary(cfg)
 
     def context(self, hidden_states: tuple) -> torch.Tensor:
         """The context features [S, H] of a text from the base's hidden_states (each [1, S, H])."""

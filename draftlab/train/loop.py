@@ -143,7 +143,8 @@ def check_teacher(recipe: Recipe, config=None, head=None) -> None:
     """Distillation takes the base's distribution as softmax(h @ W) of its hidden states: refused for a base that
     transforms its logits after that product (Gemma-2's soft-capping, Cohere's and Granite's scales, a bias).
     config: the base's (default: read from its files; one that cannot be read now is checked once loaded)."""
-    if not (recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
+    eagle = recipe.head.type == "eagle3"  # (EAGLE-3 always distils: Eagle3Draft.needs_teacher)
+    if not (eagle or recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
         return
     if config is None:
         from transformers import AutoConfig
@@ -158,8 +159,10 @@ def check_teacher(recipe: Recipe, config=None, head=None) -> None:
     if transforms:
         raise ValueError(f"base {recipe.base.name_or_path} transforms its logits after its lm_head "
                          f"({', '.join(transforms)}): distillation takes the base's distribution as softmax(h @ W) of "
-                         "its hidden states, which is not this base's; set loss.distill_weight: 0 (and "
-                         "lora.self_distill: false)")
+                         "its hidden states, which is not this base's; "
+                         + ("EAGLE-3 always distils, so it cannot train on this base: train Hydra++, an SSM or DFlash "
+                            "with loss.distill_weight: 0" if eagle else "set loss.distill_weight: 0"
+                            + (" and lora.self_distill: false" if recipe.lora is not None else "")))
 
 
 def start(recipe: Recipe, overwrite: bool):

@@ -110,7 +110,7 @@ class HydraHeads(nn.Module):
     # --- prefix attention -------------------------------------------------------------------------
     def prefix(self, hidden: torch.Tensor, allowed: torch.Tensor, position_ids: torch.Tensor, cache=None):
         """The extra decoder layer over base states [B, T, H]; allowed [B, T, L_past+T] is its attention pattern."""
-        dtype = self.prefix_layer.self_attn.q_proj.weight.dtype
+        dtype = next(self.prefix_layer.parameters()).dtype  # (Phi-3 packs q, k, v in one qkv_proj)
         x = hidden.to(dtype)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -173,7 +173,7 @@ class PrefixModel(nn.Module):
                 output_hidden_states=False):
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        x = inputs_embeds.to(self.layer.self_attn.q_proj.weight.dtype)
+        x = inputs_embeds.to(next(self.layer.parameters()).dtype)
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, **{self.cache_kw: cache},
                          use_cache=use_cache, position_embeddings=self.rotary(x, position_ids, *self.rope_args))
         return BaseModelOutputWithPast(last_hidden_state=out[0] if isinstance(out, tuple) else out)
