@@ -74,6 +74,27 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     assert "--stream prints one text as it is committed: give one --prompt (got 2)" in capsys.readouterr().err
 
 
+def test_a_half_precision_difference_from_plain_greedy_is_explained(tiny_base_dir, tmp_path, capsys, monkeypatch):
+    """In bfloat16 a tree's forward rounds otherwise than a one-token step, and near-ties part the two greedy paths:
+    `identical to plain greedy: False` said nothing more (a walk-through's Qwen3 on a CPU); it names why and the fix."""
+    import draftlab.cli.generate as cli_generate
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.interop.export import save_export
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    save_export(build_draft({"type": "medusa", "num_heads": 2, "num_layers": 1}, base), base, tmp_path / "exp",
+                str(tiny_base_dir))
+    real = cli_generate.run_generate
+    monkeypatch.setattr(cli_generate, "run_generate", lambda *a, **k: {**real(*a, **k), "identical_to_baseline": False})
+    for dtype, said in (("bfloat16", True), ("float32", False)):
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once", "--max-new-tokens", "4", "--compare",
+                     "--dtype", dtype]) == 0
+        err = capsys.readouterr().err
+        assert "identical to plain greedy: False" in err
+        assert ("(in bfloat16 a forward over a tree rounds otherwise" in err and "`--dtype float32`" in err) == said
+
+
 def test_compare_gives_hf_generate_the_same_batch(tiny_base_dir, tmp_path, monkeypatch):
     """--compare with several prompts times HF generate on the batch draftlab decodes, in one left-padded call, not
     one prompt a call (walk-through: a tree that drafts nothing read 2.89x on four prompts, batching's gain); the

@@ -99,6 +99,11 @@ def generate_command(a) -> int:
     if a.compare:
         if "identical_to_baseline" in rep:
             line += f", identical to plain greedy: {rep['identical_to_baseline']}"
+            dtype = str(next(decoder.base.parameters()).dtype).removeprefix("torch.")
+            if rep["identical_to_baseline"] is False and dtype in ("bfloat16", "float16"):
+                line += (f"\n(in {dtype} a forward over a tree rounds otherwise than a one-token step, so where "
+                         "the base's top two logits nearly tie the two greedy paths can part; `--dtype float32` "
+                         "compares token for token)")
         if "compiled_plain_tokens_per_s" in rep:
             if rep["speedup_vs_compiled_plain"] < 1 and not a.export.startswith("lookup"):
                 line += (f"\nplain decoding is faster on this machine with this tree: `draftlab search-tree "

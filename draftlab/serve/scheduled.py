@@ -65,6 +65,10 @@ class ScheduledDecoder:
         self.path, self._args = str(path), (base, draft, drafter_options, options)
         self._decoders, self._by_batch = {}, {}  # choice -> decoder; batch size -> decoder (the file read once each)
 
+    @property
+    def base(self):
+        return self._args[0]
+
     def for_batch(self, batch_size: int):
         if batch_size not in self._by_batch:
             tree = tree_for_batch(self.path, batch_size)
