@@ -228,3 +228,24 @@ def test_files_a_later_run_reads_are_replaced_whole_or_not_at_all(tiny_base_dir,
     with pytest.raises(KeyboardInterrupt):
         qs.quickstart(out=str(tmp_path / "qs"))
     assert not (tmp_path / "qs" / "base" / "config.json").exists()  # (the next run builds the base again)
+
+
+def test_a_stop_during_a_draft_s_training_ends_quickstart(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    """SIGTERM (or a STOP file) while a draft trains saves its checkpoint and returns: quickstart went on to the next
+    draft and, after the last, failed reading the stopped one's evaluation (KeyError; walk-through). It ends there
+    with the signal's status, saying that a new quickstart starts over and which recipe resumes the draft."""
+    import draftlab.cli.quickstart as qs
+    import draftlab.train as train_module
+    from draftlab.cli import main
+
+    shutil.copytree(tiny_base_dir, tmp_path / "qs" / "base")  # (reused: nothing pretrains)
+    monkeypatch.setattr(qs, "stdlib_corpus", lambda: [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)])
+    monkeypatch.setattr(qs, "distill_corpus", lambda *a: tmp_path / "distilled.jsonl")
+    trained = []
+    monkeypatch.setattr(train_module, "train", lambda recipe, overwrite: trained.append(recipe) or
+                        {"stopped": True, "finished": False, "step": 3})
+    assert main(["quickstart", "--out", str(tmp_path / "qs")]) == 143
+    assert len(trained) == 1
+    err = capsys.readouterr().err
+    assert f"quickstart stopped while training medusa; a new quickstart starts over, and `draftlab train " \
+           f"{tmp_path / 'qs' / 'medusa.yaml'}` resumes this draft" in err

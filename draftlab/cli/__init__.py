@@ -122,7 +122,7 @@ def cmd_quickstart(a) -> int:
                          search=a.compile if a.search is None else a.search)
     if a.json:
         _print_json(summary)
-    return 0
+    return 143 if summary.get("stopped") else 0  # (stopped by SIGTERM or a STOP file: the signal's status)
 
 
 def cmd_distill(a) -> int:

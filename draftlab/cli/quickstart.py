@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -355,6 +356,10 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         path.write_text(f"# draftlab train {path}\n" + dump_recipe(recipe))
         print(f"  {kind}: {path}")
         results[kind] = train(recipe, overwrite=True)
+        if results[kind]["stopped"]:  # (a signal or a STOP file: the rest would read a draft half trained)
+            print(f"quickstart stopped while training {kind}; a new quickstart starts over, and `draftlab train {path}` "
+                  "resumes this draft", file=sys.stderr)
+            return {"stopped": kind, "recipe": str(path)}
     print("\ntop-1 agreement with the base on the self-distilled records held out from training, the last 10% (heads: "
           "head k predicts the token k+1 past the base's; the SSM: the next token):")
     print("| draft | " + " | ".join(f"head {k + 1}" for k in range(4)) + " |")
