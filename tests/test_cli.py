@@ -32,6 +32,15 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     assert "lr: 0.5" in capsys.readouterr().out
     assert main(["validate", str(r), "train.lrr=0.5"]) == 2
     assert "did you mean `train.lr`?" in capsys.readouterr().err
+    # Overrides after an option are overrides too (they were "unrecognized arguments"; walk-through)
+    assert main(["validate", str(r), "train.lr=0.5", "--json", "train.seed=7"]) == 0
+    t = json.loads(capsys.readouterr().out)["train"]
+    assert (t["lr"], t["seed"]) == (0.5, 7)
+    with pytest.raises(SystemExit):
+        main(["validate", str(r), "--json", "--nope"])
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
+    assert main(["validate", str(r), "train.lrr=0.5"]) == 2
+    assert "did you mean `train.lr`?" in capsys.readouterr().err
     # A valid recipe whose files are not here says so (found by a new user's walkthrough: exit 0 and silence, then
     # `train` stopped on them); d.jsonl is a file name, and `m` could be a hub id.
     assert main(["validate", str(r)]) == 0

@@ -359,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..progress import quiet_libraries
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:  # key=value overrides after an option (`train R.yaml --overwrite k=v`): argparse leaves them over
+        if not (hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest)):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides += rest
     quiet_libraries()  # other libraries' bars only on a terminal; their noise never
     formatted = say_warnings(args.command)
     if getattr(args, "tp", False) and int(os.environ.get("RANK", "0")) != 0:
