@@ -93,6 +93,18 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     se = s["slices"]["all_records"]  # (3 questions: the errors of eval compare, beside the figures)
     assert f"- accept length {o['accept_length']} ± {se['accept_length_se']} (tokens" in card
     assert f"- {o['speedup']}x ± {se['speedup_se']} draftlab's eager plain decoding" in card and "compiled" not in card
+    # export --eval on files the run did not measure (retrained since, or another export) is refused: the card gave
+    # the old weights' figures as the new ones' (walk-through). A copy that keeps the files' times is the same files.
+    import os
+    import shutil
+
+    from draftlab.interop.convert import ConvertError, export_to
+
+    same = shutil.copytree(export, tmp_path / "same")
+    assert export_to(same, "vllm-medusa", tmp_path / "served", str(out))
+    os.utime(same / "draft.safetensors", ns=(time.time_ns(), time.time_ns()))
+    with pytest.raises(ConvertError, match=f"--eval {out} measured other files than {same} holds now"):
+        export_to(same, "vllm-medusa", tmp_path / "served2", str(out))
 
     # The second turn sees the first answer through the chat template: replay the plain turn 2 by hand.
     base, tok = load_base(str(stories_dir), "float32")

@@ -29,6 +29,7 @@ from ..decode.compiled import RETIMES, compile_cache_report, timed_without_compi
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
+from ..interop.export import files_fingerprint
 from ..serve.tree_search import hardware
 from .slices import plot_slices, slice_report, slice_tables, turn_records
 
@@ -39,22 +40,6 @@ RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_
 # whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
 # whose timings would be mixed with these under one hardware label.
 RUN_KEYS_SINCE_1201 = ("export_files", "base_files", "hardware")
-
-
-def files_fingerprint(path: str) -> str | None:
-    """A digest of a local model directory's files (draftlab.json's and config.json's contents, every other file's
-    name, size and modification time), or None for a hub id: what says its weights changed in place."""
-    import hashlib
-
-    d = Path(path)
-    if not d.is_dir():
-        return None
-    h = hashlib.sha256()
-    for f in sorted(p for p in d.rglob("*") if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.relative_to(d)}\0{st.st_size}\0".encode())
-        h.update(f.read_bytes() if f.name in ("draftlab.json", "config.json") else str(st.st_mtime_ns).encode())
-    return h.hexdigest()[:16]
 
 
 class EvalError(ValueError):

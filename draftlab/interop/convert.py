@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .export import load_export, read_meta, save_export
+from .export import files_fingerprint, load_export, read_meta, save_export
 
 FORMATS = ("vllm-medusa", "medusa", "hf")
 _BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")  # FasterDecoding residual blocks
@@ -343,6 +343,11 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
     if eval_dir is not None and not (Path(eval_dir) / "summary.json").is_file():  # (was a card saying "not measured")
         raise ConvertError(f"--eval {eval_dir}: no summary.json there; give the run directory `draftlab eval mt-bench "
                            "... --out DIR` wrote, or leave --eval out")
+    if eval_dir is not None:  # (the card would give another export's figures as this one's)
+        measured = json.loads((Path(eval_dir) / "summary.json").read_text()).get("export_files")
+        if measured is not None and measured != files_fingerprint(str(export_dir)):
+            raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, or "
+                               "another export): run `draftlab eval mt-bench` on this export, or leave --eval out")
     meta = read_meta(export_dir)
     kind = meta["head"]["type"]
     if kind == "hydra":

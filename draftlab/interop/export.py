@@ -207,3 +207,19 @@ def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dty
     if device is not None or dtype is not None:
         draft.to(device=device, dtype=dtype)
     return draft, meta
+
+
+def files_fingerprint(path: str) -> str | None:
+    """A digest of a local model directory's files (draftlab.json's and config.json's contents, every other file's
+    name, size and modification time), or None for a hub id: what says its weights changed in place."""
+    import hashlib
+
+    d = Path(path)
+    if not d.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(d)}\0{st.st_size}\0".encode())
+        h.update(f.read_bytes() if f.name in ("draftlab.json", "config.json") else str(st.st_mtime_ns).encode())
+    return h.hexdigest()[:16]
