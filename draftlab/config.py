@@ -542,26 +542,12 @@ def build_recipe(raw: dict, overrides: list[str] = (), source: str = "<recipe>")
     return recipe
 
 
-def _no_recipe_file(path: Path) -> str:
-    """What to do about a recipe path that is no file: a shipped recipe's name is copied first."""
-    from .shipped import ShippedFileError, recipe_names
-
-    try:
-        names = recipe_names()
-    except ShippedFileError:
-        names = []
-    stem = path.name.removesuffix(".yaml")
-    if stem in names:
-        return f"no such recipe file; {stem} is a shipped recipe: `draftlab recipes copy {stem}` copies it here to run"
-    return ("no such recipe file; `draftlab recipes list` lists the shipped ones and `draftlab recipes copy NAME` "
-            "copies one")
-
-
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe file and apply dotted overrides."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(str(path), [_no_recipe_file(path)])
+        raise ConfigError(str(path), ["no such recipe file; `draftlab recipes list` lists the shipped ones and "
+                                      "`draftlab recipes copy NAME` copies one"])
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -98,12 +98,6 @@ def test_yaml_syntax_error_names_line(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="no such recipe file; `draftlab recipes list` lists the shipped ones"):
         load_recipe("nope.yaml")
-    # A shipped recipe's name, as `recipes list` prints it: copied first (it pointed to a recipes/ folder that an
-    # installed draftlab does not have where the user runs; walk-through)
-    for given in ("stories260k-medusa", "stories260k-medusa.yaml"):
-        with pytest.raises(ConfigError, match=r"stories260k-medusa is a shipped recipe: `draftlab recipes copy "
-                                              r"stories260k-medusa` copies it here"):
-            load_recipe(given)
 
 
 def test_parse_overrides_nested():

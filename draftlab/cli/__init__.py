@@ -17,12 +17,31 @@ def _print_json(obj: dict) -> None:
 
 
 
+def load_recipe_arg(a):
+    """The recipe of a.recipe with a.overrides; a shipped recipe's name given in its place is answered with the copy
+    that makes it a file (an installed draftlab has no recipes/ folder where the user runs)."""
+    from ..config import ConfigError, load_recipe
+    from ..shipped import ShippedFileError, recipe_names
+
+    path = Path(a.recipe)
+    if not path.is_file():
+        try:
+            names = recipe_names()
+        except ShippedFileError:
+            names = []
+        stem = path.name.removesuffix(".yaml")
+        if stem in names:
+            raise ConfigError(a.recipe, [f"no such recipe file; {stem} is a shipped recipe: `draftlab recipes copy "
+                                         f"{stem}` copies it here to run"])
+    return load_recipe(a.recipe, a.overrides)
+
+
 def cmd_validate(a) -> int:
-    from ..config import accept_settings, dump_recipe, load_recipe
+    from ..config import accept_settings, dump_recipe
 
     from .recipes import missing_paths
 
-    recipe = load_recipe(a.recipe, a.overrides)
+    recipe = load_recipe_arg(a)
     if a.json:
         _print_json(recipe.model_dump(mode="json"))
     else:
@@ -49,10 +68,9 @@ def end_process_group() -> None:
 
 
 def cmd_train(a) -> int:
-    from ..config import load_recipe
     from ..train import train
 
-    summary = train(load_recipe(a.recipe, a.overrides), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
+    summary = train(load_recipe_arg(a), overwrite=a.overwrite, stop_after_steps=a.stop_after_steps)
     end_process_group()
     if a.json:
         _print_json(summary)
