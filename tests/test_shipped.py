@@ -60,7 +60,11 @@ def test_recipes_list_and_copy(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "stories260k-medusa.yaml").read_bytes() == (REPO / "recipes" / "stories260k-medusa.yaml").read_bytes()
     assert "wrote stories260k-medusa.yaml" in out
     assert "base.name_or_path = runs/stories260k-base (made by the commands at the top of the recipe)" in out
-    assert "data.path = data/tinystories/tinystories_sample.txt (shipped in draftlab's repository under data/)" in out
+    assert ("data.path = data/tinystories/tinystories_sample.txt (shipped in draftlab's repository under data/: "
+            f"{REPO / 'data/tinystories/tinystories_sample.txt'})") in out
+    # a mistyped data/ path is not said to ship with draftlab (walk-through)
+    assert main(["validate", "stories260k-medusa.yaml", "data.path=data/nope.txt"]) == 0
+    assert "data.path = data/nope.txt (your own: draftlab's data/ has no such file either)" in capsys.readouterr().err
     assert main(["recipes", "copy", "stories260k-medusa"]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert main(["recipes", "copy", "stories260k-medusa", "--force"]) == 0

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..shipped import recipe_names, recipe_path, recipe_summary, recipes_dir
+from ..shipped import CHECKOUT, recipe_names, recipe_path, recipe_summary, recipes_dir
 
 # Recipe values that name a local file or folder (the rest are hub ids, settings or outputs).
 LOCAL_KEYS = (("base", "name_or_path"), ("data", "path"))
@@ -25,6 +25,15 @@ def add_recipes_args(sub) -> None:
     c.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
 
 
+def _shipped_data(value: str) -> str:
+    """Where a recipe's data/... path is: the checkout's data/ holds the repository's files (a wheel has none)."""
+    if not (CHECKOUT / "data").is_dir():
+        return "shipped in draftlab's repository under data/, not with the installed package"
+    if (CHECKOUT / value).exists():
+        return f"shipped in draftlab's repository under data/: {CHECKOUT / value}"
+    return "your own: draftlab's data/ has no such file either"
+
+
 def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
     """Local paths the recipe (a file, or its sections as a dict) reads (base.name_or_path, data.path) that do not
     exist relative to cwd."""
@@ -39,8 +48,9 @@ def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
         local = value.startswith(("/", "./", "../", "~")) or value.split("/", 1)[0] in ("data", "runs") or \
             value.endswith((".json", ".jsonl", ".txt"))
         if local and not (cwd / Path(value).expanduser()).exists():
-            where = {"runs": "made by the commands at the top of the recipe",
-                     "data": "shipped in draftlab's repository under data/"}.get(value.split("/", 1)[0], "your own")
+            first = value.split("/", 1)[0]
+            where = ("made by the commands at the top of the recipe" if first == "runs" else
+                     _shipped_data(value) if first == "data" else "your own")
             out.append(f"{section}.{key} = {value} ({where})")
     return out
 
