@@ -479,3 +479,16 @@ def test_a_missing_data_file_is_named_without_asking_the_hub(tiny_base_dir, tmp_
                                                           {"from": "gpt", "value": "A cat story."}]}) + "\n"
                             for i in range(12)))
     assert train(recipe(tiny_base_dir, data, tmp_path / "r", max_steps=1))["finished"]
+
+
+def test_train_stop_after_steps_says_where_it_stopped(tiny_base_dir, data_file, tmp_path, capsys):
+    """`train --stop-after-steps N` ended with status 0 and no word (walk-through): it says the step, and how to
+    resume."""
+    from draftlab.cli import main
+    from draftlab.config import dump_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(dump_recipe(recipe(tiny_base_dir, data_file, tmp_path / "r")))
+    assert main(["train", str(path), "--stop-after-steps", "2"]) == 0
+    assert ("stopped at step 2 of 4 (--stop-after-steps), after a checkpoint; `draftlab train` on this recipe "
+            "without --overwrite resumes it") in capsys.readouterr().out
