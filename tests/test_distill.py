@@ -210,6 +210,31 @@ def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
     assert whole.tolist() == ids.tolist() + [tok.eos_token_id]
 
 
+def test_answers_stop_at_the_base_s_context(tiny_base_dir, tmp_path, capsys):
+    """--max-new-tokens past the base's context ran generation on past it with only transformers' warning
+    (walk-through: stories260K's 512 and the default 512): answers stop where prompt and answer fill the context,
+    count as cut, and a note says so once."""
+    import shutil
+
+    from draftlab.train.distill import LocalModel
+
+    d = tmp_path / "short"
+    shutil.copytree(tiny_base_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    lm = LocalModel(str(d), "float32", "cpu", 40, 0.0, 1.0)
+    asked, generate = [], lm.model.generate
+    lm.model.generate = lambda **kw: asked.append(kw["max_new_tokens"]) or generate(**kw)
+    prompt = "Once upon a time there was a cat who"
+    n = len(lm.tok(prompt).input_ids)
+    for _ in range(2):
+        [(text, cut)] = lm.answer([prompt])
+        assert cut and text.startswith(prompt)
+    assert asked == [16 - n] * 2
+    assert lm.answer(["Once"]) and asked[-1] == 16 - len(lm.tok("Once").input_ids) < 40  # (short prompts too)
+    assert capsys.readouterr().err.count("note: the base's context is 16 tokens: answers stop where") == 1
+
+
 def test_the_base_s_generation_config_stop_tokens_end_answers(tiny_base_dir, tmp_path):
     """generation_config.json's eos_token_id list (a chat base's end of turn) ends a turn, as HF generate and vLLM
     stop there; the tokenizer's EOS alone ran answers on to the length limit and past the end of turn."""

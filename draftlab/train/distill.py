@@ -83,6 +83,7 @@ class LocalModel:
                        eos_token_id=self.stops or None)
         self.kw.update(dict(temperature=temperature, top_p=top_p) if temperature > 0 else
                        dict(temperature=None, top_p=None, top_k=None))
+        self.said_context = False
 
     @torch.no_grad()
     def answer(self, prompts: list) -> list[tuple[str, bool]]:
@@ -94,7 +95,15 @@ class LocalModel:
             enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         else:
             enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=True).to(self.device)
-        gen = self.model.generate(**enc, **self.kw)[:, enc["input_ids"].shape[1]:]
+        kw, ctx = self.kw, getattr(self.model.config, "max_position_embeddings", None)
+        if ctx and enc["input_ids"].shape[1] + kw["max_new_tokens"] > ctx:  # (past it a base writes noise)
+            kw = {**kw, "max_new_tokens": max(1, ctx - enc["input_ids"].shape[1])}
+            if not self.said_context:
+                self.said_context = True
+                print(f"note: the base's context is {ctx} tokens: answers stop where prompt and answer fill it "
+                      f"(a batch's at its longest prompt), before --max-new-tokens {self.kw['max_new_tokens']}, and "
+                      "count as cut", file=sys.stderr)
+        gen = self.model.generate(**enc, **kw)[:, enc["input_ids"].shape[1]:]
         out = []
         for j, ids in enumerate(gen):
             cut = not any(t in self.stops for t in ids.tolist())
