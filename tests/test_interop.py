@@ -360,3 +360,15 @@ def test_a_token_only_draft_on_a_base_of_another_tokenizer_of_its_size_is_warned
         check_tokens({**meta, "head": {"type": "medusa"}}, theirs)  # heads: the base's shape and embedding tell
     with pytest.warns(UserWarning, match="trained with another tokenizer than the base's"):
         check_tokens(meta, theirs)
+
+
+def test_the_fasterdecoding_note_names_the_heads_it_leaves_out():
+    """The note on FasterDecoding's 5-head loader read "heads 4..4 keep their random initialisation" (walk-through)."""
+    from draftlab.interop.convert import fasterdecoding_note
+
+    assert fasterdecoding_note(5) is None
+    assert "these are 4: head 4 keeps its random initialisation: decode there with a tree no deeper than 4" \
+        in fasterdecoding_note(4)
+    assert "these are 2: heads 2..4 keep their random initialisation" in fasterdecoding_note(2)
+    assert "these are 6: head 5 is not loaded: trees deeper than 5 lose it." in fasterdecoding_note(6)
+    assert "these are 8: heads 5..7 are not loaded: trees deeper than 5 lose them." in fasterdecoding_note(8)

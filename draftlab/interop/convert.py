@@ -234,9 +234,12 @@ def fasterdecoding_note(num_heads: int) -> str | None:
     with strict=False (its older loader read medusa_num_heads)."""
     if num_heads == 5:
         return None
-    what = (f"heads {num_heads}..4 keep their random initialisation: decode there with a tree no deeper than "
-            f"{num_heads} (mc_sim_7b_63 is 4 deep)" if num_heads < 5
-            else f"heads 5..{num_heads - 1} are not loaded: trees deeper than 5 lose them")
+    span = lambda a, b: f"head {a}" if a == b else f"heads {a}..{b}"  # (0-based head indices)
+    one = num_heads == 4
+    what = (f"{span(num_heads, 4)} keep{'s' * one} {'its' if one else 'their'} random initialisation: decode there "
+            f"with a tree no deeper than {num_heads} (mc_sim_7b_63 is 4 deep)" if num_heads < 5
+            else f"{span(5, num_heads - 1)} {'is' if num_heads == 6 else 'are'} not loaded: trees deeper than 5 lose "
+            f"{'it' if num_heads == 6 else 'them'}")
     return (f"FasterDecoding's current MedusaModel.from_pretrained builds 5 heads for a heads-only directory whatever "
             f"medusa_num_heads says (its older loader reads it), and these are {num_heads}: {what}.")
 
