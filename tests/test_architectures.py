@@ -84,3 +84,14 @@ def test_an_eagle3_export_of_a_partial_rotary_base_is_read_alike_by_the_engines(
     checks = {c["name"]: c for c in check_export(exp, engine="vllm")["checks"]}
     assert checks["rope"]["ok"] is True, checks["rope"]
     assert checks["proposals"]["ok"] is True, checks["proposals"]
+
+
+@pytest.mark.slow  # compiles the base and the drafter: ~90 s
+def test_an_eagle3_drafter_of_a_partial_rotary_base_compiles_to_the_same_tokens():
+    base = phi3(0.75)
+    head, tree = HEADS["eagle3"]
+    dec = SpeculativeDecoder(base, make_drafter(noisy(build_draft(head, base)), tree), compile=True)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 64) for _ in range(rng.randint(2, 9))] for _ in range(3)]
+    for p, got in zip(prompts, dec.generate(prompts, max_new_tokens=16).tokens):
+        assert got == plain_greedy(base, p, 16), p
