@@ -583,9 +583,8 @@ def test_draft_layers_take_the_bases_rotary_table(layers):
     and DFlash declare the table's theta, so the engines' reading of the files rotates as the draft does, and
     `draftlab check`'s RoPE check agrees."""
     from draftlab.drafters import build_draft
-    from draftlab.drafters.base import flat_rope, rope_table
+    from draftlab.drafters.base import flat_rope, own_rotary, rope_table
     from draftlab.interop.check import check_rope
-    from draftlab.interop.engine_read import _rotary
 
     base = sliding_base("gpt-oss" if layers == "gpt-oss" else "gemma3")
     if layers == "sliding-only":  # two layers, both sliding: no full-attention table
@@ -614,7 +613,7 @@ def test_draft_layers_take_the_bases_rotary_table(layers):
         if spec["type"] != "hydra":
             cfg = module.engine_config()
             assert cfg["rope_theta"] == theta and check_rope(cfg, base.config.to_dict(), spec["type"], ["vllm"]).ok
-            cos, sin = _rotary(cfg)(x, pos)
+            cos, sin = own_rotary(cfg)(x, pos)
             assert torch.allclose(cos.double(), module.rope(x, pos)[0].double(), atol=1e-6)
             assert torch.allclose(sin.double(), module.rope(x, pos)[1].double(), atol=1e-6)
 
