@@ -66,7 +66,8 @@ class EagleSection(_Section):
     layers: list[int] | None = Field(
         None, description="base layer ids whose input states are fused (Hugging Face output_hidden_states "
         "indexing: id i = hidden_states[i], the input of decoder layer i, 0 = embeddings); unset: EAGLE-3's "
-        "(2, L // 2, L - 3) for a base of L >= 7 layers, (1, L // 2, L - 1) below", examples=[[2, 16, 29]])
+        "(2, L // 2, L - 3) for a base of L >= 7 layers, (2, 3, 4) for 6, (1, L // 2, L - 1) below",
+        examples=[[2, 16, 29]])
     draft_vocab_size: int | None = Field(
         None, ge=2, description="size of the draft vocabulary (the most frequent tokens the training data supervises); "
         "unset: the base's whole vocabulary", examples=[32000])

@@ -36,8 +36,9 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     # installed draftlab does not have where the user runs; walk-through)
     for given in ("stories260k-medusa", "stories260k-medusa.yaml"):
         assert main(["validate", str(tmp_path / given)]) == 2
-        assert ("stories260k-medusa is a shipped recipe: `draftlab recipes copy stories260k-medusa` copies it here"
-                in capsys.readouterr().err)
+        err = capsys.readouterr().err
+        assert ("stories260k-medusa is a shipped recipe: `draftlab recipes copy stories260k-medusa` copies it to "
+                "./stories260k-medusa.yaml, then `draftlab validate stories260k-medusa.yaml`") in err
     # Overrides after an option are overrides too (they were "unrecognized arguments"; walk-through)
     assert main(["validate", str(r), "train.lr=0.5", "--json", "train.seed=7"]) == 0
     t = json.loads(capsys.readouterr().out)["train"]

@@ -50,8 +50,8 @@ def test_layer_ids_follow_output_hidden_states():
     # EAGLE-3's default (vLLM, SGLang and the EAGLE code agree): 2, L // 2, L - 3.
     assert default_layers(32) == [2, 16, 29] and default_layers(80) == [2, 40, 77]
     assert default_layers(5) == [1, 2, 4] and len(default_layers(1)) == 3
-    # Six layers give (2, 3, 3), which no engine serves: distinct from four layers up (a walk-through's Gemma-3)
-    assert default_layers(6) == [1, 3, 5] and all(len(set(default_layers(L))) == 3 for L in range(4, 81))
+    # Six layers gave (2, 3, 3), which no engine serves: distinct from four layers up (a walk-through's Gemma-3)
+    assert default_layers(6) == [2, 3, 4] and all(len(set(default_layers(L))) == 3 for L in range(4, 81))
     # Three distinct layers need a base of 4: a 2-layer base trained on [1, 1, 1] without a word, and `check` then
     # said the export cannot be served (review); it trains with a warning, and layers out of range are refused
     with pytest.warns(UserWarning, match=r"reads layers \[1, 1, 2\], which repeat.*give head.eagle.layers three"):

@@ -32,7 +32,8 @@ def load_recipe_arg(a):
         stem = path.name.removesuffix(".yaml")
         if stem in names:
             raise ConfigError(a.recipe, [f"no such recipe file; {stem} is a shipped recipe: `draftlab recipes copy "
-                                         f"{stem}` copies it here to run"])
+                                         f"{stem}` copies it to ./{stem}.yaml, then `draftlab {a.command} "
+                                         f"{stem}.yaml`"])
     return load_recipe(a.recipe, a.overrides)
 
 
@@ -74,6 +75,8 @@ def cmd_train(a) -> int:
     end_process_group()
     if a.json:
         _print_json(summary)
+    elif int(os.environ.get("RANK", "0")) != 0:  # (the launch's other processes say nothing)
+        pass
     elif not summary.get("finished") and not summary.get("stopped"):  # (a stop by signal or STOP file said so)
         stage = f" of stage {summary['stage']}" if "stage" in summary else ""
         print(f"stopped at step {summary['step']} of {summary['total_steps']}{stage} (--stop-after-steps), after a "

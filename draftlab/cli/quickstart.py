@@ -357,8 +357,8 @@ def quickstart(out: str = "runs/quickstart", minutes: float = 3.0, seed: int = 0
         print(f"  {kind}: {path}")
         results[kind] = train(recipe, overwrite=True)
         if results[kind]["stopped"]:  # (a signal or a STOP file: the rest would read a draft half trained)
-            print(f"quickstart stopped while training {kind}; a new quickstart starts over, and `draftlab train {path}` "
-                  "resumes this draft", file=sys.stderr)
+            print(f"quickstart stopped while training {kind}; a new quickstart starts over, and "
+                  f"`draftlab train {path}` resumes this draft", file=sys.stderr)
             return {"stopped": kind, "recipe": str(path)}
     print("\ntop-1 agreement with the base on the self-distilled records held out from training, the last 10% (heads: "
           "head k predicts the token k+1 past the base's; the SSM: the next token):")

@@ -106,19 +106,31 @@ def flat_rope(params: dict | None, table: str | None = None) -> dict:
     return p
 
 
+def partial_factor(params: dict | None) -> float:
+    """A RoPE table's partial_rotary_factor (1: the whole head)."""
+    f = (params or {}).get("partial_rotary_factor")
+    return 1.0 if f is None else float(f)
+
+
 def partial_rotary(base) -> bool:
-    """Whether the base rotates part of each head only (partial_rotary_factor < 1: Phi-2, Phi-4-mini, StableLM, GLM-4,
+    """Whether the base rotates part of each head only (partial_rotary_factor < 1: Phi-2, StableLM, GLM-4,
     Qwen3-Next). A draft layer that reads the base rotates its whole head (Llama's layer, as the engines build it)."""
     c = base.config.get_text_config(decoder=True)
-    f = flat_rope(getattr(c, "rope_parameters", None), rope_table(base)).get("partial_rotary_factor")
-    f = getattr(c, "partial_rotary_factor", None) if f is None else f
-    return f is not None and float(f) < 1
+    p = flat_rope(getattr(c, "rope_parameters", None), rope_table(base))
+    return partial_factor(p if "partial_rotary_factor" in p else vars(c)) < 1
 
 
 def draft_rope(base) -> dict:
     """The RoPE parameters of a draft layer that reads the base (its config.json's, as engines read them): the base's
-    theta and scaling over the whole head, without the base's partial_rotary_factor."""
-    return {k: v for k, v in base_rope(base).items() if k != "partial_rotary_factor"}
+    theta and scaling over the whole head, without the base's partial_rotary_factor. A partial base whose scaling
+    has a factor per rotated frequency (longrope: Phi-3.5 / Phi-4-mini) has none for a whole head: refused."""
+    rope = base_rope(base)
+    if partial_rotary(base) and any(isinstance(v, (list, tuple)) for v in rope.values()):
+        raise ValueError(f"the base rotates part of each head with {rope.get('rope_type')} scaling, whose factors "
+                         "are per rotated frequency: a draft layer that rotates its whole head (as the engines build "
+                         "EAGLE-3 and DFlash drafts) has no scaling to take from it; draftlab does not draft such a "
+                         "base with EAGLE-3 or DFlash (Hydra++, Medusa and SSMs work)")
+    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
 
 
 def own_rotary(cfg: dict):
@@ -156,8 +168,11 @@ class ReadsBase:
     def attach_base(self, base) -> None:
         self._base = [base]  # a list: not a submodule
         self._rope_args = rope_args(base)
-        # A base that rotates part of each head: the draft's layer rotates its whole head from its own table.
-        self._own_rotary = [own_rotary(self.cfg)] if partial_rotary(base) else []
+        # A base that rotates part of each head: the draft's layer rotates its whole head from its own table (on the
+        # base's device). A draft made before that (its config keeps the base's factor: GLM-4's 0.5, where the half
+        # table was repeated) keeps the base's table, as it was trained.
+        own = partial_rotary(base) and partial_factor(flat_rope(self.cfg.get("rope_parameters"))) == 1
+        self._own_rotary = [own_rotary(self.cfg).to(base.get_input_embeddings().weight.device)] if own else []
 
     @property
     def base(self):
@@ -175,6 +190,8 @@ class ReadsBase:
         a base whose table covers half a head (gpt-oss rotates each half by the same angles) has it repeated. A base
         that rotates part of each head only gives its theta and scaling to a table of the draft's own (own_rotary)."""
         if self._own_rotary:
+            if self._own_rotary[0].inv_freq.device != x.device:  # (the draft moved since its base was attached)
+                self._own_rotary[0].to(x.device)
             cos, sin = self._own_rotary[0](x, positions)
             return cos.to(x.dtype), sin.to(x.dtype)
         cos, sin = self.base.base_model.rotary_emb(x, positions, *self._rope_args)

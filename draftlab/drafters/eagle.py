@@ -102,11 +102,11 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def default_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low, middle and high layer ids for a base of num_layers decoder layers: (2, L // 2, L - 3), what
-    the EAGLE-3 code, vLLM and SGLang use. Below seven layers those are not distinct (six gives 2, 3, 3) and
-    (1, L // 2, L - 1) is used."""
+    the EAGLE-3 code, vLLM and SGLang use. Six layers give (2, 3, 3), which repeat: the high one moves up to 4.
+    Below six, (1, L // 2, L - 1)."""
     L = num_layers
-    if L >= 7:
-        return [2, L // 2, L - 3]
+    if L >= 6:
+        return [2, L // 2, max(L - 3, L // 2 + 1)]
     return [min(1, L - 1), L // 2, L - 1]
 
 
@@ -171,8 +171,8 @@ class Eagle3Draft(ReadsBase, nn.Module):
         captures the input of decoder layer L), under eagle_config one less (SGLang captures the output of decoder
         layer L, hidden_states[L + 1]; for DeepSeek-V2/V3 and GLM4-MoE-Lite targets, since sglang PR #25454, only
         when the first id is 1, so the default layers of bases with six or more layers, which start at 2, read
-        alike before and after it there; `draftlab check` says so for others). The base's RoPE settings are copied: the draft layer rotates positions exactly as
-        the base does."""
+        alike before and after it there; `draftlab check` says so for others). The base's RoPE theta and scaling
+        are copied: the draft layer rotates positions as the base does, over its whole head (draft_rope)."""
         c = self.cfg
         rope = dict(c["rope_parameters"])
         ids = list(self.base_layers)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.base import Drafter, ExportError, flat_rope, read_safetensors, table_of
+from ..drafters.base import Drafter, ExportError, flat_rope, partial_factor, read_safetensors, table_of
 from ..drafters.dflash import SGLANG_MASK_TOKEN
 from .engine_read import EngineDFlash, EngineEagle3, dflash_layers, last_layer_problem, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
@@ -233,8 +233,9 @@ def _mask_token_problems(dc: dict, V_base: int, tok) -> list[str]:
 
 
 def _rope(c: dict) -> tuple[float, dict]:
-    """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling. A
-    base's partial_rotary_factor is left out: a draft layer rotates its whole head (drafters.base.draft_rope)."""
+    """(theta, scaling without theta) from a config dict: rope_parameters if present, else rope_theta/rope_scaling.
+    partial_rotary_factor is left out (a draft layer rotates its whole head: drafters.base.draft_rope; check_rope
+    fails a draft config that keeps one)."""
     p = flat_rope(c.get("rope_parameters"), table_of(c.get("layer_types")))  # (a table per layer type: drafts')
     theta = p.get("rope_theta", c.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in (p or c.get("rope_scaling") or {}).items()
@@ -253,6 +254,11 @@ def check_rope(cfg: dict, base_cfg: dict, kind: str, engines: list[str]) -> Chec
             float(cfg["rope_theta"]) != float(cfg["rope_parameters"].get("rope_theta", cfg["rope_theta"])):
         msgs.append(f"config.json rope_theta {cfg['rope_theta']} != rope_parameters.rope_theta "
                     f"{cfg['rope_parameters'].get('rope_theta')} (transformers < 5 reads the first, >= 5 the second)")
+    p = flat_rope(cfg.get("rope_parameters"), table_of(cfg.get("layer_types")))
+    f = min(partial_factor(x) for x in (p, cfg, cfg.get("rope_scaling")))
+    if f < 1:  # (vLLM and SGLang then rotate part of the head; draftlab's draft layer rotated it whole or repeated)
+        msgs.append(f"config.json keeps partial_rotary_factor {f}: engines rotate that part of each head, as no "
+                    "draftlab draft layer does (a draft made before 2026-12-03); retrain it with this draftlab")
     (t, s), (bt, bs) = _rope(cfg), _rope(base_cfg)
     if t != bt:
         msgs.append(f"rope_theta {t} != the base's {bt}; set rope_theta (and rope_parameters.rope_theta) to {bt}")

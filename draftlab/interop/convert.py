@@ -349,8 +349,9 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
     if eval_dir is not None:  # (the card would give another export's figures as this one's)
         measured = json.loads((Path(eval_dir) / "summary.json").read_text()).get("export_files")
         if measured is not None and measured != files_fingerprint(str(export_dir)):
-            raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, or "
-                               "another export): run `draftlab eval mt-bench` on this export, or leave --eval out")
+            raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, "
+                               "another export, or a copy that did not keep the files' modification times): run "
+                               "`draftlab eval mt-bench` on this export, or leave --eval out")
     meta = read_meta(export_dir)
     kind = meta["head"]["type"]
     if kind == "hydra":
