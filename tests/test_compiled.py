@@ -617,8 +617,8 @@ def test_the_fused_verify_step_gives_the_split_calls_tokens(monkeypatch):
 
 # (Medusa's and EAGLE-3's chained greedy tokens are also checked by the first test of this file, where they chain.)
 # The SSM's chained greedy tokens are in the first test too; its sampled chained steps run here in the slow run.
-@pytest.mark.parametrize("kind", ["hydra++", "dflash"] + [pytest.param(k, marks=pytest.mark.slow)
-                                                    for k in ("ssm", "medusa", "eagle3")])
+@pytest.mark.parametrize("kind", ["hydra++"] + [pytest.param(k, marks=pytest.mark.slow)  # (7-20 s each)
+                                           for k in ("dflash", "ssm", "medusa", "eagle3")])
 def test_the_chained_step_gives_the_split_calls_tokens(kind, monkeypatch):
     """Where the verify step is fused, drafters whose commit and next proposal are one tensor-only call run it inside
     the verification's call (decode.decoder.verify_keep_and_draft): one compiled call per step. Chained and split
@@ -953,7 +953,7 @@ def test_one_drafter_serves_a_chained_and_an_unchained_decoder(kind):
         assert got.tokens == ref, (kind, chained)
 
 
-@pytest.mark.parametrize("kind", ["ssm", "eagle3"])
+@pytest.mark.parametrize("kind", ["ssm", pytest.param("eagle3", marks=pytest.mark.slow)])  # (5-8 s each)
 def test_direct_calls_give_the_hooked_calls_tokens(kind, monkeypatch):
     """Decoding runs its compiled steps without dynamo's hook once their signatures are seen, and gives the tokens
     of the hooked calls (DRAFTLAB_COMPILE_DIRECT=0) and of eager decoding."""
