@@ -343,11 +343,12 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
 
     if fmt not in FORMATS:
         raise ConvertError(f"--to {fmt!r}: use one of {', '.join(FORMATS)}")
-    if eval_dir is not None and not (Path(eval_dir) / "summary.json").is_file():  # (was a card saying "not measured")
-        raise ConvertError(f"--eval {eval_dir}: no summary.json there; give the run directory `draftlab eval mt-bench "
-                           "... --out DIR` wrote, or leave --eval out")
-    if eval_dir is not None:  # (the card would give another export's figures as this one's)
-        measured = json.loads((Path(eval_dir) / "summary.json").read_text()).get("export_files")
+    if eval_dir is not None:
+        summary = Path(eval_dir) / "summary.json"
+        if not summary.is_file():  # (was a card saying "not measured")
+            raise ConvertError(f"--eval {eval_dir}: no summary.json there; give the run directory `draftlab eval "
+                               "mt-bench ... --out DIR` wrote, or leave --eval out")
+        measured = json.loads(summary.read_text()).get("export_files")  # (else the card gives another's figures)
         if measured is not None and measured != files_fingerprint(str(export_dir)):
             raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, "
                                "another export, or a copy that did not keep the files' modification times): run "
