@@ -232,7 +232,61 @@ def test_answers_stop_at_the_base_s_context(tiny_base_dir, tmp_path, capsys):
         assert cut and text.startswith(prompt)
     assert asked == [16 - n] * 2
     assert lm.answer(["Once"]) and asked[-1] == 16 - len(lm.tok("Once").input_ids) < 40  # (short prompts too)
-    assert capsys.readouterr().err.count("note: the base's context is 16 tokens: answers stop where") == 1
+    assert capsys.readouterr().err.count("note: the base's context is 16 tokens: an answer stops where") == 1
+
+
+def test_each_answer_gets_the_room_its_own_prompt_leaves_and_a_prompt_that_fills_the_context_none(
+        tiny_base_dir, tmp_path):
+    """A batch was cut at its longest prompt's room, so one long prompt shortened the others' answers, and a prompt
+    that filled the context alone still got a token past it. Now each row gets its own room, such a prompt gets no
+    record (all turns: its conversation ends there), and dynamic RoPE scaling (no hard limit) caps nothing."""
+    import shutil
+
+    from draftlab.train.distill import LocalModel
+
+    d = tmp_path / "short"
+    shutil.copytree(tiny_base_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    lm = LocalModel(str(d), "float32", "cpu", 6, 0.0, 1.0)
+    asked, generate = [], lm.model.generate
+    lm.model.generate = lambda **kw: asked.append((len(kw["input_ids"]), kw["max_new_tokens"])) or generate(**kw)
+    short, mid, full = "Once", "Once upon a time there was a cat who", "cat " * 20
+    n = len(lm.tok(mid).input_ids)
+    got = lm.answer([short, mid, full, short])
+    assert got[2] is None and all(g is not None for j, g in enumerate(got) if j != 2)
+    assert sorted(asked) == sorted([(2, 6), (1, 16 - n)])  # (the two short rows together, to the full 6)
+    assert got[0] == got[3]
+
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in [mid, full]))
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    s = distill_data(str(d), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=6, mode="text", prompt_chars=200)
+    assert s["written"] == 1 and s["too_long"] == 1 and [r["source_index"] for r in lines(tmp_path / "o.jsonl")] == [0]
+
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16,
+                                               "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                   "rope_theta": cfg.get("rope_theta", 10000.0)}}))
+    dyn = LocalModel(str(d), "float32", "cpu", 6, 0.0, 1.0)
+    assert dyn._context() is None and all(g is not None for g in dyn.answer([full, short]))
+
+
+def test_all_turns_ends_a_conversation_at_a_turn_past_the_context():
+    from draftlab.train.distill import _regenerate
+
+    class Source:  # answers while a conversation's messages stay under 3
+        def answer(self, prompts):
+            return [("ok", False) if len(p) < 3 else None for p in prompts]
+
+    items = [(0, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
+                  {"role": "user", "content": "b"}]),
+             (1, [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]),
+             (2, [{"role": "system", "content": "s"}, {"role": "system", "content": "t"},
+                  {"role": "user", "content": "e"}])]
+    recs = _regenerate(Source(), items, "chat", all_turns=True)
+    assert [r["source_index"] for r in recs] == [0, 1]
+    assert [m["value"] for m in recs[0]["conversations"]] == ["a", "ok"]  # (the turn past it and after: none)
+    assert [m["value"] for m in recs[1]["conversations"]] == ["s", "c", "ok"]
 
 
 def test_the_base_s_generation_config_stop_tokens_end_answers(tiny_base_dir, tmp_path):

@@ -164,6 +164,9 @@ def cmd_distill(a) -> int:
             print(f"{summary['truncated']} answers reached --max-new-tokens={a.max_new_tokens} before the base ended "
                   "them: marked \"truncated\", so training learns no end of turn there; raise --max-new-tokens to "
                   "keep them whole")
+        if summary["too_long"]:
+            print(f"{summary['too_long']} prompts fill the base's context alone: no record for them (a conversation "
+                  "of --all-turns ends before such a turn)")
     return 0
 
 

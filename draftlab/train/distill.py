@@ -85,25 +85,46 @@ class LocalModel:
                        dict(temperature=None, top_p=None, top_k=None))
         self.said_context = False
 
+    def _context(self) -> int | None:
+        """The base's context in tokens, past which it writes noise; None where its RoPE scaling is dynamic (NTK
+        rescales past max_position_embeddings, which is then no limit)."""
+        from ..drafters.base import base_rope
+
+        rope = base_rope(self.model)
+        if "dynamic" in (rope.get("rope_type"), rope.get("type")):
+            return None
+        return getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
     @torch.no_grad()
-    def answer(self, prompts: list) -> list[tuple[str, bool]]:
+    def answer(self, prompts: list) -> list[tuple[str, bool] | None]:
         """Chat prompts (message lists) -> answers; text prompts (strings) -> prompt + continuation; each with
-        whether max_new_tokens cut it (no stop token came)."""
+        whether max_new_tokens or the base's context cut it (no stop token came). None for a prompt that alone fills
+        the context. Rows whose prompt leaves less room than max_new_tokens generate apart, each to its own room,
+        so one long prompt does not shorten a batch's other answers."""
         chat = isinstance(prompts[0], list)
-        if chat:
-            texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-            enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        else:
-            enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=True).to(self.device)
-        kw, ctx = self.kw, getattr(self.model.config, "max_position_embeddings", None)
-        if ctx and enc["input_ids"].shape[1] + kw["max_new_tokens"] > ctx:  # (past it a base writes noise)
-            kw = {**kw, "max_new_tokens": max(1, ctx - enc["input_ids"].shape[1])}
-            if not self.said_context:
+        texts = ([self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+                 if chat else prompts)
+        new, ctx = self.kw["max_new_tokens"], self._context()
+        room = [new] * len(texts)
+        if ctx:
+            lengths = [len(ids) for ids in self.tok(texts, add_special_tokens=not chat).input_ids]
+            room = [min(new, ctx - n) for n in lengths]
+            if min(room) < new and not self.said_context:
                 self.said_context = True
-                print(f"note: the base's context is {ctx} tokens: answers stop where prompt and answer fill it "
-                      f"(a batch's at its longest prompt), before --max-new-tokens {self.kw['max_new_tokens']}, and "
-                      "count as cut", file=sys.stderr)
-        gen = self.model.generate(**enc, **kw)[:, enc["input_ids"].shape[1]:]
+                print(f"note: the base's context is {ctx} tokens: an answer stops where its prompt and answer fill "
+                      f"it, before --max-new-tokens {new}, and counts as cut; a prompt that fills it alone is "
+                      "skipped", file=sys.stderr)
+        out: list = [None] * len(texts)
+        for r in sorted(set(room)):
+            rows = [j for j, m in enumerate(room) if m == r]
+            if r >= 1:
+                for j, got in zip(rows, self._generate([texts[j] for j in rows], chat, r)):
+                    out[j] = got
+        return out
+
+    def _generate(self, texts: list[str], chat: bool, max_new_tokens: int) -> list[tuple[str, bool]]:
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=not chat).to(self.device)
+        gen = self.model.generate(**enc, **{**self.kw, "max_new_tokens": max_new_tokens})[:, enc["input_ids"].shape[1]:]
         out = []
         for j, ids in enumerate(gen):
             cut = not any(t in self.stops for t in ids.tolist())
@@ -195,23 +216,32 @@ class Endpoints:
 
 def _regenerate(source, items: list[tuple[int, object]], mode: str, all_turns: bool) -> list[dict]:
     """Records for a chunk of prompts: text continuations, first answers, or every assistant turn regenerated in
-    order (each answer sees the base's own earlier answers), turn t of all conversations in one batch."""
+    order (each answer sees the base's own earlier answers), turn t of all conversations in one batch. A prompt the
+    base cannot answer (it fills the context alone) gives no record; with all_turns, its conversation ends before
+    that turn (no record if it has no answer)."""
     if mode == "text":
-        return [{"source_index": i, "text": t, **_cut(c)}
-                for (i, _), (t, c) in zip(items, source.answer([p for _, p in items]))]
+        return [{"source_index": i, "text": a[0], **_cut(a[1])}
+                for (i, _), a in zip(items, source.answer([p for _, p in items])) if a is not None]
     if not all_turns:
         answers = source.answer([p for _, p in items])
-        return [{"source_index": i, "conversations": _sharegpt(p + [{"role": "assistant", "content": a, **_cut(c)}])}
-                for (i, p), (a, c) in zip(items, answers)]
+        return [{"source_index": i, "conversations": _sharegpt(p + [{"role": "assistant", "content": a[0],
+                                                                    **_cut(a[1])}])}
+                for (i, p), a in zip(items, answers) if a is not None]
     convs = [[m for m in msgs if m["role"] == "system"] for _, msgs in items]
     users = [[m for m in msgs if m["role"] == "user"] for _, msgs in items]
+    ended = set()
     for t in range(max(len(u) for u in users)):
-        active = [j for j, u in enumerate(users) if t < len(u)]
-        for j in active:
-            convs[j].append(users[j][t])
-        for j, (a, c) in zip(active, source.answer([plain_messages(convs[j]) for j in active])):
-            convs[j].append({"role": "assistant", "content": a, **_cut(c)})
-    return [{"source_index": i, "conversations": _sharegpt(c)} for (i, _), c in zip(items, convs)]
+        active = [j for j, u in enumerate(users) if t < len(u) and j not in ended]
+        if not active:
+            break
+        answers = source.answer([plain_messages(convs[j] + [users[j][t]]) for j in active])
+        for j, a in zip(active, answers):
+            if a is None:
+                ended.add(j)
+            else:
+                convs[j] += [users[j][t], {"role": "assistant", "content": a[0], **_cut(a[1])}]
+    return [{"source_index": i, "conversations": _sharegpt(c)} for (i, _), c in zip(items, convs)
+            if any(m["role"] == "assistant" for m in c)]
 
 
 def _cut(truncated: bool) -> dict:
@@ -267,16 +297,18 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
             raise DataError("give the base (a model path / hub id or a recipe) or --endpoint URL")
         name, dt, template = _base_args(base_or_recipe, dtype, chat_template)
         source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p, template), batch_size
-    written = truncated = 0
+    written = truncated = unanswered = 0
     with open(out, "a") as f, progress(total=len(todo) + len(done), initial=len(done), desc="distill",
                                        unit="prompt") as bar:
         for s in range(0, len(todo), chunk):
             items = todo[s:s + chunk]
-            for rec in _regenerate(source, items, mode, all_turns):
+            recs = _regenerate(source, items, mode, all_turns)
+            unanswered += len(items) - len(recs)
+            for rec in recs:
                 f.write(json.dumps(rec) + "\n")
                 written += 1
                 truncated += sum(bool(t.get("truncated")) for t in rec.get("conversations", [rec]))
             f.flush()
             bar.update(len(items))
     return {"out": str(out), "written": written, "skipped_existing": len(done), "base": name,
-            "truncated": truncated}
+            "truncated": truncated, "too_long": unanswered}
