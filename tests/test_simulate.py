@@ -166,7 +166,7 @@ def test_simulation_drafts_no_more_than_the_text_needs():
     assert simulate_si(12, 1.0, k, td, tt, random.Random(0)) == tt + 2 * (k * td + tt) + tt
 
 
-def test_inputs_from_a_generate_report(tiny_base_dir):
+def test_inputs_from_a_generate_report(tiny_base_dir, tmp_path, capsys):
     """The depth comes from the drafter's own description (a static tree's tree_depth; EAGLE-3's depth). Found by
     review: only EAGLE-3's key was read, so a heads', SSM's or DFlash report was solved at depth 1."""
     from draftlab.base import load_base
@@ -196,6 +196,13 @@ def test_inputs_from_a_generate_report(tiny_base_dir):
     # A report whose drafting ran inside its verification calls (the chained step) has no drafting time to read.
     with pytest.raises(ValueError, match="DRAFTLAB_CHAINED_STEP=0"):
         from_generate({**rep, "chained_steps": 40})
+
+    # The table said nothing of where its latencies came from (the path and batch size were in --json only).
+    from draftlab.cli import main
+
+    (tmp_path / "r.json").write_text(json.dumps({**rep, "compiled": True, "batch_size": 2}) + "\n")
+    assert main(["simulate", "--from-report", str(tmp_path / "r.json")]) == 0
+    assert f"from {tmp_path / 'r.json'}: latencies of its compiled path at batch size 2" in capsys.readouterr().out
 
 
 def test_simulate_command(tmp_path, capsys):

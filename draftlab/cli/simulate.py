@@ -77,6 +77,8 @@ def simulate_command(a) -> int:
           f"{rep['si_lookahead']} (its best), DSI lookahead {k} ({rule}) on {a.sp} servers "
           f"({'no task waits' if rep['sp_sufficient'] else 'tasks wait'}; smallest with no waits "
           f"{rep['dsi_min_lookahead']})")
+    if src:
+        print(f"from {a.from_report}: latencies of its {src['path']} path at batch size {src['batch_size']}")
     print("| method | TTFT ms | TPOT ms | total ms | exact total ms (the text's end included) |\n|---|---|---|---|---|")
     for m in ("non_si", "si", "dsi"):
         print(f"| {m} | {rep['ttft']:.3g} | {rep['tpot'][m]:.3g} | {rep['total'][m]:.4g} | "
