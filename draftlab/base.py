@@ -148,6 +148,8 @@ def logit_transforms(config, head=None) -> list[str]:
     """What a base does to its logits after its lm_head's product (soft-capping, scaling; with its lm_head, a bias):
     a teacher taken as softmax(h @ W) from its hidden states, as distillation computes it, is not its distribution."""
     c, found = config, []
+    if hasattr(c, "get_text_config") and c.get_text_config(decoder=True) is not c:  # (a multimodal base's text model)
+        return logit_transforms(c.get_text_config(decoder=True), head)
     if getattr(c, "final_logit_softcapping", None):
         found.append(f"final_logit_softcapping {c.final_logit_softcapping}")
     for name in ("logit_scale", "logits_scaling"):
@@ -157,6 +159,34 @@ def logit_transforms(config, head=None) -> list[str]:
     if getattr(head, "bias", None) is not None:
         found.append("an lm_head bias")
     return found
+
+
+# Bases whose logits are their lm_head's product scaled, by model type: (config key, True: multiplied by it, False:
+# divided; MiniCPM3 divides its final state before the product, which is the same). The same key means either
+# (Granite divides by logits_scaling, HyperCLOVA X multiplies), so an unknown model type with one is not guessed.
+_LOGIT_SCALES = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass"), ("logit_scale", True)),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+                     "minicpm3"), ("logits_scaling", False)),
+    "hyperclovax": ("logits_scaling", True),
+}
+
+
+def teacher_transform(config, head=None) -> tuple[float, float | None] | None:
+    """(scale, softcap) such that the base's logits are losses.lm_logits(h, W, (scale, softcap)) of its final hidden
+    states h: Cohere's and Granite's scales, Gemma-2's final_logit_softcapping; None: the product itself. Raises
+    ValueError for what it cannot reproduce from h (an lm_head bias, a scale of a model type it does not know)."""
+    c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    found = logit_transforms(c, head)
+    if not found:
+        return None
+    key, times = _LOGIT_SCALES.get(getattr(c, "model_type", None), (None, True))
+    unknown = [t for t in found if not (t.startswith("final_logit_softcapping ") or (key and t.startswith(key + " ")))]
+    if unknown:
+        raise ValueError(", ".join(unknown))
+    scale = float(getattr(c, key, None) or 1.0) if key else 1.0
+    cap = getattr(c, "final_logit_softcapping", None)
+    return (scale if times else 1.0 / scale), (float(cap) if cap else None)
 
 
 def pretrained_lm(name_or_path, **kwargs):

@@ -37,9 +37,22 @@ def divergence_sum(logq: torch.Tensor, teacher_logits: torch.Tensor, kind: str) 
     raise ValueError(f"loss.divergence={kind!r}: use one of {', '.join(DIVERGENCES)}")
 
 
-def _chunk_loss(h, w, target, teacher_h, teacher_w, distill_weight: float, topk: int, kind: str):
+def lm_logits(h: torch.Tensor, w: torch.Tensor, transform: tuple | None = None) -> torch.Tensor:
+    """A base's logits from its final hidden states h [N, H] and lm_head weight w [V, H], in float32: the product,
+    then what the base does after it (transform (scale, softcap), base.teacher_transform's: times scale, then
+    Gemma-2's soft cap cap * tanh(z / cap))."""
+    z = (h @ w.t()).float()
+    if transform is not None:
+        scale, cap = transform
+        z = z * scale if scale != 1 else z
+        z = torch.tanh(z / cap) * cap if cap else z
+    return z
+
+
+def _chunk_loss(h, w, target, teacher_h, teacher_w, distill_weight: float, topk: int, kind: str,
+                teacher_transform=None, transform=None):
     # h [N, H], w [V, H], target [N]; logits live only for this chunk and are recomputed in backward.
-    logits = (h @ w.t()).float()  # [N, V]
+    logits = lm_logits(h, w, transform)  # [N, V]
     logp = F.log_softmax(logits, dim=-1)
     loss = torch.zeros((), device=h.device, dtype=torch.float32)
     if distill_weight < 1:
@@ -47,7 +60,7 @@ def _chunk_loss(h, w, target, teacher_h, teacher_w, distill_weight: float, topk:
     teacher = None
     if teacher_h is not None:
         with torch.no_grad():
-            teacher = (teacher_h @ teacher_w.t()).float()  # [N, V]
+            teacher = lm_logits(teacher_h, teacher_w, teacher_transform)  # [N, V]
     if distill_weight > 0:
         loss = loss + distill_weight * divergence_sum(logp, teacher, kind)
     with torch.no_grad():
@@ -60,12 +73,14 @@ def _chunk_loss(h, w, target, teacher_h, teacher_w, distill_weight: float, topk:
 
 def head_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, teacher_h: torch.Tensor | None = None,
               teacher_weight: torch.Tensor | None = None, distill_weight: float = 0.0, chunk_size: int = 512,
-              topk: int = 5, divergence: str = "fkl"):
+              topk: int = 5, divergence: str = "fkl", teacher_transform: tuple | None = None,
+              transform: tuple | None = None):
     """Summed loss, top-1 hits, top-k hits and top-1 agreement with the teacher over N rows; h [N, H] are the
     supervised positions only.
 
     distill_weight mixes CE on the data token (0) with the divergence towards the teacher's
-    distribution softmax(teacher_h @ teacher_weight^T) (1); the teacher is the frozen base. Agreement
+    distribution softmax(teacher_h @ teacher_weight^T) (1), with teacher_transform the base's own logits
+    (lm_logits); the teacher is the frozen base. transform: the same for h's logits (a base's own loss). Agreement
     (the draft's top-1 equals the teacher's) is counted whenever a teacher is given.
     """
     if distill_weight > 0 and teacher_h is None:
@@ -75,9 +90,10 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, teach
         args = (h[s:s + chunk_size], weight, target[s:s + chunk_size],
                 None if teacher_h is None else teacher_h[s:s + chunk_size], teacher_weight)
         if torch.is_grad_enabled() and h.requires_grad:
-            out = checkpoint(_chunk_loss, *args, distill_weight, topk, divergence, use_reentrant=False)
+            out = checkpoint(_chunk_loss, *args, distill_weight, topk, divergence, teacher_transform, transform,
+                             use_reentrant=False)
         else:
-            out = _chunk_loss(*args, distill_weight, topk, divergence)
+            out = _chunk_loss(*args, distill_weight, topk, divergence, teacher_transform, transform)
         sums = [a + b for a, b in zip(sums, out)]
     return tuple(sums)
 
@@ -86,12 +102,13 @@ def draft_losses(feats: list[torch.Tensor], lm_weights: list[torch.Tensor], inpu
                  loss_mask: torch.Tensor, base_hidden: torch.Tensor | None = None,
                  base_weight: torch.Tensor | None = None, head_decay: float = 0.8, distill_weight: float = 0.0,
                  chunk_size: int = 512, topk: int = 5, shifts: tuple[int, ...] | None = None,
-                 divergence: str = "fkl") -> dict:
+                 divergence: str = "fkl", teacher_transform: tuple | None = None) -> dict:
     """Weighted sum over heads of the mean per-head loss, plus per-head sums and hit counts.
 
     feats[k] [B, S, H]: position t of head k predicts input_ids[:, t + shifts[k]] (heads: k+2, an SSM: 1),
     supervised where loss_mask is 1 there. The teacher for that target is the base's own prediction from
-    position t + shifts[k] - 1. With base_weight given, the teacher is also used for the agreement count.
+    position t + shifts[k] - 1 (its logits: losses.lm_logits with teacher_transform). With base_weight given, the
+    teacher is also used for the agreement count.
     """
     S = input_ids.shape[1]
     shifts = shifts or tuple(k + 2 for k in range(len(feats)))
@@ -112,7 +129,7 @@ def draft_losses(feats: list[torch.Tensor], lm_weights: list[torch.Tensor], inpu
         target = input_ids[:, shift:][sel]  # [N]
         th = base_hidden[:, shift - 1: S - 1][sel] if teach else None
         loss_sum, h1, hk, agree = head_loss(h, w, target, th, base_weight if teach else None, distill_weight,
-                                            chunk_size, topk, divergence)
+                                            chunk_size, topk, divergence, teacher_transform)
         n = sel.sum()
         total = total + head_decay ** k * loss_sum / n.clamp(min=1)
         for key, v in zip(out, (loss_sum.detach(), n.float(), h1, hk, agree)):

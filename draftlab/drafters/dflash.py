@@ -321,7 +321,8 @@ class DFlashDraft(ReadsBase, nn.Module):
         return out.view(B, A, T, -1)
 
     def objective(self, states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  attention_mask: torch.Tensor | None, base_weight: torch.Tensor | None, loss_cfg) -> dict:
+                  attention_mask: torch.Tensor | None, base_weight: torch.Tensor | None, loss_cfg,
+                  teacher_transform: tuple | None = None) -> dict:
         """Blocks at random anchors over states [B, S, n+1, H] (the n base layers and the final state): per block
         position k, the loss towards the data token / the base's distribution (loss.distill_weight), weighted
         exp(-(k - 1) / gamma)."""
@@ -353,7 +354,7 @@ class DFlashDraft(ReadsBase, nn.Module):
             target = input_ids.gather(1, at_c)[sel]
             th = final.gather(1, (at_c - 1)[..., None].expand(-1, -1, final.shape[-1]))[sel] if teach else None
             ls, h1, hk, ag = head_loss(h, w, target, th, base_weight, loss_cfg.distill_weight if teach else 0.0,
-                                       loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence)
+                                       loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence, teacher_transform)
             nsel = sel.sum()
             total = total + math.exp(-(k - 1) / gamma) * ls
             weight = weight + math.exp(-(k - 1) / gamma) * nsel

@@ -296,9 +296,11 @@ class Eagle3Draft(ReadsBase, nn.Module):
             yield g
 
     def objective(self, states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  attention_mask: torch.Tensor | None, base_weight: torch.Tensor, loss_cfg) -> dict:
+                  attention_mask: torch.Tensor | None, base_weight: torch.Tensor, loss_cfg,
+                  teacher_transform: tuple | None = None) -> dict:
         """Training-time test over states [B, S, n+1, H] (the n base layers and the final state): per step,
-        soft cross-entropy towards the base restricted to the draft vocabulary, chunked over positions."""
+        soft cross-entropy towards the base restricted to the draft vocabulary, chunked over positions (the base's
+        logits: losses.lm_logits with teacher_transform, elementwise, so restricting them first is the same)."""
         from ..losses import head_loss
 
         B, S = input_ids.shape
@@ -327,7 +329,8 @@ class Eagle3Draft(ReadsBase, nn.Module):
             at = torch.searchsorted(rows, target).clamp(max=rows.numel() - 1)
             target = torch.where(rows[at] == target, at, torch.full_like(at, -1))
             ls, h1, hk, ag = head_loss(self.head_input(o[:, : S - shift][sel]), self.lm_head.weight, target, th[sel],
-                                       w_teacher, 1.0, loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence)
+                                       w_teacher, 1.0, loss_cfg.chunk_size, loss_cfg.topk, loss_cfg.divergence,
+                                       teacher_transform)
             nsel = sel.sum()
             total = total + self.cfg["step_decay"] ** k * ls / nsel
             for key, v in zip(out, (ls.detach(), nsel.float(), h1, hk, ag)):

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..base import load_recipe_base, logit_transforms, set_seed, template_to_ship
+from ..base import base_hidden, load_recipe_base, set_seed, teacher_transform, template_to_ship
 from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
 from ..interop.export import save_export
+from ..losses import lm_logits
 from ..procs import die_with_parent
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
@@ -58,6 +59,7 @@ class Run:
     total_steps: int = 0
     lm_weight: object = None  # the teacher's output embedding: evaluation always reports agreement with it
     base_weight: object = None  # the same, when the loss distills from the teacher
+    teacher_transform: object = None  # what the base does to its lm_head's product (base.teacher_transform)
     cache: object = None  # the hidden-state cache, or None
     accept: object = None  # the accept-length estimator (accept.AcceptEstimator)
     stop_dirs: tuple = ()  # more directories whose STOP file stops the run (an ensemble's, for its stages)
@@ -83,7 +85,7 @@ class Run:
         def build():
             with outside_deepspeed(self.ds_plugin):
                 draft = build_draft(self.recipe.head.model_dump(), self.base).float()
-            return DraftObjective(draft, self.recipe.loss).to(self.accelerator.device)
+            return DraftObjective(draft, self.recipe.loss, self.teacher_transform).to(self.accelerator.device)
 
         return whole_copy(objective, build)
 
@@ -139,13 +141,14 @@ def rank_seed(seed: int, rank: int, *more: int) -> int:
     return int(np.random.SeedSequence([seed % 2**63, rank, *more]).generate_state(1, np.uint64)[0] % 2**63)
 
 
-def check_teacher(recipe: Recipe, config=None, head=None) -> None:
-    """Distillation takes the base's distribution as softmax(h @ W) of its hidden states: refused for a base that
-    transforms its logits after that product (Gemma-2's soft-capping, Cohere's and Granite's scales, a bias).
-    config: the base's (default: read from its files; one that cannot be read now is checked once loaded)."""
-    eagle = recipe.head.type == "eagle3"  # (EAGLE-3 always distils: Eagle3Draft.needs_teacher)
-    if not (eagle or recipe.loss.distill_weight > 0 or (recipe.lora is not None and recipe.lora.self_distill)):
-        return
+def check_teacher(recipe: Recipe, config=None, head=None) -> tuple | None:
+    """Distillation takes the base's distribution from its final hidden states h: losses.lm_logits, the lm_head's
+    product with what the base does after it (base.teacher_transform: Gemma-2's soft cap, Cohere's and Granite's
+    scales). Refused for a base whose logits that cannot reproduce (an lm_head bias, an unknown model type's scale).
+    config: the base's (default: read from its files; one that cannot be read now is checked once loaded).
+    Returns the transform (None: the product itself, or no distillation)."""
+    if not uses_base_logits(recipe):
+        return None
     if config is None:
         from transformers import AutoConfig
 
@@ -154,15 +157,44 @@ def check_teacher(recipe: Recipe, config=None, head=None) -> None:
             config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision,
                                                 trust_remote_code=b.trust_remote_code)
         except (OSError, ValueError):  # (loading the base says why)
-            return
-    transforms = logit_transforms(config, head)
-    if transforms:
-        raise ValueError(f"base {recipe.base.name_or_path} transforms its logits after its lm_head "
-                         f"({', '.join(transforms)}): distillation takes the base's distribution as softmax(h @ W) of "
-                         "its hidden states, which is not this base's; "
-                         + ("EAGLE-3 always distils, so it cannot train on this base: train Hydra++, an SSM or DFlash "
-                            "with loss.distill_weight: 0" if eagle else "set loss.distill_weight: 0"
-                            + (" and lora.self_distill: false" if recipe.lora is not None else "")))
+            return None
+    try:
+        return teacher_transform(config, head)
+    except ValueError as e:
+        raise teacher_error(recipe, f"transforms its logits after its lm_head's product in a way draftlab does not "
+                                    f"reproduce ({e})") from None
+
+
+def uses_base_logits(recipe: Recipe) -> bool:
+    """Whether the loss computes the base's logits from its hidden states: distillation (EAGLE-3 always distils:
+    Eagle3Draft.needs_teacher) or Medusa-2's adapter (its own loss is on the base's logits)."""
+    return recipe.head.type == "eagle3" or recipe.loss.distill_weight > 0 or recipe.lora is not None
+
+
+def teacher_error(recipe: Recipe, what: str) -> ValueError:
+    return ValueError(f"base {recipe.base.name_or_path} {what}: distillation takes the base's distribution from its "
+                      "hidden states, and "
+                      + ("EAGLE-3 always distils, so it cannot train on this base: train Hydra++, an SSM or DFlash "
+                         "with loss.distill_weight: 0" if recipe.head.type == "eagle3" else
+                         "set loss.distill_weight: 0" + (" and drop the lora section (Medusa-2's adapter trains on "
+                                                         "the base's logits too)" if recipe.lora is not None else "")))
+
+
+@torch.no_grad()
+def probe_teacher(recipe: Recipe, base, transform: tuple | None) -> tuple | None:
+    """The transform with which losses.lm_logits of the base's final hidden states gives the base's own logits, on
+    one forward of 16 tokens: the one its config names, else the product itself (a config key the model's code does
+    not read). Neither: refused (a transform draftlab does not know of)."""
+    w = base.get_output_embeddings().weight
+    ids = (torch.arange(1, 17) * 7919 % w.shape[0])[None].to(w.device)
+    want = base(input_ids=ids, use_cache=False).logits[0].float()
+    h = base_hidden(base, ids)[0].to(w.device, w.dtype)
+    tol = 1e-4 if w.dtype == torch.float32 else 3e-2  # (relative to the largest logit: one bf16 rounding is 4e-3)
+    for t in ([transform] if transform else []) + [None]:
+        if float((lm_logits(h, w, t) - want.to(w.device)).abs().max()) <= tol * float(want.abs().max().clamp(min=1)):
+            return t
+    raise teacher_error(recipe, f"gives logits that its lm_head's product{' and ' + str(transform) if transform else ''}"
+                                " do not reproduce (checked on one forward)")
 
 
 def start(recipe: Recipe, overwrite: bool):
@@ -213,7 +245,9 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
     else:  # (fsdp in a single process has nothing to shard over)
         with outside_deepspeed(ds_plugin):
             run.base, run.tok = load_recipe_base(b, accelerator.device)
-    check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
+    run.teacher_transform = check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
+    if uses_base_logits(recipe) and not run.sharded:  # (a sharded base's forward is a collective: its config's word)
+        run.teacher_transform = probe_teacher(recipe, run.base, run.teacher_transform)
     if recipe.data.cache:  # tokenized once, by the main process; the others and every resume read the file
         run.train_ex, run.eval_ex, run.stats = cached_examples(recipe.data, run.tok, split_seed, run.out_dir,
                                                                accelerator, worker_init=die_with_parent)
@@ -236,9 +270,9 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         lc = recipe.lora
         run.base = get_peft_model(run.base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                                        target_modules=list(lc.target_modules), bias="none"))
-        run.objective = JointObjective(draft, recipe.loss, run.base, lc)
+        run.objective = JointObjective(draft, recipe.loss, run.base, lc, run.teacher_transform)
     else:
-        run.objective = DraftObjective(draft, recipe.loss)
+        run.objective = DraftObjective(draft, recipe.loss, run.teacher_transform)
     if run.use_deepspeed and recipe.distributed.zero_stage == 3:
         from deepspeed.runtime.zero import register_external_parameter
 

@@ -17,22 +17,24 @@ from ..losses import draft_losses
 class DraftObjective(nn.Module):
     """The draft module plus its loss, so that DDP/FSDP wrap one forward that returns the loss."""
 
-    def __init__(self, draft: nn.Module, loss_cfg):
+    def __init__(self, draft: nn.Module, loss_cfg, teacher_transform: tuple | None = None):
         super().__init__()
         self.draft = draft
         self.loss_cfg = loss_cfg
+        self.teacher_transform = teacher_transform  # the base's logits from its hidden states (losses.lm_logits)
 
     def forward(self, hidden, input_ids, loss_mask, attention_mask=None, base_weight=None):
         if hasattr(self.draft, "objective"):  # drafters with their own training procedure (EAGLE-3's unrolled test)
             B, S, _ = hidden.shape
             return self.draft.objective(hidden.view(B, S, -1, self.draft.hidden_size), input_ids, loss_mask,
-                                        attention_mask, base_weight, self.loss_cfg)
+                                        attention_mask, base_weight, self.loss_cfg, self.teacher_transform)
         feats = self.draft.train_hidden(hidden, input_ids, attention_mask)
         c = self.loss_cfg
         return draft_losses(feats, [lm.weight for lm in self.draft.lm_heads], input_ids, loss_mask,
                             base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
                             distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
-                            shifts=getattr(self.draft, "shifts", None), divergence=c.divergence)
+                            shifts=getattr(self.draft, "shifts", None), divergence=c.divergence,
+                            teacher_transform=self.teacher_transform)
 
 
 class JointObjective(DraftObjective):
@@ -43,8 +45,8 @@ class JointObjective(DraftObjective):
     heads read the adapted base's final state. While `heads_only` is set (the warm-up) the base runs without
     gradient and only the heads' loss counts. Checkpoints hold the trainable tensors only, not the frozen base."""
 
-    def __init__(self, draft: nn.Module, loss_cfg, base, lora_cfg):
-        super().__init__(draft, loss_cfg)
+    def __init__(self, draft: nn.Module, loss_cfg, base, lora_cfg, teacher_transform: tuple | None = None):
+        super().__init__(draft, loss_cfg, teacher_transform)
         self.base = base
         self.lora_cfg = lora_cfg
         self.heads_only = False
@@ -77,7 +79,7 @@ class JointObjective(DraftObjective):
         heads = draft_losses(self.draft.train_hidden(h, input_ids, attention_mask), [lm.weight for lm in self.draft.lm_heads],
                              input_ids, loss_mask, base_hidden=h.detach(), base_weight=w if base_weight is not None else None,
                              head_decay=c.head_decay, distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
-                             divergence=c.divergence)
+                             divergence=c.divergence, teacher_transform=self.teacher_transform)
         if self.heads_only:
             return heads
         sel = loss_mask[:, 1:].bool()  # the base predicts x_{t+1} at t
@@ -87,7 +89,7 @@ class JointObjective(DraftObjective):
         else:
             teacher = None
         own, _, _, _ = head_loss(h[:, :-1][sel], w, input_ids[:, 1:][sel], teacher, w, 1.0 if lc.self_distill else 0.0,
-                                 c.chunk_size, c.topk, "fkl")
+                                 c.chunk_size, c.topk, "fkl", self.teacher_transform, self.teacher_transform)
         base_loss = own / sel.sum().clamp(min=1)
         heads["base_loss"] = base_loss.detach()
         heads["loss"] = base_loss + lc.heads_weight * heads["loss"]
