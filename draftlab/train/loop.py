@@ -193,8 +193,9 @@ def probe_teacher(recipe: Recipe, base, transform: tuple | None) -> tuple | None
     for t in ([transform] if transform else []) + [None]:
         if float((lm_logits(h, w, t) - want.to(w.device)).abs().max()) <= tol * float(want.abs().max().clamp(min=1)):
             return t
-    raise teacher_error(recipe, f"gives logits that its lm_head's product{' and ' + str(transform) if transform else ''}"
-                                " do not reproduce (checked on one forward)")
+    how = f" (scale, soft cap) {transform}" if transform else ""
+    raise teacher_error(recipe, f"gives logits that its lm_head's product{how} does not reproduce from its final "
+                                "hidden states (checked on one forward of 16 tokens)")
 
 
 def start(recipe: Recipe, overwrite: bool):
