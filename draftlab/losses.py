@@ -102,13 +102,14 @@ def draft_losses(feats: list[torch.Tensor], lm_weights: list[torch.Tensor], inpu
                  loss_mask: torch.Tensor, base_hidden: torch.Tensor | None = None,
                  base_weight: torch.Tensor | None = None, head_decay: float = 0.8, distill_weight: float = 0.0,
                  chunk_size: int = 512, topk: int = 5, shifts: tuple[int, ...] | None = None,
-                 divergence: str = "fkl", teacher_transform: tuple | None = None) -> dict:
+                 divergence: str = "fkl", teacher_transform: tuple | None = None,
+                 transform: tuple | None = None) -> dict:
     """Weighted sum over heads of the mean per-head loss, plus per-head sums and hit counts.
 
     feats[k] [B, S, H]: position t of head k predicts input_ids[:, t + shifts[k]] (heads: k+2, an SSM: 1),
     supervised where loss_mask is 1 there. The teacher for that target is the base's own prediction from
-    position t + shifts[k] - 1 (its logits: losses.lm_logits with teacher_transform). With base_weight given, the
-    teacher is also used for the agreement count.
+    position t + shifts[k] - 1 (its logits: losses.lm_logits with teacher_transform; the heads': with transform, a
+    draft model's own). With base_weight given, the teacher is also used for the agreement count.
     """
     S = input_ids.shape[1]
     shifts = shifts or tuple(k + 2 for k in range(len(feats)))
@@ -129,7 +130,7 @@ def draft_losses(feats: list[torch.Tensor], lm_weights: list[torch.Tensor], inpu
         target = input_ids[:, shift:][sel]  # [N]
         th = base_hidden[:, shift - 1: S - 1][sel] if teach else None
         loss_sum, h1, hk, agree = head_loss(h, w, target, th, base_weight if teach else None, distill_weight,
-                                            chunk_size, topk, divergence, teacher_transform)
+                                            chunk_size, topk, divergence, teacher_transform, transform)
         n = sel.sum()
         total = total + head_decay ** k * loss_sum / n.clamp(min=1)
         for key, v in zip(out, (loss_sum.detach(), n.float(), h1, hk, agree)):

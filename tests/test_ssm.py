@@ -302,13 +302,15 @@ def test_a_vocabulary_mismatch_names_both_sizes(tiny_base_dir, tmp_path):
         build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "other")}}, base)
 
 
-def test_a_draft_model_whose_logits_are_not_its_lm_head_s_product_is_refused(tiny_base_dir):
-    """The SSM trains on softmax(h @ W) and drafts with the model's own logits: an lm_head bias, soft-capping or a
-    logit scale made the two differ (found by review: a Phi-style bias left 20% of argmaxes agreeing). A pretrained
-    draft with one is refused; one built from a soft-capped base's config does not inherit it."""
-    from draftlab.base import load_base, logit_transforms
+def test_a_draft_model_trains_on_the_logits_it_drafts_with(tiny_base_dir):
+    """The SSM drafts with the model's own logits, and trained on softmax(h @ W): a bias, soft-capping or a logit
+    scale made the two differ (found by review: a Phi-style bias left 20% of argmaxes agreeing), so such drafts were
+    refused, Gemma-2-2B for Gemma-2-27B among them. Training now applies the model's soft cap or scale
+    (SSMDraft.logit_transform) and gets the model's own logits; a bias is still refused."""
+    from draftlab.base import load_base
     from draftlab.drafters import build_draft
     from draftlab.drafters.ssm import SSMError, check_vocab
+    from draftlab.losses import lm_logits
 
     base, _ = load_base(str(tiny_base_dir), "float32")
     lm = tiny_llama(vocab=base.config.vocab_size, hidden=16, layers=1, dtype=torch.float32)
@@ -316,9 +318,33 @@ def test_a_draft_model_whose_logits_are_not_its_lm_head_s_product_is_refused(tin
     lm.lm_head.bias = torch.nn.Parameter(torch.zeros(base.config.vocab_size))
     with pytest.raises(SSMError, match="biased: .*an lm_head bias.*build one from the recipe"):
         check_vocab(lm, base, "biased")
-    base.config.final_logit_softcapping = 30.0
-    ssm = build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base)
-    assert logit_transforms(ssm.lm.config, ssm.lm.get_output_embeddings()) == []
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=base.config.vocab_size, hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=8, final_logit_softcapping=1.5)).eval()
+    with torch.no_grad():
+        gemma.lm_head.weight.mul_(20)
+    check_vocab(gemma, base, "gemma")
+    from draftlab.drafters.ssm import SSMDraft
+
+    draft = SSMDraft(gemma)
+    ids = torch.randint(3, base.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        h = draft.train_hidden(None, ids)[0]
+        got = lm_logits(h, draft.lm_heads[0].weight, draft.logit_transform)
+        torch.testing.assert_close(got, gemma(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        assert draft.logit_transform == (1.0, 1.5) and not torch.allclose(lm_logits(h, gemma.lm_head.weight), got)
+        from draftlab.config import LossSection
+        from draftlab.train.objectives import DraftObjective
+
+        loss = DraftObjective(draft, LossSection())(None, ids, torch.ones_like(ids))["loss_sum"][0]
+        own = torch.nn.functional.cross_entropy(gemma(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                reduction="sum")
+        torch.testing.assert_close(loss, own)
+    base.config.final_logit_softcapping = 30.0  # a draft built from the recipe keeps none of a base's
+    assert build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).logit_transform is None
 
 
 def test_every_pretrained_load_asks_for_transformers_torch_layers(tiny_base_dir, tmp_path, monkeypatch):

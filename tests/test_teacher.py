@@ -145,3 +145,17 @@ def test_a_base_whose_logits_the_product_does_not_give_is_refused(tiny_base_dir,
         train_draft(recipe(odd, data_file, tmp_path / "o", kind="eagle3", max_steps=1))
     assert not (tmp_path / "o").exists()
 
+
+
+def test_a_new_ssm_keeps_none_of_its_base_s_transforms():
+    """A draft built from the recipe drafts with its lm_head's product; on a MiniCPM3 base the clearing set a
+    read-only property (logits_scaling: hidden_size / dim_model_base) and failed."""
+    from draftlab.drafters import build_draft
+
+    for model_type in ("minicpm3", "gemma2", "cohere"):
+        extra, _ = CASES[model_type]
+        try:
+            base = _tiny(model_type, **extra)
+        except (ValueError, KeyError, ImportError) as e:
+            pytest.skip(f"{model_type}: {e}")
+        assert build_draft({"type": "ssm", "ssm": {"num_layers": 1}}, base).logit_transform is None, model_type

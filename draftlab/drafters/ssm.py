@@ -48,10 +48,13 @@ def _ssm_config(base_config, c: dict):
                 "num_key_value_heads": kv, "intermediate_size": inter})
     if getattr(cfg, "head_dim", None) is not None:
         cfg.head_dim = H // heads
-    # A new model's logits are its lm_head's product alone (see check_vocab): no soft-capping or scale inherited.
+    # A new model's logits are its lm_head's product alone: no soft cap or scale inherited (a pretrained draft
+    # model's own are applied in training: SSMDraft.logit_transform).
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(cfg, key, None) is not None:
+        if getattr(cfg, key, None) is not None and not isinstance(getattr(type(cfg), key, None), property):
             setattr(cfg, key, None if key == "final_logit_softcapping" else 1.0)
+    if getattr(cfg, "dim_model_base", None):  # (MiniCPM3: logits_scaling is hidden_size / dim_model_base)
+        cfg.dim_model_base = cfg.hidden_size
     for key in ("layer_types", "_name_or_path"):  # per-layer lists sized for the base's depth
         if hasattr(cfg, key) and key == "layer_types" and cfg.layer_types is not None:
             cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
@@ -59,17 +62,19 @@ def _ssm_config(base_config, c: dict):
 
 
 def check_vocab(ssm, base, where: str) -> None:
-    """Drafts are verified token id for token id: the vocabularies must be the same size (no truncation). And the
-    draft model's logits must be its lm_head's product: training computes them as softmax(h @ W) (the chunked loss),
-    while drafting runs the model, so a bias, soft-capping or a logit scale would make it draft with logits it was
-    not trained on (found by review: a Phi-style lm_head bias left 20% of argmaxes agreeing)."""
-    from ..base import logit_transforms
+    """Drafts are verified token id for token id: the vocabularies must be the same size (no truncation). And
+    training must compute the draft model's logits as drafting does (it runs the model): its lm_head's product with
+    what the model does after it (base.teacher_transform: a soft cap, a scale; SSMDraft.logit_transform). A bias, or
+    a scale of a model type draftlab does not know, cannot be (found by review: a Phi-style lm_head bias left 20% of
+    argmaxes agreeing)."""
+    from ..base import teacher_transform
 
-    found = logit_transforms(ssm.config, ssm.get_output_embeddings())
-    if found:
-        raise SSMError(f"{where}: the draft model changes its logits after its lm_head's product ({', '.join(found)});"
-                       " draftlab trains an SSM on that product alone, so it would draft with logits it was not "
-                       "trained on: pick a draft model without them, or build one from the recipe (head.ssm)")
+    try:
+        teacher_transform(ssm.config, ssm.get_output_embeddings())
+    except ValueError as e:
+        raise SSMError(f"{where}: the draft model changes its logits after its lm_head's product ({e}) in a way "
+                       "draftlab's training does not reproduce, so it would draft with logits it was not trained "
+                       "on: pick a draft model without it, or build one from the recipe (head.ssm)") from None
     vs, vb = ssm.get_output_embeddings().weight.shape[0], base.get_output_embeddings().weight.shape[0]
     if vs != vb:
         raise SSMError(f"{where}: the draft model has a vocabulary of {vs} tokens and the base {vb}; an SSM must "
@@ -94,6 +99,13 @@ class SSMDraft(nn.Module):
     @property
     def lm_heads(self):
         return [self.lm.get_output_embeddings()]
+
+    @property
+    def logit_transform(self) -> tuple | None:
+        """What the model does to its lm_head's product (a Gemma-2 draft's soft cap): training applies it too."""
+        from ..base import teacher_transform
+
+        return teacher_transform(self.lm.config, self.lm.get_output_embeddings())
 
     def config(self) -> dict:
         c = self.lm.config

@@ -34,7 +34,8 @@ class DraftObjective(nn.Module):
                             base_hidden=hidden, base_weight=base_weight, head_decay=c.head_decay,
                             distill_weight=c.distill_weight, chunk_size=c.chunk_size, topk=c.topk,
                             shifts=getattr(self.draft, "shifts", None), divergence=c.divergence,
-                            teacher_transform=self.teacher_transform)
+                            teacher_transform=self.teacher_transform,
+                            transform=getattr(self.draft, "logit_transform", None))
 
 
 class JointObjective(DraftObjective):
