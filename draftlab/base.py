@@ -150,22 +150,30 @@ def logit_transforms(config, head=None) -> list[str]:
     c, found = config, []
     if hasattr(c, "get_text_config") and c.get_text_config(decoder=True) is not c:  # (a multimodal base's text model)
         return logit_transforms(c.get_text_config(decoder=True), head)
-    if getattr(c, "final_logit_softcapping", None):
-        found.append(f"final_logit_softcapping {c.final_logit_softcapping}")
-    for name in ("logit_scale", "logits_scaling"):
+    for name in _SOFT_CAPS + ("output_logit_soft_cap",):  # (xLSTM's: not read, so refused)
+        if getattr(c, name, None):
+            found.append(f"{name} {getattr(c, name)}")
+    for name in ("logit_scale", "logits_scaling", "lm_head_multiplier", "logits_mup_width_multiplier"):
         v = getattr(c, name, None)
         if v is not None and v != 1:
             found.append(f"{name} {v}")
     if getattr(head, "bias", None) is not None:
         found.append("an lm_head bias")
+    if head is not None and getattr(type(head), "forward", None) is not torch.nn.Linear.forward:  # (FSDP's wrapping
+        found.append(f"an output head of its own ({type(head).__name__})")  # keeps Linear's forward; Dory's does not)
     return found
+
+
+_SOFT_CAPS = ("final_logit_softcapping", "logits_soft_cap")  # (Gemma-2 and most; RecurrentGemma): cap * tanh(z / cap)
 
 
 # Bases whose logits are their lm_head's product scaled, by model type: (config key, True: multiplied by it, False:
 # divided; MiniCPM3 divides its final state before the product, which is the same). The same key means either
 # (Granite divides by logits_scaling, HyperCLOVA X multiplies), so an unknown model type with one is not guessed.
 _LOGIT_SCALES = {
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass"), ("logit_scale", True)),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
+                    ("logit_scale", True)),
+    "falcon_h1": ("lm_head_multiplier", True),
     **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
                      "minicpm3"), ("logits_scaling", False)),
     "hyperclovax": ("logits_scaling", True),
@@ -181,11 +189,11 @@ def teacher_transform(config, head=None) -> tuple[float, float | None] | None:
     if not found:
         return None
     key, times = _LOGIT_SCALES.get(getattr(c, "model_type", None), (None, True))
-    unknown = [t for t in found if not (t.startswith("final_logit_softcapping ") or (key and t.startswith(key + " ")))]
+    unknown = [t for t in found if not (t.split(" ")[0] in _SOFT_CAPS or (key and t.startswith(key + " ")))]
     if unknown:
         raise ValueError(", ".join(unknown))
     scale = float(getattr(c, key, None) or 1.0) if key else 1.0
-    cap = getattr(c, "final_logit_softcapping", None)
+    cap = next((getattr(c, k) for k in _SOFT_CAPS if getattr(c, k, None)), None)
     return (scale if times else 1.0 / scale), (float(cap) if cap else None)
 
 

@@ -64,6 +64,25 @@ def test_what_cannot_be_reproduced_is_named():
         teacher_transform(LlamaConfig(logits_scaling=8))
     with pytest.raises(ValueError, match="an lm_head bias"):
         teacher_transform(LlamaConfig(), torch.nn.Linear(4, 8, bias=True))
+    # Found by review: keys the first version did not read at all (a wrong teacher wherever the probe does not run).
+    with pytest.raises(ValueError, match="output_logit_soft_cap 30"):
+        teacher_transform(LlamaConfig(output_logit_soft_cap=30))
+
+    class OwnHead(torch.nn.Linear):  # (Dory's head scales each token's logit inside its forward)
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    with pytest.raises(ValueError, match="an output head of its own"):
+        teacher_transform(LlamaConfig(), OwnHead(4, 8, bias=False))
+    from transformers import AutoConfig
+
+    for model_type, extra, want in (("recurrent_gemma", {"logits_soft_cap": 30.0}, (1.0, 30.0)),
+                                    ("falcon_h1", {"lm_head_multiplier": 0.25}, (0.25, None))):
+        try:
+            cfg = AutoConfig.for_model(model_type, **extra)
+        except (ValueError, KeyError) as e:
+            pytest.skip(f"{model_type}: {e}")
+        assert teacher_transform(cfg) == want, model_type
 
 
 def test_the_distillation_loss_is_towards_the_transformed_distribution():
@@ -134,6 +153,9 @@ def test_a_base_whose_logits_the_product_does_not_give_is_refused(tiny_base_dir,
     r = recipe(tiny_base_dir, data_file, tmp_path / "r", kind="eagle3", max_steps=1)
     assert check_teacher(r, base.config, base.get_output_embeddings()) is None
     assert probe_teacher(r, base, None) is None
+    # A config's soft cap the model's code does not read, on a bf16 base whose logits sit far below the cap: both
+    # candidates pass the tolerance there, and the closer one (the bare product) is taken (review: the first was).
+    assert probe_teacher(r, load_base(str(tiny_base_dir), "bfloat16")[0], (1.0, 30.0)) is None
     base.get_output_embeddings().register_forward_hook(lambda m, i, o: o * 3)
     with pytest.raises(ValueError, match="does not reproduce from its final hidden states.*EAGLE-3 always distils"):
         probe_teacher(r, base, None)
