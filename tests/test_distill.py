@@ -210,21 +210,33 @@ def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
     assert whole.tolist() == ids.tolist() + [tok.eos_token_id]
 
 
-def test_answers_stop_at_the_base_s_context(tiny_base_dir, tmp_path, capsys):
-    """--max-new-tokens past the base's context ran generation on past it with only transformers' warning
-    (walk-through: stories260K's 512 and the default 512): answers stop where prompt and answer fill the context,
-    count as cut, and a note says so once."""
+def _short_context(tiny_base_dir, tmp_path):
+    """A copy of the tiny base whose context is 16 tokens, and its original config."""
     import shutil
-
-    from draftlab.train.distill import LocalModel
 
     d = tmp_path / "short"
     shutil.copytree(tiny_base_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
-    lm = LocalModel(str(d), "float32", "cpu", 40, 0.0, 1.0)
+    return d, cfg
+
+
+def _spied(d, max_new_tokens, record):
+    """LocalModel over d, and the list where each generate call's record(kwargs) goes."""
+    from draftlab.train.distill import LocalModel
+
+    lm = LocalModel(str(d), "float32", "cpu", max_new_tokens, 0.0, 1.0)
     asked, generate = [], lm.model.generate
-    lm.model.generate = lambda **kw: asked.append(kw["max_new_tokens"]) or generate(**kw)
+    lm.model.generate = lambda **kw: asked.append(record(kw)) or generate(**kw)
+    return lm, asked
+
+
+def test_answers_stop_at_the_base_s_context(tiny_base_dir, tmp_path, capsys):
+    """--max-new-tokens past the base's context ran generation on past it with only transformers' warning
+    (walk-through: stories260K's 512 and the default 512): answers stop where prompt and answer fill the context,
+    count as cut, and a note says so once."""
+    d, _ = _short_context(tiny_base_dir, tmp_path)
+    lm, asked = _spied(d, 40, lambda kw: kw["max_new_tokens"])
     prompt = "Once upon a time there was a cat who"
     n = len(lm.tok(prompt).input_ids)
     for _ in range(2):
@@ -240,17 +252,10 @@ def test_each_answer_gets_the_room_its_own_prompt_leaves_and_a_prompt_that_fills
     """A batch was cut at its longest prompt's room, so one long prompt shortened the others' answers, and a prompt
     that filled the context alone still got a token past it. Now each row gets its own room, such a prompt gets no
     record (all turns: its conversation ends there), and dynamic RoPE scaling (no hard limit) caps nothing."""
-    import shutil
-
     from draftlab.train.distill import LocalModel
 
-    d = tmp_path / "short"
-    shutil.copytree(tiny_base_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
-    lm = LocalModel(str(d), "float32", "cpu", 6, 0.0, 1.0)
-    asked, generate = [], lm.model.generate
-    lm.model.generate = lambda **kw: asked.append((len(kw["input_ids"]), kw["max_new_tokens"])) or generate(**kw)
+    d, cfg = _short_context(tiny_base_dir, tmp_path)
+    lm, asked = _spied(d, 6, lambda kw: (len(kw["input_ids"]), kw["max_new_tokens"]))
     short, mid, full = "Once", "Once upon a time there was a cat who", "cat " * 20
     n = len(lm.tok(mid).input_ids)
     got = lm.answer([short, mid, full, short])
