@@ -285,7 +285,8 @@ def test_all_turns_ends_a_conversation_at_a_turn_past_the_context():
 
     items = [(0, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
                   {"role": "user", "content": "b"}]),
-             (1, [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]),
+             (1, [{"role": "system", "content": "s"}, {"role": "user", "content": "c"},
+                  {"role": "user", "content": "d"}]),
              (2, [{"role": "system", "content": "s"}, {"role": "system", "content": "t"},
                   {"role": "user", "content": "e"}])]
     recs = _regenerate(Source(), items, "chat", all_turns=True)
