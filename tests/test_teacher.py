@@ -181,3 +181,45 @@ def test_a_new_ssm_keeps_none_of_its_base_s_transforms():
         except (ValueError, KeyError, ImportError) as e:
             pytest.skip(f"{model_type}: {e}")
         assert build_draft({"type": "ssm", "ssm": {"num_layers": 1}}, base).logit_transform is None, model_type
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash", "medusa2"])
+def test_every_objective_hands_its_teacher_the_base_s_transform(tiny_base_dir, kind, monkeypatch):
+    """Found by review: dropping the transform from EAGLE-3's or DFlash's objective, the heads' or Medusa-2's own
+    loss went unnoticed by the tests. Each objective's every teacher (and Medusa-2's own logits) gets it."""
+    from peft import LoraConfig, get_peft_model
+
+    from draftlab import losses
+    from draftlab.base import load_base
+    from draftlab.config import LoraSection, LossSection
+    from draftlab.drafters import build_draft
+    from draftlab.train.objectives import DraftObjective, JointObjective, base_features
+    from test_train import KINDS
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    spec = KINDS[kind]
+    head = {"type": "medusa", **spec["head"]}
+    if kind == "eagle3":  # (the full vocabulary: every argmax draftable, so every position is supervised)
+        head["eagle"] = {"ttt_steps": 3}
+    draft = build_draft(head, base)
+    if hasattr(draft, "fit_vocab"):
+        draft.fit_vocab([{"input_ids": torch.arange(3, 60)}])
+    loss = LossSection(distill_weight=0.0 if kind == "eagle3" else 1.0)
+    t = (0.5, 7.0)
+    if kind == "medusa2":
+        lc = LoraSection(**{**spec["lora"], "self_distill": True})
+        peft = get_peft_model(base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, target_modules=list(lc.target_modules)))
+        objective = JointObjective(draft, loss, peft, lc, t)
+    else:
+        objective = DraftObjective(draft, loss, t)
+    calls, real = [], losses.head_loss
+    monkeypatch.setattr(losses, "head_loss", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    ids = torch.randint(3, base.config.vocab_size, (2, 24))
+    hidden = None if kind == "medusa2" else base_features(base, draft, ids)
+    objective(hidden, ids, torch.ones_like(ids), torch.ones_like(ids), base.get_output_embeddings().weight)
+    teachers = [(a, k) for a, k in calls if (a[3] if len(a) > 3 else k.get("teacher_h")) is not None]
+    assert teachers, kind
+    for a, k in teachers:
+        assert (a[9] if len(a) > 9 else k.get("teacher_transform")) == t, kind
+    if kind == "medusa2":  # (the adapted base's own logits too)
+        assert any((a[10] if len(a) > 10 else k.get("transform")) == t for a, k in calls)
