@@ -147,9 +147,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 def logit_transforms(config, head=None) -> list[str]:
     """What a base does to its logits after its lm_head's product (soft-capping, scaling; with its lm_head, a bias):
     a teacher taken as softmax(h @ W) from its hidden states, as distillation computes it, is not its distribution."""
-    c, found = config, []
-    if hasattr(c, "get_text_config") and c.get_text_config(decoder=True) is not c:  # (a multimodal base's text model)
-        return logit_transforms(c.get_text_config(decoder=True), head)
+    c, found = config, []  # (a multimodal base's text config: teacher_transform hands it over)
     for name in _SOFT_CAPS + ("output_logit_soft_cap",):  # (xLSTM's: not read, so refused)
         if getattr(c, name, None):
             found.append(f"{name} {getattr(c, name)}")

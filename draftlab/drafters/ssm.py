@@ -95,17 +95,15 @@ class SSMDraft(nn.Module):
         self.settings = dict(settings or {})
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.hidden_size = lm.config.hidden_size
+        from ..base import teacher_transform
+
+        # What the model does to its lm_head's product (a Gemma-2 draft's soft cap): training applies it too. Read
+        # once: the loss asks at every step.
+        self.logit_transform = teacher_transform(lm.config, lm.get_output_embeddings())
 
     @property
     def lm_heads(self):
         return [self.lm.get_output_embeddings()]
-
-    @property
-    def logit_transform(self) -> tuple | None:
-        """What the model does to its lm_head's product (a Gemma-2 draft's soft cap): training applies it too."""
-        from ..base import teacher_transform
-
-        return teacher_transform(self.lm.config, self.lm.get_output_embeddings())
 
     def config(self) -> dict:
         c = self.lm.config
