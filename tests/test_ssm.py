@@ -300,6 +300,11 @@ def test_a_vocabulary_mismatch_names_both_sizes(tiny_base_dir, tmp_path):
     V = base.config.vocab_size
     with pytest.raises(SSMError, match=f"vocabulary of 48 tokens and the base {V}"):
         build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "other")}}, base)
+    # A directory that is not there is named as one (it was reported as a malformed hub id; walk-through)
+    from draftlab.base import BaseModelError
+
+    with pytest.raises(BaseModelError, match="head.ssm.name_or_path=.*: no such directory"):
+        build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "gone")}}, base)
 
 
 def test_a_draft_model_trains_on_the_logits_it_drafts_with(tiny_base_dir):
@@ -345,6 +350,43 @@ def test_a_draft_model_trains_on_the_logits_it_drafts_with(tiny_base_dir):
         torch.testing.assert_close(loss, own)
     base.config.final_logit_softcapping = 30.0  # a draft built from the recipe keeps none of a base's
     assert build_draft({"type": "ssm", "ssm": {"num_layers": 1, "hidden_size": 16}}, base).logit_transform is None
+
+
+def test_a_pretrained_draft_model_s_logits_are_checked_on_a_forward(tiny_base_dir, tmp_path, monkeypatch):
+    """A pretrained draft model's transform was taken from its config alone: a config key its code does not read was
+    applied in training, and logits changed in a way no key names went unnoticed. One forward decides."""
+    import draftlab.base as dbase
+    from draftlab.base import load_base
+    from draftlab.drafters import build_draft
+    from draftlab.drafters.ssm import SSMError
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    V = base.config.vocab_size
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                           final_logit_softcapping=1.5))
+    with torch.no_grad():
+        gemma.lm_head.weight.mul_(20)
+    gemma.save_pretrained(tmp_path / "gemma")
+    assert build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "gemma")}}, base).logit_transform == \
+        (1.0, 1.5)
+    llama = tiny_llama(vocab=V, hidden=16, layers=1, dtype=torch.float32)
+    llama.config.final_logit_softcapping = 0.5  # (LlamaForCausalLM does not read it)
+    llama.save_pretrained(tmp_path / "llama")
+    ssm = {"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "llama")}}
+    assert build_draft(ssm, base).logit_transform is None
+    real = dbase.pretrained_lm
+
+    def doubled(*a, **k):  # logits changed by the model's code under no key draftlab reads
+        lm = real(*a, **k)
+        lm.lm_head.register_forward_hook(lambda m, i, out: out * 2)
+        return lm
+
+    monkeypatch.setattr(dbase, "pretrained_lm", doubled)
+    with pytest.raises(SSMError, match="own logits are not its lm_head's product, nor"):
+        build_draft(ssm, base)
 
 
 def test_every_pretrained_load_asks_for_transformers_torch_layers(tiny_base_dir, tmp_path, monkeypatch):

@@ -106,7 +106,8 @@ def _saved(model, tiny_base_dir, d):
     return d
 
 
-def test_eagle3_trains_on_a_soft_capped_base_towards_its_own_distribution(tiny_base_dir, data_file, tmp_path):
+def test_eagle3_trains_on_a_soft_capped_base_towards_its_own_distribution(tiny_base_dir, data_file, tmp_path,
+                                                                         capsys):
     """EAGLE-3 (which always distils) and distillation on a Gemma-2 base were refused; they train, the objective's
     teacher being the base's capped distribution. A config key the model's code does not read (a Llama config with
     final_logit_softcapping) is caught by the probe, which finds the product alone reproduces the base."""
@@ -131,6 +132,8 @@ def test_eagle3_trains_on_a_soft_capped_base_towards_its_own_distribution(tiny_b
         r = recipe(base, data_file, tmp_path / "e", max_steps=1)
         eagle = build_recipe({**r.model_dump(mode="json"), "head": {"type": "eagle3"}})
         assert loop.train_draft(eagle)["finished"] and seen == [(1.0, 30.0)]
+        assert ("teacher: the base's logits are soft-capped at 30 after its lm_head's product; the teacher does the "
+                "same (checked on one forward)") in capsys.readouterr().err  # (train said nothing of it)
         capped = tmp_path / "capped"
         shutil.copytree(tiny_base_dir, capped)
         cfg = json.loads((capped / "config.json").read_text())
@@ -138,6 +141,8 @@ def test_eagle3_trains_on_a_soft_capped_base_towards_its_own_distribution(tiny_b
         r = recipe(capped, data_file, tmp_path / "l", max_steps=1)
         distill = build_recipe({**r.model_dump(mode="json"), "loss": {**r.loss.model_dump(), "distill_weight": 1.0}})
         assert loop.train_draft(distill)["finished"] and seen[-1] is None  # (LlamaForCausalLM does not cap)
+        assert ("config says its logits are soft-capped at 0.5, but one forward gives the bare product"
+                in capsys.readouterr().err)
     finally:
         loop.probe_teacher = original
 
@@ -169,18 +174,39 @@ def test_a_base_whose_logits_the_product_does_not_give_is_refused(tiny_base_dir,
 
 
 
-def test_a_new_ssm_keeps_none_of_its_base_s_transforms():
+@pytest.mark.parametrize("model_type", ["minicpm3", "gemma2", "cohere"])
+def test_a_new_ssm_keeps_none_of_its_base_s_transforms(model_type):
     """A draft built from the recipe drafts with its lm_head's product; on a MiniCPM3 base the clearing set a
     read-only property (logits_scaling: hidden_size / dim_model_base) and failed."""
     from draftlab.drafters import build_draft
 
-    for model_type in ("minicpm3", "gemma2", "cohere"):
-        extra, _ = CASES[model_type]
-        try:
-            base = _tiny(model_type, **extra)
-        except (ValueError, KeyError, ImportError) as e:
-            pytest.skip(f"{model_type}: {e}")
-        assert build_draft({"type": "ssm", "ssm": {"num_layers": 1}}, base).logit_transform is None, model_type
+    extra, _ = CASES[model_type]
+    try:
+        base = _tiny(model_type, **extra)
+    except (ValueError, KeyError, ImportError) as e:
+        pytest.skip(f"{model_type}: {e}")
+    assert build_draft({"type": "ssm", "ssm": {"num_layers": 1}}, base).logit_transform is None
+
+
+def test_the_zero3_copy_of_the_objective_keeps_the_transform(tiny_base_dir, data_file, tmp_path, monkeypatch):
+    """Under ZeRO-3 the accept estimate, the best weights and the export read a rebuilt, gathered copy of the
+    objective (Run.whole_objective): it is built with the base's transform as the trained one is."""
+    from types import SimpleNamespace
+
+    from test_train import recipe
+
+    from draftlab.base import load_base
+    from draftlab.config import build_recipe
+    from draftlab.train import loop
+
+    r = recipe(tiny_base_dir, data_file, tmp_path / "o")
+    r = build_recipe({**r.model_dump(mode="json"), "distributed": {"strategy": "deepspeed", "zero_stage": 3}})
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    accelerator = SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu"))
+    run = loop.Run(r, tmp_path / "o", accelerator, use_deepspeed=True, base=base, teacher_transform=(0.5, 7.0))
+    run.objective = object()  # (the engine's, partitioned: never read here)
+    monkeypatch.setattr(loop, "whole_copy", lambda module, build: build())
+    assert run.partitioned and run.whole_objective().teacher_transform == (0.5, 7.0)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash", "medusa2"])

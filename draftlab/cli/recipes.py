@@ -10,7 +10,7 @@ from pathlib import Path
 from ..shipped import CHECKOUT, recipe_names, recipe_path, recipe_summary, recipes_dir
 
 # Recipe values that name a local file or folder (the rest are hub ids, settings or outputs).
-LOCAL_KEYS = (("base", "name_or_path"), ("data", "path"))
+LOCAL_KEYS = (("base", "name_or_path"), ("data", "path"), ("head", "ssm", "name_or_path"))
 
 
 def add_recipes_args(sub) -> None:
@@ -35,14 +35,16 @@ def _shipped_data(value: str) -> str:
 
 
 def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
-    """Local paths the recipe (a file, or its sections as a dict) reads (base.name_or_path, data.path) that do not
-    exist relative to cwd."""
+    """Local paths the recipe (a file, or its sections as a dict) reads (base.name_or_path, data.path,
+    head.ssm.name_or_path) that do not exist relative to cwd."""
     import yaml
 
     raw = recipe if isinstance(recipe, dict) else yaml.safe_load(recipe.read_text()) or {}
     out = []
-    for section, key in LOCAL_KEYS:
-        value = (raw.get(section) or {}).get(key)
+    for keys in LOCAL_KEYS:
+        value = raw
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
         if not isinstance(value, str):
             continue
         local = value.startswith(("/", "./", "../", "~")) or value.split("/", 1)[0] in ("data", "runs") or \
@@ -51,7 +53,7 @@ def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
             first = value.split("/", 1)[0]
             where = ("made by the commands at the top of the recipe" if first == "runs" else
                      _shipped_data(value) if first == "data" else "your own")
-            out.append(f"{section}.{key} = {value} ({where})")
+            out.append(f"{'.'.join(keys)} = {value} ({where})")
     return out
 
 

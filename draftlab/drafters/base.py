@@ -27,6 +27,27 @@ def read_safetensors(path: Path) -> dict:
                           "(rerunning `draftlab train RECIPE` on a finished run rewrites OUTPUT_DIR/export)") from None
 
 
+@torch.no_grad()
+def closest_transform(model, transform: tuple | None) -> tuple[tuple | None, bool]:
+    """Of `transform` (base.teacher_transform's, from the model's config) and the bare product, the one with which
+    losses.lm_logits of the model's final hidden states gives its own logits, on one forward of 16 tokens: the closer
+    in log-probabilities, and whether it is within rounding (False: the model's code does something else to its
+    logits). A soft cap barely moves logits far below it, so the closer one wins rather than the first that passes;
+    which of two that both pass there is chosen matters as little. A config key the code does not read gives None."""
+    from ..base import base_hidden
+    from ..losses import lm_logits
+
+    w = model.get_output_embeddings().weight
+    ids = (torch.arange(1, 17) * 7919 % w.shape[0])[None].to(w.device)
+    want = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float().to(w.device), -1)
+    h = base_hidden(model, ids)[0].to(w.device, w.dtype)
+    tol = 1e-4 if w.dtype == torch.float32 else 1e-2  # (in log-probability: one bf16 rounding of a logit is 4e-3 of it)
+    errors = {t: float((torch.log_softmax(lm_logits(h, w, t), -1) - want).abs().max())
+              for t in ([transform] if transform else []) + [None]}
+    t = min(errors, key=errors.get)
+    return t, errors[t] <= tol * max(1.0, float(want.abs().max()))
+
+
 def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Rank of target [...] in logits [..., V] (0 = the top candidate), for the tree search's statistics.
 

@@ -20,7 +20,7 @@ from ..decode.cache import (cache_name, causal_allowed, check_tree_support, mark
                             slot_cache)
 from ..decode.compiled import Fixed, compiled_method
 from ..decode.tree import Tree, TreeView
-from .base import Drafter, PromptState, Proposal, StepResult, rank_of, static_view
+from .base import Drafter, PromptState, Proposal, StepResult, closest_transform, rank_of, static_view
 
 # A backlog longer than CATCH_UP tokens (a drafter an ensemble paused) is fed before the step's feed, in forwards of
 # CATCH_UP_WIDTH tokens (SSMDrafter.catch_up), rather than by widening the step's feed (at most 16 tokens with the root).
@@ -157,16 +157,25 @@ def build_ssm(head: dict, base) -> SSMDraft:
     base's config class, checked against the base's vocabulary, initialised as head.ssm.init says."""
     from transformers import AutoModelForCausalLM
 
-    from ..base import pretrained_lm
+    from ..base import check_model_path, pretrained_lm, teacher_transform
 
     c = dict(head.get("ssm") or {})
     if c.get("name_or_path"):
+        check_model_path(c["name_or_path"], "head.ssm.name_or_path")  # (a missing directory, not a "bad hub id")
         try:
             lm = pretrained_lm(c["name_or_path"], dtype=torch.float32,
                                trust_remote_code=c.get("trust_remote_code", False))
         except OSError as e:
             raise SSMError(f"head.ssm.name_or_path={c['name_or_path']!r}: cannot load a causal LM ({e})") from None
         check_vocab(lm, base, f"head.ssm.name_or_path={c['name_or_path']!r}")
+        # Its config alone decided (a key its code does not read, or a transform draftlab does not know, went
+        # unnoticed): one forward says which logits it drafts with.
+        found, ok = closest_transform(lm, teacher_transform(lm.config, lm.get_output_embeddings()))
+        if not ok:
+            raise SSMError(f"head.ssm.name_or_path={c['name_or_path']!r}: the draft model's own logits are not its "
+                           "lm_head's product, nor that product with the scale or soft cap its config names (checked "
+                           "on one forward of 16 tokens), so draftlab would train it on other logits than it drafts "
+                           "with: pick another draft model, or build one from the recipe (head.ssm)")
         init = "random" if c.get("init", "auto") == "auto" else c["init"]  # a pretrained SSM keeps its weights
     else:
         lm = AutoModelForCausalLM.from_config(_ssm_config(base.config, c), dtype=torch.float32)
@@ -174,6 +183,8 @@ def build_ssm(head: dict, base) -> SSMDraft:
         init = c.get("init", "auto")
     lm.requires_grad_(True).train()
     module = SSMDraft(lm, {"source": c.get("name_or_path") or "config", "init": init})
+    if c.get("name_or_path"):
+        module.logit_transform = found
     module.init_from_base(base, init)
     return module
 

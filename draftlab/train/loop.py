@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..base import base_hidden, load_recipe_base, set_seed, teacher_transform, template_to_ship
+from ..base import load_recipe_base, set_seed, teacher_transform, template_to_ship
 from ..config import Recipe
 from ..data import collate, load_examples
 from ..drafters import build_draft
+from ..drafters.base import closest_transform
 from ..interop.export import save_export
-from ..losses import lm_logits
 from ..procs import die_with_parent
 from ..progress import progress
 from .accept import AcceptEstimator, BestDraft, selection_value
@@ -180,26 +180,27 @@ def teacher_error(recipe: Recipe, what: str) -> ValueError:
                                                          "the base's logits too)" if recipe.lora is not None else "")))
 
 
-@torch.no_grad()
 def probe_teacher(recipe: Recipe, base, transform: tuple | None) -> tuple | None:
-    """The transform with which losses.lm_logits of the base's final hidden states gives the base's own logits, on
-    one forward of 16 tokens: of the one its config names and the product itself (a config key the model's code does
-    not read), the closer in log-probabilities, if within rounding. Neither: refused (a transform draftlab does not
-    know of). A soft cap barely moves logits far below it, so the closer one wins rather than the first that passes;
-    which of two that both pass there is chosen matters as little."""
-    w = base.get_output_embeddings().weight
-    ids = (torch.arange(1, 17) * 7919 % w.shape[0])[None].to(w.device)
-    want = torch.log_softmax(base(input_ids=ids, use_cache=False).logits[0].float().to(w.device), -1)
-    h = base_hidden(base, ids)[0].to(w.device, w.dtype)
-    tol = 1e-4 if w.dtype == torch.float32 else 1e-2  # (in log-probability: one bf16 rounding of a logit is 4e-3 of it)
-    errors = {t: float((torch.log_softmax(lm_logits(h, w, t), -1) - want).abs().max())
-              for t in ([transform] if transform else []) + [None]}
-    t = min(errors, key=errors.get)
-    if errors[t] <= tol * max(1.0, float(want.abs().max())):
+    """The transform with which the teacher's logits are the base's own (drafters.base.closest_transform: the
+    config's or the bare product, checked on one forward); neither: refused (a transform draftlab does not know of)."""
+    t, ok = closest_transform(base, transform)
+    if ok:
         return t
     how = f" (scale, soft cap) {transform}" if transform else ""
     raise teacher_error(recipe, f"gives logits that its lm_head's product{how} does not reproduce from its final "
                                 "hidden states (checked on one forward of 16 tokens)")
+
+
+def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:
+    """The line train prints when the base's config names a transform of its logits: what the teacher applies."""
+    scale, cap = named
+    what = " and ".join(([f"multiplied by {scale:g}"] if scale != 1 else []) +
+                        ([f"soft-capped at {cap:g}"] if cap else []))
+    if used is None:
+        return (f"teacher: the base's config says its logits are {what}, but one forward gives the bare product of "
+                "its lm_head; the teacher takes the product")
+    return (f"teacher: the base's logits are {what} after its lm_head's product; the teacher does the same ("
+            + ("checked on one forward)" if checked else "from its config; not checked under FSDP)"))
 
 
 def start(recipe: Recipe, overwrite: bool):
@@ -250,9 +251,11 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
     else:  # (fsdp in a single process has nothing to shard over)
         with outside_deepspeed(ds_plugin):
             run.base, run.tok = load_recipe_base(b, accelerator.device)
-    run.teacher_transform = check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
+    named = run.teacher_transform = check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
     if uses_base_logits(recipe) and not run.sharded:  # (a sharded base's forward is a collective: its config's word)
         run.teacher_transform = probe_teacher(recipe, run.base, run.teacher_transform)
+    if named and uses_base_logits(recipe) and run.is_main:
+        print(describe_transform(named, run.teacher_transform, checked=not run.sharded), file=sys.stderr, flush=True)
     if recipe.data.cache:  # tokenized once, by the main process; the others and every resume read the file
         run.train_ex, run.eval_ex, run.stats = cached_examples(recipe.data, run.tok, split_seed, run.out_dir,
                                                                accelerator, worker_init=die_with_parent)
