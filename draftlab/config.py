@@ -381,25 +381,30 @@ class Recipe(_Section):
         """Settings that the head type reads nothing of, given other than their defaults: refused, naming what the
         kind reads instead (they were trained past in silence: walk-through). Defaults pass, so a dumped recipe,
         which holds every field, validates again."""
-        kind, unread = self.head.type, {}
-        if kind in ("ssm", "eagle3", "dflash"):
-            where = {"ssm": "head.ssm", "eagle3": "head.eagle (ttt_steps: the unrolled steps)",
-                     "dflash": "head.dflash (block_size, num_layers)"}[kind]
-            for f in ("num_heads", "num_layers"):
-                unread[f"head.{f}"] = (self.head, f, f"Medusa / Hydra settings; a {kind} draft is shaped by {where}")
-        if kind == "eagle3":
-            unread["loss.distill_weight"] = (self.loss, "distill_weight", "an eagle3 draft always trains towards the "
-                                             "base's distribution, as EAGLE-3 does")
-            unread["loss.head_decay"] = (self.loss, "head_decay", "an eagle3 draft weighs its steps by "
-                                         "head.eagle.step_decay")
-        if kind == "dflash":
-            unread["loss.head_decay"] = (self.loss, "head_decay", "a dflash draft weighs block positions by "
-                                         "head.dflash.loss_decay_gamma")
-        for key, (section, f, why) in unread.items():
+        for key, why in unread_settings(self).items():
+            section, f = key.split(".")
+            section = getattr(self, section)
             value, default = getattr(section, f), type(section).model_fields[f].default
             if value != default:
                 raise ValueError(f"{key}={value}: {why}; this setting is not read (leave it at its default, "
                                  f"{default})")
+
+
+def unread_settings(recipe: Recipe) -> dict[str, str]:
+    """The recipe's settings that its head type reads nothing of (they keep their defaults), each with what the kind
+    reads instead."""
+    kind, unread = recipe.head.type, {}
+    if kind in ("ssm", "eagle3", "dflash"):
+        where = {"ssm": "head.ssm", "eagle3": "head.eagle (ttt_steps: the unrolled steps)",
+                 "dflash": "head.dflash (block_size, num_layers)"}[kind]
+        for f in ("num_heads", "num_layers"):
+            unread[f"head.{f}"] = f"Medusa / Hydra settings; a {kind} draft is shaped by {where}"
+    if kind == "eagle3":
+        unread["loss.distill_weight"] = "an eagle3 draft always trains towards the base's distribution, as EAGLE-3 does"
+        unread["loss.head_decay"] = "an eagle3 draft weighs its steps by head.eagle.step_decay"
+    if kind == "dflash":
+        unread["loss.head_decay"] = "a dflash draft weighs block positions by head.dflash.loss_decay_gamma"
+    return unread
 
 
 def accept_settings(recipe: Recipe) -> tuple[int, int]:

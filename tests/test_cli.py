@@ -54,6 +54,14 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "note: not here (paths are relative to where you run draftlab): data.path = d.jsonl" in err
     assert "base.name_or_path" not in err
+    # ... and so does an SSM draft model's directory (validate said nothing of it; walk-through)
+    assert main(["validate", str(r), "head.type=ssm", "head.ssm.name_or_path=./small-lm"]) == 0
+    assert "head.ssm.name_or_path = ./small-lm (your own)" in capsys.readouterr().err
+    # The settings a head type does not read are dumped at their defaults; a note says so (EAGLE-3 showed
+    # loss.distill_weight: 0.0 and always distils; walk-through)
+    assert main(["validate", str(r), "head.type=eagle3"]) == 0
+    assert ("note: loss.distill_weight is not read: an eagle3 draft always trains towards the base's distribution"
+            in capsys.readouterr().err)
     # The accept settings whose defaults follow the strategy stay unset (null) in the dump; the note resolves them.
     assert ("note: unset, so under distributed.strategy ddp: train.accept_prompts = 8, "
             "train.measure_accept_every = 4") in err
@@ -88,6 +96,17 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     # --stream prints one text: with two prompts the rows' tokens interleaved in one stream (walk-through)
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "a", "--prompt", "b", "--stream"]) == 2
     assert "--stream prints one text as it is committed: give one --prompt (got 2)" in capsys.readouterr().err
+    # A speedup above the accept length is the baseline's noise, and is said to be (one run printed 8.40x on a
+    # shared machine; walk-through)
+    from draftlab.cli import generate as cli_generate
+
+    real = cli_generate.run_generate
+    fake = lambda *a, **k: {**real(*a, **k), "speedup": 8.4}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cli_generate, "run_generate", fake)
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "12",
+                     "--compare"]) == 0
+    assert "note: a speedup of 8.40x above the accept length" in capsys.readouterr().err
 
 
 def test_a_half_precision_difference_from_plain_greedy_is_explained(tiny_base_dir, tmp_path, capsys, monkeypatch):

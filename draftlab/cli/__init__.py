@@ -38,7 +38,7 @@ def load_recipe_arg(a):
 
 
 def cmd_validate(a) -> int:
-    from ..config import accept_settings, dump_recipe
+    from ..config import accept_settings, dump_recipe, unread_settings
 
     from .recipes import missing_paths
 
@@ -54,6 +54,8 @@ def cmd_validate(a) -> int:
     if unset:
         print(f"note: unset, so under distributed.strategy {recipe.distributed.strategy}: {', '.join(unset)}",
               file=sys.stderr)
+    for key, why in unread_settings(recipe).items():  # (dumped at their defaults, they read as if they applied)
+        print(f"note: {key} is not read: {why}", file=sys.stderr)
     return 0
 
 
