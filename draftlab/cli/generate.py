@@ -104,6 +104,11 @@ def generate_command(a) -> int:
                 line += (f"\n(in {dtype} a forward over a tree rounds otherwise than a one-token step, so where "
                          "the base's top two logits nearly tie the two greedy paths can part; `--dtype float32` "
                          "compares token for token)")
+        fair = rep.get("speedup_vs_compiled_plain", rep["speedup"])
+        if fair > rep["accept_length"]:  # (a step verifies at least one token at a plain step's cost, or more)
+            line += (f"\nnote: a speedup of {fair:.2f}x above the accept length ({rep['accept_length']:.2f} tokens a "
+                     "step) cannot come from speculation: the plain run was slowed by something else on this machine; "
+                     "run --compare again")
         if "compiled_plain_tokens_per_s" in rep:
             if rep["speedup_vs_compiled_plain"] < 1 and not a.export.startswith("lookup"):
                 line += (f"\nplain decoding is faster on this machine with this tree: `draftlab search-tree "
