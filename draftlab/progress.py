@@ -113,7 +113,10 @@ class LineProgress:
             done += f" ({100 * self.n / self.total:.0f}%)"
         eta = f", eta {_clock((self.total - self.n) / rate)}" if self.total and rate > 0 and self.n < self.total else ""
         post = f", {self.postfix}" if self.postfix else ""
-        return f"{self.desc}: {done}, {rate:.3g} {self.unit}/s, elapsed {_clock(elapsed)}{eta}{post}"
+        # (a resumed job with nothing left did no work here: "0 prompt/s" read as a stall)
+        speed = (f"{rate:.3g} {self.unit}/s" if self.n > self.start_n or not self.start_n else
+                 "all done before this run" if self.total and self.n >= self.total else "resumed")
+        return f"{self.desc}: {done}, {speed}, elapsed {_clock(elapsed)}{eta}{post}"
 
     def close(self) -> None:
         if not self.closed:

@@ -36,3 +36,10 @@ def test_the_closing_line_says_what_changed_since_the_last(monkeypatch):
     bar.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("eval: 2/2") and lines[1].endswith("accept=2.5")
+
+
+def test_a_resumed_job_with_nothing_left_says_so_rather_than_a_zero_rate():
+    out = io.StringIO()
+    progress(total=5, initial=5, desc="distill", unit="prompt", file=out).close()
+    assert out.getvalue().startswith("distill: 5/5 prompt (100%), all done before this run, elapsed")
+    assert "prompt/s" not in out.getvalue()  # ("0 prompt/s" read as a stall; walk-through)
