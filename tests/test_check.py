@@ -12,7 +12,7 @@ from draftlab.drafters import build_draft
 from draftlab.interop.check import check_export, check_quant
 from draftlab.interop.export import save_export
 
-STATIC = ("aux-layer-ids", "vocab-maps", "rope", "quantization", "tokenizer")
+STATIC = ("aux-layer-ids", "target", "vocab-maps", "rope", "quantization", "tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,22 @@ def test_a_correct_export_passes_every_check(good_dir):
     assert "SGLang captures hidden_states [2, 3, 4]" in c["aux-layer-ids"]["message"]
     msg = c["proposals"]["message"]
     assert "vLLM: the same 4-token chains at all" in msg and "SGLang: the same 4-token chains" in msg
+
+
+def test_an_eagle3_draft_for_a_target_the_engine_captures_no_layers_of_fails(good_dir, tmp_path):
+    """Both engines refuse an EAGLE-3 draft when the target's model code does not capture the draft's layers (vLLM
+    0.34.0's Gemma-2 and Gemma-3, SGLang 0.5.23's Gemma-2); check passed such a draft (walk-through)."""
+    from draftlab.interop.check import check_target
+
+    assert "vLLM 0.34.0's LlamaForCausalLM captures" in by_name(check_export(good_dir))["target"]["message"]
+    meta = {"head": {"type": "eagle3"}}
+    c = check_target(meta, {"architectures": ["Gemma2ForCausalLM"]}, ["vllm", "sglang"])
+    assert c.ok is False and "vLLM 0.34.0's Gemma2ForCausalLM does not capture" in c.message
+    assert "SGLang 0.5.23's Gemma2ForCausalLM does not capture EAGLE-3's auxiliary layers, so SGLang refuses" in \
+        c.message
+    assert check_target(meta, {"architectures": ["Gemma3ForCausalLM"]}, ["sglang"]).ok is True
+    assert check_target(meta, {"architectures": ["Gemma3ForCausalLM"]}, ["vllm"]).ok is False
+    assert check_target({"head": {"type": "dflash"}}, {"architectures": ["Gemma2ForCausalLM"]}, ["vllm"]).ok is None
 
 
 def test_draftlab_exports_write_each_engines_layer_ids(eagle_dir):
@@ -316,6 +332,7 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     rep = check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "v"))
     assert rep["ok"], rep
     assert by_name(rep)["proposals"]["message"].startswith("vLLM: the same 3-token chains at all")
+    assert "vLLM 0.33.0 and 0.34.0 have none" in by_name(rep)["proposals"]["message"]  # (the PASS named vLLM alone; walk-through)
     # A served config without medusa_fc_bias: vLLM builds no biases and drops them, and drafts other tokens.
     variant(tmp_path / "v", tmp_path / "nobias", cfg=lambda c: c.update(medusa_fc_bias=False))
     c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))

@@ -35,6 +35,8 @@ import torch
 
 from ..drafters.base import Drafter, ExportError, flat_rope, partial_factor, read_safetensors, table_of
 from ..drafters.dflash import SGLANG_MASK_TOKEN
+from .convert import VLLM_MEDUSA_NOTE
+from .targets import EAGLE3_READ_FROM, EAGLE3_TARGETS
 from .engine_read import EngineDFlash, EngineEagle3, dflash_layers, last_layer_problem, vllm_medusa_logits
 from .export import apply_adapter, load_export, read_meta, tokenizer_fingerprint, use_chat_template
 
@@ -116,6 +118,29 @@ def check_aux(cfg: dict, meta: dict, engines: list[str], n: int, base_type: str 
     if problems:
         return Check("aux-layer-ids", False, "; ".join(problems + [f"({x})" for x in notes]))
     return Check("aux-layer-ids", True, f"draftlab.json layers {layers} (hidden_states indices): " + "; ".join(notes))
+
+
+def check_target(meta: dict, base_cfg: dict, engines: list[str]) -> Check:
+    """EAGLE-3: whether each engine's model code for the base's architecture captures the draft's auxiliary layers
+    (targets.py, read from the engines' source); an engine refuses the draft for a target whose code does not."""
+    kind = meta["head"]["type"]
+    if kind != "eagle3":
+        return Check("target", None, f"not applicable to {kind} (only EAGLE-3's target models are read from the "
+                                     "engines' source)")
+    arch = (base_cfg.get("architectures") or [None])[0]
+    if arch is None:
+        return Check("target", None, "the base's config.json names no architecture: whether an engine's model for it "
+                                     "captures EAGLE-3's layers is not known")
+    msgs, oks = [], []
+    for engine in engines:
+        who = EAGLE3_READ_FROM[engine]
+        oks.append(arch in EAGLE3_TARGETS[engine])
+        msgs.append(f"{who}'s {arch} captures EAGLE-3's auxiliary layers" if oks[-1] else
+                    f"{who}'s {arch} does not capture EAGLE-3's auxiliary layers, so {NAMES[engine]} refuses the draft "
+                    "when it loads (a later release may add it" + (
+                        "; vLLM's Transformers backend, --model-impl transformers, captures them for the models it "
+                        "runs: not tried here)" if engine == "vllm" else ")"))
+    return Check("target", all(oks), "; ".join(msgs))
 
 
 def _check_dflash_layers(cfg: dict, layers: list[int], engines: list[str], n: int) -> Check:
@@ -559,6 +584,7 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
                 msg += (f"; config.json has no `medusa_fc_bias: true`, so vLLM builds the blocks without biases and "
                         f"drops the {len(dropped)} nonzero bias tensors the file holds: set it (export --to "
                         "vllm-medusa writes it)")
+            msg += f" ({VLLM_MEDUSA_NOTE})"  # (a PASS naming vLLM read as if the newest served it; walk-through)
         oks.append(ok)
         msgs.append(msg)
     return Check("proposals", all(oks) if oks else None, "; ".join(msgs))
@@ -618,6 +644,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
                                                                                              meta)
     cfg, tensors, where = _served_files(d, meta, served)
     checks = [check_aux(cfg, meta, engines, base_cfg["num_hidden_layers"], base_cfg.get("model_type", "")),
+              check_target(meta, base_cfg, engines),
               check_vocab(cfg, tensors, meta, base_cfg["vocab_size"], tok, engines),
               check_rope(cfg, base_cfg, kind, engines), check_quant(cfg, base_cfg, engines),
               check_tokenizer(d, meta, tok_src, chat_template)]

@@ -244,9 +244,9 @@ def fasterdecoding_note(num_heads: int) -> str | None:
             f"medusa_num_heads says (its older loader reads it), and these are {num_heads}: {what}.")
 
 
-VLLM_MEDUSA_NOTE = ("vLLM releases that ship a Medusa model (`vllm/model_executor/models/medusa.py`) load this "
-                    "layout; vLLM 0.33.0 has none (no `medusa` speculative method), so it serves these heads no "
-                    "longer (checked 2026-12-01).")
+VLLM_MEDUSA_NOTE = ("vLLM releases that ship a Medusa model (`vllm/model_executor/models/medusa.py`, 0.32.0 the "
+                    "last) load this layout; vLLM 0.33.0 and 0.34.0 have none (no `medusa` speculative method), so "
+                    "they serve these heads no longer (checked 2026-12-03).")
 
 
 def serving_note(fmt: str, head: dict) -> str | None:
