@@ -191,6 +191,21 @@ def probe_teacher(recipe: Recipe, base, transform: tuple | None) -> tuple | None
                                 "hidden states (checked on one forward of 16 tokens)")
 
 
+def unserved_eagle3_target(recipe: Recipe, config) -> str | None:
+    """For an EAGLE-3 recipe whose base architecture no engine read captures the draft's layers for: what to know
+    (draftlab trains and decodes the draft; vLLM and SGLang refuse it at load)."""
+    from ..interop.targets import EAGLE3_READ_FROM, EAGLE3_TARGETS
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if recipe.head.type != "eagle3" or arch is None:
+        return None
+    missing = [who for e, who in EAGLE3_READ_FROM.items() if arch not in EAGLE3_TARGETS[e]]
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} do{'es' * (len(missing) == 1)} not capture EAGLE-3's layers from a {arch} "
+            "target, so they refuse this draft at load; draftlab trains and decodes it (docs/interop.md, `target`)")
+
+
 def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:
     """The line train prints when the base's config names a transform of its logits: what the teacher applies."""
     scale, cap = named
@@ -256,6 +271,9 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         run.teacher_transform = probe_teacher(recipe, run.base, run.teacher_transform)
     if named and uses_base_logits(recipe) and run.is_main:
         print(describe_transform(named, run.teacher_transform, checked=not run.sharded), file=sys.stderr, flush=True)
+    unserved = unserved_eagle3_target(recipe, run.base.config)
+    if unserved and run.is_main:  # (before hours of training, not at `check`)
+        print(f"warning: {unserved}", file=sys.stderr, flush=True)
     if recipe.data.cache:  # tokenized once, by the main process; the others and every resume read the file
         run.train_ex, run.eval_ex, run.stats = cached_examples(recipe.data, run.tok, split_seed, run.out_dir,
                                                                accelerator, worker_init=die_with_parent)
