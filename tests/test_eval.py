@@ -94,7 +94,8 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     assert f"- accept length {o['accept_length']} ± {se['accept_length_se']} (tokens" in card
     assert f"- {o['speedup']}x ± {se['speedup_se']} draftlab's eager plain decoding" in card and "compiled" not in card
     # export --eval on files the run did not measure (retrained since, or another export) is refused: the card gave
-    # the old weights' figures as the new ones' (walk-through). A copy that keeps the files' times is the same files.
+    # the old weights' figures as the new ones' (walk-through). A copy is the same files, whatever their times (a copy
+    # that did not keep them was refused until 2026-12-03).
     import os
     import shutil
 
@@ -103,8 +104,19 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     same = shutil.copytree(export, tmp_path / "same")
     assert export_to(same, "vllm-medusa", tmp_path / "served", str(out))
     os.utime(same / "draft.safetensors", ns=(time.time_ns(), time.time_ns()))
+    assert export_to(same, "vllm-medusa", tmp_path / "served1", str(out))
+    weights = bytearray((same / "draft.safetensors").read_bytes())
+    weights[-1] ^= 1  # (other weights, same size)
+    (same / "draft.safetensors").write_bytes(bytes(weights))
     with pytest.raises(ConvertError, match=f"--eval {out} measured other files than {same} holds now"):
         export_to(same, "vllm-medusa", tmp_path / "served2", str(out))
+    # A summary from before 2026-12-03 knows the files by their times, and is still read so
+    summary = json.loads((out / "summary.json").read_text())
+    old = tmp_path / "old-eval"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "export_content"}))
+    with pytest.raises(ConvertError, match="or a copy that did not keep the files' modification times"):
+        export_to(same, "vllm-medusa", tmp_path / "served3", str(old))
 
     # The second turn sees the first answer through the chat template: replay the plain turn 2 by hand.
     base, tok = load_base(str(stories_dir), "float32")
@@ -154,10 +166,14 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     shutil.copytree(export, moved)
     s = run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
     (moved / "draft.safetensors").write_bytes((moved / "draft.safetensors").read_bytes())  # (rewritten: mtime)
-    with pytest.raises(EvalError, match="other settings .*export_files"):
+    run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)  # (the same contents: the same export)
+    weights = bytearray((moved / "draft.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (moved / "draft.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(EvalError, match="other settings .*export_content"):
         run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
     settings = json.loads((tmp_path / "m" / "run.json").read_text())
-    (tmp_path / "m" / "run.json").write_text(json.dumps({**settings, "export_files": None, "hardware": "elsewhere"}))
+    (tmp_path / "m" / "run.json").write_text(json.dumps({**settings, "export_content": None, "hardware": "elsewhere"}))
     with pytest.raises(EvalError, match="other settings .*hardware: 'elsewhere'"):
         run_mt_bench(str(moved), str(MT), str(tmp_path / "m"), limit=1, **kw)
     # --overwrite removes the old summary and report at once: a run killed before writing its own left the old ones,

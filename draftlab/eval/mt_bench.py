@@ -40,6 +40,9 @@ RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_
 # whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
 # whose timings would be mixed with these under one hardware label.
 RUN_KEYS_SINCE_1201 = ("export_files", "base_files", "hardware")
+# Since 2026-12-03 the export is known by its files' contents (export_content): a copy that did not keep modification
+# times is the same export. A run.json that records it is checked on it rather than on export_files.
+RUN_KEYS_SINCE_1203 = ("export_content",)
 
 
 class EvalError(ValueError):
@@ -438,7 +441,10 @@ def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
         old = json.loads(f.read_text())
         old = {k: same_run_value(k, v) for k, v in old.items()}
         diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
-        diff += [k for k in RUN_KEYS_SINCE_1201 if k in old and old[k] != settings.get(k)]
+        since = RUN_KEYS_SINCE_1201 + RUN_KEYS_SINCE_1203
+        if "export_content" in old:
+            since = tuple(k for k in since if k != "export_files")
+        diff += [k for k in since if k in old and old[k] != settings.get(k)]
         if diff:
             raise EvalError(f"{out} holds answers made with other settings ({', '.join(f'{k}: {old.get(k)!r} -> {settings.get(k)!r}' for k in diff)}); "
                             "use another --out, or --overwrite to start again")
@@ -493,7 +499,8 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category",
                 "system": system, "limit": limit, "category": categories, "export_files": files_fingerprint(export),
-                "base_files": files_fingerprint(base_name), "hardware": hardware()}
+                "export_content": files_fingerprint(export, content=True), "base_files": files_fingerprint(base_name),
+                "hardware": hardware()}
     outp = Path(out)
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)  # (before run.json is written)
     _settings_file(outp, settings, overwrite)

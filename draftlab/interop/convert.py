@@ -348,11 +348,14 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
         if not summary.is_file():  # (was a card saying "not measured")
             raise ConvertError(f"--eval {eval_dir}: no summary.json there; give the run directory `draftlab eval "
                                "mt-bench ... --out DIR` wrote, or leave --eval out")
-        measured = json.loads(summary.read_text()).get("export_files")  # (else the card gives another's figures)
-        if measured is not None and measured != files_fingerprint(str(export_dir)):
-            raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, "
-                               "another export, or a copy that did not keep the files' modification times): run "
-                               "`draftlab eval mt-bench` on this export, or leave --eval out")
+        s = json.loads(summary.read_text())  # (else the card gives another's figures)
+        content = "export_content" in s  # (summaries before 2026-12-03 know the files by modification time)
+        measured = s.get("export_content" if content else "export_files")
+        if measured is not None and measured != files_fingerprint(str(export_dir), content=content):
+            raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, or "
+                               "another export" + ("" if content else ", or a copy that did not keep the files' "
+                               "modification times") + "): run `draftlab eval mt-bench` on this export, or leave "
+                               "--eval out")
     meta = read_meta(export_dir)
     kind = meta["head"]["type"]
     if kind == "hydra":

@@ -209,9 +209,11 @@ def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dty
     return draft, meta
 
 
-def files_fingerprint(path: str) -> str | None:
-    """A digest of a local model directory's files (draftlab.json's and config.json's contents, every other file's
-    name, size and modification time), or None for a hub id: what says its weights changed in place."""
+def files_fingerprint(path: str, content: bool = False) -> str | None:
+    """A digest of a local model directory's files, or None for a hub id: what says its weights changed in place.
+    content: every file's name and bytes (a draft export: a copy that did not keep modification times is the same
+    export); else draftlab.json's and config.json's contents and every other file's name, size and modification
+    time (a base, whose weights are too large to read for it)."""
     import hashlib
 
     d = Path(path)
@@ -221,5 +223,10 @@ def files_fingerprint(path: str) -> str | None:
     for f in sorted(p for p in d.rglob("*") if p.is_file()):
         st = f.stat()
         h.update(f"{f.relative_to(d)}\0{st.st_size}\0".encode())
-        h.update(f.read_bytes() if f.name in ("draftlab.json", "config.json") else str(st.st_mtime_ns).encode())
+        if content or f.name in ("draftlab.json", "config.json"):
+            with open(f, "rb") as r:
+                for block in iter(lambda: r.read(1 << 24), b""):
+                    h.update(block)
+        else:
+            h.update(str(st.st_mtime_ns).encode())
     return h.hexdigest()[:16]
