@@ -381,7 +381,7 @@ class Recipe(_Section):
         """Settings that the head type reads nothing of, given other than their defaults: refused, naming what the
         kind reads instead (they were trained past in silence: walk-through). Defaults pass, so a dumped recipe,
         which holds every field, validates again."""
-        for key, why in unread_settings(self).items():
+        for key, why in unread_settings(self.head.type).items():
             section, f = key.split(".")
             section = getattr(self, section)
             value, default = getattr(section, f), type(section).model_fields[f].default
@@ -390,10 +390,10 @@ class Recipe(_Section):
                                  f"{default})")
 
 
-def unread_settings(recipe: Recipe) -> dict[str, str]:
-    """The recipe's settings that its head type reads nothing of (they keep their defaults), each with what the kind
+def unread_settings(kind: str) -> dict[str, str]:
+    """The settings that head type `kind` reads nothing of (a recipe keeps their defaults), each with what the kind
     reads instead."""
-    kind, unread = recipe.head.type, {}
+    unread = {}
     if kind in ("ssm", "eagle3", "dflash"):
         where = {"ssm": "head.ssm", "eagle3": "head.eagle (ttt_steps: the unrolled steps)",
                  "dflash": "head.dflash (block_size, num_layers)"}[kind]

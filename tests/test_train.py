@@ -134,6 +134,29 @@ def test_only_the_first_process_wipes_an_overwritten_run(tiny_base_dir, data_fil
     assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()
 
 
+def test_a_run_saved_with_a_setting_its_head_type_never_read_resumes(tiny_base_dir, data_file, tmp_path):
+    """A config.yaml written before unread settings were refused (an EAGLE-3 run with head.num_heads: 3) failed
+    validation when read back, so the run could not resume without --overwrite; the unread setting is dropped."""
+    import yaml
+
+    from draftlab.config import build_recipe
+    from draftlab.train.run_dir import RunDirError, prepare_run_dir, write_run_config
+
+    out = tmp_path / "run"
+    r = recipe(tiny_base_dir, data_file, out)
+    r = build_recipe({**r.model_dump(mode="json"), "head": {"type": "eagle3"}})
+    write_run_config(out, r)
+    (out / "export").mkdir()  # (a run that trained)
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    saved["head"]["num_heads"], saved["loss"]["distill_weight"] = 3, 0.5
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert prepare_run_dir(r, overwrite=False) == out
+    saved["train"]["lr"] = 0.5  # (a setting it reads still makes another run)
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(RunDirError, match="different recipe .*train.lr"):
+        prepare_run_dir(r, overwrite=False)
+
+
 def test_export_round_trip_and_base_mismatch(tiny_base_dir, data_file, tmp_path):
     from draftlab.base import load_base
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import RESUMABLE_KEYS, Recipe, build_recipe, diff_recipes
+from ..config import RESUMABLE_KEYS, Recipe, build_recipe, diff_recipes, unread_settings
 from ..data import rewrite_lines
 
 
@@ -76,7 +76,13 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
     # resume: the fixed recipe starts there rather than being refused as another run.
     trained = latest_checkpoint(out) is not None or (out / "export").exists() or (out / "stages").exists()
     if saved.is_file() and not overwrite and trained:
-        previous = build_recipe(yaml.safe_load(saved.read_text()), source=str(saved))
+        raw = yaml.safe_load(saved.read_text())
+        # A config.yaml written before unread settings were refused may hold one other than its default: dropped
+        # (it was never read), else the run could not resume.
+        for key in unread_settings((raw.get("head") or {}).get("type", "medusa")):
+            section, f = key.split(".")
+            (raw.get(section) or {}).pop(f, None)
+        previous = build_recipe(raw, source=str(saved))
         diffs = diff_recipes(previous, recipe, ignore=RESUMABLE_KEYS)
         if diffs:
             raise RunDirError(f"{out} holds a run made with a different recipe ({'; '.join(diffs)}). Use another "
