@@ -332,7 +332,8 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     rep = check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "v"))
     assert rep["ok"], rep
     assert by_name(rep)["proposals"]["message"].startswith("vLLM: the same 3-token chains at all")
-    assert "vLLM 0.33.0 and 0.34.0 have none" in by_name(rep)["proposals"]["message"]  # (the PASS named vLLM alone; walk-through)
+    # (the PASS named vLLM alone; walk-through)
+    assert "vLLM 0.33.0 and 0.34.0 have none" in by_name(rep)["proposals"]["message"]
     # A served config without medusa_fc_bias: vLLM builds no biases and drops them, and drafts other tokens.
     variant(tmp_path / "v", tmp_path / "nobias", cfg=lambda c: c.update(medusa_fc_bias=False))
     c = by_name(check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "nobias")))

@@ -54,7 +54,8 @@ def cmd_validate(a) -> int:
     if unset:
         print(f"note: unset, so under distributed.strategy {recipe.distributed.strategy}: {', '.join(unset)}",
               file=sys.stderr)
-    for key, why in unread_settings(recipe.head.type).items():  # (dumped at their defaults, they read as if they applied)
+    # (dumped at their defaults, they read as if they applied)
+    for key, why in unread_settings(recipe.head.type).items():
         print(f"note: {key} is not read: {why}", file=sys.stderr)
     return 0
 
