@@ -106,6 +106,7 @@ def test_an_eagle3_draft_for_a_target_the_engine_captures_no_layers_of_fails(goo
     assert check_target(meta, {"architectures": ["Gemma3ForCausalLM"]}, ["sglang"]).ok is True
     assert check_target(meta, {"architectures": ["Gemma3ForCausalLM"]}, ["vllm"]).ok is False
     assert check_target({"head": {"type": "dflash"}}, {"architectures": ["Gemma2ForCausalLM"]}, ["vllm"]).ok is None
+    assert check_target(meta, {}, ["vllm"]).ok is None  # (a config without architectures: not known)
 
 
 def test_draftlab_exports_write_each_engines_layer_ids(eagle_dir):

@@ -43,3 +43,7 @@ def test_a_resumed_job_with_nothing_left_says_so_rather_than_a_zero_rate():
     progress(total=5, initial=5, desc="distill", unit="prompt", file=out).close()
     assert out.getvalue().startswith("distill: 5/5 prompt (100%), all done before this run, elapsed")
     assert "prompt/s" not in out.getvalue()  # ("0 prompt/s" read as a stall; walk-through)
+    out = io.StringIO()
+    bar = progress(total=5, initial=2, desc="distill", unit="prompt", file=out)
+    bar.refresh(force=True)  # (a resumed job that has not finished a chunk yet)
+    assert out.getvalue().startswith("distill: 2/5 prompt (40%), resumed, elapsed")

@@ -4,6 +4,7 @@ for distillation and for EAGLE-3; now the transform is applied, checked against 
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,6 +138,10 @@ def test_eagle3_trains_on_a_soft_capped_base_towards_its_own_distribution(tiny_b
                 "same (checked on one forward)") in err  # (train said nothing of it)
         assert ("warning: vLLM 0.34.0 and SGLang 0.5.23 do not capture EAGLE-3's layers from a Gemma2ForCausalLM "
                 "target, so they refuse this draft at load") in err  # (said before training, not only by check)
+        gemma3 = SimpleNamespace(architectures=["Gemma3ForCausalLM"])  # (SGLang 0.5.23 serves it)
+        assert loop.unserved_eagle3_target(eagle, gemma3).startswith("vLLM 0.34.0 does not capture EAGLE-3's layers "
+                                                                     "from a Gemma3ForCausalLM target, so it refuses")
+        assert loop.unserved_eagle3_target(eagle, SimpleNamespace(architectures=["Qwen3ForCausalLM"])) is None
         capped = tmp_path / "capped"
         shutil.copytree(tiny_base_dir, capped)
         cfg = json.loads((capped / "config.json").read_text())
@@ -194,8 +199,6 @@ def test_a_new_ssm_keeps_none_of_its_base_s_transforms(model_type):
 def test_the_zero3_copy_of_the_objective_keeps_the_transform(tiny_base_dir, data_file, tmp_path, monkeypatch):
     """Under ZeRO-3 the accept estimate, the best weights and the export read a rebuilt, gathered copy of the
     objective (Run.whole_objective): it is built with the base's transform as the trained one is."""
-    from types import SimpleNamespace
-
     from test_train import recipe
 
     from draftlab.base import load_base

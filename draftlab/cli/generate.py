@@ -104,11 +104,14 @@ def generate_command(a) -> int:
                 line += (f"\n(in {dtype} a forward over a tree rounds otherwise than a one-token step, so where "
                          "the base's top two logits nearly tie the two greedy paths can part; `--dtype float32` "
                          "compares token for token)")
-        fair = rep.get("speedup_vs_compiled_plain", rep["speedup"])
-        if fair > rep["accept_length"]:  # (a step verifies at least one token at a plain step's cost, or more)
-            line += (f"\nnote: a speedup of {fair:.2f}x above the accept length ({rep['accept_length']:.2f} tokens a "
-                     "step) cannot come from speculation: the plain run was slowed by something else on this machine; "
-                     "run --compare again")
+        # One prompt, both loops draftlab's on the compiled path: a step verifies at least one token at no less than
+        # a plain step's cost, so the speedup is at most the accept length. (With several prompts the rows' lengths
+        # differ, and HF's eager steps cost otherwise than draftlab's: no such bound.)
+        fair = rep.get("speedup_vs_compiled_plain")
+        if fair is not None and rep["batch_size"] == 1 and fair > rep["accept_length"]:
+            line += (f"\nnote: a speedup of {fair:.2f}x over compiled plain decoding, above the accept length "
+                     f"({rep['accept_length']:.2f} tokens a step), is most likely not speculation's: the plain run was "
+                     "slowed by something else on this machine; run --compare again")
         if "compiled_plain_tokens_per_s" in rep:
             if rep["speedup_vs_compiled_plain"] < 1 and not a.export.startswith("lookup"):
                 line += (f"\nplain decoding is faster on this machine with this tree: `draftlab search-tree "

@@ -1,7 +1,7 @@
 """`draftlab check`: what silently ruins served acceptance in an export, read the way vLLM and SGLang read it.
 
-Six checks, each one line that names what is wrong, where, and the fix: auxiliary-layer ids (each engine's
-convention), draft-vocabulary maps (d2t / t2d), RoPE / max positions against the base's config.json, a
+Seven checks, each one line that names what is wrong, where, and the fix: auxiliary-layer ids (each engine's
+convention), whether each engine's model for the base captures EAGLE-3's layers at all, draft-vocabulary maps (d2t / t2d), RoPE / max positions against the base's config.json, a
 quantization config an engine would apply to the draft, the tokenizer / chat template against training's, and
 proposals: fixed prompts decoded with draftlab's drafter, each step's chain compared token by token with the
 chain computed from the served files the engine's way (`EngineEagle3`, `vllm_medusa_logits`, `EngineDFlash`; SSMs
@@ -584,7 +584,7 @@ def check_proposals(export_dir: Path, meta: dict, cfg: dict, tensors: dict, engi
                 msg += (f"; config.json has no `medusa_fc_bias: true`, so vLLM builds the blocks without biases and "
                         f"drops the {len(dropped)} nonzero bias tensors the file holds: set it (export --to "
                         "vllm-medusa writes it)")
-            msg += f" ({VLLM_MEDUSA_NOTE})"  # (a PASS naming vLLM read as if the newest served it; walk-through)
+            msg += f" ({VLLM_MEDUSA_NOTE.rstrip('.')})"  # (a PASS naming vLLM read as if the newest served it; walk-through)
         oks.append(ok)
         msgs.append(msg)
     return Check("proposals", all(oks) if oks else None, "; ".join(msgs))

@@ -202,8 +202,10 @@ def unserved_eagle3_target(recipe: Recipe, config) -> str | None:
     missing = [who for e, who in EAGLE3_READ_FROM.items() if arch not in EAGLE3_TARGETS[e]]
     if not missing:
         return None
-    return (f"{' and '.join(missing)} do{'es' * (len(missing) == 1)} not capture EAGLE-3's layers from a {arch} "
-            "target, so they refuse this draft at load; draftlab trains and decodes it (docs/interop.md, `target`)")
+    one = len(missing) == 1
+    return (f"{' and '.join(missing)} do{'es' * one} not capture EAGLE-3's layers from a {arch} target, so "
+            f"{'it refuses' if one else 'they refuse'} this draft at load; draftlab trains and decodes it "
+            "(docs/interop.md, `target`)")
 
 
 def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:

@@ -79,9 +79,11 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool) -> Path:
         raw = yaml.safe_load(saved.read_text())
         # A config.yaml written before unread settings were refused may hold one other than its default: dropped
         # (it was never read), else the run could not resume.
-        for key in unread_settings((raw.get("head") or {}).get("type", "medusa")):
+        head = raw.get("head") if isinstance(raw, dict) else None
+        for key in unread_settings(head.get("type", "medusa") if isinstance(head, dict) else "medusa"):
             section, f = key.split(".")
-            (raw.get(section) or {}).pop(f, None)
+            if isinstance(raw.get(section), dict):
+                raw[section].pop(f, None)
         previous = build_recipe(raw, source=str(saved))
         diffs = diff_recipes(previous, recipe, ignore=RESUMABLE_KEYS)
         if diffs:
