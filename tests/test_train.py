@@ -491,6 +491,12 @@ def test_train_stop_after_steps_says_where_it_stopped(tiny_base_dir, data_file, 
 
     path = tmp_path / "r.yaml"
     path.write_text(dump_recipe(recipe(tiny_base_dir, data_file, tmp_path / "r")))
-    assert main(["train", str(path), "--stop-after-steps", "2"]) == 0
-    assert ("stopped at step 2 of 4 (--stop-after-steps), after a checkpoint; `draftlab train` on this recipe "
-            "without --overwrite resumes it") in capsys.readouterr().out
+    assert main(["train", str(path), "train.max_steps=6", "--stop-after-steps", "5"]) == 0
+    assert (f"stopped at step 5 of 6 (--stop-after-steps), after a checkpoint; `draftlab train {path} "
+            "train.max_steps=6` (without --overwrite) resumes it") in capsys.readouterr().out
+    # Resumed as the message said before, the recipe alone, without its override: 5 steps of 4, "finished" at once
+    # and exported (walk-through). Refused, naming what to give again.
+    assert main(["train", str(path)]) == 2
+    assert "step_5 was saved at step 5 of 6, past the 4 steps this recipe trains" in capsys.readouterr().err
+    assert main(["train", str(path), "train.max_steps=6"]) == 0
+    assert "export written to" in capsys.readouterr().out

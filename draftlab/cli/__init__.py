@@ -82,8 +82,9 @@ def cmd_train(a) -> int:
         pass
     elif not summary.get("finished") and not summary.get("stopped"):  # (a stop by signal or STOP file said so)
         stage = f" of stage {summary['stage']}" if "stage" in summary else ""
+        again = " ".join(["draftlab train", a.recipe, *a.overrides])  # (the recipe alone lost the overrides)
         print(f"stopped at step {summary['step']} of {summary['total_steps']}{stage} (--stop-after-steps), after a "
-              "checkpoint; `draftlab train` on this recipe without --overwrite resumes it")
+              f"checkpoint; `{again}` (without --overwrite) resumes it")
     elif summary.get("export") and not summary.get("already_finished"):
         print(f"export written to {summary['export']}")
         tree = summary.get("default_tree")

@@ -160,6 +160,11 @@ def resume_step(accelerator, out_dir: Path, total_steps: int, reseed=None) -> in
                           f"the learning-rate schedule follow the number of processes, so resuming would not "
                           f"continue that run. Resume it with {made} processes, or start again in another "
                           "output_dir (or with --overwrite).")
+    if state["step"] > total_steps:  # (the overrides it was started with, left out: the run "finished" at once)
+        raise RunDirError(f"{ckpt} was saved at step {state['step']} of {state.get('total_steps', '?')}, past the "
+                          f"{total_steps} steps this recipe trains (train.max_steps / train.epochs): give the overrides "
+                          "the run was started with again (`draftlab train RECIPE key=value ...`), or a larger "
+                          "train.max_steps to train on; --overwrite starts again")
     accelerator.load_state(str(ckpt))
     step = state["step"]
     shared = accelerator.num_processes > 1 and not state.get("rank_streams") and reseed is not None
