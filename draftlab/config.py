@@ -61,6 +61,19 @@ class SSMSection(_Section):
         "pretrained name_or_path keeps its own weights)")
     trust_remote_code: bool = False
 
+    @model_validator(mode="after")
+    def _pretrained_keeps_its_shape(self):
+        # (a recipe's num_layers: 1 beside a 2-layer pretrained model trained the 2 layers without a word; walk-through)
+        if self.name_or_path:
+            shaped = [f"{f}={getattr(self, f)}" for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                                           "num_key_value_heads", "intermediate_size")
+                      if getattr(self, f) != type(self).model_fields[f].default]
+            if shaped:
+                raise ValueError(f"head.ssm.{', '.join(shaped)}: these shape an SSM built from the base's config; a "
+                                 f"pretrained head.ssm.name_or_path ({self.name_or_path}) keeps its own shape, so they "
+                                 "are not read: leave them unset, or drop name_or_path to build one")
+        return self
+
 
 class EagleSection(_Section):
     layers: list[int] | None = Field(

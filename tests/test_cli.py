@@ -57,6 +57,8 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     # ... and so does an SSM draft model's directory (validate said nothing of it; walk-through)
     assert main(["validate", str(r), "head.type=ssm", "head.ssm.name_or_path=./small-lm"]) == 0
     assert "head.ssm.name_or_path = ./small-lm (your own)" in capsys.readouterr().err
+    assert main(["validate", str(r), "head.type=ssm", "head.ssm.name_or_path=runs/small"]) == 0
+    assert "head.ssm.name_or_path = runs/small (your own)" in capsys.readouterr().err  # (no recipe command makes it)
     # The settings a head type does not read are dumped at their defaults; a note says so (EAGLE-3 showed
     # loss.distill_weight: 0.0 and always distils; walk-through)
     assert main(["validate", str(r), "head.type=eagle3"]) == 0

@@ -59,6 +59,10 @@ def test_layer_ids_are_dflash_target_layers_shifted_to_hidden_states_ids():
         DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2}}, tiny_llama(layers=2))
     with pytest.raises(ValueError, match=r"head.dflash.layers \[1, 5\].*ids 1..4"):
         DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 2, "layers": [1, 5]}}, tiny_llama(layers=4))
+    # a mask token past the vocabulary is named, not an IndexError in the first step (walk-through)
+    with pytest.raises(ValueError, match=r"mask_token_id=9999: the base's vocabulary has 64 tokens"):
+        DFlashDraft.settings({"type": "dflash", "dflash": {"num_layers": 1, "mask_token_id": 9999}},
+                             tiny_llama(vocab=64, layers=4))
     cfg = {"dflash_config": {"target_layer_ids": [0, 0]}}
     assert check_aux(cfg, {"head": {"type": "dflash", "layers": [1, 1]}}, ["sglang"], 2).ok is False
 

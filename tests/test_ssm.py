@@ -300,6 +300,13 @@ def test_a_vocabulary_mismatch_names_both_sizes(tiny_base_dir, tmp_path):
     V = base.config.vocab_size
     with pytest.raises(SSMError, match=f"vocabulary of 48 tokens and the base {V}"):
         build_draft({"type": "ssm", "ssm": {"name_or_path": str(tmp_path / "other")}}, base)
+    # A pretrained model keeps its shape: the fields that shape a built one are refused beside it (num_layers: 1
+    # trained a 2-layer model without a word; walk-through)
+    from draftlab.config import ConfigError, build_recipe
+
+    with pytest.raises(ConfigError, match="head.ssm.num_layers=1: these shape an SSM built from the base's config"):
+        build_recipe({"base": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "o",
+                      "head": {"type": "ssm", "ssm": {"name_or_path": "small", "num_layers": 1}}})
     # A directory that is not there is named as one (it was reported as a malformed hub id; walk-through)
     from draftlab.base import BaseModelError
 

@@ -51,7 +51,7 @@ def missing_paths(recipe: Path | dict, cwd: Path) -> list[str]:
             value.endswith((".json", ".jsonl", ".txt"))
         if local and not (cwd / Path(value).expanduser()).exists():
             first = value.split("/", 1)[0]
-            where = ("made by the commands at the top of the recipe" if first == "runs" else
+            where = ("made by the commands at the top of the recipe" if first == "runs" and keys[0] == "base" else
                      _shipped_data(value) if first == "data" else "your own")
             out.append(f"{'.'.join(keys)} = {value} ({where})")
     return out

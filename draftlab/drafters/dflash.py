@@ -233,6 +233,9 @@ class DFlashDraft(ReadsBase, nn.Module):
         mask = e.get("mask_token_id")
         if mask is None:
             mask = _default_mask_token(base, V)
+        elif mask >= V:  # (an index error deep in the first step)
+            raise ValueError(f"head.dflash.mask_token_id={mask}: the base's vocabulary has {V} tokens (ids 0..{V - 1}); "
+                             "give one of its ids, or leave it unset for the pad / unk token")
         return {"hidden_size": c.hidden_size, "target_hidden_size": c.hidden_size, "num_attention_heads": heads,
                 "num_key_value_heads": getattr(c, "num_key_value_heads", heads) or heads,
                 "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
