@@ -434,6 +434,15 @@ def test_ssm_export_loads_on_its_own_and_decodes(tiny_base_dir, tmp_path, capsys
     exp = save_export(ssm, base, tmp_path / "exp", str(tiny_base_dir), tokenizer=tok)
     meta = read_meta(exp)
     assert meta["head"]["type"] == "ssm" and meta["head"]["num_layers"] == 1 and meta["base"]["hidden_size"] == 32
+    import os
+
+    # safetensors 0.8 wrote the weights 0600: an engine running as another user could not read them (walk-through)
+    mask = os.umask(0o022)
+    try:
+        save_export(ssm, base, tmp_path / "exp2", str(tiny_base_dir), tokenizer=tok)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "exp2" / "model.safetensors").stat().st_mode & 0o777 == 0o644
     # A plain Hugging Face directory: what assisted generation, vLLM or SGLang take as a draft model.
     hf = AutoModelForCausalLM.from_pretrained(exp)
     assert len(AutoTokenizer.from_pretrained(exp)) == len(tok)

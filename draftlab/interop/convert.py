@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .export import files_fingerprint, load_export, read_meta, save_export
+from .export import files_fingerprint, load_export, read_meta, readable_as_umask, save_export
 
 FORMATS = ("vllm-medusa", "medusa", "hf")
 _BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")  # FasterDecoding residual blocks
@@ -399,4 +399,5 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
     note = serving_note(fmt, meta["head"])
     if note:
         print(f"export: {note}", file=sys.stderr)
+    readable_as_umask(Path(out))
     return {"out": str(out), "format": fmt, "files": sorted(files + ["README.md"])}

@@ -68,7 +68,18 @@ def save_export(draft, base, out_dir: str | Path, base_name: str, default_tree: 
         meta["adapter"] = ADAPTER_DIR
     (out / (META + ".tmp")).write_text(json.dumps(meta, indent=2))
     os.replace(out / (META + ".tmp"), out / META)
+    readable_as_umask(out)
     return out
+
+
+def readable_as_umask(out: Path) -> None:
+    """Give the files under `out` the modes the process's umask gives new files: safetensors (0.8) writes its files
+    owner-only (0600), so an engine serving an export as another user could not read the weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.rglob("*"):
+        if f.is_file() and f.stat().st_mode & 0o777 == 0o600:
+            f.chmod(0o666 & ~mask)
 
 
 def use_chat_template(tok, export_dir: str | Path, meta: dict):

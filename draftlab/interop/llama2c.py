@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..base import SIMPLE_CHAT_TEMPLATE, BaseModelError
+from .export import readable_as_umask
 
 
 def _read_llama2c(path: Path) -> tuple[dict, dict]:
@@ -104,4 +105,5 @@ def import_llama2c(model_path: str | Path, tokenizer_path: str | Path, out_dir: 
     shutil.copy(tokenizer_path, out_dir / "tokenizer.model")
     (out_dir / "draftlab_import.json").write_text(json.dumps(
         {"source": str(model_path), "tokenizer": str(tokenizer_path), "format": "llama2.c v0"}, indent=2))
+    readable_as_umask(out_dir)
     return out_dir
