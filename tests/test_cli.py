@@ -98,6 +98,15 @@ def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
     # --stream prints one text: with two prompts the rows' tokens interleaved in one stream (walk-through)
     assert main(["generate", str(tmp_path / "exp"), "--prompt", "a", "--prompt", "b", "--stream"]) == 2
     assert "--stream prints one text as it is committed: give one --prompt (got 2)" in capsys.readouterr().err
+    # Past the base's positions it writes noise, and generate said nothing of it (walk-through)
+    from draftlab.serve import generate as serve_generate
+
+    with pytest.MonkeyPatch.context() as m, pytest.warns(UserWarning, match="--max-new-tokens 12 pass the base's 10"):
+        m.setattr(serve_generate, "base_context", lambda base: 10)
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "Once upon", "--max-new-tokens", "12"]) == 0
+    from draftlab.drafters.base import base_context
+
+    assert base_context(load_base(str(tiny_base_dir), "float32")[0]) == 512
     # A speedup over compiled plain decoding above the accept length is the baseline's noise, and is said to be (one
     # run printed 8.40x on a shared machine; walk-through); with several prompts the rows' lengths differ, so no
     # such bound holds and nothing is said.

@@ -48,6 +48,15 @@ def closest_transform(model, transform: tuple | None) -> tuple[tuple | None, boo
     return t, errors[t] <= tol * max(1.0, float(want.abs().max()))
 
 
+def base_context(base) -> int | None:
+    """The base's context in tokens, past which it writes noise; None where its RoPE scaling is dynamic (NTK
+    rescales past max_position_embeddings, which is then no limit) or its config names none."""
+    rope = base_rope(base)
+    if "dynamic" in (rope.get("rope_type"), rope.get("type")):
+        return None
+    return getattr(base.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Rank of target [...] in logits [..., V] (0 = the top candidate), for the tree search's statistics.
 

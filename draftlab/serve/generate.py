@@ -12,6 +12,7 @@ from ..decode.compiled import compile_cache_report
 from ..base import stop_token_ids
 from ..decode.decoder import NoDraft, SpeculativeDecoder, hardware, sync_device
 from ..decode.tree import DynamicTree, Tree, TreeError
+from ..drafters.base import base_context
 
 
 def resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
@@ -257,6 +258,11 @@ def run_generate(decoder, tok, prompts, max_new_tokens=128, sampling=Sampling(),
     if isinstance(decoder, ScheduledDecoder):  # the decoder of this batch size: its tree is the report's, its graphs
         decoder = decoder.for_batch(len(ids))  # compile in the warm-up
     eos = stop_token_ids(decoder.base, tok)
+    ctx = base_context(decoder.base)
+    if ctx is not None and max(map(len, ids)) + max_new_tokens > ctx:  # (it wrote past them without a word)
+        warnings.warn(f"the longest prompt ({max(map(len, ids))} tokens) and --max-new-tokens {max_new_tokens} pass the "
+                      f"base's {ctx} positions (max_position_embeddings): past them it writes what it was not trained "
+                      "to", stacklevel=2)
     gen = torch.Generator(device=decoder.device).manual_seed(seed)
     # Warm-up (allocator, kernels) outside the timed region; a compiled decoder compiles for these shapes here.
     t0 = time.perf_counter()

@@ -86,14 +86,9 @@ class LocalModel:
         self.said_context = False
 
     def _context(self) -> int | None:
-        """The base's context in tokens, past which it writes noise; None where its RoPE scaling is dynamic (NTK
-        rescales past max_position_embeddings, which is then no limit)."""
-        from ..drafters.base import base_rope
+        from ..drafters.base import base_context
 
-        rope = base_rope(self.model)
-        if "dynamic" in (rope.get("rope_type"), rope.get("type")):
-            return None
-        return getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        return base_context(self.model)
 
     @torch.no_grad()
     def answer(self, prompts: list) -> list[tuple[str, bool] | None]:
