@@ -102,7 +102,8 @@ def test_sigkill_at_any_point_resumes_to_the_same_weights(tiny_base_dir, data_fi
     assert steps == sorted(set(steps)), "records after the resumed checkpoint must not be duplicated"
 
 
-@pytest.mark.parametrize("how", ["sigterm", pytest.param("stop_file", marks=pytest.mark.slow)])  # one by default
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("stop_file", marks=pytest.mark.slow),  # one by default
+                                 pytest.param("sigint", marks=pytest.mark.slow)])
 def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straight, tmp_path, how):
     out = tmp_path / "run"
     r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1000, eval_every_steps=STEPS)
@@ -112,8 +113,8 @@ def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straigh
     wait_for_step(out, 5, p)
     if how == "stop_file":
         (out / "STOP").touch()
-    else:
-        p.send_signal(signal.SIGTERM)
+    else:  # (a first Ctrl-C stops as SIGTERM does: it threw the steps since the last checkpoint away; walk-through)
+        p.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
     log, _ = p.communicate(timeout=120)
     assert p.returncode == 0, log[-2000:]
     assert "stop requested: checkpoint saved at step" in log

@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status, not a traceback; workers end with us)
         hint = ("; no checkpoint was saved now: the run resumes from its last one. To stop with a checkpoint of the "
-                "current step, `touch OUTPUT_DIR/STOP` or `kill -TERM` the process" if args.command == "train" else "")
+                "current step, press Ctrl-C once while it trains, `touch OUTPUT_DIR/STOP` or `kill -TERM` the process"
+                if args.command == "train" else "")
         print(f"draftlab {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
     finally:

@@ -15,7 +15,8 @@ from .run_dir import RunDirError
 
 
 class StopRequest:
-    """A polite stop: SIGTERM / SIGUSR1 to this process, or a file `STOP` in the run directory.
+    """A polite stop: SIGTERM / SIGUSR1 to this process, a first Ctrl-C (SIGINT; a second stops at once, without a
+    checkpoint), or a file `STOP` in the run directory.
 
     Slurm sends a signal before a time limit or preemption; launchers do not always forward it to
     every worker, so the sbatch scripts also touch OUTPUT_DIR/STOP. All ranks agree on the flag
@@ -35,9 +36,19 @@ class StopRequest:
             for name in self.SIGNALS:
                 sig = getattr(signal, name)
                 self.old[sig] = signal.signal(sig, self._on_signal)
+            self.old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
 
     def _on_signal(self, signum, frame) -> None:
         self.flag = True
+
+    def _on_interrupt(self, signum, frame) -> None:
+        """Ctrl-C threw the steps since the last checkpoint away (walk-through): the first stops as a signal does."""
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        if self.accelerator.is_main_process:
+            print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops at once, without one)",
+                  file=sys.stderr, flush=True)
 
     def requested(self) -> bool:
         return any_rank(self.flag or any(f.exists() for f in self.files), self.accelerator)

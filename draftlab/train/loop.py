@@ -495,8 +495,8 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
         if stopped:
             metrics.log({"step": step, "event": "stopped", "reason": "stop requested (signal or STOP file)"})
             if run.is_main:
-                print(f"\nstop requested: checkpoint saved at step {step}; `draftlab train` on this recipe without "
-                      "--overwrite resumes it")
+                print(f"\nstop requested: checkpoint saved at step {step}; `draftlab train` on this recipe, with the "
+                      "overrides it was started with and without --overwrite, resumes it")
             break
     bar.close()
     stopper.close()
