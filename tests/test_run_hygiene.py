@@ -278,3 +278,41 @@ def test_the_same_command_after_a_run_finished_changes_nothing_unless_its_end_wa
     assert json.loads((out / "export" / "draftlab.json").read_text())["training"]["export"]["chosen"] == "last"
     kept = train(recipe(tiny_base_dir, data_file, out, max_steps=2, export="last", grow_tree=False))  # so is grow_tree
     assert "already_finished" not in kept and "default_tree" not in read_meta(out / "export")["training"]
+
+
+def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_interrupts(tmp_path, monkeypatch):
+    """The training loop's Ctrl-C: the first sets the stop flag (a checkpoint, then the end), the second raises
+    KeyboardInterrupt as Python would; closing the request puts the handlers back, and a step that raised closes it
+    too (the handlers stayed in place)."""
+    from types import SimpleNamespace
+
+    from draftlab.train import loop
+    from draftlab.train.distributed import StopRequest
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopRequest(tmp_path, SimpleNamespace(is_main_process=False, num_processes=1))
+    handler = signal.getsignal(signal.SIGINT)
+    handler(signal.SIGINT, None)
+    assert stop.requested()
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    stop.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+    def raises(run, *a):
+        run.stopper = StopRequest(tmp_path, SimpleNamespace(is_main_process=False, num_processes=1))
+        raise RuntimeError("a step failed")
+
+    monkeypatch.setattr(loop, "run_steps", raises)
+    run = SimpleNamespace(stop_dirs=(), accelerator=SimpleNamespace(process_index=0), out_dir=tmp_path,
+                          total_steps=1, is_main=False, stats=None, stopper=None)
+    for phase in ("check_teacher", "load_models_and_data", "build_optimizer", "open_hidden_cache",
+                  "open_accept_estimate"):
+        monkeypatch.setattr(loop, phase, lambda *a, **k: None)
+    monkeypatch.setattr(loop, "start", lambda *a: (run, None))
+    monkeypatch.setattr(loop, "resume_step", lambda *a, **k: 0)
+    monkeypatch.setattr(loop, "finished_before", lambda *a: None)
+    monkeypatch.setattr(loop, "Metrics", lambda *a: None)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        loop.train_draft(SimpleNamespace(train=SimpleNamespace(seed=0)))
+    assert signal.getsignal(signal.SIGINT) is before

@@ -64,6 +64,7 @@ class Run:
     accept: object = None  # the accept-length estimator (accept.AcceptEstimator)
     stop_dirs: tuple = ()  # more directories whose STOP file stops the run (an ensemble's, for its stages)
     best: object = None  # the best draft so far by its estimate (accept.BestDraft), checkpointed
+    stopper: object = None  # the stop request (signals, STOP files) while the steps run
 
     @property
     def is_main(self) -> bool:
@@ -127,7 +128,11 @@ def train_draft(recipe: Recipe, overwrite: bool = False, stop_after_steps: int |
                      "truncated": s.truncated, "cut_at_max_len": s.cut_at_max_len,
                      "total_steps": run.total_steps, "processes": run.accelerator.num_processes,
                      "base_params_local": round(local_fraction(run.base), 4)})
-    step, stopped, last_eval = run_steps(run, step, stop_after_steps, metrics)
+    try:
+        step, stopped, last_eval = run_steps(run, step, stop_after_steps, metrics)
+    finally:  # (a step that raised left the signal handlers, Ctrl-C's too, in place)
+        if run.stopper is not None:
+            run.stopper.close()
     summary = finish(run, step, stopped, last_eval, metrics)
     metrics.close()
     return summary
@@ -440,7 +445,7 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
     last_eval, stopped = None, False
     postfix: dict = {}  # the bar's figures: the last logged loss and tokens/s, the last evaluation's accept length
     end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, step + stop_after_steps)
-    stopper = StopRequest(run.out_dir, accelerator, run.stop_dirs)
+    stopper = run.stopper = StopRequest(run.out_dir, accelerator, run.stop_dirs)
     micro = step * ga
     order: dict[int, list] = {}  # the micro-batches of this epoch (and of the next, where a window reaches it)
 
@@ -499,7 +504,6 @@ def run_steps(run: Run, step: int, stop_after_steps: int | None, metrics: Metric
                       "overrides it was started with and without --overwrite, resumes it")
             break
     bar.close()
-    stopper.close()
     return step, stopped, last_eval
 
 
