@@ -52,10 +52,22 @@ def looks_like_path(name: str) -> bool:
             or "/" in name and Path(name.split("/")[0]).is_dir())
 
 
-def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> None:
+def check_model_path(name_or_path: str, field: str = "base.name_or_path", revision: str | None = None) -> None:
     """A name that can only be a local directory must exist (else hub clients report a malformed repo id, after
-    retrying for a minute)."""
+    retrying for a minute); offline, a hub id must be in the hub cache (else they report a failed connection)."""
     p = Path(name_or_path).expanduser()
+    if not looks_like_path(name_or_path) and not p.exists() and hub_offline():
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+        except ValueError:  # (not a valid hub id either)
+            cached = None
+        if not isinstance(cached, str):
+            raise BaseModelError(f"{field}={name_or_path!r}: no such directory here (from {os.getcwd()}), and as a hub "
+                                 f"id it is not in the hub cache ({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE is set, "
+                                 "so it is not downloaded. Give a local directory, or download it where the hub "
+                                 "can be reached (`hf download ID`) into the cache this machine reads (HF_HOME)")
     if looks_like_path(name_or_path) and not p.is_dir():
         what = ("a file: give the directory that holds the model's (or tokenizer's) files" if p.is_file() else
                 f"no such directory (from {os.getcwd()}; a hub id looks like org/name)")
@@ -64,6 +76,13 @@ def check_model_path(name_or_path: str, field: str = "base.name_or_path") -> Non
                 "run `draftlab import-llama2c MODEL.bin --tokenizer TOK.model --out DIR`"
                 if field == "base.name_or_path" else "")
         raise BaseModelError(f"{field}={name_or_path!r}: {what}.{hint}")
+
+
+def hub_offline() -> bool:
+    """Whether the hub is off for this process (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE), read now: huggingface_hub
+    reads its variable once, at import."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def check_device(device) -> None:
@@ -107,7 +126,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     place of its own when given, else its own, else SIMPLE_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
-    check_model_path(name_or_path, field)
+    check_model_path(name_or_path, field, revision)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -212,7 +231,7 @@ def load_base(name_or_path: str, dtype: str = "bfloat16", device: str | torch.de
     passed to from_pretrained; `device` is then unused."""
     if dtype not in DTYPES:
         raise BaseModelError(f"base.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
-    check_model_path(name_or_path)
+    check_model_path(name_or_path, revision=revision)
     check_device(device)
     if chat_template:  # (refused before the weights load)
         chat_template_text(chat_template)

@@ -188,6 +188,19 @@ def test_error_paths_found_by_the_review(tiny_base_dir, tmp_path, capsys):
     assert "the SSM's Hugging Face files do not load" in (err := capsys.readouterr().err) and "Traceback" not in err
     assert main(["generate", str(tmp_path / "e"), "--prompt", "x", "--base", str(tmp_path / "nope")]) == 2
     assert "no such directory (from " in (err := capsys.readouterr().err) and "a hub id looks like org/name" in err
+    # A bare name (a hub id, or a directory not here) offline, not in the cache: said so, not "check your internet
+    # connection" after retries (walk-through)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HF_HUB_OFFLINE", "1")
+        m.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        import huggingface_hub.constants as hub
+
+        m.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        m.chdir(tmp_path)
+        assert main(["generate", str(tmp_path / "e"), "--prompt", "x", "--base", "nobase"]) == 2
+    err = capsys.readouterr().err
+    assert "--base='nobase': no such directory here" in err or "name_or_path='nobase': no such directory here" in err
+    assert "as a hub id it is not in the hub cache" in err and "HF_HUB_OFFLINE is set" in err
     with pytest.raises(SystemExit) as e:
         main(["generate", str(tmp_path / "e"), "--prompt", "x", "--max-new-tokens", "0"])
     assert e.value.code == 2 and "0 is not >= 1" in capsys.readouterr().err
