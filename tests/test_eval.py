@@ -130,6 +130,15 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
         gen = gen[: gen.index(tok.eos_token_id)]
     assert tok.decode(gen, skip_special_tokens=True).strip() == b[0]["choices"][0]["turns"][1]
 
+    # A finished run again: the kept answers counted, not "0 question, 0 question/s" (walk-through)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        run_mt_bench(export, str(MT), str(out), limit=3, max_new_tokens=24, progress=True)
+    assert "mt-bench: 3/3 question (100%), all done before this run" in err.getvalue()
+
     # Resume: a crash after the plain answer of question 84 but before the draftlab one.
     s = run_mt_bench(export, str(MT), str(out), limit=4, **kw)
     ids_before = [r["answer_id"] for r in lines(s["answers"]["draftlab"])]

@@ -372,3 +372,9 @@ def test_the_fasterdecoding_note_names_the_heads_it_leaves_out():
     assert "these are 2: heads 2..4 keep their random initialisation" in fasterdecoding_note(2)
     assert "these are 6: head 5 is not loaded: trees deeper than 5 lose it." in fasterdecoding_note(6)
     assert "these are 8: heads 5..7 are not loaded: trees deeper than 5 lose them." in fasterdecoding_note(8)
+
+
+def test_the_card_says_a_parameter_count_as_it_is():
+    from draftlab.interop.convert import params_text
+
+    assert [params_text(n) for n in (78_336, 1_234_567, 6_738_415_616, 512)] == ["78.3K", "1.23M", "6.74B", "512"]

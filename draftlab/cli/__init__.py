@@ -181,7 +181,7 @@ def cmd_generate(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftlab", description="Train draft heads for speculative decoding and run them.")
+    p = argparse.ArgumentParser(prog="draftlab", description="Train draft models for speculative decoding and run them.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("validate", help="check a recipe (with overrides) and print it resolved")
@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the resolved recipe as one JSON object")
     s.set_defaults(func=cmd_validate)
 
-    s = sub.add_parser("train", help="train draft heads from a recipe (resumes a killed run)",
-                       description="Train draft heads. Run under `accelerate launch` for several processes.")
+    s = sub.add_parser("train", help="train a draft model from a recipe (resumes a killed run)",
+                       description="Train a draft model (heads, an SSM, EAGLE-3, DFlash or an ensemble). Run under "
+                                   "`accelerate launch` for several processes.")
     s.add_argument("recipe")
     s.add_argument("overrides", nargs="*", help="dotted key=value, e.g. train.lr=3e-4 head.num_heads=5")
     s.add_argument("--overwrite", action="store_true", help="discard a run already in output_dir")

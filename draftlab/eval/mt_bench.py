@@ -525,7 +525,9 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
         warm = {"question_id": -1, "category": "warm-up", "turns": ["Hello."]}
         answer_question(warm, decoder, tok, sampling, 8, seed, budget, baseline, retime=False,
                         plain_compiled=plain_compiled, system=system)
-    bar = progress_bar(todo, desc="mt-bench", unit="question", disable=not progress)
+    # (counted from the answers kept: a finished run read "0 question, 0 question/s"; walk-through)
+    bar = progress_bar(todo, total=len(qs), initial=len(qs) - len(todo), desc="mt-bench", unit="question",
+                       disable=not progress)
     run = {"new_tokens": 0, "steps": 0, "committed": 0.0}  # this run's answers so far, for the progress line
     with open(d_path, "a", encoding="utf-8") as fd, open(b_path, "a", encoding="utf-8") as fb:
         for q in bar:

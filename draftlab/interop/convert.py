@@ -256,11 +256,20 @@ def serving_note(fmt: str, head: dict) -> str | None:
     return fasterdecoding_note(head["num_heads"]) if fmt == "medusa" else None
 
 
+def params_text(n: int) -> str:
+    """78K, 1.2M, 6.7B: a parameter count as a card says it (0.1M read 78K as 100K; walk-through)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> str:
     """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do."""
     head, base, tr = meta["head"], meta["base"], meta.get("training") or {}
     kind = {"medusa": f"{head['num_heads']} Medusa heads ({head['num_layers']} residual block(s) each)",
-            "ssm": f"a small draft LM ({head.get('num_layers')} layers, {head.get('params', 0) / 1e6:.1f}M parameters)"
+            "ssm": f"a small draft LM ({head.get('num_layers')} layer{'s' * (head.get('num_layers') != 1)}, "
+                   f"{params_text(head.get('params', 0))} parameters)"
             }.get(head["type"], head["type"])
     lines = ["---", f"license: {license_id}", f"base_model: {base['name_or_path']}",
              "tags: [speculative-decoding, draftlab, " + ("medusa" if head["type"] == "medusa" else "draft-model") + "]",
