@@ -31,6 +31,18 @@ def test_importer_reproduces_the_reference_greedy_output(stories):
                            "in the park. One day, she saw a big, red ball.")
 
 
+def test_a_story_ends_at_bos_as_in_llama2c(stories):
+    """llama2.c's run.c stops at BOS, which opens each training story: with EOS alone as the stop, one story ran on
+    into the next (walk-through: every distill-data record glued a second story on)."""
+    from draftlab.base import stop_token_ids
+
+    model, tok = stories
+    assert stop_token_ids(model, tok) == [2, 1]
+    out = model.generate(torch.tensor([[1]]), max_new_tokens=400, do_sample=False)[0, 1:].tolist()
+    assert out[-1] == 1 and 1 not in out[:-1] and len(out) == 346  # (the first story's 345 tokens, then BOS)
+    assert tok.decode(out, skip_special_tokens=True).rstrip().endswith('You are a good friend."')
+
+
 def test_imported_tokenizer_matches_sentencepiece(stories):
     import sentencepiece as spm
 

@@ -84,6 +84,9 @@ def import_llama2c(model_path: str | Path, tokenizer_path: str | Path, out_dir: 
         sd[p + "mlp.up_proj.weight"] = a["w3"][i]
     sd["lm_head.weight"] = a["tok"] if c["shared"] else a["out"]
     model = LlamaForCausalLM(config)
+    # llama2.c's models are trained on stories each opened by BOS, and its run.c stops at BOS: generation stops
+    # there too (with EOS alone a story ran on into the next, and distill-data glued them into one record)
+    model.generation_config.eos_token_id = [2, 1]
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:
         raise BaseModelError(f"{model_path}: weight names did not map (missing {missing}, unexpected {unexpected})")
