@@ -40,12 +40,15 @@ def decoded(out, r, tree="kind"):
     from draftlab.serve.generate import load_decoder
     from draftlab.train.accept import accept_prompts
 
+    from draftlab.base import stop_token_ids
+
     dec, tok, _ = load_decoder(str(out / "export"), tree=tree)
     _, eval_ex, _ = load_examples(r.data, tok, seed=r.train.seed)
     prompts = accept_prompts(eval_ex, accept_settings(r)[0])
     committed = rows = 0
-    for p in prompts:
-        res = dec.generate([p], max_new_tokens=r.train.accept_max_new_tokens, eos_token_id=tok.eos_token_id)
+    for p in prompts:  # (the base's stop tokens, as training's estimate decodes: stories260K's BOS among them)
+        res = dec.generate([p], max_new_tokens=r.train.accept_max_new_tokens,
+                           eos_token_id=stop_token_ids(dec.base, tok))
         committed, rows = committed + sum(res.committed), rows + sum(res.rows_per_step)
     return committed / rows, len(prompts)
 
