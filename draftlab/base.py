@@ -59,11 +59,12 @@ def check_model_path(name_or_path: str, field: str = "base.name_or_path", revisi
     if not looks_like_path(name_or_path) and not p.exists() and hub_offline():
         from huggingface_hub import constants, try_to_load_from_cache
 
-        try:
-            cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+        try:  # (a model's config, or a tokenizer's alone)
+            cached = [try_to_load_from_cache(name_or_path, f, revision=revision)
+                      for f in ("config.json", "tokenizer_config.json")]
         except ValueError:  # (not a valid hub id either)
-            cached = None
-        if not isinstance(cached, str):
+            cached = []
+        if not any(isinstance(c, str) for c in cached):
             raise BaseModelError(f"{field}={name_or_path!r}: no such directory here (from {os.getcwd()}), and as a hub "
                                  f"id it is not in the hub cache ({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE is set, "
                                  "so it is not downloaded. Give a local directory, or download it where the hub "
