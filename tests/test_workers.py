@@ -176,6 +176,9 @@ INTERRUPTED = CHILD.replace("time.sleep(300)\n", "") + textwrap.dedent("""
         import pickle
         from draftlab.parallel.workers import reading_end_only, receive
 
+        # A test run started in the background of a shell without job control ignores SIGINT, and this process
+        # would inherit that: Ctrl-C's own handler, as at a terminal.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ctx = mp.get_context("spawn")
         inbox, pool = ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=sender, args=(inbox, pool), daemon=True)
