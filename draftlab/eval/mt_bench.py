@@ -39,10 +39,9 @@ RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_
 # Checked when the run directory records them (run.json files written before 2026-12-01 do not): an export or base
 # whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
 # whose timings would be mixed with these under one hardware label.
-RUN_KEYS_SINCE_1201 = ("export_files", "base_files", "hardware")
-# Since 2026-12-03 the export is known by its files' contents (export_content): a copy that did not keep modification
-# times is the same export. A run.json that records it is checked on it rather than on export_files.
-RUN_KEYS_SINCE_1203 = ("export_content",)
+# Since 2026-12-03 the export is known by its files' contents (export_content), so a copy that did not keep
+# modification times is the same export; a run.json from before is checked on export_files, as it was.
+RUN_KEYS_SINCE_1201 = ("base_files", "hardware")
 
 
 class EvalError(ValueError):
@@ -441,10 +440,8 @@ def _settings_file(out: Path, settings: dict, overwrite: bool) -> None:
         old = json.loads(f.read_text())
         old = {k: same_run_value(k, v) for k, v in old.items()}
         diff = [k for k in RUN_KEYS if old.get(k) != settings.get(k)]
-        since = RUN_KEYS_SINCE_1201 + RUN_KEYS_SINCE_1203
-        if "export_content" in old:
-            since = tuple(k for k in since if k != "export_files")
-        diff += [k for k in since if k in old and old[k] != settings.get(k)]
+        export_key = "export_content" if "export_content" in old else "export_files"
+        diff += [k for k in (export_key, *RUN_KEYS_SINCE_1201) if k in old and old[k] != settings.get(k)]
         if diff:
             raise EvalError(f"{out} holds answers made with other settings ({', '.join(f'{k}: {old.get(k)!r} -> {settings.get(k)!r}' for k in diff)}); "
                             "use another --out, or --overwrite to start again")
