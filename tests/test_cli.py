@@ -62,13 +62,55 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     # The settings a head type does not read are dumped at their defaults; a note says so (EAGLE-3 showed
     # loss.distill_weight: 0.0 and always distils; walk-through)
     assert main(["validate", str(r), "head.type=eagle3"]) == 0
-    assert ("note: loss.distill_weight is not read: an eagle3 draft always trains towards the base's distribution"
-            in capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert ("note: head.type eagle3 does not read head.num_heads, head.num_layers, loss.distill_weight, "
+            "loss.head_decay (left at their defaults)") in err
+    # (m is no directory here, nor in the hub cache: the checks against the base wait for train, and say so)
+    assert "note: the base's config is not readable here (m: offline and not in the hub cache)" in err
     # The accept settings whose defaults follow the strategy stay unset (null) in the dump; the note resolves them.
     assert ("note: unset, so under distributed.strategy ddp: train.accept_prompts = 8, "
             "train.measure_accept_every = 4") in err
     assert main(["validate", str(r), "train.accept_prompts=3", "distributed.strategy=fsdp"]) == 0
     assert "under distributed.strategy fsdp: train.measure_accept_every = 0\n" in capsys.readouterr().err
+
+
+def test_validate_checks_the_recipe_against_the_bases_config(tiny_base_dir, tmp_path, capsys):
+    """Settings that train refused only after loading the base's weights (walk-through: validate passed them) are
+    refused by validate from the base's config, the draft built on a meta-device copy of the base."""
+    r = tmp_path / "r.yaml"
+    r.write_text(f"base: {{name_or_path: {tiny_base_dir}}}\ndata: {{path: d.jsonl}}\noutput_dir: o\n")
+    # (the tiny base: 2 layers, 32 wide, 4 attention heads, 2 key-value heads)
+    refused = {("head.type=ssm", "head.ssm.hidden_size=63"): "hidden_size 63 must divide by num_attention_heads",
+               ("head.type=ssm", "head.ssm.num_layers=3", "head.ssm.init=truncate"):
+                   "head.ssm.init=truncate: the SSM has 3 layers, the base only 2",
+               ("head.type=dflash", "head.dflash.layers=[1,3]"): "head.dflash.layers [1, 3]: DFlash reads the "
+                                                                 "outputs of this base's 2 decoder layers",
+               ("head.type=eagle3", "head.eagle.layers=[0,1,2]"): "head.eagle.layers [0, 1, 2]: EAGLE-3 reads three",
+               ("lora.target_modules=[qproj]",): "lora.target_modules ['qproj']: the base has no linear layer of that "
+                                                 "name (its own: q_proj, k_proj",
+               ("head.type=ssm", "ensemble.members=2", "ensemble.architectures=[{},{hidden_size: 10, num_attention_heads: 4}]"):
+                   "ensemble member 2: head.ssm: hidden_size 10 must divide"}
+    for overrides, said in refused.items():
+        assert main(["validate", str(r), *overrides]) == 2, overrides
+        out, err = capsys.readouterr()
+        assert said in err and "1 problem" in err and out == "", overrides
+    # What train would take with a warning is a note.
+    assert main(["validate", str(r), "lora.target_modules=[q_proj,qproj]"]) == 0
+    assert "the adapter goes on the others only" in capsys.readouterr().err
+    assert main(["validate", str(r), "head.type=dflash"]) == 0
+    assert "note: DFlash on this 2-layer base reads layers [1, 1, 1, 1, 1], which repeat" in capsys.readouterr().err
+    for fine in (["head.type=ssm", "head.ssm.hidden_size=16"], ["head.type=eagle3"], ["head.type=hydra"], []):
+        assert main(["validate", str(r), *fine]) == 0, fine
+        assert "problem" not in capsys.readouterr().err
+    # A Gemma-2 base's config alone (no weights): the engines' EAGLE-3 targets; its soft cap is one train takes.
+    from transformers import Gemma2Config
+
+    gemma = tmp_path / "gemma2"
+    Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, architectures=["Gemma2ForCausalLM"]).save_pretrained(gemma)
+    assert main(["validate", str(r), f"base.name_or_path={gemma}", "head.type=eagle3"]) == 0
+    assert "note: vLLM 0.34.0 and SGLang 0.5.23 do not capture EAGLE-3's layers from a Gemma2ForCausalLM target" in \
+        capsys.readouterr().err
 
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):

@@ -92,3 +92,20 @@ def test_recipe_errors(tiny_base_dir, data_file, tmp_path, change, msg):
         raw[k] = {**raw[k], **v}
     with pytest.raises(ConfigError, match=msg):
         build_recipe(raw)
+
+
+def test_target_modules_the_base_lacks(tiny_base_dir, data_file, tmp_path, capsys):
+    """A misspelt target module: peft adapted the others in silence, or failed with its own words once none
+    matched; train names the base's linear layers (validate does too, from the base's config: test_cli)."""
+    from draftlab.base import load_base
+    from draftlab.train.loop import lora_problems
+
+    with pytest.raises(ValueError, match=r"lora.target_modules \['qproj'\]: the base has no linear layer of that name "
+                                         r"\(its own: q_proj, k_proj, v_proj, o_proj, gate_proj"):
+        train(medusa2(tiny_base_dir, data_file, tmp_path / "none", target_modules=["qproj"]))
+    base, _ = load_base(str(tiny_base_dir), "float32")
+    refused, said = lora_problems(medusa2(tiny_base_dir, data_file, tmp_path, target_modules=["q_proj", "vproj"]), base)
+    assert refused == [] and said == ["lora.target_modules ['vproj']: the base has no linear layer of that name (its "
+                                      "own: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head); "
+                                      "the adapter goes on the others only"]
+    assert lora_problems(medusa2(tiny_base_dir, data_file, tmp_path), base) == ([], [])

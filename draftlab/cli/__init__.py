@@ -38,11 +38,15 @@ def load_recipe_arg(a):
 
 
 def cmd_validate(a) -> int:
-    from ..config import accept_settings, dump_recipe, unread_settings
+    from ..config import ConfigError, accept_settings, dump_recipe, unread_settings
+    from ..train.preflight import base_problems
 
     from .recipes import missing_paths
 
     recipe = load_recipe_arg(a)
+    problems, base_notes = base_problems(recipe)  # (what train refused only after loading the base's weights)
+    if problems:
+        raise ConfigError(a.recipe, problems)
     if a.json:
         _print_json(recipe.model_dump(mode="json"))
     else:
@@ -54,9 +58,12 @@ def cmd_validate(a) -> int:
     if unset:
         print(f"note: unset, so under distributed.strategy {recipe.distributed.strategy}: {', '.join(unset)}",
               file=sys.stderr)
-    # (dumped at their defaults, they read as if they applied)
-    for key, why in unread_settings(recipe.head.type).items():
-        print(f"note: {key} is not read: {why}", file=sys.stderr)
+    for n in base_notes:
+        print(f"note: {n}", file=sys.stderr)
+    unread = list(unread_settings(recipe.head.type))  # (dumped at their defaults, they read as if they applied)
+    if unread:
+        print(f"note: head.type {recipe.head.type} does not read {', '.join(unread)} (left at their defaults)",
+              file=sys.stderr)
     return 0
 
 

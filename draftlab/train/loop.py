@@ -213,6 +213,20 @@ def unserved_eagle3_target(recipe: Recipe, config) -> str | None:
             "(docs/interop.md, `target`)")
 
 
+def lora_problems(recipe: Recipe, base) -> tuple[list[str], list[str]]:
+    """Medusa-2's adapter: target modules the base does not have. peft refuses the recipe once the base is loaded
+    when none matches, and adapts the others in silence when some do."""
+    linear = dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear))
+    missing = [m for m in recipe.lora.target_modules if m not in linear]
+    if not missing:
+        return [], []
+    said = (f"lora.target_modules {missing}: the base has no linear layer of that name (its own: "
+            f"{', '.join(linear)})")
+    if len(missing) == len(recipe.lora.target_modules):
+        return [said], []
+    return [], [said + "; the adapter goes on the others only"]
+
+
 def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:
     """The line train prints when the base's config names a transform of its logits: what the teacher applies."""
     scale, cap = named
@@ -300,6 +314,11 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
     if recipe.lora is not None:  # Medusa-2: a LoRA adapter on the base, trained with the heads
         from peft import LoraConfig, get_peft_model
 
+        refused, said = lora_problems(recipe, run.base)  # (peft adapted the others of a misspelt list in silence)
+        if refused:
+            raise ValueError(refused[0])
+        if said and run.is_main:
+            print(f"warning: {said[0]}", file=sys.stderr, flush=True)
         lc = recipe.lora
         run.base = get_peft_model(run.base, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                                        target_modules=list(lc.target_modules), bias="none"))
