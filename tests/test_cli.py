@@ -88,7 +88,8 @@ def test_validate_checks_the_recipe_against_the_bases_config(tiny_base_dir, tmp_
                ("head.type=eagle3", "head.eagle.layers=[0,1,2]"): "head.eagle.layers [0, 1, 2]: EAGLE-3 reads three",
                ("lora.target_modules=[qproj]",): "lora.target_modules ['qproj']: the base has no linear layer of that "
                                                  "name (its own: q_proj, k_proj",
-               ("head.type=ssm", "ensemble.members=2", "ensemble.architectures=[{},{hidden_size: 10, num_attention_heads: 4}]"):
+               ("head.type=ssm", "ensemble.members=2",
+                "ensemble.architectures=[{},{hidden_size: 10, num_attention_heads: 4}]"):
                    "ensemble member 2: head.ssm: hidden_size 10 must divide"}
     for overrides, said in refused.items():
         assert main(["validate", str(r), *overrides]) == 2, overrides
