@@ -378,3 +378,32 @@ def test_the_card_says_a_parameter_count_as_it_is():
     from draftlab.interop.convert import params_text
 
     assert [params_text(n) for n in (78_336, 1_234_567, 6_738_415_616, 512)] == ["78.3K", "1.23M", "6.74B", "512"]
+
+
+def test_an_exports_content_digest_is_read_again_only_when_its_files_moved(tmp_path, monkeypatch):
+    """eval's resume and `export --eval` know an export by its files' contents; the recorded digest stands while
+    the files' stat digest does, so an unchanged 4-10 GB export is not read again (found by review)."""
+    import os
+    import shutil
+
+    from draftlab.interop import export as ex
+
+    d = tmp_path / "e"
+    d.mkdir()
+    (d / "draftlab.json").write_text("{}")
+    (d / "draft.safetensors").write_bytes(bytes(range(256)) * 64)
+    recorded = {"export_content": ex.files_fingerprint(str(d), content=True), "export_stat": ex.files_stat(str(d))}
+    reads = []
+    real = ex.files_fingerprint
+    monkeypatch.setattr(ex, "files_fingerprint", lambda p, content=False: reads.append(p) or real(p, content))
+    assert ex.content_fingerprint(str(d), recorded) == recorded["export_content"] and reads == []
+    # A copy (other inodes; copytree keeps the modification times), and a file rewritten in place with the same size
+    # and modification time, are read again: the copy's digest is the original's, the rewrite's another.
+    copy = shutil.copytree(d, tmp_path / "copy")
+    assert ex.content_fingerprint(str(copy), recorded) == recorded["export_content"] and reads == [str(copy)]
+    st = (d / "draft.safetensors").stat()
+    (d / "draft.safetensors").write_bytes(bytes(range(1, 256)) * 64 + bytes(64))
+    os.utime(d / "draft.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert ex.files_fingerprint(str(d)) == real(str(copy))  # (names, sizes and times: no change seen)
+    assert ex.content_fingerprint(str(d), recorded) != recorded["export_content"] and reads[-1] == str(d)
+    assert ex.content_fingerprint(str(d), None) == real(str(d), content=True)  # (nothing recorded: read)

@@ -29,7 +29,7 @@ from ..decode.compiled import RETIMES, compile_cache_report, timed_without_compi
 from ..decode.decoder import NoDraft, SpeculativeDecoder, sync_device
 from ..serve.generate import encode_prompt, load_decoder, plain_generate
 from ..decode.tensor_parallel import agree, is_main
-from ..interop.export import files_fingerprint
+from ..interop.export import content_fingerprint, files_fingerprint, files_stat
 from ..serve.tree_search import hardware
 from .slices import plot_slices, slice_report, slice_tables, turn_records
 
@@ -40,7 +40,8 @@ RUN_KEYS = ("export", "base", "questions", "tree", "temperature", "top_p", "top_
 # whose files changed in place (a retrained run's export is the same path), and another machine or thread count,
 # whose timings would be mixed with these under one hardware label.
 # Since 2026-12-03 the export is known by its files' contents (export_content), so a copy that did not keep
-# modification times is the same export; a run.json from before is checked on export_files, as it was.
+# modification times is the same export; a run.json from before is checked on export_files, as it was. The
+# contents are read again only when the files' stat digest (export_stat) moved since the run.json was written.
 RUN_KEYS_SINCE_1201 = ("base_files", "hardware")
 
 
@@ -496,9 +497,12 @@ def run_mt_bench(export: str, questions: str, out: str, tree: str | None = None,
                 "max_new_tokens": max_new_tokens, "seed": seed, "baseline": baseline, "model_id": model_id,
                 "baseline_model_id": f"{short}-plain", "slice_field": slice_field or "category",
                 "system": system, "limit": limit, "category": categories, "export_files": files_fingerprint(export),
-                "export_content": files_fingerprint(export, content=True), "base_files": files_fingerprint(base_name),
+                "export_stat": files_stat(export), "base_files": files_fingerprint(base_name),
                 "hardware": hardware()}
     outp = Path(out)
+    prev = outp / "run.json"  # (its content digest stands while the files' stat digest does: no read of the export)
+    settings["export_content"] = content_fingerprint(
+        export, json.loads(prev.read_text()) if prev.is_file() and not overwrite else None) if is_main() else None
     budget = _context_budget(decoder.base, max_new_tokens, decoder.drafter.max_nodes)  # (before run.json is written)
     _settings_file(outp, settings, overwrite)
     ans_dir = outp / "answers"

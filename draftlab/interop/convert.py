@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .export import files_fingerprint, load_export, read_meta, readable_as_umask, save_export
+from .export import content_fingerprint, files_fingerprint, load_export, read_meta, readable_as_umask, save_export
 
 FORMATS = ("vllm-medusa", "medusa", "hf")
 _BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")  # FasterDecoding residual blocks
@@ -360,7 +360,8 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
         s = json.loads(summary.read_text())  # (else the card gives another's figures)
         content = "export_content" in s  # (summaries before 2026-12-03 know the files by modification time)
         measured = s.get("export_content" if content else "export_files")
-        if measured is not None and measured != files_fingerprint(str(export_dir), content=content):
+        now = content_fingerprint(str(export_dir), s) if content else files_fingerprint(str(export_dir))
+        if measured is not None and measured != now:
             raise ConvertError(f"--eval {eval_dir} measured other files than {export_dir} holds now (retrained, or "
                                "another export" + ("" if content else ", or a copy that did not keep the files' "
                                "modification times") + "): run `draftlab eval mt-bench` on this export, or leave "

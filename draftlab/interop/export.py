@@ -241,3 +241,30 @@ def files_fingerprint(path: str, content: bool = False) -> str | None:
         else:
             h.update(str(st.st_mtime_ns).encode())
     return h.hexdigest()[:16]
+
+
+def files_stat(path: str) -> str | None:
+    """A digest of a local directory's files' names, sizes, modification and change times and inode numbers
+    (reads no file): unchanged, the files hold what they held when it was taken, so their content digest then is
+    theirs now (a copy, or a file rewritten in place, gets another: its change time moves)."""
+    import hashlib
+
+    d = Path(path)
+    if not d.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(d)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def content_fingerprint(path: str, recorded: dict | None = None) -> str | None:
+    """files_fingerprint(path, content=True), taken from `recorded` (a run.json or summary holding export_content
+    and export_stat) when the files' stat digest is still the one recorded with it: a resumed eval or
+    `export --eval` read the whole export again otherwise (4-10 GB for a 1-2B SSM in float32)."""
+    recorded = recorded or {}
+    if recorded.get("export_content") and recorded.get("export_stat") and \
+            recorded["export_stat"] == files_stat(path):
+        return recorded["export_content"]
+    return files_fingerprint(path, content=True)
