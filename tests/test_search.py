@@ -238,9 +238,24 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
     assert rep["plain_tokens_per_s"] > 0 and tree.metadata["plain_tokens_per_s"] == rep["plain_tokens_per_s"]
     assert all(0 <= r["rounds_gap"] < 1 for r in rep["sizes"])
     names = [r["name"] for r in rep["sizes"]]
-    # No tree past --max-nodes 6 (found by review: chains of 8 were timed and could be chosen) and none twice.
-    assert max(r["tree_size"] for r in rep["sizes"]) <= 7 and len(set(names)) == len(names)
-    assert tree.metadata["chosen"] in names
+    # No tree past --max-nodes 6 (found by review: chains of 8 were timed and could be chosen) and none twice; the
+    # export's default tree is timed beside them, as the bar (it was never timed: walk-through), chosen only within
+    # the bound.
+    assert max(r["tree_size"] for r in rep["sizes"] if r["name"] != "export default") <= 7
+    assert len(set(names)) == len(names) and tree.metadata["chosen"] in names and tree.size <= 7
+    from draftlab.serve.tree_search import export_default_tree
+
+    default = export_default_tree(str(tmp_path / "exp"))
+    (timed_default,) = [r for r in rep["sizes"] if r["export_default"]]
+    assert timed_default["tree_size"] == default.size and rep["default_tokens_per_s"] == timed_default["tokens_per_s"]
+    if timed_default["name"] == "export default":  # (not one of the trees searched: timed first, or last past the
+        assert rep["sizes"][-1 if default.size > 7 else 0] == timed_default  # bound, so a budget keeps one that fits)
+    assert (kind == "hydra") == (default.size > 7)  # (both cases are seen: Hydra's default has 25 nodes)
+    assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(out), "--max-nodes", "6",
+                 "--calibration-prompts", "6", "--timing-prompts", "2", "--max-new-tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "x the export's default tree's); wrote" in text
+    assert ("| export default | 25 |" if kind == "hydra" else "| chain-4 (the export's default) | 5 |") in text
     if kind == "ssm":  # chains of several lengths are timed beside the grown trees, deeper than any head count
         assert max(r["tree_depth"] for r in rep["sizes"]) > 2
     else:

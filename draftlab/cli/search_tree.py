@@ -119,12 +119,16 @@ def search_command(a) -> int:
     for r in rep["sizes"]:
         expected = "-" if r["expected_accept_length"] is None else f"{r['expected_accept_length']:.3f}"
         apart = "-" if r["rounds_gap"] is None else f"{100 * r['rounds_gap']:.0f}%"
-        print(f"| {r['name']} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
+        name = r["name"] + (" (the export's default)" if r.get("export_default") and r["name"] != "export default"
+                            else "")
+        print(f"| {name} | {r['tree_size']} | {r['tree_depth']} | {expected} | "
               f"{r['measured_accept_length']:.3f} | {r['tokens_per_s']:.1f} | {apart} |")
     path = "compiled" if rep["compiled"] else "eager"
     print(f"\nchose {rep['tree_size']} nodes, the root included ({rep['tokens_per_s']:.1f} tokens/s at batch size "
           f"{rep['batch_size']} on {rep['hardware']}, {path} decoding, "
-          f"{rep['tokens_per_s'] / rep['plain_tokens_per_s']:.2f}x plain decoding's); wrote {rep['tree']}")
+          f"{rep['tokens_per_s'] / rep['plain_tokens_per_s']:.2f}x plain decoding's"
+          + (f", {rep['tokens_per_s'] / rep['default_tokens_per_s']:.2f}x the export's default tree's"
+             if rep.get("default_tokens_per_s") else "") + f"); wrote {rep['tree']}")
     for line in search_warnings(rep, a):
         print(line, file=sys.stderr)
     return 0
