@@ -357,6 +357,13 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys)
     monkeypatch.setattr(sim, "simulate_command", interrupted)
     assert main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--acceptance", "0.8"]) == 130
     assert capsys.readouterr().err == "draftlab simulate: interrupted\n"
+    # A command that resumes says what it kept (distill-data said "interrupted" alone: walk-through).
+    import draftlab.train.distill as distill
+
+    monkeypatch.setattr(distill, "distill_data", lambda *a, **k: interrupted(a))
+    assert main(["distill-data", "base", "--prompts", "p.jsonl", "--out", "o.jsonl"]) == 130
+    assert capsys.readouterr().err == ("draftlab distill-data: interrupted; the records written so far are kept: the "
+                                       "same command again answers the rest\n")
 
 
 def test_draftlabs_warnings_read_as_one_line_of_the_command():

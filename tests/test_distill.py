@@ -205,6 +205,11 @@ def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
     s = distill_data(str(tiny_base_dir), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=4, mode="text")
     rec = lines(tmp_path / "o.jsonl")[0]
     assert s["truncated"] == 1 and rec["truncated"] is True
+    # A resumed run counts the file's cut answers, not only its own (walk-through: it said none after a resume).
+    with open(src, "a") as f:
+        f.write(json.dumps({"text": "The dog ran to the park and"}) + "\n")
+    again = distill_data(str(tiny_base_dir), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=4, mode="text")
+    assert (again["skipped_existing"], again["written"], again["truncated"]) == (1, 1, 2)
     [(ids, _)] = pack_text([(rec["text"], True)], tok, 512)
     [(whole, _)] = pack_text([rec["text"]], tok, 512)
     assert whole.tolist() == ids.tolist() + [tok.eos_token_id]

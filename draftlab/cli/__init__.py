@@ -172,9 +172,9 @@ def cmd_distill(a) -> int:
     else:
         print(f"wrote {summary['written']} records to {summary['out']} ({summary['skipped_existing']} already there)")
         if summary["truncated"]:
-            print(f"{summary['truncated']} answers reached --max-new-tokens={a.max_new_tokens} before the base ended "
-                  "them: marked \"truncated\", so training learns no end of turn there; raise --max-new-tokens to "
-                  "keep them whole")
+            print(f"{summary['truncated']} answers in {summary['out']} reached the length limit "
+                  f"(--max-new-tokens={a.max_new_tokens} in this run) before the base ended them: marked "
+                  "\"truncated\", so training learns no end of turn there; raise --max-new-tokens to keep them whole")
         if summary["too_long"]:
             print(f"{summary['too_long']} prompts fill the base's context alone: no record for them (a conversation "
                   "of --all-turns ends before such a turn)")
@@ -425,9 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status, not a traceback; workers end with us)
-        hint = ("; no checkpoint was saved now: the run resumes from its last one. To stop with a checkpoint of the "
-                "current step, press Ctrl-C once while it trains, `touch OUTPUT_DIR/STOP` or `kill -TERM` the process"
-                if args.command == "train" else "")
+        hint = {"train": "; no checkpoint was saved now: the run resumes from its last one. To stop with a checkpoint "
+                         "of the current step, press Ctrl-C once while it trains, `touch OUTPUT_DIR/STOP` or `kill "
+                         "-TERM` the process",
+                "distill-data": "; the records written so far are kept: the same command again answers the rest",
+                "eval mt-bench": "; the answers written so far are kept: the same command again answers the rest"}.get(
+                    " ".join([args.command, *([args.eval_cmd] if args.command == "eval" else [])]), "")
+        # (distill-data said "interrupted" alone, of a run that resumes: walk-through)
         print(f"draftlab {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
     finally:

@@ -239,6 +239,11 @@ def _regenerate(source, items: list[tuple[int, object]], mode: str, all_turns: b
             if any(m["role"] == "assistant" for m in c)]
 
 
+def _truncated(record: dict) -> int:
+    """How many of a record's answers the length limit cut."""
+    return sum(bool(t.get("truncated")) for t in record.get("conversations", [record]) if isinstance(t, dict))
+
+
 def _cut(truncated: bool) -> dict:
     return {"truncated": True} if truncated else {}
 
@@ -276,12 +281,13 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
     if not todo:
         raise DataError(f"{prompts_file}: no prompts found (expected ShareGPT, Alpaca or text records)")
     out = Path(out_file)
-    done = set()
+    done, truncated = set(), 0
     for n, record in enumerate(resume_records(out), 1):  # (a line a killed run tore is dropped first)
         if not isinstance(record, dict) or "source_index" not in record:
             raise DataError(f"{out}: record {n} is not one this command wrote (no source_index); write to a new "
                             "--out file")
         done.add(record["source_index"])
+        truncated += _truncated(record)  # (the file's count: a resumed run counted only its own records)
     todo = [(i, m) for i, m in todo if i not in done]
     torch.manual_seed(seed)
     if endpoints:
@@ -292,7 +298,7 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
             raise DataError("give the base (a model path / hub id or a recipe) or --endpoint URL")
         name, dt, template = _base_args(base_or_recipe, dtype, chat_template)
         source, chunk = LocalModel(name, dt, device, max_new_tokens, temperature, top_p, template), batch_size
-    written = truncated = unanswered = 0
+    written = unanswered = 0
     with open(out, "a") as f, progress(total=len(todo) + len(done), initial=len(done), desc="distill",
                                        unit="prompt") as bar:
         for s in range(0, len(todo), chunk):
@@ -302,7 +308,7 @@ def distill_data(base_or_recipe: str | None, prompts_file: str, out_file: str, m
             for rec in recs:
                 f.write(json.dumps(rec) + "\n")
                 written += 1
-                truncated += sum(bool(t.get("truncated")) for t in rec.get("conversations", [rec]))
+                truncated += _truncated(rec)
             f.flush()
             bar.update(len(items))
     return {"out": str(out), "written": written, "skipped_existing": len(done), "base": name,
