@@ -158,6 +158,15 @@ def test_export_for_vllm_loads_into_its_structure_with_the_same_logits(base, tin
     # Without medusa_fc_bias the loader has no bias parameters and would drop them silently: the names differ.
     assert set(state) != set(VllmMedusaMirror({**cfg, "medusa_fc_bias": False}).state_dict())
     card = (tmp_path / "vllm" / "README.md").read_text()
+    # A base trained from a local directory: no path in the hub's base_model metadata (walk-through), a comment
+    # instead; --base-model names the hub id.
+    assert "\nbase_model:" not in card and f"# base_model: the base's hub id (the export names a local directory, " \
+        f"{tiny_base_dir}" in card
+    from draftlab.cli import main
+
+    assert main(["export", str(tmp_path / "exp"), "--to", "vllm-medusa", "--out", str(tmp_path / "named"),
+                 "--base-model", "org/tiny"]) == 0
+    assert "\nbase_model: org/tiny\n" in (tmp_path / "named" / "README.md").read_text()
     assert "license: apache-2.0" in card and "Not measured" in card and rep["files"] == ["README.md", "config.json",
                                                                                         "model.safetensors"]
     # And draftlab reads vLLM's layout back.

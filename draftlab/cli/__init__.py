@@ -143,7 +143,7 @@ def cmd_export(a) -> int:
     from ..interop.convert import export_to
 
     writable_out(a.out, a.force, "export --to")
-    rep = export_to(a.export, a.to, a.out, a.eval, a.license)
+    rep = export_to(a.export, a.to, a.out, a.eval, a.license, a.base_model)
     if a.json:
         _print_json(rep)
     else:
@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="write over the files --out holds")
     s.add_argument("--eval", default=None, help="an `eval mt-bench` run directory whose figures go into the model card")
     s.add_argument("--license", default="other", help="license field of the model card (the base's usually applies)")
+    s.add_argument("--base-model", default=None, metavar="ID",
+                   help="the base's hub id for the model card's base_model (default: the base the export names; one "
+                        "that names a local directory is left out, with a comment)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_export)
 

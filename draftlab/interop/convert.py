@@ -264,14 +264,26 @@ def params_text(n: int) -> str:
     return str(n)
 
 
-def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str) -> str:
-    """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do."""
+def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str, base_model: str | None = None) -> str:
+    """README.md for an exported draft: what it is, its base, how it was trained, what it was measured to do.
+    base_model: the base's hub id for the card's metadata, where the export names a local directory (the hub reads
+    base_model as a model id; a path there was wrong metadata: walk-through)."""
+    from ..base import looks_like_path
+
     head, base, tr = meta["head"], meta["base"], meta.get("training") or {}
+    local = looks_like_path(base["name_or_path"])
+    if base_model:
+        front = f"base_model: {base_model}"
+    elif local:
+        front = (f"# base_model: the base's hub id (the export names a local directory, {base['name_or_path']}; "
+                 "`draftlab export --base-model ID` writes it)")
+    else:
+        front = f"base_model: {base['name_or_path']}"
     kind = {"medusa": f"{head['num_heads']} Medusa heads ({head['num_layers']} residual block(s) each)",
             "ssm": f"a small draft LM ({head.get('num_layers')} layer{'s' * (head.get('num_layers') != 1)}, "
                    f"{params_text(head.get('params', 0))} parameters)"
             }.get(head["type"], head["type"])
-    lines = ["---", f"license: {license_id}", f"base_model: {base['name_or_path']}",
+    lines = ["---", f"license: {license_id}", front,
              "tags: [speculative-decoding, draftlab, " + ("medusa" if head["type"] == "medusa" else "draft-model") + "]",
              "---", "", f"# Draft model for `{base['name_or_path']}`", "",
              f"{kind[0].upper() + kind[1:]} for speculative decoding of `{base['name_or_path']}` "
@@ -346,8 +358,9 @@ def eval_command(s: dict) -> str:
 
 
 def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str | None = None,
-              license_id: str = "other") -> dict:
-    """Write an export in an engine's format (see FORMATS) with a model card; returns what was written."""
+              license_id: str = "other", base_model: str | None = None) -> dict:
+    """Write an export in an engine's format (see FORMATS) with a model card; returns what was written.
+    base_model: the base's hub id for the card (see model_card)."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -405,7 +418,7 @@ def export_to(export_dir: str | Path, fmt: str, out: str | Path, eval_dir: str |
         if meta.get("adapter"):  # Medusa-2: the heads need their adapted base (the model card says how)
             shutil.copytree(Path(export_dir) / meta["adapter"], out / "adapter", dirs_exist_ok=True)
             files += [f"adapter/{f.name}" for f in (out / "adapter").iterdir()]
-    (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id))
+    (out / "README.md").write_text(model_card(meta, fmt, eval_dir, license_id, base_model))
     note = serving_note(fmt, meta["head"])
     if note:
         print(f"export: {note}", file=sys.stderr)
