@@ -34,6 +34,7 @@ class DataStats:
     loss_tokens: int = 0
     truncated: int = 0  # answers and texts marked `truncated` (distill-data: cut by its length limit), both splits
     cut_at_max_len: int = 0  # conversations kept whose end data.max_len cut off, both splits
+    formats: dict = field(default_factory=dict)  # format (text, sharegpt, alpaca) -> records read as it
 
     def summary(self, max_len: int) -> str:
         """One line for the log: what training reads and what was left out."""
@@ -483,6 +484,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                         else ""))
                 texts.append((rec["text"], rec.get("truncated") is True))
                 stats.truncated += rec.get("truncated") is True
+                stats.formats["text"] = stats.formats.get("text", 0) + 1
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:
@@ -492,6 +494,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                     continue  # conversation truncated to no answer is
                 convs.append((msgs, (source, idx)))
                 stats.truncated += sum(bool(m.get("truncated")) for m in msgs)
+                stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
         except DataError as e:
             if data_cfg.on_malformed == "skip":
                 stats.skip(str(e))

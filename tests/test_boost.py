@@ -74,6 +74,7 @@ def test_boost_stages_resume_and_export(tiny_base_dir, data_file, tmp_path):
     meta = json.loads((out / "export" / "draftlab.json").read_text())
     assert [m["name"] for m in meta["head"]["members"]] == ["member1", "member2", "member3"]
     assert meta["head"]["members"][1]["head"]["num_layers"] == 2 and len(meta["training"]["stages"]) == 3
+    assert meta["training"]["data_formats"] == {"sharegpt": 24}  # (the first member's: all read the same records)
 
 
 def _greedy_unbatched(lm, prompt, n):

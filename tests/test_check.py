@@ -281,6 +281,13 @@ def test_the_chat_template_the_engine_is_given_is_the_one_compared(base_dir, tmp
     assert other.read_text() != trained.read_text()
     c = by_name(check_export(export, chat_template=str(other)))["tokenizer"]
     assert c["ok"] is False and "in chat_template" in c["message"], c
+    # A draft trained on plain text alone never went through a template: another one passes, with a word (it failed
+    # such a draft: walk-through); one that also read conversations still fails.
+    for formats, ok in (({"text": 8}, True), ({"text": 8, "sharegpt": 2}, False)):
+        read = save_export(random_heads(base, K=2, L=1), base, tmp_path / f"t{ok}", str(moved), tokenizer=tok,
+                           extra={"training": {"data_formats": formats}})
+        c = by_name(check_export(read, chat_template=str(other)))["tokenizer"]
+        assert c["ok"] is ok and ("which training read plain text without" in c["message"]) is ok, c
     # The CLI takes it, and a missing file is one line, exit 2.
     assert main(["check", str(export), "--engine", "vllm", "--chat-template", str(trained)]) == 0
     assert main(["check", str(export), "--chat-template", str(tmp_path / "none.jinja")]) == 2

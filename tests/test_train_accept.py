@@ -137,6 +137,7 @@ def test_export_holds_the_best_or_the_last_checkpoint(tiny_base_dir, data_file, 
     assert end["export_step"] == want and [e["best_step"] for e in records(out)] == [1, 2, 2, 2]
     meta = json.loads((out / "export" / "draftlab.json").read_text())
     assert meta["training"]["export"]["step"] == want
+    assert meta["training"]["data_formats"] == {"sharegpt": 24}  # (check: a template text-only training never read)
     # draftlab.json and the summary report the exported weights' evaluation, not the last one's.
     assert meta["training"]["eval"]["expected_accept_length"] == ESTIMATES[want] == s["eval"]["expected_accept_length"]
     assert s["last_eval"]["expected_accept_length"] == ESTIMATES[4]

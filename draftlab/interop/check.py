@@ -334,6 +334,7 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
     SGLang: --chat-template); without it, the export's shipped template where it keeps one (as it says to serve),
     else the served tokenizer's own."""
     recipe = (meta.get("training") or {}).get("recipe") or {}
+    text_only = read_plain_text(meta)
     if (export_dir / "tokenizer_config.json").is_file():
         trained, where = str(export_dir), "the export's tokenizer files"
     else:
@@ -360,6 +361,11 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
                                             "draftlab.json took in training (vocabulary, special ids, chat template" +
                          (f": the export's {shipped}, which the engine must be given, vLLM and SGLang with "
                           "--chat-template)" if shipped is not None and not template else ")"))
+        if diff == ["chat_template_sha256"] and text_only:  # (a template training never applied: walk-through)
+            return Check("tokenizer", True, f"served tokenizer {served}{given_note} matches the fingerprint "
+                                            "draftlab.json took in training in vocabulary and special ids; its chat "
+                                            f"template differs from training's, which training read plain text "
+                                            "without: chat prompts are rendered with it")
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
         kept = (f"; training rendered with the chat template kept in {shipped}" + (
             ", compared as served with it (vLLM, SGLang: --chat-template that file)" if not template else "")
@@ -388,15 +394,27 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(a, name) != getattr(b, name):
             msgs.append(f"{name} {getattr(a, name)} in training, {getattr(b, name)} served")
-    if (a.chat_template or None) != (b.chat_template or None):
-        text = (recipe.get("data") or {}).get("format") == "text"
-        msgs.append("chat_template differs from training's" + (" (training read plain text: it applies only to "
-                    "chat prompts)" if text else "") + f"; serve with {where}'s template ({trained}) or retrain")
+    template_differs = (a.chat_template or None) != (b.chat_template or None)
+    if template_differs and not text_only:
+        msgs.append(f"chat_template differs from training's; serve with {where}'s template ({trained}) or retrain")
     if msgs:
         return Check("tokenizer", False, f"served tokenizer {served}{given_note} vs {where} {trained}: " +
                      "; ".join(msgs))
+    if template_differs:
+        return Check("tokenizer", True, f"served tokenizer {served}{given_note} = {where} {trained} in vocabulary and "
+                                        "special ids; its chat template differs from training's, which training read "
+                                        "plain text without: chat prompts are rendered with it")
     return Check("tokenizer", True, f"served tokenizer {served}{given_note} = {where} {trained} (vocabulary, special "
                                     "ids, chat template)")
+
+
+def read_plain_text(meta: dict) -> bool:
+    """Whether training read plain text alone (no conversation went through a chat template): the formats its data
+    was read as (exports since 2026-12-03), else the recipe's data.format (auto: not known, taken as chat)."""
+    training = meta.get("training") or {}
+    if training.get("data_formats"):
+        return set(training["data_formats"]) == {"text"}
+    return ((training.get("recipe") or {}).get("data") or {}).get("format") == "text"
 
 
 class _Recorder(Drafter):

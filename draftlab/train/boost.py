@@ -295,8 +295,11 @@ def train_ensemble(recipe: Recipe, overwrite: bool = False, stop_after_steps: in
             names.append("lookup")
         records = resume_records(metrics, fix=False)
         ensemble = EnsembleDraft(members, names, {"mode": e.mode, "node_budget": e.node_budget})
+        first = out / "stages" / "member1" / "export" / "draftlab.json"  # (every member reads the same records)
+        formats = json.loads(first.read_text()).get("training", {}).get("data_formats") if first.is_file() else None
         summary["export"] = str(save_export(ensemble, base, out / "export", b.name_or_path, tokenizer=tok, extra={
-            "training": {"stages": records, "recipe": recipe.model_dump(mode="json")}},
+            "training": {"stages": records, "recipe": recipe.model_dump(mode="json"),
+                         **({"data_formats": formats} if formats is not None else {})}},
             chat_template=template_to_ship(tok, b.chat_template)))
         summary["stages"] = records
     state.wait_for_everyone()

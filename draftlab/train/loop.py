@@ -593,6 +593,7 @@ def finish(run: Run, step: int, stopped: bool, last_eval: dict | None, metrics: 
                              default_tree=tree,
                              extra={"training": {"steps": step, "recipe": recipe.model_dump(mode="json"),
                                                  "eval": exported_eval, "export": chosen,
+                                                 "data_formats": run.stats.formats,
                                                  **({"default_tree": tree_info} if tree_info else {})}},
                              tokenizer=run.tok,
                              adapter=run.base if recipe.lora is not None else None,
