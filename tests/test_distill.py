@@ -195,7 +195,7 @@ def test_answers_the_length_limit_cut_are_marked_and_teach_no_end_of_turn(tiny_b
     assert load_examples(DataSection(path=str(tmp_path / "l.jsonl"), eval_size=0), tok)[2].truncated == 3
 
 
-def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
+def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path, capsys):
     from draftlab.base import load_tokenizer
     from draftlab.data import pack_text
 
@@ -210,6 +210,12 @@ def test_texts_the_length_limit_cut_get_no_eos(tiny_base_dir, tmp_path):
         f.write(json.dumps({"text": "The dog ran to the park and"}) + "\n")
     again = distill_data(str(tiny_base_dir), str(src), str(tmp_path / "o.jsonl"), max_new_tokens=4, mode="text")
     assert (again["skipped_existing"], again["written"], again["truncated"]) == (1, 1, 2)
+    from draftlab.cli import main
+
+    assert main(["distill-data", str(tiny_base_dir), "--prompts", str(src), "--out", str(tmp_path / "o.jsonl"),
+                 "--max-new-tokens", "4", "--mode", "text"]) == 0
+    assert (f"2 continuations in {tmp_path / 'o.jsonl'} reached the length limit (--max-new-tokens=4 in this run) "
+            "before the base ended them: marked \"truncated\", so training learns no EOS there") in capsys.readouterr().out
     [(ids, _)] = pack_text([(rec["text"], True)], tok, 512)
     [(whole, _)] = pack_text([rec["text"]], tok, 512)
     assert whole.tolist() == ids.tolist() + [tok.eos_token_id]
@@ -249,7 +255,7 @@ def test_answers_stop_at_the_base_s_context(tiny_base_dir, tmp_path, capsys):
         assert cut and text.startswith(prompt)
     assert asked == [16 - n] * 2
     assert lm.answer(["Once"]) and asked[-1] == 16 - len(lm.tok("Once").input_ids) < 40  # (short prompts too)
-    assert capsys.readouterr().err.count("note: the base's context is 16 tokens: an answer stops where") == 1
+    assert capsys.readouterr().err.count("note: the base's context is 16 tokens: a continuation stops where") == 1
 
 
 def test_each_answer_gets_the_room_its_own_prompt_leaves_and_a_prompt_that_fills_the_context_none(

@@ -171,10 +171,11 @@ def cmd_distill(a) -> int:
         _print_json(summary)
     else:
         print(f"wrote {summary['written']} records to {summary['out']} ({summary['skipped_existing']} already there)")
-        if summary["truncated"]:
-            print(f"{summary['truncated']} answers in {summary['out']} reached the length limit "
+        if summary["truncated"]:  # (text mode spoke of answers and ends of turn: walk-through)
+            what, end = ("continuations", "EOS") if a.mode == "text" else ("answers", "end of turn")
+            print(f"{summary['truncated']} {what} in {summary['out']} reached the length limit "
                   f"(--max-new-tokens={a.max_new_tokens} in this run) before the base ended them: marked "
-                  "\"truncated\", so training learns no end of turn there; raise --max-new-tokens to keep them whole")
+                  f"\"truncated\", so training learns no {end} there; raise --max-new-tokens to keep them whole")
         if summary["too_long"]:
             print(f"{summary['too_long']} prompts fill the base's context alone: no record for them (a conversation "
                   "of --all-turns ends before such a turn)")

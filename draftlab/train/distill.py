@@ -106,8 +106,9 @@ class LocalModel:
             room = [min(new, ctx - n) for n in lengths]
             if min(room) < new and not self.said_context:
                 self.said_context = True
-                print(f"note: the base's context is {ctx} tokens: an answer stops where its prompt and answer fill "
-                      f"it, before --max-new-tokens {new}, and counts as cut; a prompt that fills it alone is "
+                what = "an answer" if chat else "a continuation"  # (text mode spoke of answers: walk-through)
+                print(f"note: the base's context is {ctx} tokens: {what} stops where its prompt and it fill the "
+                      f"context, before --max-new-tokens {new}, and counts as cut; a prompt that fills it alone is "
                       "skipped", file=sys.stderr)
         out: list = [None] * len(texts)
         for r in sorted(set(room)):
