@@ -77,7 +77,7 @@ def test_zero_training_run_on_cpu(tiny_base_dir, data_file, tmp_path, stage, kin
 
 
 @pytest.mark.slow  # a launched training run (about 40 s on 2 cores); CI runs the slow tests
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "ssm"])
 def test_zero3_partitioned_draft_is_estimated_and_exported_whole(tiny_base_dir, data_file, tmp_path, kind):
     """With every parameter partitioned (persistence threshold 0: a tiny draft's parameters would otherwise stay
     whole, as small ones do at scale), the accept estimate and the export read a gathered copy: figures like a

@@ -212,7 +212,24 @@ def test_the_zero3_copy_of_the_objective_keeps_the_transform(tiny_base_dir, data
     run = loop.Run(r, tmp_path / "o", accelerator, use_deepspeed=True, base=base, teacher_transform=(0.5, 7.0))
     run.objective = object()  # (the engine's, partitioned: never read here)
     monkeypatch.setattr(loop, "whole_copy", lambda module, build: build())
+    run.objective = SimpleNamespace(draft=loop.build_draft(r.head.model_dump(), base))
     assert run.partitioned and run.whole_objective().teacher_transform == (0.5, 7.0)
+    # A pretrained SSM's copy is built from its config: not loaded from its files and probed again at every accept
+    # estimate (review); the same structure, and the draft model's own transform.
+    import draftlab.base
+    from conftest import tiny_llama
+
+    ssm_dir = tmp_path / "small"
+    tiny_llama(vocab=base.config.vocab_size, layers=1).save_pretrained(ssm_dir)
+    r = build_recipe({**r.model_dump(mode="json"), "head": {"type": "ssm", "ssm": {"name_or_path": str(ssm_dir)}}})
+    run = loop.Run(r, tmp_path / "o", accelerator, use_deepspeed=True, base=base, teacher_transform=None)
+    run.objective = SimpleNamespace(draft=loop.build_draft(r.head.model_dump(), base))
+    run.objective.draft.logit_transform = (2.0, None)
+    monkeypatch.setattr(draftlab.base, "pretrained_lm", lambda *a, **k: pytest.fail("the SSM was loaded again"))
+    copy = run.whole_objective().draft
+    assert copy.logit_transform == (2.0, None) and copy is not run.objective.draft
+    assert {k: v.shape for k, v in copy.state_dict().items()} == \
+        {k: v.shape for k, v in run.objective.draft.state_dict().items()}
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3", "dflash", "medusa2"])

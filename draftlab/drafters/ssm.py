@@ -101,6 +101,14 @@ class SSMDraft(nn.Module):
         # once: the loss asks at every step.
         self.logit_transform = teacher_transform(lm.config, lm.get_output_embeddings())
 
+    def empty_like(self) -> "SSMDraft":
+        """A module of this one's structure, its weights fresh (to be loaded over): from the model's config, so a
+        pretrained SSM is not loaded from its files and probed again (ZeRO-3's gathered copies, at every accept
+        estimate: review)."""
+        copy = SSMDraft(type(self.lm)(self.lm.config).float(), self.settings)  # (its own class: remote code too)
+        copy.logit_transform = self.logit_transform
+        return copy
+
     @property
     def lm_heads(self):
         return [self.lm.get_output_embeddings()]

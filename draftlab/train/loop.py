@@ -83,9 +83,11 @@ class Run:
         if not self.partitioned:
             return objective
 
-        def build():
+        def build():  # (the structure alone: whole_copy loads the gathered weights over it)
             with outside_deepspeed(self.ds_plugin):
-                draft = build_draft(self.recipe.head.model_dump(), self.base).float()
+                live = objective.draft
+                draft = (live.empty_like() if hasattr(live, "empty_like") else
+                         build_draft(self.recipe.head.model_dump(), self.base)).float()
             return DraftObjective(draft, self.recipe.loss, self.teacher_transform).to(self.accelerator.device)
 
         return whole_copy(objective, build)
