@@ -49,7 +49,7 @@ def main() -> None:
     rows = []
     for tt, td, acc, sp in CONFIGS:
         k, k_si = best_dsi_lookahead(acc, td, tt, sp, a.tokens), best_si_lookahead(acc, td, tt)
-        e = expected(Config(tt, td, acc, k, sp, a.tokens))
+        e = expected(Config(tt, td, acc, k, sp, a.tokens, si_lookahead=k_si))  # (the SI that runs below)
         meas = {"dsi": 0.0, "si": 0.0, "non_si": 0.0}
         emulated = waits = 0.0  # DSI's own run on the emulated clock (no runtime overheads), and its server waits
         identical = True

@@ -202,7 +202,14 @@ def test_inputs_from_a_generate_report(tiny_base_dir, tmp_path, capsys):
 
     (tmp_path / "r.json").write_text(json.dumps({**rep, "compiled": True, "batch_size": 2}) + "\n")
     assert main(["simulate", "--from-report", str(tmp_path / "r.json")]) == 0
-    assert f"from {tmp_path / 'r.json'}: latencies of its compiled path at batch size 2" in capsys.readouterr().out
+    assert (f"from {tmp_path / 'r.json'}: the target's latency, the drafter's, the acceptance rate, of its compiled "
+            "path at batch size 2") in capsys.readouterr().out
+    # Figures given on the command line are not the report's (it was named as their source: walk-through)
+    assert main(["simulate", "--from-report", str(tmp_path / "r.json"), "--acceptance", "0.5"]) == 0
+    assert "r.json: the target's latency, the drafter's, of its" in capsys.readouterr().out
+    assert main(["simulate", "--from-report", str(tmp_path / "r.json"), "--acceptance", "0.5", "--target-ms", "30",
+                 "--drafter-ms", "3"]) == 0
+    assert "r.json: not read, every figure was given on the command line" in capsys.readouterr().out
 
 
 def test_simulate_command(tmp_path, capsys):
@@ -226,6 +233,24 @@ def test_simulate_command(tmp_path, capsys):
         assert (rep["exact_total"]["dsi"] < rep["exact_total"]["si"]) == (rule == "expected")
     assert main(["simulate", "--target-ms", "30", "--acceptance", "0.8"]) == 2
     assert "--drafter-ms" in capsys.readouterr().err
+    # Two drafter latencies (the ratio was dropped in silence), and a negative run count (a ZeroDivisionError):
+    # walk-through.
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--drafter-ratio", "0.5", "--acceptance",
+                 "0.8"]) == 2
+    assert "--drafter-ms and --drafter-ratio both give the drafter's latency" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--target-ms", "30", "--drafter-ms", "3", "--acceptance", "0.8", "--monte-carlo", "-5"])
+    assert "-5 is not >= 0" in capsys.readouterr().err
+    # The speedups are the exact totals' ratios, which the lookaheads are chosen by: a short text's DSI at its best
+    # lookahead read as slower than SI (0.85x) by the closed form's per-token figures, and SI took a lookahead of 25
+    # for a text of 8 tokens (walk-through).
+    assert main(["simulate", "--target-ms", "30", "--drafter-ms", "1", "--acceptance", "0.95", "--tokens", "8",
+                 "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ex = rep["exact_total"]
+    assert rep["speedup"]["dsi_vs_si"] == pytest.approx(ex["si"] / ex["dsi"]) and ex["dsi"] <= ex["si"]
+    assert rep["speedup_per_token"]["dsi_vs_si"] == pytest.approx(rep["total"]["si"] / rep["total"]["dsi"])
+    assert rep["si_lookahead"] <= 6
     # Negative latencies printed negative latencies, and a failed run's report was a KeyError (walk-through).
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--target-ms", "-30", "--drafter-ms", "3", "--acceptance", "0.8"])

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def positive_int(text: str, least: int = 1) -> int:
+    """argparse type: an integer >= 1 (>= least)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is not >= {least}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return positive_int(text, least=0)
 
 
 def add_placement_args(p) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .args import non_negative_float, positive_float, positive_int
+from .args import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def add_simulate_args(p) -> None:
@@ -26,7 +26,7 @@ def add_simulate_args(p) -> None:
                    "GPU drafting: 7)")
     p.add_argument("--tokens", type=positive_int, default=128, help="tokens generated")
     p.add_argument("--prefill-ms", type=non_negative_float, default=None, help="TTFT (default: one target forward)")
-    p.add_argument("--monte-carlo", type=int, default=0, metavar="RUNS",
+    p.add_argument("--monte-carlo", type=non_negative_int, default=0, metavar="RUNS",
                    help="also simulate RUNS runs event by event (finite server pool)")
     p.add_argument("--heatmap", default=None, metavar="PNG", help="draw the three pairwise speedup heatmaps")
     p.add_argument("--json", action="store_true")
@@ -35,6 +35,8 @@ def add_simulate_args(p) -> None:
 def simulate_command(a) -> int:
     from ..parallel.simulate import Config, dsi_lookahead, expected, from_generate, heatmaps, monte_carlo
 
+    if a.drafter_ms is not None and a.drafter_ratio is not None:  # (the ratio was dropped in silence: walk-through)
+        raise ValueError("--drafter-ms and --drafter-ratio both give the drafter's latency: give one")
     src = {}
     if a.from_report:
         lines = [l for l in Path(a.from_report).read_text().splitlines() if l.strip().startswith("{")]
@@ -77,14 +79,21 @@ def simulate_command(a) -> int:
           f"{rep['si_lookahead']} (its best), DSI lookahead {k} ({rule}) on {a.sp} servers "
           f"({'no task waits' if rep['sp_sufficient'] else 'tasks wait'}; smallest with no waits "
           f"{rep['dsi_min_lookahead']})")
-    if src:
-        print(f"from {a.from_report}: latencies of its {src['path']} path at batch size {src['batch_size']}")
-    print("| method | TTFT ms | TPOT ms | total ms | exact total ms (the text's end included) |\n|---|---|---|---|---|")
+    if src:  # (what was read from the report: it was named as the source of figures given on the command line)
+        read = [what for what, given in (("the target's latency", a.target_ms),
+                                         ("the drafter's", a.drafter_ms or a.drafter_ratio),
+                                         ("the acceptance rate", a.acceptance)) if given is None]
+        print(f"from {a.from_report}: {', '.join(read)}, of its {src['path']} path at batch size {src['batch_size']}"
+              if read else f"--from-report {a.from_report}: not read, every figure was given on the command line")
+    print("| method | TTFT ms | TPOT ms | TTFT + TPOT per token, ms | exact total ms (the text's end included) |\n"
+          "|---|---|---|---|---|")
     for m in ("non_si", "si", "dsi"):
         print(f"| {m} | {rep['ttft']:.3g} | {rep['tpot'][m]:.3g} | {rep['total'][m]:.4g} | "
               f"{rep['exact_total'][m]:.4g} |")
-    sp = rep["speedup"]
-    print(f"\nDSI vs SI {sp['dsi_vs_si']:.2f}x, DSI vs non-SI {sp['dsi_vs_non_si']:.2f}x, SI vs non-SI {sp['si_vs_non_si']:.2f}x")
+    sp, per = rep["speedup"], rep["speedup_per_token"]
+    print(f"\nDSI vs SI {sp['dsi_vs_si']:.2f}x, DSI vs non-SI {sp['dsi_vs_non_si']:.2f}x, SI vs non-SI "
+          f"{sp['si_vs_non_si']:.2f}x (exact totals of {a.tokens} tokens; per token in a long text, the closed "
+          f"form: {per['dsi_vs_si']:.2f}x, {per['dsi_vs_non_si']:.2f}x, {per['si_vs_non_si']:.2f}x)")
     if a.monte_carlo:
         mc = rep["monte_carlo"]
         print(f"\nsimulated event by event, mean of {a.monte_carlo} runs: total ms non-SI {mc['total']['non_si']:.4g}, "

@@ -58,9 +58,16 @@ def si_time_per_token(a: float, k: int, t_draft: float, t_target: float) -> floa
     return (1 - a) * (k * t_draft + t_target) / (1 - a ** (k + 1))
 
 
-def best_si_lookahead(a: float, t_draft: float, t_target: float, max_k: int = 64) -> int:
-    """SI's best lookahead for this configuration (k = 0 is non-SI)."""
-    return min(range(0, max_k + 1), key=lambda k: si_time_per_token(a, k, t_draft, t_target))
+def best_si_lookahead(a: float, t_draft: float, t_target: float, max_k: int = 64, n_tokens: int | None = None,
+                      t_prefill: float | None = None) -> int:
+    """SI's best lookahead for this configuration (k = 0 is non-SI): per token, or, with n_tokens, for that text
+    (`si_expected_total`: a text has a use for n_tokens - 2 drafts at most, so no longer one is chosen; ties keep the
+    shorter)."""
+    if n_tokens is None:
+        return min(range(0, max_k + 1), key=lambda k: si_time_per_token(a, k, t_draft, t_target))
+    totals = si_expected_total(n_tokens, a, np.arange(min(max_k, max(n_tokens - 2, 1)) + 1), t_draft, t_target,
+                               t_prefill)
+    return int(np.flatnonzero(totals <= totals.min() * (1 + 1e-12))[0])
 
 
 def dsi_time_per_token(a: float, k: int, t_draft: float, t_target: float) -> float:
@@ -130,19 +137,19 @@ def dsi_expected_total(n_tokens: int, a, k: int, t_draft, t_target: float, sp: i
     return total if total.ndim else float(total)
 
 
-def si_expected_total(n_tokens: int, a, k: int, t_draft, t_target: float, t_prefill: float | None = None):
-    """Exact expected total time of `simulate_si` with lookahead k (k = 0: non-SI), the text's end included; a and
-    t_draft may be numpy arrays."""
-    a, d = np.asarray(a, dtype=float), np.asarray(t_draft, dtype=float)
-    shape = np.broadcast(a, d).shape
-    a, d = np.broadcast_to(a, shape), np.broadcast_to(d, shape)
-    E = [np.zeros(shape)]
+def si_expected_total(n_tokens: int, a, k, t_draft, t_target: float, t_prefill: float | None = None):
+    """Exact expected total time of `simulate_si` with lookahead k (k = 0: non-SI), the text's end included; a, k
+    and t_draft may be numpy arrays, broadcast together. With R tokens left a round drafts c = min(k, R - 1) and
+    accepts j < c with probability a^j (1 - a), c with a^c; W carries sum_{j<c} a^j E[R - 1 - j] from one R to the
+    next (O(1) per token, so every lookahead of a long text is cheap to weigh)."""
+    a, d, k = np.broadcast_arrays(np.asarray(a, dtype=float), np.asarray(t_draft, dtype=float), np.asarray(k))
+    E = np.zeros((n_tokens,) + a.shape)  # E[R]: expected time to generate R more tokens
+    W, ak = np.zeros(a.shape), a ** k
     for R in range(1, n_tokens):
-        c = min(k, R - 1)
-        e = c * d + t_target + a ** c * E[R - 1 - c]
-        for j in range(c):
-            e = e + a ** j * (1 - a) * E[R - 1 - j]
-        E.append(e)
+        c = np.minimum(k, R - 1)
+        E[R] = c * d + t_target + a ** c * np.take_along_axis(E, (R - 1 - c)[None], 0)[0] + (1 - a) * W
+        # (for R + 1: one more term while the round still drafts R, else the window slides past E[R - k])
+        W = E[R] + a * W - np.where(R > k, ak * np.take_along_axis(E, np.maximum(R - k, 0)[None], 0)[0], 0.0)
     total = (t_target if t_prefill is None else t_prefill) + E[n_tokens - 1]
     return total if total.ndim else float(total)
 
@@ -266,14 +273,18 @@ class Config:
     sp: int
     n_tokens: int
     t_prefill: float | None = None
+    si_lookahead: int | None = None  # None: SI's best for the text (best_si_lookahead with n_tokens)
 
 
 def expected(c: Config) -> dict:
-    """Closed-form expected TTFT / TPOT / total of non-SI, SI (its best lookahead) and DSI (the given lookahead with
-    the `sp` servers, waits included: `dsi_pool_time_per_token`; whether `sp` is enough that no task waits), with
-    the pairwise speedups; `exact_total`: the simulator's exact expectations for the text (its end included)."""
+    """Expected TTFT / TPOT / total of non-SI, SI (c.si_lookahead, default its best for the text) and DSI (the given
+    lookahead with the `sp` servers, waits included; whether `sp` is enough that no task waits): `exact_total`, the
+    simulator's exact expectations for the text (its end included), and `total`, TTFT + TPOT per token in closed
+    form (a long text's steady state). `speedup`: the pairwise ratios of the exact totals, which the lookaheads are
+    chosen by (they were the closed form's, and contradicted the exact totals of a short text or a long lookahead:
+    walk-through); `speedup_per_token`: those of the closed form."""
     ttft = c.t_target if c.t_prefill is None else c.t_prefill
-    k_si = best_si_lookahead(c.acceptance, c.t_draft, c.t_target)
+    k_si = config_si_lookahead(c)
     tpot = {"non_si": c.t_target, "si": si_time_per_token(c.acceptance, k_si, c.t_draft, c.t_target),
             "dsi": dsi_pool_time_per_token(c.acceptance, c.lookahead, c.t_draft, c.t_target, c.sp)}
     total = {m: ttft + (c.n_tokens - 1) * v for m, v in tpot.items()}
@@ -284,8 +295,19 @@ def expected(c: Config) -> dict:
     k_min = min_lookahead(c.t_draft, c.t_target, c.sp)
     return {"ttft": ttft, "tpot": tpot, "total": total, "exact_total": exact, "si_lookahead": k_si,
             "dsi_min_lookahead": k_min, "sp_sufficient": c.lookahead >= k_min,
-            "speedup": {"dsi_vs_si": total["si"] / total["dsi"], "dsi_vs_non_si": total["non_si"] / total["dsi"],
-                        "si_vs_non_si": total["non_si"] / total["si"]}}
+            "speedup": speedups(exact), "speedup_per_token": speedups(total)}
+
+
+def config_si_lookahead(c: Config) -> int:
+    """SI's lookahead in configuration c: the one it gives, else SI's best for the text."""
+    return c.si_lookahead if c.si_lookahead is not None else best_si_lookahead(
+        c.acceptance, c.t_draft, c.t_target, n_tokens=c.n_tokens, t_prefill=c.t_prefill)
+
+
+def speedups(total: dict) -> dict:
+    """The pairwise speedups of three methods' latencies."""
+    return {"dsi_vs_si": total["si"] / total["dsi"], "dsi_vs_non_si": total["non_si"] / total["dsi"],
+            "si_vs_non_si": total["non_si"] / total["si"]}
 
 
 def _pick(costs: dict, k_min, tol: float = 1e-12):
@@ -338,9 +360,9 @@ def grid_expectations(acceptances, ratios, t_target: float, sp: int, n_tokens: i
 
 
 def monte_carlo(c: Config, runs: int = 200, seed: int = 0) -> dict:
-    """Mean totals of simulated runs (SI at its best lookahead, DSI with the finite server pool)."""
+    """Mean totals of simulated runs (SI at `config_si_lookahead`, as `expected`; DSI with the finite server pool)."""
     rng = random.Random(seed)
-    k_si = best_si_lookahead(c.acceptance, c.t_draft, c.t_target)
+    k_si = config_si_lookahead(c)
     si = [simulate_si(c.n_tokens, c.acceptance, k_si, c.t_draft, c.t_target, rng, c.t_prefill) for _ in range(runs)]
     dsi = [simulate_dsi(c.n_tokens, c.acceptance, c.lookahead, c.t_draft, c.t_target, c.sp, rng, c.t_prefill)
            for _ in range(runs)]
