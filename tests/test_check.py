@@ -360,6 +360,10 @@ def test_medusa_in_vllm_layout(base_dir, tmp_path, capsys):
     export_to(tmp_path / "m", "medusa", tmp_path / "fd")
     with pytest.raises(ValueError, match="vllm-medusa"):
         check_export(tmp_path / "m", engine="vllm", served=str(tmp_path / "fd"))
+    # ... nor is a Hugging Face model directory (an SSM's `export --to hf`): it was a KeyError (walk-through)
+    with pytest.raises(ValueError, match=r"config.json has no num_heads, so it is not the layout vLLM's Medusa model "
+                                         r"loads \(it holds an SSM or another causal LM \(model_type 'llama'\)\)"):
+        check_export(tmp_path / "m", engine="vllm", served=str(base_dir))
 
 
 @pytest.fixture(scope="module")
@@ -494,7 +498,7 @@ def test_the_dflash_mask_token_is_named_as_sglang_resolves_it(dflash_dir, base_d
     assert "outside the base's vocabulary" in _mask_token_problems({"mask_token_id": V}, V, MaskAt3())[0]
 
 
-def test_ssm_and_ensemble_members_are_read_as_hugging_face_models(base_dir, tmp_path):
+def test_ssm_and_ensemble_members_are_read_as_hugging_face_models(base_dir, tmp_path, capsys):
     from draftlab.base import load_base
     from draftlab.drafters import EnsembleDraft, LookupDraft
 
@@ -523,6 +527,13 @@ def test_ssm_and_ensemble_members_are_read_as_hugging_face_models(base_dir, tmp_
     assert c["ok"] is True and "member small (ssm, decoded alone): " in c["message"], c
     assert "transformers: the same 4-token chains" in c["message"]
     assert "member ngram (lookup): not a Hugging Face model, not compared" in c["message"]
+    # ... and the command says no engine serves the ensemble whole ("all checks passed" beside "engines: vllm,
+    # sglang" read as servable: walk-through)
+    from draftlab.cli import main
+
+    assert main(["check", str(ens)]) == 0
+    assert "note: no engine serves this ensemble export whole: vLLM and SGLang take one draft model" in \
+        capsys.readouterr().out
 
 
 def test_hydra_and_lookup_say_no_engine_loads_them(base_dir, tmp_path):
@@ -603,6 +614,9 @@ def test_check_names_the_option_and_the_files_it_was_given(good_dir, tmp_path):
     (served / "config.json").write_text("{}")
     with pytest.raises(ExportError, match=r"a model directory, as `draftlab export --to` writes; .* --served"):
         check_export(served)
+    # A --base that is no directory: one line, as generate says it (a traceback from the hub client: walk-through)
+    with pytest.raises(BaseModelError, match=r"^--base='.*nonexist': no such directory"):
+        check_export(good_dir, base=str(tmp_path / "nonexist"))
 
 
 def test_a_first_layer_of_one_is_said_to_be_unservable_by_sglang_since_the_first_id_rule():

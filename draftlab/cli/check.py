@@ -51,4 +51,6 @@ def check_command(a) -> int:
         print(f"{len(bad)} check(s) failed: {', '.join(bad)}" if bad else
               f"no check failed, but no proposals were compared ({unchecked['message']})" if unchecked else
               "all checks passed")
+        if rep.get("unserved"):
+            print(f"note: no engine serves this {rep['kind']} export whole: {rep['unserved']}")
     return 0 if rep["ok"] else 1

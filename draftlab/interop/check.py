@@ -622,10 +622,13 @@ def _served_files(d: Path, meta: dict, served: str | None) -> tuple[dict, dict, 
     if served and not src.is_dir():
         raise FileNotFoundError(f"--served {src}: no such directory (the files the engine is given)")
     cfg = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
-    if kind == "medusa" and served and "hidden_size" not in cfg:
-        raise ValueError(f"--served {src}: its config.json has no hidden_size, so it is not the layout vLLM's Medusa "
-                         "model loads (FasterDecoding's `export --to medusa`, say, which no engine checked here "
-                         "reads); give the `export --to vllm-medusa` directory")
+    if kind == "medusa" and served and ("hidden_size" not in cfg or "num_heads" not in cfg):
+        what = ("it holds an SSM or another causal LM (model_type " + repr(cfg.get("model_type")) + ")"
+                if "hidden_size" in cfg else "FasterDecoding's `export --to medusa`, say, which no engine checked "
+                "here reads")  # (an HF directory was a KeyError deep in the comparison: walk-through)
+        raise ValueError(f"--served {src}: its config.json has no {'num_heads' if 'hidden_size' in cfg else 'hidden_size'}"
+                         f", so it is not the layout vLLM's Medusa model loads ({what}); give the `export --to "
+                         "vllm-medusa` directory")
     st = src / "model.safetensors"
     return cfg, (read_safetensors(st) if st.is_file() and kind in ("eagle3", "dflash", "medusa") else {}), str(src)
 
@@ -637,7 +640,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     `chat_template`: the template file the engine is given (--chat-template), compared with training's."""
     from transformers import AutoConfig
 
-    from ..base import load_base, load_tokenizer
+    from ..base import check_model_path, load_base, load_tokenizer
 
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
@@ -656,6 +659,7 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     kind = meta["head"]["type"]
     engines = [engine] if engine else list(ENGINES)
     base_name = base or meta["base"]["name_or_path"]
+    check_model_path(base_name, "--base" if base else "base.name_or_path")  # (was a traceback: walk-through)
     base_cfg = AutoConfig.from_pretrained(base_name).to_dict()  # config.json only: no weights
     tok_src = tokenizer or base_name
     tok = load_tokenizer(tok_src, field="--tokenizer") if tokenizer else use_chat_template(load_tokenizer(tok_src), d,
@@ -670,4 +674,12 @@ def check_export(export_dir: str | Path, engine: str | None = None, base: str | 
     checks.append(check_proposals(d, meta, cfg, tensors, engines, model, tok, list(prompts or DEFAULT_PROMPTS),
                                   max_new_tokens, served))
     return {"export": str(d), "kind": kind, "base": base_name, "engines": engines, "served": where,
-            "ok": all(c.ok is not False for c in checks), "checks": [asdict(c) for c in checks]}
+            "ok": all(c.ok is not False for c in checks), "checks": [asdict(c) for c in checks],
+            "unserved": UNSERVED.get(kind)}
+
+
+# Kinds no engine serves whole: `check` says so beside its verdict (an ensemble's "all checks passed" beside
+# "engines: vllm, sglang" read as servable: walk-through).
+UNSERVED = {"hydra": "vLLM and SGLang implement no Hydra heads; draftlab decodes it",
+            "ensemble": "vLLM and SGLang take one draft model; draftlab decodes the ensemble, and each SSM member can "
+                        "be served alone as a draft model (the members' checks above)"}
