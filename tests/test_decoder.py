@@ -70,7 +70,17 @@ def test_tree_files_round_trip(tmp_path):
     again = Tree.load(tmp_path / "t.json")
     assert again.paths == t.paths and again.metadata["expected_accept_length"] > 1
     (tmp_path / "t.yaml").write_text("paths: [[0], [0, 0], [1]]\nmetadata: {name: x}\n")
-    assert Tree.load(tmp_path / "t.yaml").size == 4
+    assert Tree.load(tmp_path / "t.yaml").size == 4 and Tree.load(tmp_path / "t.yaml").metadata["name"] == "x"
+    (tmp_path / "plain.json").write_text("[[0], [1]]")  # (a file's tree without a name is named by the file)
+    assert Tree.load(tmp_path / "plain.json").metadata["name"] == "plain"
+    # An expansion's widths below 1 are said to be so (they were said not to be integers: walk-through)
+    from draftlab.serve.generate import _resolve_tree
+
+    meta = {"head": {"type": "medusa", "num_heads": 2}}
+    with pytest.raises(TreeError, match=r"--tree expansion:0: expansion \[0\]: needs one or more widths >= 1"):
+        _resolve_tree("expansion:0", meta)
+    with pytest.raises(TreeError, match="expansion widths must be integers"):
+        _resolve_tree("expansion:a", meta)
     (tmp_path / "bad.json").write_text("[[0, 0]]")
     with pytest.raises(TreeError, match="bad.json: path"):
         Tree.load(tmp_path / "bad.json")

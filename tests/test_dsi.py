@@ -159,6 +159,12 @@ def test_dsi_command_with_an_ssm_export(stories_dir, tmp_path, capsys):
                         str(stories_dir), tokenizer=tok)
     assert main(["dsi", str(heads), "--prompt", "x"]) == 2
     assert "cannot draft ahead of verification" in capsys.readouterr().err
+    from draftlab.drafters import EnsembleDraft, LookupDraft  # (said to hold heads needing hidden states: walk-through)
+
+    ens = save_export(EnsembleDraft([LookupDraft(), LookupDraft()], ["a", "b"]), base, tmp_path / "e",
+                      str(stories_dir), tokenizer=tok)
+    assert main(["dsi", str(ens), "--prompt", "x"]) == 2
+    assert "holds an ensemble, whose drafting chooses among its members" in capsys.readouterr().err
     # Sampling (its law is tested in test_dsi_sampling_is_the_targets_distribution): the text differs from greedy's.
     assert main(["dsi", str(exp), "--prompt", "Once upon a time", "--sp", "2", "--max-new-tokens", "24",
                  "--temperature", "1.0", "--json"]) == 0

@@ -150,7 +150,10 @@ class Tree:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise TreeError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
-        return Tree._from_data(data, str(p))
+        tree = Tree._from_data(data, str(p))
+        if isinstance(tree, Tree) and not tree.metadata.get("name"):  # (reports named it "": walk-through)
+            tree.metadata["name"] = p.stem
+        return tree
 
     @staticmethod
     def _from_data(data, source: str) -> "Tree":

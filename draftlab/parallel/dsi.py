@@ -525,9 +525,13 @@ def run_dsi(export: str, prompts: list, sp: int, max_new_tokens: int = 128, look
 
     sp = pool.sp if pool is not None else sp
     meta = read_meta(export)
-    if meta["head"]["type"] != "ssm":
-        raise ValueError(f"draftlab dsi drafts with a small LM (an ssm export); {export} holds {meta['head']['type']} "
-                         "heads, which need the base's hidden states and so cannot draft ahead of verification")
+    kind = meta["head"]["type"]
+    if kind != "ssm":  # (an ensemble was said to hold heads that need hidden states: walk-through)
+        why = ({"ensemble": "an ensemble, whose drafting chooses among its members by the verified tokens; give one "
+                            f"member's export (its training run's stages/memberN/export) to draft with it alone",
+                "lookup": "a prompt-lookup drafter, which drafts from the text, not with a model"}.get(kind) or
+               f"{kind} heads, which need the base's hidden states and so cannot draft ahead of verification")
+        raise ValueError(f"draftlab dsi drafts with a small LM (an ssm export); {export} holds {why}")
     name, dtype = base or meta["base"]["name_or_path"], dtype or meta["base"]["dtype"]
     model, tok = load_base(name, dtype, "cpu")
     tok = use_chat_template(tok, export, meta)

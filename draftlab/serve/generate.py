@@ -56,6 +56,8 @@ def _resolve_tree(spec: str | None, meta: dict) -> Tree | DynamicTree:
     if name == "expansion" and arg:
         try:
             return Tree.expansion(arg.split(","))
+        except TreeError as e:  # (widths below 1 were said not to be integers: walk-through)
+            raise TreeError(f"--tree {spec}: {e}") from None
         except ValueError:
             raise TreeError(f"--tree {spec}: expansion widths must be integers, e.g. expansion:1,2,1") from None
     return Tree.parse(spec)
