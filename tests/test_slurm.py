@@ -181,3 +181,22 @@ def test_a_stop_after_an_earlier_finish_requeues_unless_the_export_is_newest(tin
     assert p.returncode == 0, log
     assert ("scontrol requeue 4242" in (tmp_path / "calls.log").read_text()) == requeued, log
     assert ("already finished" in log) != requeued
+
+
+def test_the_finished_question_answers_with_its_exit_status_and_a_line(tmp_path, capsys):
+    """python -m draftlab.train.finished OUTPUT_DIR (what the script asks): a missing directory was "not finished"
+    in silence, no argument an IndexError, and the module warned on every call (walk-through)."""
+    from draftlab.train.finished import main
+
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert main([str(tmp_path / "typo")]) == 2 and "typo: no such run directory" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 1 and "not finished" in capsys.readouterr().out
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "draftlab.json").write_text(json.dumps({"training": {"steps": 4}}))
+    assert main([str(tmp_path)]) == 0 and capsys.readouterr().out == f"{tmp_path}: finished\n"
+    p = subprocess.run([sys.executable, "-m", "draftlab.train.finished", str(tmp_path)], capture_output=True,
+                       text=True, cwd=REPO)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+

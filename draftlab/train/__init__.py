@@ -3,6 +3,8 @@
     loop.py          the one Accelerate loop, as its phases (start, load, optimizer, resume, steps, export)
     objectives.py    the draft and its loss as one module, Medusa-2's joint objective, held-out evaluation
     run_dir.py       the run directory: recipe, checkpoints, resume, metrics.jsonl
+    finished.py      `python -m draftlab.train.finished OUTPUT_DIR`: has the run finished? (Slurm's requeue)
+    preflight.py     what `validate` checks against the base's config (the draft on a meta-device base)
     distributed.py   DeepSpeed's plugin and what ranks agree on (flags, stop requests)
     boost.py         boost-tuning: an ensemble's members trained in stages on what the others miss
     distill.py       self-distilled data: the base's own answers to the data's prompts

@@ -57,7 +57,7 @@ def run_finished(output_dir: Path) -> bool:
     """Whether the run in output_dir has finished: its export is there and no checkpoint is newer than it (a run
     that trained on past an earlier finish, a larger train.max_steps or epochs, and stopped, has not). An ensemble's
     export is written after its last stage: there, the export alone. What slurm/train.sbatch asks before it
-    requeues a stopped job (`python -m draftlab.train.run_dir OUTPUT_DIR`: exit status 0 when finished)."""
+    requeues a stopped job (`python -m draftlab.train.finished OUTPUT_DIR`: exit status 0 when finished)."""
     meta = Path(output_dir) / "export" / "draftlab.json"
     if not meta.is_file():
         return False
@@ -212,7 +212,3 @@ class Metrics:
         self.accelerator.wait_for_everyone()
         if self.trackers:
             self.accelerator.end_training()
-
-
-if __name__ == "__main__":  # slurm/train.sbatch: has the run finished?
-    sys.exit(0 if run_finished(Path(sys.argv[1])) else 1)
