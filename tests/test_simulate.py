@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from draftlab.cli import main
-from draftlab.parallel.simulate import (Config, best_dsi_lookahead, best_si_lookahead, dsi_expected_total,
-                                        dsi_pool_time_per_token, dsi_time_per_token, expected, from_generate,
+from draftlab.parallel.simulate import (Config, best_dsi_lookahead, best_si_lookahead, drafts_ahead_note,
+                                        dsi_expected_total, dsi_pool_time_per_token, dsi_time_per_token, expected, from_generate,
                                         grid_expectations, min_lookahead, si_expected_total, si_time_per_token,
                                         simulate_dsi, simulate_si)
 
@@ -202,8 +202,13 @@ def test_inputs_from_a_generate_report(tiny_base_dir, tmp_path, capsys):
 
     (tmp_path / "r.json").write_text(json.dumps({**rep, "compiled": True, "batch_size": 2}) + "\n")
     assert main(["simulate", "--from-report", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
     assert (f"from {tmp_path / 'r.json'}: the target's latency, the drafter's, the acceptance rate, of its compiled "
-            "path at batch size 2") in capsys.readouterr().out
+            "path at batch size 2") in out
+    # An EAGLE-3 drafter cannot draft ahead of verification, which DSI's model assumes (a Medusa report was modelled
+    # without a word: walk-through); an SSM's report gets no such note.
+    assert "its drafter (eagle3) reads the base's hidden states of the verified tokens, so it cannot draft ahead" in err
+    assert drafts_ahead_note("ssm") is None and "in one forward" in drafts_ahead_note("medusa")
     # Figures given on the command line are not the report's (it was named as their source: walk-through)
     assert main(["simulate", "--from-report", str(tmp_path / "r.json"), "--acceptance", "0.5"]) == 0
     assert "r.json: the target's latency, the drafter's, of its" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from .args import non_negative_float, non_negative_int, positive_float, positive_int
@@ -33,7 +34,8 @@ def add_simulate_args(p) -> None:
 
 
 def simulate_command(a) -> int:
-    from ..parallel.simulate import Config, dsi_lookahead, expected, from_generate, heatmaps, monte_carlo
+    from ..parallel.simulate import (Config, drafts_ahead_note, dsi_lookahead, expected, from_generate, heatmaps,
+                                     monte_carlo)
 
     if a.drafter_ms is not None and a.drafter_ratio is not None:  # (the ratio was dropped in silence: walk-through)
         raise ValueError("--drafter-ms and --drafter-ratio both give the drafter's latency: give one")
@@ -48,6 +50,9 @@ def simulate_command(a) -> int:
                              "to simulate from")
         src = from_generate(report)
         src["t_target"], src["t_draft"] = 1000 * src["t_target"], 1000 * src["t_draft"]
+        note = drafts_ahead_note(src["kind"])
+        if note:
+            print(f"note: --from-report {a.from_report}: {note}", file=sys.stderr)
     t_target = a.target_ms if a.target_ms is not None else src.get("t_target")
     t_draft = a.drafter_ms if a.drafter_ms is not None else (
         a.drafter_ratio * t_target if a.drafter_ratio is not None and t_target else src.get("t_draft"))

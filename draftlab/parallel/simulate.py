@@ -441,4 +441,16 @@ def from_generate(report: dict) -> dict:
     path = ("compiled" if not failed else f"eager (the compile fell back: {failed})") if report.get("compiled") \
         else "eager"
     return {"t_target": t_target, "t_draft": t_draft, "acceptance": round(lo, 4), "depth": depth, "path": path,
-            "batch_size": report.get("batch_size")}
+            "batch_size": report.get("batch_size"), "kind": drafter.get("kind")}
+
+
+def drafts_ahead_note(kind: str | None) -> str | None:
+    """What the model assumes of a drafter that a report's kind is not: one that drafts ahead of verification on
+    its own tokens (an SSM: `draftlab dsi` takes those). Heads, EAGLE-3 and DFlash read the base's hidden states of
+    the verified tokens (walk-through: a Medusa report was modelled without a word)."""
+    if kind in (None, "ssm"):
+        return None
+    return (f"its drafter ({kind}) reads the base's hidden states of the verified tokens, so it cannot draft ahead of "
+            "verification: the DSI figures describe a drafter that could, with these latencies (`draftlab dsi` "
+            "takes ssm exports); its drafting time is taken per level of its tree"
+            + (", though its heads draft every level in one forward" if kind in ("medusa", "hydra") else ""))
