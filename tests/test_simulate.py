@@ -9,9 +9,9 @@ import pytest
 
 from draftlab.cli import main
 from draftlab.parallel.simulate import (Config, best_dsi_lookahead, best_si_lookahead, drafts_ahead_note,
-                                        dsi_expected_total, dsi_pool_time_per_token, dsi_time_per_token, expected, from_generate,
-                                        grid_expectations, min_lookahead, si_expected_total, si_time_per_token,
-                                        simulate_dsi, simulate_si)
+                                        dsi_expected_total, dsi_pool_time_per_token, dsi_time_per_token, expected,
+                                        from_generate, grid_expectations, min_lookahead, si_expected_total,
+                                        si_time_per_token, simulate_dsi, simulate_si)
 
 
 @pytest.mark.parametrize("a,k,td", [(0.5, 2, 3.0), (0.8, 5, 1.0), (0.9, 3, 6.0)])
