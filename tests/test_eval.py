@@ -93,6 +93,9 @@ def test_mt_bench_greedy_answers_report_and_resume(export, stories_dir, tmp_path
     se = s["slices"]["all_records"]  # (3 questions: the errors of eval compare, beside the figures)
     assert f"- accept length {o['accept_length']} ± {se['accept_length_se']} (tokens" in card
     assert f"- {o['speedup']}x ± {se['speedup_se']} draftlab's eager plain decoding" in card and "compiled" not in card
+    # The figures are draftlab's tree's, not vLLM's top-1 chain's (the card read as the engine's: walk-through)
+    assert f"- measured with draftlab's decoder and its {s['tree_size']}-token tree; an engine that drafts one top-1 " \
+        "chain (vLLM's Medusa) accepts fewer" in card
     # export --eval on files the run did not measure (retrained since, or another export) is refused: the card gave
     # the old weights' figures as the new ones' (walk-through). A copy is the same files, whatever their times (a copy
     # that did not keep them was refused until 2026-12-03).

@@ -327,6 +327,11 @@ def model_card(meta: dict, fmt: str, eval_dir: str | None, license_id: str, base
                       "accept_length") else "") + ":", "",
                   f"- accept length {o['accept_length']}{pm('accept_length')} (tokens per verification forward, bonus "
                   f"included), {o['tokens_per_s']} tokens/s, tree of {s['tree_size']} tokens, batch size 1"]
+        if head["type"] == "medusa" and fmt in ("vllm-medusa", "medusa") and s["tree_size"] > head["num_heads"] + 1:
+            # (the figures read as the engine's, which drafts otherwise: walk-through)
+            lines.append(f"- measured with draftlab's decoder and its {s['tree_size']}-token tree; an engine that "
+                         "drafts one top-1 chain (vLLM's Medusa) accepts fewer tokens per step, so measure there "
+                         f"(`--tree chain` gives draftlab's chain figure)")
         if "speedup" in o:
             lines.append(f"- {o['speedup']}x{pm('speedup')} draftlab's eager plain decoding of the same base in the "
                          "same run"
