@@ -220,11 +220,9 @@ def load_export(export_dir: str | Path, base=None, device=None, dtype: torch.dty
     return draft, meta
 
 
-def files_fingerprint(path: str, content: bool = False) -> str | None:
-    """A digest of a local model directory's files, or None for a hub id: what says its weights changed in place.
-    content: every file's name and bytes (a draft export: a copy that did not keep modification times is the same
-    export); else draftlab.json's and config.json's contents and every other file's name, size and modification
-    time (a base, whose weights are too large to read for it)."""
+def _files_digest(path: str, part) -> str | None:
+    """sha256 over a local directory's files in name order: each file's relative name and size, then what
+    part(file, stat, hash) adds; None where path is no directory (a hub id)."""
     import hashlib
 
     d = Path(path)
@@ -234,29 +232,32 @@ def files_fingerprint(path: str, content: bool = False) -> str | None:
     for f in sorted(p for p in d.rglob("*") if p.is_file()):
         st = f.stat()
         h.update(f"{f.relative_to(d)}\0{st.st_size}\0".encode())
+        part(f, st, h)
+    return h.hexdigest()[:16]
+
+
+def files_fingerprint(path: str, content: bool = False) -> str | None:
+    """A digest of a local model directory's files, or None for a hub id: what says its weights changed in place.
+    content: every file's name and bytes (a draft export: a copy that did not keep modification times is the same
+    export); else draftlab.json's and config.json's contents and every other file's name, size and modification
+    time (a base, whose weights are too large to read for it)."""
+    def part(f, st, h):
         if content or f.name in ("draftlab.json", "config.json"):
             with open(f, "rb") as r:
                 for block in iter(lambda: r.read(1 << 24), b""):
                     h.update(block)
         else:
             h.update(str(st.st_mtime_ns).encode())
-    return h.hexdigest()[:16]
+
+    return _files_digest(path, part)
 
 
 def files_stat(path: str) -> str | None:
     """A digest of a local directory's files' names, sizes, modification and change times and inode numbers
     (reads no file): unchanged, the files hold what they held when it was taken, so their content digest then is
     theirs now (a copy, or a file rewritten in place, gets another: its change time moves)."""
-    import hashlib
-
-    d = Path(path)
-    if not d.is_dir():
-        return None
-    h = hashlib.sha256()
-    for f in sorted(p for p in d.rglob("*") if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.relative_to(d)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\0".encode())
-    return h.hexdigest()[:16]
+    return _files_digest(path, lambda f, st, h: h.update(f"{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}"
+                                                         .encode()))
 
 
 def content_fingerprint(path: str, recorded: dict | None = None) -> str | None:
