@@ -66,7 +66,7 @@ def test_validate_prints_resolved_recipe_and_errors_exit_2(capsys, tmp_path):
     assert ("note: head.type eagle3 does not read head.num_heads, head.num_layers, loss.distill_weight, "
             "loss.head_decay (left at their defaults)") in err
     # (m is no directory here, nor in the hub cache: the checks against the base wait for train, and say so)
-    assert "note: the base's config is not readable here (m: offline and not in the hub cache)" in err
+    assert "note: the base's config is not readable here (m: not in the hub cache (validate reads no network))" in err
     # The accept settings whose defaults follow the strategy stay unset (null) in the dump; the note resolves them.
     assert ("note: unset, so under distributed.strategy ddp: train.accept_prompts = 8, "
             "train.measure_accept_every = 4") in err
@@ -86,8 +86,8 @@ def test_validate_checks_the_recipe_against_the_bases_config(tiny_base_dir, tmp_
                ("head.type=dflash", "head.dflash.layers=[1,3]"): "head.dflash.layers [1, 3]: DFlash reads the "
                                                                  "outputs of this base's 2 decoder layers",
                ("head.type=eagle3", "head.eagle.layers=[0,1,2]"): "head.eagle.layers [0, 1, 2]: EAGLE-3 reads three",
-               ("lora.target_modules=[qproj]",): "lora.target_modules ['qproj']: the base has no linear layer of that "
-                                                 "name (its own: q_proj, k_proj",
+               ("lora.target_modules=[qproj]",): "lora.target_modules ['qproj']: no module of the base has that name "
+                                                 "(its layers: embed_tokens, q_proj, k_proj",
                ("head.type=ssm", "ensemble.members=2",
                 "ensemble.architectures=[{},{hidden_size: 10, num_attention_heads: 4}]"):
                    "ensemble member 2: head.ssm: hidden_size 10 must divide"}
@@ -112,6 +112,16 @@ def test_validate_checks_the_recipe_against_the_bases_config(tiny_base_dir, tmp_
     assert main(["validate", str(r), f"base.name_or_path={gemma}", "head.type=eagle3"]) == 0
     assert "note: vLLM 0.34.0 and SGLang 0.5.23 do not capture EAGLE-3's layers from a Gemma2ForCausalLM target" in \
         capsys.readouterr().err
+    # A base whose config lacks what a kind reads (GPT-2: no intermediate_size) is a note, as train would stop
+    # there, not validate's traceback (review); a directory without a config.json is said to be so.
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64).save_pretrained(tmp_path / "gpt2")
+    assert main(["validate", str(r), f"base.name_or_path={tmp_path / 'gpt2'}", "head.type=ssm"]) == 0
+    assert "note: the ssm draft could not be built on this base's shape (AttributeError:" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["validate", str(r), f"base.name_or_path={tmp_path / 'empty'}"]) == 0
+    assert f"({tmp_path / 'empty'}: its config.json cannot be read (" in capsys.readouterr().err
 
 
 def test_generate_json_compare(tiny_base_dir, tmp_path, capsys):
@@ -364,6 +374,11 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130(monkeypatch, capsys)
     assert main(["distill-data", "base", "--prompts", "p.jsonl", "--out", "o.jsonl"]) == 130
     assert capsys.readouterr().err == ("draftlab distill-data: interrupted; the records written so far are kept: the "
                                        "same command again answers the rest\n")
+    import draftlab.cli.eval as ev  # (with --overwrite the same command would start again: review)
+
+    monkeypatch.setattr(ev, "eval_command", interrupted)
+    assert main(["eval", "mt-bench", "exp", "--overwrite"]) == 130
+    assert capsys.readouterr().err.endswith("; run it again without --overwrite, which would start again\n")
 
 
 def test_draftlabs_warnings_read_as_one_line_of_the_command():

@@ -100,12 +100,21 @@ def test_target_modules_the_base_lacks(tiny_base_dir, data_file, tmp_path, capsy
     from draftlab.base import load_base
     from draftlab.train.loop import lora_problems
 
-    with pytest.raises(ValueError, match=r"lora.target_modules \['qproj'\]: the base has no linear layer of that name "
-                                         r"\(its own: q_proj, k_proj, v_proj, o_proj, gate_proj"):
+    with pytest.raises(ValueError, match=r"lora.target_modules \['qproj'\]: no module of the base has that name \(its "
+                                         r"layers: embed_tokens, q_proj, k_proj, v_proj, o_proj, gate_proj"):
         train(medusa2(tiny_base_dir, data_file, tmp_path / "none", target_modules=["qproj"]))
     base, _ = load_base(str(tiny_base_dir), "float32")
     refused, said = lora_problems(medusa2(tiny_base_dir, data_file, tmp_path, target_modules=["q_proj", "vproj"]), base)
-    assert refused == [] and said == ["lora.target_modules ['vproj']: the base has no linear layer of that name (its "
-                                      "own: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head); "
-                                      "the adapter goes on the others only"]
+    assert refused == [] and said == ["lora.target_modules ['vproj']: no module of the base has that name (its layers: "
+                                      "embed_tokens, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                                      "lm_head); the adapter goes on the others only"]
     assert lora_problems(medusa2(tiny_base_dir, data_file, tmp_path), base) == ([], [])
+    # peft's own rule: a name that ends a module's dotted name, any layer type it adapts (review: a qualified name
+    # and GPT-2's Conv1D c_attn were refused, and train then refused a recipe peft takes)
+    assert lora_problems(medusa2(tiny_base_dir, data_file, tmp_path, target_modules=["self_attn.q_proj", "v_proj"]),
+                         base) == ([], [])
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
+    assert lora_problems(medusa2(tiny_base_dir, data_file, tmp_path, target_modules=["c_attn", "c_proj"]),
+                         gpt2) == ([], [])

@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 "distill-data": "; the records written so far are kept: the same command again answers the rest",
                 "eval mt-bench": "; the answers written so far are kept: the same command again answers the rest"}.get(
                     " ".join([args.command, *([args.eval_cmd] if args.command == "eval" else [])]), "")
+        if hint and getattr(args, "overwrite", False):  # (the same command would start again: review)
+            hint += "; run it again without --overwrite, which would start again"
         # (distill-data said "interrupted" alone, of a run that resumes: walk-through)
         print(f"draftlab {args.command}: interrupted{hint}", file=sys.stderr)
         return 130

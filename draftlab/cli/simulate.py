@@ -97,7 +97,7 @@ def simulate_command(a) -> int:
               f"{rep['exact_total'][m]:.4g} |")
     sp, per = rep["speedup"], rep["speedup_per_token"]
     print(f"\nDSI vs SI {sp['dsi_vs_si']:.2f}x, DSI vs non-SI {sp['dsi_vs_non_si']:.2f}x, SI vs non-SI "
-          f"{sp['si_vs_non_si']:.2f}x (exact totals of {a.tokens} tokens; per token in a long text, the closed "
+          f"{sp['si_vs_non_si']:.2f}x (exact totals of {a.tokens} tokens; per token at these lookaheads, the closed "
           f"form: {per['dsi_vs_si']:.2f}x, {per['dsi_vs_non_si']:.2f}x, {per['si_vs_non_si']:.2f}x)")
     if a.monte_carlo:
         mc = rep["monte_carlo"]

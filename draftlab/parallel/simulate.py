@@ -282,7 +282,8 @@ def expected(c: Config) -> dict:
     simulator's exact expectations for the text (its end included), and `total`, TTFT + TPOT per token in closed
     form (a long text's steady state). `speedup`: the pairwise ratios of the exact totals, which the lookaheads are
     chosen by (they were the closed form's, and contradicted the exact totals of a short text or a long lookahead:
-    walk-through); `speedup_per_token`: those of the closed form."""
+    walk-through); `speedup_per_token`: those of the closed form at the same lookaheads (chosen for this text, not
+    a long text's best)."""
     ttft = c.t_target if c.t_prefill is None else c.t_prefill
     k_si = config_si_lookahead(c)
     tpot = {"non_si": c.t_target, "si": si_time_per_token(c.acceptance, k_si, c.t_draft, c.t_target),

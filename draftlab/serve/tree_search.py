@@ -289,8 +289,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
     # unless it is larger than max_nodes: then it is timed last, as the bar only, and never chosen.
     default = export_default_tree(export)
     default = next((t for t in candidates if t.paths == default.paths), default)
-    if default not in candidates:
-        candidates = [default] + candidates if default.size - 1 <= max_nodes else candidates + [default]
+    others = [t for t in candidates if t is not default]  # (a searched tree that is the default moves first too)
+    candidates = [default] + others if default.size - 1 <= max_nodes else others + [default]
     rows = []
     decoders = [SpeculativeDecoder(base, make_drafter(draft, tree), sync=sync, compile=compile) for tree in candidates]
     timed, untimed, plain = timed_trees(candidates, decoders, timing, batch_size, max_new_tokens, eos,
@@ -305,8 +305,8 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
                      "paths": [list(p) for p in tree.paths]})
     # (a default larger than --max-nodes is timed, as the bar, but not chosen: the bound may be an engine's)
-    best = max((r for r in rows if r["tree_size"] - 1 <= max_nodes or not r["export_default"]),
-               key=lambda r: r["tokens_per_s"])
+    best = max([r for r in rows if r["tree_size"] - 1 <= max_nodes or not r["export_default"]] or rows,
+               key=lambda r: r["tokens_per_s"])  # (or rows: only the default was timed, every other fell back)
     rows = [{k: v for k, v in r.items() if k not in ("paths", "eager_fallback")} for r in rows]
     method = ("a chain, timed beside the grown trees" if best["name"].startswith("chain") else
               "the export's default tree, timed beside the grown trees" if best["name"] == DEFAULT_NAME else

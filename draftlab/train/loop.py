@@ -216,14 +216,18 @@ def unserved_eagle3_target(recipe: Recipe, config) -> str | None:
 
 
 def lora_problems(recipe: Recipe, base) -> tuple[list[str], list[str]]:
-    """Medusa-2's adapter: target modules the base does not have. peft refuses the recipe once the base is loaded
-    when none matches, and adapts the others in silence when some do."""
-    linear = dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear))
-    missing = [m for m in recipe.lora.target_modules if m not in linear]
+    """Medusa-2's adapter: target modules no module of the base matches, by peft's rule (a module's name equals the
+    target or ends with "." + target). peft refuses the recipe once the base is loaded when none matches, and
+    adapts the others in silence when some do."""
+    names = [n for n, _ in base.named_modules()]
+    missing = [t for t in recipe.lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:
         return [], []
-    said = (f"lora.target_modules {missing}: the base has no linear layer of that name (its own: "
-            f"{', '.join(linear)})")
+    from transformers.pytorch_utils import Conv1D
+
+    layers = dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+                           if isinstance(m, (torch.nn.Linear, torch.nn.Embedding, Conv1D)))
+    said = f"lora.target_modules {missing}: no module of the base has that name (its layers: {', '.join(layers)})"
     if len(missing) == len(recipe.lora.target_modules):
         return [said], []
     return [], [said + "; the adapter goes on the others only"]

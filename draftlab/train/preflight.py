@@ -6,10 +6,11 @@ deeper than the base, DFlash or EAGLE-3 layer ids past its depth, LoRA target mo
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 
-from ..base import BaseModelError, check_model_path, hub_offline, looks_like_path
+from ..base import looks_like_path
 from ..config import Recipe
 from ..drafters import build_draft
 from .loop import check_teacher, lora_problems, unserved_eagle3_target
@@ -21,16 +22,17 @@ def base_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     b = recipe.base
-    try:
-        check_model_path(b.name_or_path, revision=b.revision)  # (offline and not cached: said at once, no retries)
-        config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision, trust_remote_code=b.trust_remote_code)
+    local = Path(b.name_or_path).expanduser().is_dir()
+    try:  # (the directory or the hub cache only: online without a network the hub client took half a minute)
+        config = AutoConfig.from_pretrained(b.name_or_path, revision=b.revision, trust_remote_code=b.trust_remote_code,
+                                            local_files_only=True)
     except (OSError, ValueError) as e:
-        why = "" if isinstance(e, BaseModelError) or not str(e).strip() else f": {str(e).strip().splitlines()[0]}"
-        where = ("no such directory" if looks_like_path(b.name_or_path) else
-                 "offline and not in the hub cache" if hub_offline() else "not found")
-        return [], [f"the base's config is not readable here ({b.name_or_path}: {where}{why}); the settings that "
-                    "depend on the base (the draft's shape and layer ids, the teacher's logits) are checked when "
-                    "train loads it"]
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = (f"its config.json cannot be read ({why})" if local else
+                 "no such directory" if looks_like_path(b.name_or_path) else
+                 "not in the hub cache (validate reads no network)")
+        return [], [f"the base's config is not readable here ({b.name_or_path}: {where}); the settings that depend on "
+                    "the base (the draft's shape and layer ids, the teacher's logits) are checked when train loads it"]
     problems, notes = [], []
     try:
         check_teacher(recipe, config)
@@ -54,6 +56,9 @@ def base_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
                 build_draft(head, base)
             except ValueError as e:
                 problems.append(f"{where}{e}")
+            except Exception as e:  # (a base whose config lacks what the kind reads: a traceback before, as in train)
+                notes.append(f"{where}the {head['type']} draft could not be built on this base's shape "
+                             f"({type(e).__name__}: {e}); train builds it the same way and would stop there")
         notes += [f"{where}{w.message}" for w in said if issubclass(w.category, UserWarning)]
     if recipe.lora is not None:
         refused, said = lora_problems(recipe, base)
