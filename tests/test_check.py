@@ -287,7 +287,7 @@ def test_the_chat_template_the_engine_is_given_is_the_one_compared(base_dir, tmp
         read = save_export(random_heads(base, K=2, L=1), base, tmp_path / f"t{ok}", str(moved), tokenizer=tok,
                            extra={"training": {"data_formats": formats}})
         c = by_name(check_export(read, chat_template=str(other)))["tokenizer"]
-        assert c["ok"] is ok and ("which training read plain text without" in c["message"]) is ok, c
+        assert c["ok"] is ok and ("which training never applied (it read plain text alone)" in c["message"]) is ok, c
     # The CLI takes it, and a missing file is one line, exit 2.
     assert main(["check", str(export), "--engine", "vllm", "--chat-template", str(trained)]) == 0
     assert main(["check", str(export), "--chat-template", str(tmp_path / "none.jinja")]) == 2

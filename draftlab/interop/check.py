@@ -364,8 +364,7 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
         if diff == ["chat_template_sha256"] and text_only:  # (a template training never applied: walk-through)
             return Check("tokenizer", True, f"served tokenizer {served}{given_note} matches the fingerprint "
                                             "draftlab.json took in training in vocabulary and special ids; its chat "
-                                            f"template differs from training's, which training read plain text "
-                                            "without: chat prompts are rendered with it")
+                                            f"template differs from training's, {NEVER_APPLIED}")
         names = {"vocab_sha256": "vocabulary", "chat_template_sha256": "chat_template"}
         kept = (f"; training rendered with the chat template kept in {shipped}" + (
             ", compared as served with it (vLLM, SGLang: --chat-template that file)" if not template else "")
@@ -402,10 +401,13 @@ def check_tokenizer(export_dir: Path, meta: dict, served: str, template: str | N
                      "; ".join(msgs))
     if template_differs:
         return Check("tokenizer", True, f"served tokenizer {served}{given_note} = {where} {trained} in vocabulary and "
-                                        "special ids; its chat template differs from training's, which training read "
-                                        "plain text without: chat prompts are rendered with it")
+                                        f"special ids; its chat template differs from training's, {NEVER_APPLIED}")
     return Check("tokenizer", True, f"served tokenizer {served}{given_note} = {where} {trained} (vocabulary, special "
                                     "ids, chat template)")
+
+
+NEVER_APPLIED = ("which training never applied (it read plain text alone): served chat prompts are rendered with the "
+                 "served one")
 
 
 def read_plain_text(meta: dict) -> bool:
