@@ -103,6 +103,26 @@ def test_validate_checks_the_recipe_against_the_bases_config(tiny_base_dir, tmp_
     for fine in (["head.type=ssm", "head.ssm.hidden_size=16"], ["head.type=eagle3"], ["head.type=hydra"], []):
         assert main(["validate", str(r), *fine]) == 0, fine
         assert "problem" not in capsys.readouterr().err
+    # data.max_len past the base's context (512 positions; the default max_len is 2048) is said, here and at train
+    # with the examples that pass it (a 512-position base under the default trained past it in silence)
+    assert main(["validate", str(r)]) == 0
+    assert "note: data.max_len 2048 is above the base's context (512 tokens): examples longer than that would train " \
+        "past it; set data.max_len: 512" in capsys.readouterr().err
+    assert main(["validate", str(r), "data.max_len=512"]) == 0
+    assert "above the base's context" not in capsys.readouterr().err
+    from transformers import AutoConfig
+
+    from draftlab.config import load_recipe
+    from draftlab.data import Examples
+    from draftlab.train.loop import over_context
+
+    config, recipe = AutoConfig.from_pretrained(tiny_base_dir), load_recipe(str(r), [])
+    ex = Examples.of([([1] * n, [1] * n) for n in (10, 513, 600)])
+    assert over_context(recipe, config, ex, ex[:1]).startswith("2 examples are longer than the base's context (512 "
+                                                               "tokens; data.max_len is 2048)")
+    assert over_context(recipe, config, ex[:1]) is None
+    config.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}  # (NTK scaling: no limit)
+    assert over_context(recipe, config, ex) is None
     # A Gemma-2 base's config alone (no weights): the engines' EAGLE-3 targets; its soft cap is one train takes.
     from transformers import Gemma2Config
 

@@ -57,6 +57,17 @@ def base_context(base) -> int | None:
     return getattr(base.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
+def config_context(config) -> int | None:
+    """base_context from the base's config alone (validate reads no weights): max_position_embeddings, None where a
+    RoPE table's scaling is dynamic or the config names none."""
+    c = config.get_text_config(decoder=True)
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    tables = [rope, *(v for v in rope.values() if isinstance(v, dict))]  # (one per layer type: Gemma 3)
+    if any("dynamic" in (t.get("rope_type"), t.get("type")) for t in tables):
+        return None
+    return getattr(c, "max_position_embeddings", None)
+
+
 def rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Rank of target [...] in logits [..., V] (0 = the top candidate), for the tree search's statistics.
 

@@ -215,6 +215,26 @@ def unserved_eagle3_target(recipe: Recipe, config) -> str | None:
             "(docs/interop.md, `target`)")
 
 
+def over_context(recipe: Recipe, config, *examples) -> str | None:
+    """Where data.max_len passes the base's context (max_position_embeddings; none under dynamic RoPE scaling): how
+    many of the examples do (or, given none, that they could). Positions past it train the draft on features the
+    base computes past what it was trained for (a 512-position base under the default max_len 2048 did in
+    silence)."""
+    from ..drafters.base import config_context
+
+    ctx = config_context(config)
+    if not ctx or recipe.data.max_len <= ctx:
+        return None
+    fix = f"set data.max_len: {ctx}, which cuts them there"
+    if not examples:
+        return (f"data.max_len {recipe.data.max_len} is above the base's context ({ctx} tokens): examples longer "
+                f"than that would train past it; {fix}")
+    n = sum(int((ex.lengths > ctx).sum()) for ex in examples)
+    return (f"{n} examples are longer than the base's context ({ctx} tokens; data.max_len is "
+            f"{recipe.data.max_len}): their positions past it train on what the base computes past its trained "
+            f"positions; {fix}") if n else None
+
+
 def lora_problems(recipe: Recipe, base) -> tuple[list[str], list[str]]:
     """Medusa-2's adapter: target modules no module of the base matches, by peft's rule (a module's name equals the
     target or ends with "." + target). peft refuses the recipe once the base is loaded when none matches, and
@@ -308,6 +328,9 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         with accelerator.main_process_first():
             run.train_ex, run.eval_ex, run.stats = load_examples(recipe.data, run.tok, seed=split_seed,
                                                                  worker_init=die_with_parent)
+    longer = over_context(recipe, run.base.config, run.train_ex, run.eval_ex)
+    if longer and run.is_main:
+        print(f"warning: {longer}", file=sys.stderr, flush=True)
     if example_subset is not None:
         run.train_ex = run.train_ex.take(example_subset)
         s = run.stats

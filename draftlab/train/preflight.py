@@ -13,7 +13,7 @@ import torch
 from ..base import looks_like_path
 from ..config import Recipe
 from ..drafters import build_draft
-from .loop import check_teacher, lora_problems, unserved_eagle3_target
+from .loop import check_teacher, lora_problems, over_context, unserved_eagle3_target
 
 
 def base_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -41,6 +41,9 @@ def base_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     unserved = unserved_eagle3_target(recipe, config)
     if unserved:
         notes.append(unserved)
+    longer = over_context(recipe, config)
+    if longer:
+        notes.append(longer)
     try:
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(config, trust_remote_code=b.trust_remote_code)
