@@ -51,15 +51,12 @@ def closest_transform(model, transform: tuple | None) -> tuple[tuple | None, boo
 def base_context(base) -> int | None:
     """The base's context in tokens, past which it writes noise; None where its RoPE scaling is dynamic (NTK
     rescales past max_position_embeddings, which is then no limit) or its config names none."""
-    rope = base_rope(base)
-    if "dynamic" in (rope.get("rope_type"), rope.get("type")):
-        return None
-    return getattr(base.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return config_context(base.config)
 
 
 def config_context(config) -> int | None:
-    """base_context from the base's config alone (validate reads no weights): max_position_embeddings, None where a
-    RoPE table's scaling is dynamic or the config names none."""
+    """base_context from the base's config (validate reads no weights): max_position_embeddings, None where a RoPE
+    table's scaling is dynamic or the config names none."""
     c = config.get_text_config(decoder=True)
     rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     tables = [rope, *(v for v in rope.values() if isinstance(v, dict))]  # (one per layer type: Gemma 3)
