@@ -484,7 +484,7 @@ def load_examples(data_cfg, tokenizer, seed: int = 0, worker_init=None) -> tuple
                         else ""))
                 texts.append((rec["text"], rec.get("truncated") is True))
                 stats.truncated += rec.get("truncated") is True
-                stats.formats["text"] = stats.formats.get("text", 0) + 1
+                stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
             elif fmt == "unknown":
                 raise DataError("cannot tell the format (no 'conversations'/'messages', 'instruction' or 'text' key)")
             else:

@@ -70,12 +70,11 @@ def base_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
 
 
 def heads_to_build(recipe: Recipe) -> list[tuple[str, dict]]:
-    """(prefix for messages, head section) of each draft the recipe trains: an ensemble's members with their
-    architecture overrides (as boost.stage_recipe applies them), else the one head."""
-    head = recipe.head.model_dump()
-    e = recipe.ensemble
-    if e is None:
-        return [("", head)]
-    return [(f"ensemble member {i + 1}: ", {**head, "ssm": {**head["ssm"], **(e.architectures[i] if
-                                                                              i < len(e.architectures) else {})}})
-            for i in range(e.members)]
+    """(prefix for messages, head section) of each draft the recipe trains: an ensemble's members as their stages
+    train them (boost.stage_recipe), else the one head."""
+    if recipe.ensemble is None:
+        return [("", recipe.head.model_dump())]
+    from .boost import stage_recipe
+
+    return [(f"ensemble member {i + 1}: ", stage_recipe(recipe, i).head.model_dump())
+            for i in range(recipe.ensemble.members)]
