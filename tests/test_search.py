@@ -279,6 +279,26 @@ def test_search_tree_cli_writes_a_tree_file_with_metadata(tiny_base_dir, tmp_pat
     assert "nope" in capsys.readouterr().err
 
 
+def test_the_export_default_is_scored_past_max_depth(tiny_base_dir, tmp_path, capsys):
+    """An SSM's default chain of 4 searched with --max-depth 2: its expected and replayed accept lengths are the same
+    as a search that reaches its depth (review: its nodes past depth 2 counted as never accepted, understating both),
+    while the grown trees stay within --max-depth."""
+    from draftlab.cli import main
+
+    _, data = search_inputs(tiny_base_dir, tmp_path, "ssm")
+    rows = {}
+    for depth in (2, 8):
+        assert main(["search-tree", str(tmp_path / "exp"), "--data", str(data), "--out", str(tmp_path / "t.json"),
+                     "--max-nodes", "6", "--calibration-prompts", "4", "--timing-prompts", "1", "--max-new-tokens", "12",
+                     "--max-depth", str(depth), "--sizes", "1", "--json"]) == 0
+        rows[depth] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sizes"]
+    (shallow,), (deep,) = ([r for r in rows[d] if r["export_default"]] for d in (2, 8))
+    assert shallow["tree_depth"] == 4
+    for key in ("expected_accept_length", "replayed_accept_length"):
+        assert shallow[key] == deep[key]
+    assert max(r["tree_depth"] for r in rows[2] if not r["export_default"]) <= 2
+
+
 def test_the_dynamic_grid_holds_small_trees_and_only_settings_that_fill_their_trees():
     """search-tree's EAGLE-2 settings for an eagle3 export: 8-token trees among them (the compiled path on a CPU),
     none past --max-nodes, and none whose drafted candidates, counted in the drafter itself, are fewer than

@@ -203,18 +203,27 @@ def load_search(export: str, data: str, calibration_prompts: int, timing_prompts
 
 
 def rank_statistics(base, draft, calib: list[list[int]], max_new_tokens: int, eos, depth: int, max_rank: int,
-                    max_nodes: int) -> tuple[RankStats, list[torch.Tensor], list[Tree]]:
+                    max_nodes: int, collect_depth: int = 0) -> tuple[RankStats, list[torch.Tensor], list[Tree]]:
     """(statistics, per-text rank vectors, the greedy tree of every size up to max_nodes) on the calibration
-    prompts' greedy continuations."""
+    prompts' greedy continuations. The trees grow within depth and max_rank; the rank vectors reach
+    max(depth, collect_depth), so that a deeper tree (an export's default) is scored too (scoring_stats)."""
     seqs = greedy_continuations(base, calib, max_new_tokens, eos)
-    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], depth)
+    per_text = collect_ranks(base, draft, seqs, [len(p) for p in calib], max(depth, collect_depth))
     # Rank V (the vocabulary's size) marks a token with no rank: a --max-rank above V would count it as a candidate
     # (and draft a node no top-k has)
-    stats = RankStats(torch.cat(per_text), min(max_rank, base.get_output_embeddings().weight.shape[0]))
+    stats = RankStats(torch.cat([r[:, :depth] for r in per_text]),
+                      min(max_rank, base.get_output_embeddings().weight.shape[0]))
     trees = proposal_trees(stats, max_nodes)
     if not trees:
         raise ValueError("the draft's candidates never matched the base on the calibration text; train it longer")
     return stats, per_text, trees
+
+
+def scoring_stats(base, per_text: list[torch.Tensor]) -> RankStats:
+    """Statistics over every rank and depth the rank vectors hold: the expected accept length of any tree they reach
+    (a tree past the search's --max-rank or --max-depth counted its deeper nodes as never accepted). For a tree
+    within those bounds it equals the search statistics' figure."""
+    return RankStats(torch.cat(per_text), base.get_output_embeddings().weight.shape[0])
 
 
 def candidate_trees(trees: list[Tree], sizes: list[int] | None, chains, max_nodes: int) -> list[Tree]:
@@ -280,14 +289,16 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         return search_dynamic(base, draft, export, timing, out, max_nodes, batch_size, max_new_tokens, eos,
                               calib_source=str(data), sync=sync, compile=compile, rounds=timing_rounds,
                               budget_s=time_budget_s)
-    stats, per_text, trees = rank_statistics(base, draft, calib, max_new_tokens, eos, depth, max_rank, max_nodes)
+    default = export_default_tree(export)  # (an SSM's may be deeper than --max-depth: its ranks are collected too)
+    stats, per_text, trees = rank_statistics(base, draft, calib, max_new_tokens, eos, depth, max_rank, max_nodes,
+                                             collect_depth=default.depth if draft.kind == "ssm" else 0)
+    scores = scoring_stats(base, per_text)
     # An SSM's or a block drafter's chains: how far it drafts, or how many of its block positions are verified.
     chains = [d for d in (2, 3, 4, 6, 8, 12, 15) if d <= depth] if draft.kind in ("ssm", "dflash") else []
     candidates = candidate_trees(trees, sizes, chains, max_nodes)
     # The tree the export decodes with when no --tree is given: the bar the search's choice is judged against (it
     # was never timed, so a search could not show it beat the default). Timed first, so a time budget keeps it,
     # unless it is larger than max_nodes: then it is timed last, as the bar only, and never chosen.
-    default = export_default_tree(export)
     default = next((t for t in candidates if t.paths == default.paths), default)
     others = [t for t in candidates if t is not default]  # (a searched tree that is the default moves first too)
     candidates = [default] + others if default.size - 1 <= max_nodes else others + [default]
@@ -300,7 +311,7 @@ def search_tree(export: str, data: str, out: str, max_nodes: int = 64, batch_siz
         rows.append({"name": tree.metadata.get("name", ""), "tree_size": tree.size, "tree_depth": tree.depth,
                      "export_default": tree is default, "eager_fallback": m["eager_fallback"],
                      "rounds_gap": rounds_gap(m),
-                     "expected_accept_length": round(expected_accept_length(tree.paths, stats), 4),
+                     "expected_accept_length": round(expected_accept_length(tree.paths, scores), 4),
                      "replayed_accept_length": round(replay_accept_length(tree, per_text), 4),
                      "measured_accept_length": round(m["accept_length"], 4), "tokens_per_s": round(m["tokens_per_s"], 2),
                      "paths": [list(p) for p in tree.paths]})
