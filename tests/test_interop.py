@@ -95,6 +95,30 @@ def test_import_safetensors_and_medusa2_shards(base, tiny_base_dir, tmp_path):
     assert same_decoding(base, load_export(tmp_path / "b", base=base)[0], heads, Tree.chain(2))
 
 
+def test_import_from_a_hub_id_reads_the_hub_cache(base, tiny_base_dir, tmp_path, monkeypatch):
+    """docs/interop.md's first example gives a hub id (FasterDecoding/medusa-vicuna-7b-v1.3), which import-medusa
+    took for a path ("no such file or directory"): a hub id is read through the hub cache (offline here), and one that
+    is not there is said to be so."""
+    import huggingface_hub.constants as hub
+
+    heads = random_heads(base, K=2, L=1, seed=2)
+    snap = tmp_path / "cache" / "models--org--medusa-tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("a" * 40)
+    torch.save(faster_decoding_state(heads), snap / "medusa_lm_head.pt")
+    (snap / "config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_base_dir)}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    rep = import_medusa("org/medusa-tiny", tmp_path / "exp")
+    assert rep["path"] == "org/medusa-tiny" and rep["num_heads"] == 2
+    assert same_decoding(base, load_export(tmp_path / "exp", base=base)[0], heads, Tree.chain(2))
+    with pytest.raises(ConvertError, match="as a hub id it could not be read .HF_HUB_OFFLINE is set and it is not in"):
+        import_medusa("org/absent", tmp_path / "exp2")
+
+
 def test_import_errors_name_the_key(base, tiny_base_dir, tmp_path):
     heads = random_heads(base, K=2)
     state = faster_decoding_state(heads)

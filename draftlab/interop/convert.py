@@ -58,10 +58,43 @@ def _is_head_key(k: str) -> bool:
     return bool(_BLOCK.match(k) or _LINEAR.match(k) or _VLLM_BLOCK.match(k) or _VLLM_HEAD.match(k))
 
 
+HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+
+
+def hub_checkpoint(repo_id: str) -> Path:
+    """The snapshot directory of a hub repository holding Medusa heads, downloaded into the hub cache (offline: read
+    from it). Only what the import reads: the config and the head file, or, where the repository has none (Medusa-2,
+    whose heads sit inside the model), the model's shards."""
+    from huggingface_hub import snapshot_download
+
+    from ..base import hub_offline
+
+    def fetch(patterns):
+        return Path(snapshot_download(repo_id, allow_patterns=["config.json", *patterns]))
+
+    try:
+        folder = fetch(list(HEAD_FILES))
+        if not any((folder / n).is_file() for n in HEAD_FILES):
+            folder = fetch(["model*.safetensors", "model.safetensors.index.json"])
+            if not any(folder.glob("model*.safetensors")):
+                folder = fetch(["pytorch_model*.bin", "pytorch_model.bin.index.json"])
+    except Exception as e:  # noqa: BLE001 - the hub client's many errors (offline, no such repository, auth)
+        why = ("HF_HUB_OFFLINE is set and it is not in the hub cache" if hub_offline() else
+               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise ConvertError(f"{repo_id}: no such file or directory here, and as a hub id it could not be read ({why}); "
+                           "give a local directory or weights file, or download it first (`hf download ID`)") from None
+    return folder
+
+
 def find_medusa_tensors(src: str | Path) -> tuple[dict, dict, Path | None]:
     """(head tensors under FasterDecoding or vLLM names, the checkpoint's config, and the checkpoint directory when
-    the heads sit inside a model's own shards (Medusa-2: that directory is the base) else None)."""
-    src = Path(src)
+    the heads sit inside a model's own shards (Medusa-2: that directory is the base) else None). src: a directory, a
+    weights file, or a hub id (hub_checkpoint)."""
+    from ..base import looks_like_path
+
+    if not Path(src).expanduser().exists() and not looks_like_path(str(src)) and str(src).count("/") == 1:
+        src = hub_checkpoint(str(src))
+    src = Path(src).expanduser()
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
     folder = src if src.is_dir() else src.parent
@@ -69,7 +102,7 @@ def find_medusa_tensors(src: str | Path) -> tuple[dict, dict, Path | None]:
     if src.is_file():
         files = [src]
     else:
-        heads = [src / n for n in ("medusa_lm_head.safetensors", "medusa_lm_head.pt") if (src / n).is_file()]
+        heads = [src / n for n in HEAD_FILES if (src / n).is_file()]
         files = heads[:1] or sorted(src.glob("model*.safetensors")) or sorted(src.glob("pytorch_model*.bin"))
         if not files:
             raise ConvertError(f"{src}: no medusa_lm_head.pt / .safetensors and no model shards to read heads from")
@@ -157,6 +190,8 @@ def import_medusa(src: str | Path, out: str | Path, base: str | None = None, dty
 
     tensors, config, medusa2_base = find_medusa_tensors(src)
     blocks, lm, layout = parse_medusa(tensors, str(src), config)
+    if medusa2_base is not None and not Path(src).expanduser().exists():  # (a hub id: the base is that repository)
+        medusa2_base = src
     base_name = base or (str(medusa2_base) if medusa2_base else config.get("base_model_name_or_path"))
     if not base_name:
         raise ConvertError(f"{src}: no --base given and the checkpoint names no base_model_name_or_path; pass "
