@@ -21,10 +21,10 @@ from draftlab.train.run_dir import latest_checkpoint
 STEPS = 60
 
 
-def launch(cfg, tmp_path):
+def launch(cfg, tmp_path, *overrides):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "draftlab.cli", "train", str(cfg)], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "draftlab.cli", "train", str(cfg), *overrides], env=env,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_step(out, step, proc, timeout=120):
@@ -109,7 +109,7 @@ def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straigh
     r = recipe(tiny_base_dir, data_file, out, max_steps=STEPS, save_every_steps=1000, eval_every_steps=STEPS)
     cfg = tmp_path / "r.yaml"
     cfg.write_text(dump_recipe(r))
-    p = launch(cfg, tmp_path)
+    p = launch(cfg, tmp_path, f"train.max_steps={STEPS}")
     wait_for_step(out, 5, p)
     if how == "stop_file":
         (out / "STOP").touch()
@@ -118,6 +118,9 @@ def test_stop_request_checkpoints_then_resumes(tiny_base_dir, data_file, straigh
     log, _ = p.communicate(timeout=120)
     assert p.returncode == 0, log[-2000:]
     assert "stop requested: checkpoint saved at step" in log
+    # The command to resume with, overrides included (docs said the stop message repeats them; only
+    # --stop-after-steps's did: review of the docs)
+    assert f"resume with `draftlab train {cfg} train.max_steps={STEPS}` (without --overwrite)" in log
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["event"] == "stopped" and 5 <= last["step"] < STEPS
     assert latest_checkpoint(out).name == f"step_{last['step']}" and not (out / "export").exists()

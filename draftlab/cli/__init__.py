@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -87,11 +88,14 @@ def cmd_train(a) -> int:
         _print_json(summary)
     elif int(os.environ.get("RANK", "0")) != 0:  # (the launch's other processes say nothing)
         pass
-    elif not summary.get("finished") and not summary.get("stopped"):  # (a stop by signal or STOP file said so)
-        stage = f" of stage {summary['stage']}" if "stage" in summary else ""
-        again = " ".join(["draftlab train", a.recipe, *a.overrides])  # (the recipe alone lost the overrides)
-        print(f"stopped at step {summary['step']} of {summary['total_steps']}{stage} (--stop-after-steps), after a "
-              f"checkpoint; `{again}` (without --overwrite) resumes it")
+    elif not summary.get("finished"):
+        again = shlex.join(["draftlab", "train", a.recipe, *a.overrides])  # (the recipe alone lost the overrides)
+        if summary.get("stopped"):  # (by a signal or a STOP file: the loop said where; the command is the CLI's)
+            print(f"resume with `{again}` (without --overwrite)")
+        else:
+            stage = f" of stage {summary['stage']}" if "stage" in summary else ""
+            print(f"stopped at step {summary['step']} of {summary['total_steps']}{stage} (--stop-after-steps), after "
+                  f"a checkpoint; `{again}` (without --overwrite) resumes it")
     elif summary.get("export") and not summary.get("already_finished"):
         print(f"export written to {summary['export']}")
         tree = summary.get("default_tree")
@@ -218,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read Medusa heads (medusa_lm_head.pt or .safetensors, a Medusa-2 checkpoint whose "
                                    "shards hold medusa_head.*, or vLLM's layout) and write a draftlab export that "
                                    "generate, search-tree and eval run on.")
-    s.add_argument("checkpoint", help="a directory or a weights file")
+    s.add_argument("checkpoint", help="a directory, a weights file, or a hub id (org/name: its head file, or "
+                                      "Medusa-2's model shards, are downloaded into the hub cache)")
     s.add_argument("--base", default=None, help="the base model (default: the checkpoint's base_model_name_or_path; "
                                                "a Medusa-2 checkpoint is its own base)")
     s.add_argument("--out", required=True, help="export directory to write (refused if it holds files, unless --force)")
