@@ -226,7 +226,8 @@ class TrainSection(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     cache_hidden: bool = Field(False, description="store the base's hidden states on disk in epoch 1 and reuse them")
     hidden_cache_dir: str | None = Field(None, description="where the cache goes (default OUTPUT_DIR/hidden_cache); "
-                                                           "needs H x dtype bytes per training token")
+                                                           "needs H x dtype bytes per training token, "
+                                                           "x (layers read + 1) for eagle3 and dflash")
     accept_prompts: int | None = Field(
         None, ge=0, le=4096, description="held-out prompts (the prompt part of the first eval examples) on which "
         "every evaluation computes expected_accept_length (the default tree's) and expected_accept_length_chain: "
