@@ -10,7 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .args import apply_compile_cache, non_negative_float, positive_float, positive_int
+from .args import DEVICE_HELP, apply_compile_cache, non_negative_float, positive_float, positive_int
 
 
 def _print_json(obj: dict) -> None:
@@ -292,9 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--max-records", type=int, default=None)
-    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--device", default=None)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="in-process: the base's dtype (default: the recipe's, else bfloat16 on a GPU, float32 on a "
+                        "CPU)")
+    s.add_argument("--device", default=None, help="in-process: " + DEVICE_HELP)
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling at --temperature > 0 (in-process; sent to the endpoints as `seed`)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_distill)
 

@@ -30,6 +30,12 @@ def add_placement_args(p) -> None:
                    help="layer-wise placement of the base over the visible devices, e.g. 'auto' (one process)")
 
 
+DEVICE_HELP = "where the base runs: cpu, cuda, cuda:N or mps (default: cuda where there is one, else cpu)"
+DTYPE_HELP = "the base's dtype (default: the one the export records)"
+SEED_HELP = ("seed of the random streams (sampling at --temperature > 0; each role, e.g. drafter and verifier, draws "
+             "from a stream of its own)")
+
+
 def _number(text: str, ok, rule: str) -> float:
     """A float argument that satisfies ok(value), else argparse's error saying the rule it breaks."""
     try:

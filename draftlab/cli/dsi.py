@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import add_compile_cache_arg, non_negative_float, positive_int
+from .args import DTYPE_HELP, SEED_HELP, add_compile_cache_arg, non_negative_float, positive_int
 
 
 def add_dsi_args(p) -> None:
@@ -37,10 +37,10 @@ def add_dsi_args(p) -> None:
                    help="sample (lossless) instead of greedy decoding")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--base", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--chat", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"], help=DTYPE_HELP)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--compile", action="store_true",
                    help="the static-shape compiled path (see generate --compile) for the servers, the drafter and "
                         "--compare's SI / non-SI; everything compiles before it is timed; same tokens")

@@ -8,8 +8,8 @@ from pathlib import Path
 from ..eval.compare import compare_slices, format_comparison, held_fixed
 from ..eval.mt_bench import EvalError, compare_runs, load_summary, run_mt_bench
 from ..shipped import mt_bench_questions
-from .args import (add_compile_cache_arg, add_placement_args, add_typical_args, non_negative_float, positive_int,
-                   sampling_from_args)
+from .args import (DEVICE_HELP, DTYPE_HELP, SEED_HELP, add_compile_cache_arg, add_placement_args, add_typical_args,
+                   non_negative_float, positive_int, sampling_from_args)
 
 
 def add_eval_args(sub) -> None:
@@ -41,15 +41,18 @@ def add_eval_args(sub) -> None:
     p.add_argument("--slice-field", default=None, metavar="NAME",
                    help="slice the report by this field of the question records instead of `category` "
                         "(a field of your own question file; every record must have it)")
-    p.add_argument("--base", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"], help=DTYPE_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     add_placement_args(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP + "; each turn's stream is seeded from it and "
+                   "its question id, so a resumed run draws as a whole one would")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message opening every conversation (default: none, or the chat template's own). "
                         "Published accept lengths often use one: FastChat's Vicuna and Llama-2-chat templates")
-    p.add_argument("--model-id", default=None, help="model_id in the answer file")
+    p.add_argument("--model-id", default=None,
+                   help="model_id in the answer file (FastChat's field; default: BASE-draftlab-KIND, e.g. "
+                        "vicuna-7b-v1.3-draftlab-medusa)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no identity check)")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots (per category, histogram, per slicing)")
     p.add_argument("--overwrite", action="store_true", help="discard answers already in --out")

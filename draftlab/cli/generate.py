@@ -6,8 +6,8 @@ import json
 import sys
 
 from ..serve.generate import load_decoder, run_generate
-from .args import (add_compile_cache_arg, add_placement_args, add_typical_args, non_negative_float, positive_int,
-                   sampling_from_args)
+from .args import (DEVICE_HELP, DTYPE_HELP, SEED_HELP, add_compile_cache_arg, add_placement_args, add_typical_args,
+                   non_negative_float, positive_int, sampling_from_args)
 
 
 def add_generate_args(p) -> None:
@@ -21,8 +21,8 @@ def add_generate_args(p) -> None:
                         "assigned in a Python file, e.g. Medusa's medusa_choices.py) or inline paths, e.g. "
                         "'[[0], [1], [0, 0]]'")
     p.add_argument("--base", default=None, help="base model path or hub id (default: the one the export names)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"], help=DTYPE_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -37,7 +37,7 @@ def add_generate_args(p) -> None:
                         "torch.compile (CUDA graphs on a GPU); same tokens as the default eager path. The first "
                         "call compiles (reported as compile_s); with --compare, also plain decoding compiled")
     add_compile_cache_arg(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     p.add_argument("--ensemble-mode", choices=["merge", "vote"], default=None,
                    help="ensemble exports: merged trees (SpecInfer) or weighted-majority vote (Minions)")
     p.add_argument("--node-budget", type=positive_int, default=None, help="ensemble exports, merge: tokens per tree")
