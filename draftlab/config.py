@@ -33,9 +33,11 @@ class BaseSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype the frozen base is loaded in"
     )
-    revision: str | None = None
-    trust_remote_code: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
+    revision: str | None = Field(None, description="the hub revision (branch, tag or commit) the base is loaded at")
+    trust_remote_code: bool = Field(False, description="run the base repository's own modelling code (transformers' "
+                                    "trust_remote_code)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="transformers' attention kernels for the base (unset: transformers' default)")
     chat_template: str | None = Field(
         None, description="the chat template conversations are rendered with, in place of the tokenizer's: a "
         "built-in name (vicuna: FastChat's vicuna_v1.1, for Vicuna bases, which ship none; simple: User:/Assistant:), "
@@ -51,15 +53,18 @@ class SSMSection(_Section):
         examples=["JackFram/llama-68m"])
     num_layers: int = Field(2, ge=1, le=128, description="decoder layers of an SSM built from the base's config")
     hidden_size: int | None = Field(None, ge=8, description="width of a built SSM (unset: the base's)")
-    num_attention_heads: int | None = Field(None, ge=1, description="unset: the base's head width is kept")
-    num_key_value_heads: int | None = Field(None, ge=1, description="unset: as the base's, capped by the heads")
-    intermediate_size: int | None = Field(None, ge=1, description="unset: the base's MLP ratio")
+    num_attention_heads: int | None = Field(None, ge=1, description="attention heads of a built SSM (unset: the "
+                                            "base's head width is kept)")
+    num_key_value_heads: int | None = Field(None, ge=1, description="key-value heads of a built SSM (unset: as "
+                                            "the base's, capped by the heads)")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width of a built SSM (unset: the base's MLP "
+                                          "ratio)")
     init: Literal["auto", "embeddings", "project", "truncate", "random"] = Field(
         "auto", description="from the base: embeddings (copy embeddings, lm_head, final norm; same width), project "
         "(the same projected onto the embeddings' top principal directions; narrower), truncate (also copy the "
         "base's first num_layers layers), random; auto = embeddings if the widths match, else project (a "
         "pretrained name_or_path keeps its own weights)")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="run the SSM repository's own modelling code")
 
     @model_validator(mode="after")
     def _pretrained_keeps_its_shape(self):
@@ -184,7 +189,9 @@ class LossSection(_Section):
 
 class DataSection(_Section):
     path: str = Field(description="local .json/.jsonl/.txt file, a folder of them, or a hub dataset id")
-    format: Literal["auto", "sharegpt", "alpaca", "text"] = "auto"
+    format: Literal["auto", "sharegpt", "alpaca", "text"] = Field(
+        "auto", description="how records are read: sharegpt (conversations), alpaca (instruction / input / output), "
+        "text (plain text); auto: each record by its fields")
     split: str = Field("train", description="split to read from a hub dataset")
     max_len: int = Field(2048, ge=8, description="tokens per example after the chat template")
     eval_size: float = Field(
@@ -207,23 +214,27 @@ class DataSection(_Section):
 
 class TrainSection(_Section):
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas")
     warmup_steps: int = Field(40, ge=0, description="linear warmup, in optimizer steps")
     final_lr_ratio: float = Field(0.0, ge=0, le=1, description="the cosine schedule decays to this fraction of the "
                                   "peak lr (Hydra++'s reference script: 0.33)")
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, description="passes over the training examples (a fraction allowed)")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs when set")
     batch_size: int = Field(4, ge=1, description="examples per process per micro-batch")
-    grad_accum_steps: int = Field(1, ge=1)
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="Accelerate's mixed precision for the "
+                                                         "draft's forward and backward")
     seed: int = Field(0, description="data order, the split and the draft's initial weights (the same on every rank); "
                       "dropout and DFlash's anchors draw from each rank's own stream derived from it")
-    save_every_steps: int = Field(500, ge=1)
-    eval_every_steps: int = Field(500, ge=1)
-    log_every_steps: int = Field(10, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    save_every_steps: int = Field(500, ge=1, description="a checkpoint every N optimizer steps (and at the end or a "
+                                  "stop)")
+    eval_every_steps: int = Field(500, ge=1, description="an evaluation on the held-out split every N optimizer "
+                                  "steps (and at the end)")
+    log_every_steps: int = Field(10, ge=1, description="a metrics.jsonl record (and trackers' log) every N optimizer "
+                                 "steps")
+    keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept; older ones are deleted")
     cache_hidden: bool = Field(False, description="store the base's hidden states on disk in epoch 1 and reuse them")
     hidden_cache_dir: str | None = Field(None, description="where the cache goes (default OUTPUT_DIR/hidden_cache); "
                                                            "needs H x dtype bytes per training token, "
@@ -332,9 +343,10 @@ class LoraSection(_Section):
 
 
 class LogSection(_Section):
-    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    project: str = "draftlab"
-    run_name: str | None = None
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="where metrics go besides metrics.jsonl, which is always written")
+    project: str = Field("draftlab", description="the trackers' project")
+    run_name: str | None = Field(None, description="wandb's run name (unset: output_dir's last part)")
 
 
 class Recipe(_Section):
@@ -444,6 +456,41 @@ def _model_of(annotation):
         if isinstance(t, type) and issubclass(t, BaseModel):
             return t
     return None
+
+
+def _yaml_value(value) -> str:
+    """A default as a recipe writes it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def key_reference() -> str:
+    """Every recipe key with its default and description, as a markdown table (docs/recipes.md holds it between
+    `<!-- keys:begin -->` and `<!-- keys:end -->`; `python -m draftlab.config` prints it)."""
+    from pydantic_core import PydanticUndefined
+
+    rows = []
+
+    def walk(model, prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            section = _model_of(field.annotation)
+            if section is not None:
+                walk(section, f"{prefix}{name}.")
+                continue
+            if field.default_factory is not None:
+                default = _yaml_value(field.default_factory())
+            else:
+                default = "required" if field.default is PydanticUndefined else _yaml_value(field.default)
+            what = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | `{default}` | {what} |")
+
+    walk(Recipe, "")
+    return "\n".join(["| key | default | what it sets |", "|---|---|---|", *rows])
 
 
 def _section_fields(loc: tuple) -> list[str]:
@@ -593,3 +640,7 @@ def diff_recipes(a: Recipe, b: Recipe, ignore: set[str] = frozenset()) -> list[s
     fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
             if k not in ignore and fa.get(k) != fb.get(k)]
+
+
+if __name__ == "__main__":
+    print(key_reference())

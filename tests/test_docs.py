@@ -108,6 +108,17 @@ def test_every_command_option_is_documented():
     assert not missing, f"options no page of the docs names: {missing}"
 
 
+def test_the_recipe_key_table_is_the_schemas():
+    """docs/recipes.md's table of every key is the schema's own (eight keys, e.g. base.revision, data.max_records and
+    log.run_name, were in no page, and train.final_lr_ratio and head.dropout not in the recipe page)."""
+    from draftlab.config import key_reference
+
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    table = text.split("<!-- keys:begin -->\n", 1)[1].split("\n<!-- keys:end -->", 1)[0]
+    assert table == key_reference(), "docs/recipes.md's key table is stale: `python -m draftlab.config` prints it"
+    assert "| `train.final_lr_ratio` | `0.0` |" in table and "| `output_dir` | `required` |" in table
+
+
 def test_readme_setup_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
