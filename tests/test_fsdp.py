@@ -19,7 +19,8 @@ def hydra_pp_recipe(base_dir, data, out, strategy, draft=None):
     # Hydra++ (prefix layer copied from the base's last layer, embeddings read from the base), teacher
     # distillation (the base's lm_head), and the hidden-state cache over 2 epochs: 19 training examples in
     # global batches of 4 leave 3 uncached after epoch 1, so in epoch 2 ranks disagree about cache hits.
-    # 5 held-out examples give the two ranks different numbers of evaluation batches.
+    # 5 held-out examples give the two ranks different numbers of evaluation batches. Distillation also runs the
+    # teacher's probe (one forward of the base) on every rank of the sharded base (it was skipped under FSDP).
     return build_recipe({
         "base": {"name_or_path": str(base_dir), "dtype": "float32"},
         "head": {"type": "hydra", "num_heads": 2, "num_layers": 2, "prefix_attention": True},

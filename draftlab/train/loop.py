@@ -253,7 +253,7 @@ def lora_problems(recipe: Recipe, base) -> tuple[list[str], list[str]]:
     return [], [said + "; the adapter goes on the others only"]
 
 
-def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:
+def describe_transform(named: tuple, used: tuple | None) -> str:
     """The line train prints when the base's config names a transform of its logits: what the teacher applies."""
     scale, cap = named
     what = " and ".join(([f"multiplied by {scale:g}"] if scale != 1 else []) +
@@ -261,8 +261,8 @@ def describe_transform(named: tuple, used: tuple | None, checked: bool) -> str:
     if used is None:
         return (f"teacher: the base's config says its logits are {what}, but one forward gives the bare product of "
                 "its lm_head; the teacher takes the product")
-    return (f"teacher: the base's logits are {what} after its lm_head's product; the teacher does the same ("
-            + ("checked on one forward)" if checked else "from its config; not checked under FSDP)"))
+    return (f"teacher: the base's logits are {what} after its lm_head's product; the teacher does the same (checked "
+            "on one forward)")
 
 
 def start(recipe: Recipe, overwrite: bool):
@@ -314,10 +314,10 @@ def load_models_and_data(run: Run, ds_plugin, example_subset: list[int] | None, 
         with outside_deepspeed(ds_plugin):
             run.base, run.tok = load_recipe_base(b, accelerator.device)
     named = run.teacher_transform = check_teacher(recipe, run.base.config, run.base.get_output_embeddings())
-    if uses_base_logits(recipe) and not run.sharded:  # (a sharded base's forward is a collective: its config's word)
+    if uses_base_logits(recipe):  # (every rank probes: a sharded base's forward is a collective)
         run.teacher_transform = probe_teacher(recipe, run.base, run.teacher_transform)
     if named and uses_base_logits(recipe) and run.is_main:
-        print(describe_transform(named, run.teacher_transform, checked=not run.sharded), file=sys.stderr, flush=True)
+        print(describe_transform(named, run.teacher_transform), file=sys.stderr, flush=True)
     unserved = unserved_eagle3_target(recipe, run.base.config)
     if unserved and run.is_main:  # (before hours of training, not at `check`)
         print(f"warning: {unserved}", file=sys.stderr, flush=True)
